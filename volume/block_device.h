@@ -1,0 +1,66 @@
+// BlockDevice: the byte-addressed device a volume lives on.
+//
+// Contract:
+//  * Read/Write take offsets and lengths that are multiples of kSectorSize
+//    (512); the volume itself only issues 4 KiB-aligned I/O.
+//  * A Write is not durable until a later Flush() returns OK. A crash may
+//    drop any unflushed write, or tear it at sector granularity.
+//  * Every method is safe to call from several threads at once (the iSCSI
+//    backend serialises internally; the path backend uses pread/pwrite).
+//  * Errors come back as Status with the device name and offset in the
+//    message; nothing throws.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "util/status.h"
+
+namespace dede {
+
+inline constexpr uint32_t kSectorSize = 512;
+
+class BlockDevice {
+ public:
+  virtual ~BlockDevice() = default;
+  virtual uint64_t size_bytes() const = 0;
+  virtual Status Read(uint64_t offset, void* buf, size_t len) = 0;
+  virtual Status Write(uint64_t offset, const void* buf, size_t len) = 0;
+  virtual Status Flush() = 0;
+  // Hint that a range no longer holds data; may do nothing.
+  virtual Status Discard(uint64_t offset, uint64_t len) {
+    (void)offset;
+    (void)len;
+    return Status::Ok();
+  }
+  // Human-readable name for messages ("/dev/sdb", "iscsi://h/iqn/0").
+  virtual std::string name() const = 0;
+  // A local file the local lock backend may place OFD locks on to exclude
+  // other processes of this machine using the same device. Empty means the
+  // lock backend must pick a file keyed by the volume UUID.
+  virtual std::string local_lock_path() const { return ""; }
+
+ protected:
+  Status CheckRange(uint64_t offset, size_t len) const;
+};
+
+struct DeviceOptions {
+  bool read_only = false;
+  // Path backend: use O_DIRECT when the file system supports it.
+  bool direct = true;
+};
+
+// Opens "iscsi://[user%password@]host[:port]/target-iqn/lun" with libiscsi,
+// or any other string as a path (regular file or block device).
+Result<std::unique_ptr<BlockDevice>> OpenBlockDevice(const std::string& spec,
+                                                     const DeviceOptions& opts = {});
+
+// Path backend; exposed for tests and tools that want the concrete type.
+Result<std::unique_ptr<BlockDevice>> OpenPathDevice(const std::string& path,
+                                                    const DeviceOptions& opts);
+// iSCSI backend (volume/iscsi_device.cc).
+Result<std::unique_ptr<BlockDevice>> OpenIscsiDevice(const std::string& url,
+                                                     const DeviceOptions& opts);
+
+}  // namespace dede

@@ -1,0 +1,423 @@
+#include "volume/format.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstring>
+#include <random>
+
+#include "util/coding.h"
+#include "util/crc32c.h"
+
+namespace dede {
+
+std::string UuidToString(const Uuid& u) {
+  char buf[37];
+  std::snprintf(buf, sizeof buf,
+                "%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", u[0], u[1],
+                u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14],
+                u[15]);
+  return buf;
+}
+
+Uuid NewRandomUuid() {
+  Uuid u{};
+  std::random_device rd;
+  for (auto& b : u) b = static_cast<uint8_t>(rd());
+  u[6] = static_cast<uint8_t>((u[6] & 0x0f) | 0x40);  // version 4
+  u[8] = static_cast<uint8_t>((u[8] & 0x3f) | 0x80);  // RFC 4122 variant
+  return u;
+}
+
+uint32_t BlockCrc(const uint8_t* blk, const Uuid& uuid, uint64_t addr) {
+  uint8_t prefix[24];
+  std::memcpy(prefix, uuid.data(), 16);
+  EncodeU64(prefix + 16, addr);
+  uint32_t crc = Crc32cExtend(0, prefix, sizeof prefix);
+  crc = Crc32cExtend(crc, blk, 8);
+  static const uint8_t kZero[4] = {0, 0, 0, 0};
+  crc = Crc32cExtend(crc, kZero, 4);
+  return Crc32cExtend(crc, blk + 12, kBlockSize - 12);
+}
+
+void SealBlock(uint8_t* blk, const BlockHeader& h, const Uuid& uuid) {
+  Encoder e(blk, kHeaderSize);
+  e.u32(h.magic);
+  e.u16(h.major);
+  e.u16(h.minor);
+  e.u32(0);
+  e.u32(h.flags);
+  e.u64(h.seq);
+  e.u64(h.addr);
+  EncodeU32(blk + 8, BlockCrc(blk, uuid, h.addr));
+}
+
+BlockHeader PeekHeader(const uint8_t* blk) {
+  Decoder d(blk, kHeaderSize);
+  BlockHeader h;
+  h.magic = d.u32();
+  h.major = d.u16();
+  h.minor = d.u16();
+  d.u32();
+  h.flags = d.u32();
+  h.seq = d.u64();
+  h.addr = d.u64();
+  return h;
+}
+
+Status CheckBlock(const uint8_t* blk, uint32_t magic, uint64_t addr, const Uuid& uuid,
+                  const std::string& what) {
+  BlockHeader h = PeekHeader(blk);
+  std::string where = what + " at block " + std::to_string(addr);
+  if (h.magic != magic) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, ": bad magic 0x%08x (expected 0x%08x)", h.magic, magic);
+    return Status::Corruption(where + buf);
+  }
+  uint32_t stored = DecodeU32(blk + 8);
+  uint32_t actual = BlockCrc(blk, uuid, addr);
+  if (stored != actual) {
+    char buf[64];
+    std::snprintf(buf, sizeof buf, ": bad checksum (stored 0x%08x, computed 0x%08x)", stored,
+                  actual);
+    return Status::Corruption(where + buf);
+  }
+  if (h.major > kFormatMajor) {
+    return Status::Unsupported(where + ": format version " + std::to_string(h.major) + "." +
+                               std::to_string(h.minor) + " is newer than this dede supports (" +
+                               std::to_string(kFormatMajor) + "." + std::to_string(kFormatMinor) +
+                               ")");
+  }
+  if (h.major == 0) return Status::Corruption(where + ": format version 0");
+  if (h.addr != addr) {
+    return Status::Corruption(where + ": block claims address " + std::to_string(h.addr));
+  }
+  return Status::Ok();
+}
+
+// ---------------------------------------------------------------- superblock
+
+uint64_t Superblock::GroupStart(uint32_t g) const { return group_start + g * FullGroupBlocks(); }
+
+uint32_t Superblock::GroupRefBlocks(uint32_t g) const {
+  uint64_t avail = total_blocks - GroupStart(g);
+  if (avail >= FullGroupBlocks()) return group_refblocks;
+  return static_cast<uint32_t>((avail + kRefsPerBlock) / (kRefsPerBlock + 1));
+}
+
+uint64_t Superblock::GroupDataBlocks(uint32_t g) const {
+  uint64_t avail = total_blocks - GroupStart(g);
+  if (avail >= FullGroupBlocks()) return uint64_t{group_refblocks} * kRefsPerBlock;
+  return avail - GroupRefBlocks(g);
+}
+
+uint64_t Superblock::DataBlocks() const {
+  uint64_t n = 0;
+  for (uint32_t g = 0; g < group_count; g++) n += GroupDataBlocks(g);
+  return n;
+}
+
+bool Superblock::LocateData(uint64_t b, uint32_t* group, uint64_t* refblock,
+                            uint32_t* slot) const {
+  if (b < group_start || b >= total_blocks) return false;
+  uint64_t g = (b - group_start) / FullGroupBlocks();
+  if (g >= group_count) return false;
+  uint64_t ds = GroupDataStart(static_cast<uint32_t>(g));
+  if (b < ds || b >= ds + GroupDataBlocks(static_cast<uint32_t>(g))) return false;
+  uint64_t idx = b - ds;
+  *group = static_cast<uint32_t>(g);
+  *refblock = GroupStart(static_cast<uint32_t>(g)) + idx / kRefsPerBlock;
+  *slot = static_cast<uint32_t>(idx % kRefsPerBlock);
+  return true;
+}
+
+void EncodeSuperblock(const Superblock& sb, uint64_t addr, uint8_t* blk) {
+  std::memset(blk, 0, kBlockSize);
+  Encoder e(blk + kHeaderSize, kBlockSize - kHeaderSize);
+  e.bytes(sb.uuid.data(), 16);
+  e.u32(sb.block_size);
+  e.u32(static_cast<uint32_t>(sb.hash_algo));
+  e.u64(sb.total_blocks);
+  e.u32(sb.max_hosts);
+  e.u32(sb.lease_slots);
+  e.u64(sb.lease_start);
+  e.u64(sb.lease_blocks);
+  e.u64(sb.journal_start);
+  e.u64(sb.journal_blocks);
+  e.u64(sb.inode_start);
+  e.u64(sb.inode_count);
+  e.u64(sb.group_start);
+  e.u32(sb.group_count);
+  e.u32(sb.group_refblocks);
+  e.u64(sb.created_ns);
+  e.u64(sb.compat_features);
+  e.u64(sb.incompat_features);
+  BlockHeader h;
+  h.magic = kMagicSuperblock;
+  h.seq = 1;
+  h.addr = addr;
+  SealBlock(blk, h, sb.uuid);
+}
+
+Result<Superblock> DecodeSuperblock(const uint8_t* blk, uint64_t addr) {
+  Superblock sb;
+  std::memcpy(sb.uuid.data(), blk + kHeaderSize, 16);
+  RETURN_IF_ERROR(CheckBlock(blk, kMagicSuperblock, addr, sb.uuid, "superblock"));
+  Decoder d(blk + kHeaderSize + 16, kBlockSize - kHeaderSize - 16);
+  sb.block_size = d.u32();
+  uint32_t algo = d.u32();
+  sb.total_blocks = d.u64();
+  sb.max_hosts = d.u32();
+  sb.lease_slots = d.u32();
+  sb.lease_start = d.u64();
+  sb.lease_blocks = d.u64();
+  sb.journal_start = d.u64();
+  sb.journal_blocks = d.u64();
+  sb.inode_start = d.u64();
+  sb.inode_count = d.u64();
+  sb.group_start = d.u64();
+  sb.group_count = d.u32();
+  sb.group_refblocks = d.u32();
+  sb.created_ns = d.u64();
+  sb.compat_features = d.u64();
+  sb.incompat_features = d.u64();
+  std::string where = "superblock at block " + std::to_string(addr);
+  if (sb.block_size != kBlockSize) {
+    return Status::Unsupported(where + ": block size " + std::to_string(sb.block_size));
+  }
+  if (algo != 1 && algo != 2) {
+    return Status::Unsupported(where + ": unknown hash algorithm " + std::to_string(algo));
+  }
+  sb.hash_algo = static_cast<HashAlgo>(algo);
+  if (sb.incompat_features != 0) {
+    return Status::Unsupported(where + ": unknown incompatible features");
+  }
+  // Structural sanity: regions in order, inside the device.
+  bool sane = sb.max_hosts >= 1 && sb.max_hosts <= kMaxHosts && sb.journal_blocks >= 16 &&
+              sb.lease_start == kLeaseAreaStartBlock &&
+              sb.lease_blocks == kLeaseBlocks * (1 + uint64_t{sb.lease_slots}) &&
+              sb.journal_start == sb.lease_start + sb.lease_blocks &&
+              sb.inode_start == sb.journal_start + sb.max_hosts * sb.journal_blocks &&
+              sb.inode_count >= 1 && sb.group_start == sb.inode_start + sb.inode_count &&
+              sb.group_refblocks >= 1 && sb.group_count >= 1 && sb.group_start < sb.total_blocks &&
+              sb.total_blocks < (1ull << 48);
+  if (sane) {
+    uint64_t last = sb.GroupStart(sb.group_count - 1);
+    sane = last < sb.total_blocks && sb.GroupDataBlocks(sb.group_count - 1) >= 1 &&
+           (sb.group_count == 1 || last >= sb.group_start);
+    // group_count must cover the device exactly (no room for another group).
+    uint64_t next = sb.GroupStart(sb.group_count);
+    sane = sane && (next >= sb.total_blocks || sb.total_blocks - next < 2);
+  }
+  if (!sane) return Status::Corruption(where + ": inconsistent layout fields");
+  return sb;
+}
+
+Result<Superblock> PlanLayout(const FormatParams& p) {
+  Superblock sb;
+  sb.total_blocks = p.device_bytes / kBlockSize;
+  if (p.max_hosts < 1 || p.max_hosts > kMaxHosts) {
+    return Status::Invalid("--max-hosts must be between 1 and " + std::to_string(kMaxHosts));
+  }
+  const uint64_t kGiB = 1ull << 30;
+  sb.max_hosts = p.max_hosts;
+  sb.hash_algo = p.hash_algo;
+  sb.lease_slots = p.lease_slots ? p.lease_slots : (p.device_bytes < 4 * kGiB ? 8 : 64);
+  sb.lease_start = kLeaseAreaStartBlock;
+  sb.lease_blocks = kLeaseBlocks * (1 + uint64_t{sb.lease_slots});
+  sb.journal_blocks = p.journal_blocks ? p.journal_blocks : (p.device_bytes < kGiB ? 256 : 1024);
+  if (sb.journal_blocks < 16) return Status::Invalid("journal must be at least 16 blocks");
+  sb.journal_start = sb.lease_start + sb.lease_blocks;
+  sb.inode_start = sb.journal_start + sb.max_hosts * sb.journal_blocks;
+  sb.inode_count = p.inode_count
+                       ? p.inode_count
+                       : std::clamp<uint64_t>(sb.total_blocks / 4096, 256, 65536);
+  sb.group_start = sb.inode_start + sb.inode_count;
+  sb.group_refblocks = p.group_refblocks;
+  if (sb.group_refblocks < 1) return Status::Invalid("groups need at least one refcount block");
+  // A volume must hold at least 256 data blocks (1 MiB) to be of any use.
+  const uint64_t min_blocks = sb.group_start + 1 + 256;
+  if (sb.total_blocks < min_blocks) {
+    return Status::NoSpace("device is too small: " + std::to_string(p.device_bytes) +
+                           " bytes, a volume with these settings needs at least " +
+                           std::to_string(min_blocks * kBlockSize) + " bytes");
+  }
+  if (sb.total_blocks >= (1ull << 48)) return Status::Invalid("device is larger than 1 EiB");
+  uint32_t g = 0;
+  while (true) {
+    uint64_t start = sb.group_start + g * sb.FullGroupBlocks();
+    if (start + 2 > sb.total_blocks) break;
+    g++;
+  }
+  sb.group_count = g;
+  return sb;
+}
+
+// ---------------------------------------------------------------- journal
+
+void EncodeJournalHeader(const JournalHeader& jh, uint64_t seq, const Uuid& uuid, uint64_t addr,
+                         uint8_t* blk) {
+  std::memset(blk, 0, kBlockSize);
+  Encoder e(blk + kHeaderSize, kBlockSize - kHeaderSize);
+  e.u32(jh.host);
+  e.u32(0);
+  e.u64(jh.tail_seq);
+  e.u64(jh.tail_pos);
+  SealBlock(blk, BlockHeader{kMagicJournalHeader, kFormatMajor, kFormatMinor, 0, seq, addr}, uuid);
+}
+
+Result<JournalHeader> DecodeJournalHeader(const uint8_t* blk, const Uuid& uuid, uint64_t addr) {
+  RETURN_IF_ERROR(CheckBlock(blk, kMagicJournalHeader, addr, uuid, "journal header"));
+  Decoder d(blk + kHeaderSize, kBlockSize - kHeaderSize);
+  JournalHeader jh;
+  jh.host = d.u32();
+  d.u32();
+  jh.tail_seq = d.u64();
+  jh.tail_pos = d.u64();
+  return jh;
+}
+
+void EncodeJournalTxn(const JournalTxn& t, const Uuid& uuid, uint64_t addr, uint8_t* blk) {
+  std::memset(blk, 0, kBlockSize);
+  Encoder e(blk + kHeaderSize, kBlockSize - kHeaderSize);
+  e.u32(static_cast<uint32_t>(t.homes.size()));
+  e.u32(t.images_crc);
+  for (uint64_t h : t.homes) e.u64(h);
+  SealBlock(blk, BlockHeader{kMagicJournalTxn, kFormatMajor, kFormatMinor, 0, t.seq, addr}, uuid);
+}
+
+Result<JournalTxn> DecodeJournalTxn(const uint8_t* blk, const Uuid& uuid, uint64_t addr) {
+  RETURN_IF_ERROR(CheckBlock(blk, kMagicJournalTxn, addr, uuid, "journal transaction"));
+  Decoder d(blk + kHeaderSize, kBlockSize - kHeaderSize);
+  JournalTxn t;
+  t.seq = PeekHeader(blk).seq;
+  uint32_t n = d.u32();
+  t.images_crc = d.u32();
+  if (n == 0 || n > kMaxTxnBlocks) {
+    return Status::Corruption("journal transaction at block " + std::to_string(addr) + ": " +
+                              std::to_string(n) + " images");
+  }
+  t.homes.resize(n);
+  for (auto& h : t.homes) h = d.u64();
+  return t;
+}
+
+// ---------------------------------------------------------------- inodes
+
+const char* FileKindName(FileKind k) {
+  switch (k) {
+    case FileKind::kNone: return "none";
+    case FileKind::kRegular: return "file";
+    case FileKind::kIndexShard: return "index-shard";
+    case FileKind::kArena: return "arena";
+    case FileKind::kWriteLog: return "write-log";
+    case FileKind::kMergeRequest: return "merge-request";
+    case FileKind::kSystem: return "system";
+  }
+  return "unknown";
+}
+
+namespace {
+constexpr size_t kInodeNameOff = 128;
+}
+
+void EncodeInode(const Inode& in, uint64_t seq, const Uuid& uuid, uint64_t addr, uint8_t* blk) {
+  std::memset(blk, 0, kBlockSize);
+  Encoder e(blk + kHeaderSize, kBlockSize - kHeaderSize);
+  e.u64(in.ino);
+  e.u64(in.generation);
+  e.u32(in.flags);
+  e.u16(static_cast<uint16_t>(in.kind));
+  e.u8(in.depth);
+  e.u8(static_cast<uint8_t>(in.name.size()));
+  e.u64(in.size);
+  e.u64(in.root);
+  e.u64(in.mapped_blocks);
+  e.u64(in.ctime_ns);
+  e.u64(in.mtime_ns);
+  e.u64(in.owner_ino);
+  std::memcpy(blk + kInodeNameOff, in.name.data(), std::min<size_t>(in.name.size(), kMaxNameLen));
+  SealBlock(blk, BlockHeader{kMagicInode, kFormatMajor, kFormatMinor, 0, seq, addr}, uuid);
+}
+
+Result<Inode> DecodeInode(const uint8_t* blk, const Uuid& uuid, uint64_t addr) {
+  RETURN_IF_ERROR(CheckBlock(blk, kMagicInode, addr, uuid, "inode"));
+  Decoder d(blk + kHeaderSize, kBlockSize - kHeaderSize);
+  Inode in;
+  in.ino = d.u64();
+  in.generation = d.u64();
+  in.flags = d.u32();
+  uint16_t kind = d.u16();
+  in.depth = d.u8();
+  uint8_t name_len = d.u8();
+  in.size = d.u64();
+  in.root = d.u64();
+  in.mapped_blocks = d.u64();
+  in.ctime_ns = d.u64();
+  in.mtime_ns = d.u64();
+  in.owner_ino = d.u64();
+  in.name.assign(reinterpret_cast<const char*>(blk + kInodeNameOff), name_len);
+  std::string where = "inode " + std::to_string(in.ino) + " at block " + std::to_string(addr);
+  if (in.flags & ~kInodeKnownFlags) return Status::Unsupported(where + ": unknown flags");
+  if (kind > static_cast<uint16_t>(FileKind::kSystem)) {
+    return Status::Unsupported(where + ": unknown file kind " + std::to_string(kind));
+  }
+  in.kind = static_cast<FileKind>(kind);
+  if (in.depth > 6 || (in.depth == 0) != (in.root == 0) || (in.root & ~kPtrAddrMask)) {
+    return Status::Corruption(where + ": bad block-map root");
+  }
+  if (in.in_use() && (in.name.empty() || in.kind == FileKind::kNone)) {
+    return Status::Corruption(where + ": in use without a name or kind");
+  }
+  return in;
+}
+
+// ---------------------------------------------------------------- block map
+
+uint64_t GetPtr(const uint8_t* blk, uint32_t i) { return DecodeU64(blk + kHeaderSize + 8 * i); }
+void SetPtr(uint8_t* blk, uint32_t i, uint64_t v) { EncodeU64(blk + kHeaderSize + 8 * i, v); }
+uint32_t GetRef(const uint8_t* blk, uint32_t i) { return DecodeU32(blk + kHeaderSize + 4 * i); }
+void SetRef(uint8_t* blk, uint32_t i, uint32_t v) { EncodeU32(blk + kHeaderSize + 4 * i, v); }
+
+void EncodePointerBlock(const PointerBlock& pb, uint64_t seq, const Uuid& uuid, uint64_t addr,
+                        uint8_t* blk) {
+  for (uint32_t i = 0; i < kPointersPerBlock; i++) SetPtr(blk, i, pb.ptrs[i]);
+  SealBlock(blk, BlockHeader{kMagicPointerBlock, kFormatMajor, kFormatMinor, pb.level, seq, addr},
+            uuid);
+}
+
+Result<PointerBlock> DecodePointerBlock(const uint8_t* blk, const Uuid& uuid, uint64_t addr) {
+  RETURN_IF_ERROR(CheckBlock(blk, kMagicPointerBlock, addr, uuid, "pointer block"));
+  PointerBlock pb;
+  uint32_t level = PeekHeader(blk).flags;
+  if (level < 1 || level > 6) {
+    return Status::Corruption("pointer block at block " + std::to_string(addr) + ": level " +
+                              std::to_string(level));
+  }
+  pb.level = static_cast<uint8_t>(level);
+  for (uint32_t i = 0; i < kPointersPerBlock; i++) {
+    pb.ptrs[i] = GetPtr(blk, i);
+    if (pb.ptrs[i] & kPtrReserved) {
+      return Status::Corruption("pointer block at block " + std::to_string(addr) + ": entry " +
+                                std::to_string(i) + " has reserved bits set");
+    }
+  }
+  return pb;
+}
+
+void EncodeRefcountBlock(const RefcountBlock& rb, uint64_t seq, const Uuid& uuid, uint64_t addr,
+                         uint8_t* blk) {
+  for (uint32_t i = 0; i < kRefsPerBlock; i++) SetRef(blk, i, rb.refs[i]);
+  SealBlock(blk, BlockHeader{kMagicRefcountBlock, kFormatMajor, kFormatMinor, 0, seq, addr}, uuid);
+}
+
+Result<RefcountBlock> DecodeRefcountBlock(const uint8_t* blk, const Uuid& uuid, uint64_t addr) {
+  RETURN_IF_ERROR(CheckBlock(blk, kMagicRefcountBlock, addr, uuid, "refcount block"));
+  RefcountBlock rb;
+  for (uint32_t i = 0; i < kRefsPerBlock; i++) rb.refs[i] = GetRef(blk, i);
+  return rb;
+}
+
+}  // namespace dede

@@ -1,0 +1,94 @@
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <map>
+
+#include "util/mutex.h"
+#include "volume/lock_manager.h"
+
+namespace dede {
+
+std::string LockId::ToString() const {
+  switch (kind) {
+    case LockKind::kVolume: return "volume";
+    case LockKind::kHostSlot: return "host slot " + std::to_string(id);
+    case LockKind::kNamespace: return "namespace";
+    case LockKind::kInode: return "inode " + std::to_string(id);
+    case LockKind::kGroup: return "allocation group " + std::to_string(id);
+  }
+  return "lock " + std::to_string(static_cast<int>(kind)) + ":" + std::to_string(id);
+}
+
+namespace {
+
+class LocalLockManager : public LockManager {
+ public:
+  LocalLockManager(std::string path, int fd) : path_(std::move(path)), fd_(fd) {}
+  ~LocalLockManager() override { ::close(fd_); }  // closing drops every OFD lock
+
+  Status Acquire(LockId id, LockMode mode, bool wait) override {
+    MutexLock l(&mu_);
+    if (held_.count(id)) return Status::Invalid(id.ToString() + " is already held here");
+    struct flock fl = Range(id);
+    fl.l_type = mode == LockMode::kExclusive ? F_WRLCK : F_RDLCK;
+    while (::fcntl(fd_, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl) != 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EACCES) {
+        return Status::Locked(id.ToString() + " is held by another process");
+      }
+      return Status::FromErrno("locking " + id.ToString() + " on " + path_, errno);
+    }
+    held_[id] = mode;
+    return Status::Ok();
+  }
+
+  Status Release(LockId id) override {
+    MutexLock l(&mu_);
+    if (!held_.erase(id)) return Status::Invalid(id.ToString() + " is not held here");
+    struct flock fl = Range(id);
+    fl.l_type = F_UNLCK;
+    if (::fcntl(fd_, F_OFD_SETLK, &fl) != 0) {
+      return Status::FromErrno("unlocking " + id.ToString(), errno);
+    }
+    return Status::Ok();
+  }
+
+  Result<bool> IsHeldElsewhere(LockId id) override {
+    MutexLock l(&mu_);
+    struct flock fl = Range(id);
+    fl.l_type = F_WRLCK;
+    // F_OFD_GETLK ignores our own locks only when they are on this open file
+    // description; that is exactly "elsewhere".
+    if (::fcntl(fd_, F_OFD_GETLK, &fl) != 0) {
+      return Status::FromErrno("querying " + id.ToString(), errno);
+    }
+    return fl.l_type != F_UNLCK;
+  }
+
+ private:
+  static struct flock Range(LockId id) {
+    struct flock fl {};
+    fl.l_whence = SEEK_SET;
+    fl.l_start = static_cast<off_t>((1ull << 62) + (uint64_t{static_cast<uint16_t>(id.kind)} << 48) +
+                                    id.id);
+    fl.l_len = 1;
+    fl.l_pid = 0;
+    return fl;
+  }
+
+  std::string path_;
+  int fd_;
+  Mutex mu_;
+  std::map<LockId, LockMode> held_ GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+Result<std::unique_ptr<LockManager>> OpenLocalLockManager(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+  if (fd < 0) return Status::FromErrno("cannot open lock file " + path, errno);
+  return std::unique_ptr<LockManager>(new LocalLockManager(path, fd));
+}
+
+}  // namespace dede

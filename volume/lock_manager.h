@@ -1,0 +1,62 @@
+// LockManager: the locks (leases) that coordinate processes and hosts
+// sharing one volume. Nothing else is shared between them but the disk.
+//
+// Contract:
+//  * A lock is held by one LockManager instance (one process, or one host
+//    for sanlock); Acquire of a lock this instance already holds is an
+//    error (kInvalid), so callers keep their own bookkeeping straight.
+//  * Exclusive excludes everyone; shared excludes exclusive holders.
+//  * wait=false returns kLocked at once when another holder conflicts.
+//  * If the holder dies, its locks are released (process exit for the local
+//    backend; lease expiry for sanlock). Whoever acquires a lock next must
+//    first replay the dead holder's journal (see docs/LOCKING.md); the
+//    volume does that through IsHeldElsewhere on host-slot locks.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+
+#include "util/status.h"
+
+namespace dede {
+
+// Lock kinds. The numbers name lock resources in every backend: never
+// renumber (docs/LOCKING.md lists what each guards).
+enum class LockKind : uint16_t {
+  kVolume = 1,     // shared by every user of the volume, exclusive for format
+  kHostSlot = 2,   // id = host slot 1..max_hosts; journal ownership, liveness
+  kNamespace = 3,  // inode allocation, names, flags
+  kInode = 4,      // id = inode number; the file's inode, block map, data
+  kGroup = 5,      // id = allocation group; its refcount blocks
+};
+
+struct LockId {
+  LockKind kind;
+  uint64_t id;
+  bool operator<(const LockId& o) const {
+    return kind != o.kind ? kind < o.kind : id < o.id;
+  }
+  bool operator==(const LockId& o) const { return kind == o.kind && id == o.id; }
+  std::string ToString() const;
+};
+
+enum class LockMode { kShared, kExclusive };
+
+class LockManager {
+ public:
+  virtual ~LockManager() = default;
+  virtual Status Acquire(LockId id, LockMode mode, bool wait) = 0;
+  virtual Status Release(LockId id) = 0;
+  // True when some other holder has the lock in any mode. Used to learn
+  // whether a host slot's owner is alive.
+  virtual Result<bool> IsHeldElsewhere(LockId id) = 0;
+};
+
+// Local backend: OFD byte-range locks on `path` (the volume file itself for
+// the path backend, or a lock file keyed by the volume UUID), one byte per
+// lock at offset 2^62 + kind * 2^48 + id. Several processes of one machine
+// exclude each other; the kernel releases the locks of a process that dies.
+Result<std::unique_ptr<LockManager>> OpenLocalLockManager(const std::string& path);
+
+}  // namespace dede

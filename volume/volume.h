@@ -1,0 +1,184 @@
+// Volume: the dede shared-disk volume, DeDe's "existing file system".
+//
+// Everything above volume/ sees only these abstractions: named files of
+// 4 KiB blocks addressed by (file, block index), file locks (a File object
+// *is* the file's lock), read/write, compare_and_share, clone_block, the
+// reference count of the block behind a file position, and punch. No
+// physical block address crosses this interface.
+//
+// Durability: a File write returns once the data is on the device (maybe
+// in its volatile cache); the metadata that makes it reachable sits in the
+// host's running journal transaction. Volume::Sync() (and File::Flush())
+// is the flush point: when it returns OK, every earlier write and metadata
+// change survives a crash of this process or host. A failed device write
+// or journal commit poisons the volume: later writes return the same error.
+//
+// Threads: a Volume and its Files may be used from several threads. Data
+// I/O to blocks a file owns exclusively runs outside the volume's metadata
+// mutex, with no metadata I/O.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "util/clock.h"
+#include "util/fingerprint.h"
+#include "util/status.h"
+#include "volume/block_device.h"
+#include "volume/format.h"
+#include "volume/lock_manager.h"
+
+namespace dede {
+
+struct FormatOptions {
+  uint32_t max_hosts = 8;
+  HashAlgo hash_algo = HashAlgo::kXxh128;
+  uint64_t inode_count = 0;     // 0 = automatic
+  uint32_t lease_slots = 0;     // 0 = automatic
+  uint64_t journal_blocks = 0;  // 0 = automatic
+  uint32_t group_refblocks = 32;
+  Clock* clock = nullptr;       // nullptr = real clock
+};
+
+// Writes a fresh, empty volume. Refuses (kExists) a device that already
+// holds a dede superblock unless `force`. Nothing is written on error.
+Status FormatVolume(BlockDevice* dev, const FormatOptions& opts, bool force);
+
+struct OpenOptions {
+  // Host slot (1..max_hosts) whose journal this process writes. 0 picks the
+  // first free slot.
+  uint32_t host_id = 0;
+  // Lock backend; nullptr = local OFD locks (see OpenLocalLockManager).
+  std::shared_ptr<LockManager> locks;
+  Clock* clock = nullptr;
+  bool read_only = false;  // no journal, no writes (info, export, fsck w/o repair)
+};
+
+// Identifies one incarnation of a file: (ino, generation) never repeats.
+struct FileId {
+  uint64_t ino = 0;
+  uint64_t generation = 0;
+  bool operator==(const FileId& o) const { return ino == o.ino && generation == o.generation; }
+};
+
+struct FileInfo {
+  FileId id;
+  std::string name;
+  FileKind kind = FileKind::kRegular;
+  uint64_t size = 0;
+  uint64_t mapped_blocks = 0;  // blocks with data (shared or not)
+  bool dedup = true;
+  uint64_t ctime_ns = 0;
+  uint64_t mtime_ns = 0;
+  uint64_t owner_ino = 0;
+};
+
+// Per-file sharing figures (walks the file's block map).
+struct FileUsage {
+  uint64_t mapped_blocks = 0;
+  uint64_t shared_blocks = 0;   // mapped blocks whose refcount > 1
+  uint64_t unique_blocks = 0;   // mapped blocks whose refcount == 1
+  uint64_t saved_bytes = 0;     // sum over shared blocks of 4K * (1 - 1/refcount)
+  uint64_t metadata_blocks = 0; // pointer blocks + the inode
+};
+
+struct VolumeStats {
+  uint64_t total_blocks = 0;
+  uint64_t data_blocks = 0;      // capacity of the data groups
+  uint64_t free_blocks = 0;      // refcount 0
+  uint64_t used_blocks = 0;      // refcount > 0 (data + pointer blocks)
+  uint64_t pointer_blocks = 0;   // block-map blocks of all files
+  uint64_t shared_blocks = 0;    // physical blocks with refcount > 1
+  uint64_t logical_blocks = 0;   // sum of mapped data pointers of all files
+  uint64_t files = 0;
+  uint64_t inodes_total = 0;
+  uint64_t fixed_metadata_blocks = 0;  // superblocks, leases, journals, inodes, refcounts
+};
+
+enum class VerifyMode {
+  kByteCompare,  // compare the destination block with the source block
+  kHashWitness,  // both blocks must hash to `witness` (only with SHA-256)
+};
+
+class Volume;
+
+// An open file; holding one holds the file's lock (exclusively) until it is
+// destroyed. Offsets are bytes; Read/Write accept any offset and length
+// (partial blocks read-modify-write). Block-level calls take a block index.
+class File {
+ public:
+  virtual ~File() = default;
+  virtual FileId id() const = 0;
+  virtual Result<FileInfo> Info() = 0;
+  virtual uint64_t size() = 0;
+
+  virtual Status Read(uint64_t offset, void* buf, size_t len) = 0;
+  virtual Status Write(uint64_t offset, const void* buf, size_t len) = 0;
+  // Frees every whole block in the range (reads back zeros); zeroes the
+  // partial blocks at its edges.
+  virtual Status Trim(uint64_t offset, uint64_t len) = 0;
+  // Truncate or extend (extension is a hole).
+  virtual Status Truncate(uint64_t size) = 0;
+  virtual Status SetDedup(bool on) = 0;
+  // Flush point for the whole volume (Volume::Sync).
+  virtual Status Flush() = 0;
+
+  // Reference count of the physical block behind block `index` (0: hole).
+  // >1 means the block is referenced from somewhere else too.
+  virtual Result<uint32_t> BlockRefCount(uint64_t index) = 0;
+  // Drop this file's reference to block `index` (it becomes a hole).
+  virtual Status Punch(uint64_t index) = 0;
+  virtual Result<FileUsage> Usage() = 0;
+};
+
+class Volume {
+ public:
+  // Replays the journals of dead host slots, then loads the superblock.
+  // `dev` must outlive the volume.
+  static Result<std::unique_ptr<Volume>> Open(BlockDevice* dev, const OpenOptions& opts);
+  virtual ~Volume() = default;
+
+  virtual const Superblock& superblock() const = 0;
+  virtual uint32_t host_id() const = 0;
+
+  // Namespace. Names are 1..255 bytes, no '/' and no NUL.
+  virtual Result<FileId> Create(const std::string& name, uint64_t size,
+                                FileKind kind = FileKind::kRegular) = 0;
+  virtual Result<FileInfo> Lookup(const std::string& name) = 0;
+  virtual Result<std::vector<FileInfo>> List() = 0;
+  // Fails with kLocked when the file is open here or elsewhere.
+  virtual Status Remove(const std::string& name) = 0;
+  // Takes the file's lock; kLocked if another process/host holds it (or
+  // this volume already has it open), kNotFound if there is no such file.
+  virtual Result<std::unique_ptr<File>> OpenFile(const std::string& name) = 0;
+  virtual Result<std::unique_ptr<File>> OpenFileById(FileId id) = 0;
+
+  // DeDe's primitives across two open files (they may be the same file).
+  //
+  // CompareAndShare: atomically, under both files' locks, check that block
+  // `dst_index` of `dst` holds the same content as block `src_index` of
+  // `src` (kByteCompare) or that both hash to `witness` (kHashWitness), then
+  // make dst's pointer a copy-on-write reference to src's physical block and
+  // release dst's old block. kMismatch (nothing changed) when the content
+  // differs or either block is a hole; OK when shared or already shared.
+  virtual Status CompareAndShare(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
+                                 VerifyMode mode, const Fingerprint* witness = nullptr) = 0;
+  // CloneBlock: dst's block `dst_index` becomes a COW reference to src's
+  // block `src_index` (no content check; a hole clones as a hole).
+  virtual Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) = 0;
+
+  // Flush point (see top of file).
+  virtual Status Sync() = 0;
+  virtual Result<VolumeStats> Stats() = 0;
+};
+
+// Friendly wrapper used by the tools: open a device spec and the volume.
+struct OpenedVolume {
+  std::unique_ptr<BlockDevice> device;
+  std::unique_ptr<Volume> volume;
+};
+Result<OpenedVolume> OpenVolumeSpec(const std::string& spec, const OpenOptions& opts);
+
+}  // namespace dede
