@@ -121,6 +121,10 @@ Result<Superblock> PlanLayout(const FormatParams& p);
 
 // ---------------------------------------------------------------- journal
 
+// Each host's journal region: two header slots (blocks 0 and 1, written
+// alternately; the valid one with the larger header seq wins) then a ring of
+// journal_blocks - 2 blocks holding transactions.
+inline constexpr uint64_t kJournalHeaderSlots = 2;
 struct JournalHeader {
   uint32_t host = 0;
   uint64_t tail_seq = 1;  // sequence number of the oldest live transaction

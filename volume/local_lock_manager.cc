@@ -16,6 +16,7 @@ std::string LockId::ToString() const {
     case LockKind::kNamespace: return "namespace";
     case LockKind::kInode: return "inode " + std::to_string(id);
     case LockKind::kGroup: return "allocation group " + std::to_string(id);
+    case LockKind::kRecovery: return "recovery of host slot " + std::to_string(id);
   }
   return "lock " + std::to_string(static_cast<int>(kind)) + ":" + std::to_string(id);
 }

@@ -29,6 +29,7 @@ enum class LockKind : uint16_t {
   kNamespace = 3,  // inode allocation, names, flags
   kInode = 4,      // id = inode number; the file's inode, block map, data
   kGroup = 5,      // id = allocation group; its refcount blocks
+  kRecovery = 6,   // id = host slot; held while that slot's journal is replayed
 };
 
 struct LockId {

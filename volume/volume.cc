@@ -1,1 +1,1461 @@
-// placeholder, being written
+#include "volume/volume.h"
+
+#include <sys/stat.h>
+
+#include <algorithm>
+#include <cstring>
+#include <functional>
+
+#include "volume/fsck.h"
+#include "volume/volume_impl.h"
+
+namespace dede {
+
+BlockBuf NewBlockBuf(size_t blocks) {
+  auto* p = static_cast<uint8_t*>(std::aligned_alloc(kBlockSize, blocks * kBlockSize));
+  return BlockBuf(p);
+}
+
+namespace {
+
+bool AllZero(const uint8_t* p, size_t n) {
+  for (size_t i = 0; i < n; i++) {
+    if (p[i]) return false;
+  }
+  return true;
+}
+
+// Blocks covered by one pointer at `level` (level 1 points at data).
+uint64_t Span(uint32_t level) {
+  uint64_t s = 1;
+  for (uint32_t i = 1; i < level; i++) s *= kPointersPerBlock;
+  return s;
+}
+
+uint64_t Capacity(uint32_t depth) { return depth == 0 ? 0 : Span(depth) * kPointersPerBlock; }
+
+LockId InodeLock(uint64_t ino) { return LockId{LockKind::kInode, ino}; }
+LockId GroupLock(uint32_t g) { return LockId{LockKind::kGroup, g}; }
+const LockId kNamespaceLock{LockKind::kNamespace, 0};
+const LockId kVolumeLock{LockKind::kVolume, 0};
+
+Status ValidateName(const std::string& name) {
+  if (name.empty() || name.size() > kMaxNameLen) {
+    return Status::Invalid("file names are 1 to 255 bytes");
+  }
+  if (name.find('/') != std::string::npos || name.find('\0') != std::string::npos) {
+    return Status::Invalid("file name '" + name + "' contains '/' or NUL");
+  }
+  return Status::Ok();
+}
+
+FileInfo InfoFrom(const Inode& in) {
+  FileInfo fi;
+  fi.id = FileId{in.ino, in.generation};
+  fi.name = in.name;
+  fi.kind = in.kind;
+  fi.size = in.size;
+  fi.mapped_blocks = in.mapped_blocks;
+  fi.dedup = !(in.flags & kInodeDedupOff);
+  fi.ctime_ns = in.ctime_ns;
+  fi.mtime_ns = in.mtime_ns;
+  fi.owner_ino = in.owner_ino;
+  return fi;
+}
+
+}  // namespace
+
+// ====================================================================== File
+
+class FileImpl : public File {
+ public:
+  FileImpl(VolumeImpl* vol, std::unique_ptr<OpenFileState> st) : vol_(vol), st_(std::move(st)) {}
+  ~FileImpl() override { vol_->CloseFile(st_.get()); }
+
+  FileId id() const override { return st_->id; }
+  OpenFileState* state() { return st_.get(); }
+
+  Result<FileInfo> Info() override {
+    ReaderLock l(&st_->rw);
+    ASSIGN_OR_RETURN(Inode in, vol_->InodeOf(st_.get()));
+    return InfoFrom(in);
+  }
+  uint64_t size() override {
+    ReaderLock l(&st_->rw);
+    auto in = vol_->InodeOf(st_.get());
+    return in.ok() ? in->size : 0;
+  }
+  Status Read(uint64_t offset, void* buf, size_t len) override {
+    ReaderLock l(&st_->rw);
+    return vol_->ReadData(st_.get(), offset, static_cast<uint8_t*>(buf), len);
+  }
+  Status Write(uint64_t offset, const void* buf, size_t len) override {
+    return vol_->WriteData(st_.get(), offset, static_cast<const uint8_t*>(buf), len);
+  }
+  Status Trim(uint64_t offset, uint64_t len) override {
+    return vol_->TrimData(st_.get(), offset, len);
+  }
+  Status Truncate(uint64_t size) override {
+    WriterLock l(&st_->rw);
+    return vol_->TruncateFile(st_.get(), size);
+  }
+  Status SetDedup(bool on) override {
+    WriterLock l(&st_->rw);
+    return vol_->SetFlag(st_.get(), kInodeDedupOff, !on);
+  }
+  Status Flush() override { return vol_->Sync(); }
+  Result<uint32_t> BlockRefCount(uint64_t index) override {
+    ReaderLock l(&st_->rw);
+    return vol_->RefCountAt(st_.get(), index);
+  }
+  Status Punch(uint64_t index) override {
+    WriterLock l(&st_->rw);
+    return vol_->PunchBlock(st_.get(), index);
+  }
+  Result<FileUsage> Usage() override {
+    ReaderLock l(&st_->rw);
+    return vol_->UsageOf(st_.get());
+  }
+
+ private:
+  VolumeImpl* vol_;
+  std::unique_ptr<OpenFileState> st_;
+};
+
+// ==================================================================== format
+
+Status FormatVolume(BlockDevice* dev, const FormatOptions& opts, bool force) {
+  FormatParams p;
+  p.device_bytes = dev->size_bytes();
+  p.max_hosts = opts.max_hosts;
+  p.hash_algo = opts.hash_algo;
+  p.inode_count = opts.inode_count;
+  p.lease_slots = opts.lease_slots;
+  p.journal_blocks = opts.journal_blocks;
+  p.group_refblocks = opts.group_refblocks;
+  ASSIGN_OR_RETURN(Superblock sb, PlanLayout(p));
+  BlockBuf buf = NewBlockBuf(256);
+  if (!force) {
+    RETURN_IF_ERROR(dev->Read(0, buf.get(), 2 * kBlockSize));
+    for (uint64_t a : kSuperblockAddrs) {
+      if (DecodeSuperblock(buf.get() + a * kBlockSize, a).ok()) {
+        return Status::Exists(dev->name() + " already holds a dede volume (use --force to "
+                              "overwrite it)");
+      }
+    }
+  }
+  // Exclude every other user of this device while we write.
+  std::shared_ptr<LockManager> locks;
+  if (!dev->local_lock_path().empty()) {
+    ASSIGN_OR_RETURN(auto lm, OpenLocalLockManager(dev->local_lock_path()));
+    locks = std::move(lm);
+    RETURN_IF_ERROR(locks->Acquire(kVolumeLock, LockMode::kExclusive, false)
+                        .WithContext(dev->name() + " is in use"));
+  }
+  Clock* clock = opts.clock ? opts.clock : Clock::Real();
+  sb.uuid = NewRandomUuid();
+  sb.created_ns = clock->NowNanos();
+
+  // Zero everything between the superblocks and the first group's data:
+  // lease area, journals, inode table; then every group's refcount blocks.
+  // An all-zero inode or refcount block means "never used".
+  std::memset(buf.get(), 0, 256 * kBlockSize);
+  auto zero = [&](uint64_t from, uint64_t n) -> Status {
+    while (n > 0) {
+      uint64_t run = std::min<uint64_t>(n, 256);
+      RETURN_IF_ERROR(dev->Write(from * kBlockSize, buf.get(), run * kBlockSize));
+      from += run;
+      n -= run;
+    }
+    return Status::Ok();
+  };
+  RETURN_IF_ERROR(zero(0, sb.group_start));
+  for (uint32_t g = 0; g < sb.group_count; g++) {
+    RETURN_IF_ERROR(zero(sb.GroupStart(g), sb.GroupRefBlocks(g)));
+  }
+  for (uint32_t h = 1; h <= sb.max_hosts; h++) RETURN_IF_ERROR(Journal::Initialize(dev, sb, h));
+  RETURN_IF_ERROR(dev->Flush());
+  // Superblocks last: until they land the device is not a volume.
+  for (uint64_t a : kSuperblockAddrs) {
+    EncodeSuperblock(sb, a, buf.get());
+    RETURN_IF_ERROR(dev->Write(a * kBlockSize, buf.get(), kBlockSize));
+  }
+  return dev->Flush();
+}
+
+// ====================================================================== open
+
+Result<std::unique_ptr<Volume>> Volume::Open(BlockDevice* dev, const OpenOptions& opts) {
+  if (dev->size_bytes() < 2 * kBlockSize) {
+    return Status::Corruption(dev->name() + " is not a dede volume (too small)");
+  }
+  BlockBuf buf = NewBlockBuf(2);
+  RETURN_IF_ERROR(dev->Read(0, buf.get(), 2 * kBlockSize));
+  Result<Superblock> sb = DecodeSuperblock(buf.get(), 0);
+  if (!sb.ok()) {
+    // The backup copy stands in for a damaged primary (fsck rewrites it),
+    // but a newer-version primary is refused outright.
+    Result<Superblock> backup = DecodeSuperblock(buf.get() + kBlockSize, 1);
+    if (!backup.ok() || sb.status().code() == Status::Code::kUnsupported) {
+      if (sb.status().code() == Status::Code::kUnsupported) return sb.status();
+      if (PeekHeader(buf.get()).magic != kMagicSuperblock &&
+          PeekHeader(buf.get() + kBlockSize).magic != kMagicSuperblock) {
+        return Status::Corruption(dev->name() + " is not a dede volume (no superblock)");
+      }
+      return sb.status().WithContext(dev->name());
+    }
+    sb = std::move(backup);
+  }
+  if (sb->total_blocks * kBlockSize > dev->size_bytes()) {
+    return Status::Corruption(dev->name() + ": the volume is larger than the device (" +
+                              std::to_string(sb->total_blocks * kBlockSize) + " > " +
+                              std::to_string(dev->size_bytes()) + " bytes)");
+  }
+  std::shared_ptr<LockManager> locks = opts.locks;
+  if (!locks) {
+    std::string path = dev->local_lock_path();
+    if (path.empty()) {
+      const char* dir = std::getenv("DEDE_LOCK_DIR");
+      std::string d = dir ? dir : "/run/dede";
+      ::mkdir(d.c_str(), 0700);
+      path = d + "/" + UuidToString(sb->uuid) + ".lock";
+    }
+    ASSIGN_OR_RETURN(auto lm, OpenLocalLockManager(path));
+    locks = std::move(lm);
+  }
+  auto vol = std::make_unique<VolumeImpl>(dev, sb.value(), locks,
+                                          opts.clock ? opts.clock : Clock::Real(), opts.read_only);
+  RETURN_IF_ERROR(vol->Start(opts.host_id));
+  return std::unique_ptr<Volume>(std::move(vol));
+}
+
+Result<OpenedVolume> OpenVolumeSpec(const std::string& spec, const OpenOptions& opts) {
+  OpenedVolume ov;
+  ASSIGN_OR_RETURN(ov.device, OpenBlockDevice(spec, DeviceOptions{}));
+  ASSIGN_OR_RETURN(ov.volume, Volume::Open(ov.device.get(), opts));
+  return ov;
+}
+
+VolumeImpl::VolumeImpl(BlockDevice* dev, const Superblock& sb, std::shared_ptr<LockManager> locks,
+                       Clock* clock, bool read_only)
+    : dev_(dev), sb_(sb), locks_(std::move(locks)), clock_(clock), read_only_(read_only) {}
+
+Status VolumeImpl::Start(uint32_t host_id) {
+  MutexLock l(&mu_);
+  RETURN_IF_ERROR(locks_->Acquire(kVolumeLock, LockMode::kShared, false)
+                      .WithContext(dev_->name() + " is being formatted"));
+  volume_locked_ = true;
+  if (!read_only_) {
+    if (host_id > sb_.max_hosts) {
+      return Status::Invalid("host id " + std::to_string(host_id) + " is out of range 1.." +
+                             std::to_string(sb_.max_hosts));
+    }
+    if (host_id != 0) {
+      RETURN_IF_ERROR(locks_->Acquire(LockId{LockKind::kHostSlot, host_id},
+                                      LockMode::kExclusive, false));
+      host_ = host_id;
+    } else {
+      for (uint32_t h = 1; h <= sb_.max_hosts && host_ == 0; h++) {
+        if (locks_->Acquire(LockId{LockKind::kHostSlot, h}, LockMode::kExclusive, false).ok()) {
+          host_ = h;
+        }
+      }
+      if (host_ == 0) {
+        return Status::Locked("all " + std::to_string(sb_.max_hosts) +
+                              " host slots of the volume are in use");
+      }
+    }
+    slot_locked_ = true;
+    // Our own journal first: a previous incarnation of this slot may have
+    // died with committed transactions.
+    LockId rec{LockKind::kRecovery, host_};
+    RETURN_IF_ERROR(locks_->Acquire(rec, LockMode::kExclusive, true));
+    auto j = Journal::Open(dev_, sb_, host_);
+    Status st = j.status();
+    if (st.ok()) st = j.value()->Replay().status();
+    (void)locks_->Release(rec);
+    RETURN_IF_ERROR(st.WithContext("journal of host " + std::to_string(host_)));
+    journal_ = std::move(j.value());
+  }
+  return RecoverDeadHosts();
+}
+
+VolumeImpl::~VolumeImpl() {
+  MutexLock l(&mu_);
+  if (!read_only_ && poisoned_.ok()) (void)Checkpoint();
+  (void)ReleaseCached();
+  if (slot_locked_) (void)locks_->Release(LockId{LockKind::kHostSlot, host_});
+  if (volume_locked_) (void)locks_->Release(kVolumeLock);
+}
+
+Status VolumeImpl::RecoverDeadHosts() {
+  for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
+    if (h == host_) continue;
+    ASSIGN_OR_RETURN(bool alive, locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}));
+    LockId rec{LockKind::kRecovery, h};
+    if (alive) {
+      // A live owner may be replaying its own journal right now: wait for it.
+      ASSIGN_OR_RETURN(bool replaying, locks_->IsHeldElsewhere(rec));
+      if (replaying) {
+        RETURN_IF_ERROR(locks_->Acquire(rec, LockMode::kShared, true));
+        (void)locks_->Release(rec);
+      }
+      continue;
+    }
+    RETURN_IF_ERROR(locks_->Acquire(rec, LockMode::kExclusive, true));
+    auto j = Journal::Open(dev_, sb_, h);
+    Status st = j.status();
+    if (st.ok()) {
+      auto pending = j.value()->HasTransactions();
+      st = pending.status();
+      if (st.ok() && pending.value()) st = j.value()->Replay().status();
+    }
+    (void)locks_->Release(rec);
+    RETURN_IF_ERROR(st.WithContext("recovering the journal of host " + std::to_string(h)));
+  }
+  return Status::Ok();
+}
+
+// ================================================================ cache/txn
+
+Status VolumeImpl::Poison(Status s) {
+  if (!s.ok() && poisoned_.ok()) poisoned_ = s;
+  return s;
+}
+
+Status VolumeImpl::CheckWritable() {
+  if (read_only_) return Status::Invalid("the volume is open read-only");
+  return poisoned_;
+}
+
+Status VolumeImpl::Load(uint64_t addr, LockId owner, uint32_t magic, const char* what,
+                        uint8_t** out) {
+  auto it = cache_.find(addr);
+  if (it != cache_.end()) {
+    *out = it->second.data.get();
+    return Status::Ok();
+  }
+  BlockBuf b = NewBlockBuf();
+  RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, b.get(), kBlockSize));
+  if ((magic == kMagicRefcountBlock || magic == kMagicInode) && AllZero(b.get(), kBlockSize)) {
+    // Never written since format.
+    if (magic == kMagicInode) {
+      Inode in;
+      in.ino = addr - sb_.inode_start + 1;
+      EncodeInode(in, 0, sb_.uuid, addr, b.get());
+    } else {
+      SealBlock(b.get(), BlockHeader{magic, kFormatMajor, kFormatMinor, 0, 0, addr}, sb_.uuid);
+    }
+  } else {
+    RETURN_IF_ERROR(CheckBlock(b.get(), magic, addr, sb_.uuid, what));
+  }
+  *out = b.get();
+  cache_[addr] = Cached{std::move(b), owner};
+  return Status::Ok();
+}
+
+uint8_t* VolumeImpl::Dirty(uint64_t addr) {
+  txn_.insert(addr);
+  return cache_.at(addr).data.get();
+}
+
+uint8_t* VolumeImpl::Fresh(uint64_t addr, LockId owner, uint32_t magic, uint32_t flags) {
+  BlockBuf b = NewBlockBuf();
+  std::memset(b.get(), 0, kBlockSize);
+  SealBlock(b.get(), BlockHeader{magic, kFormatMajor, kFormatMinor, flags, 0, addr}, sb_.uuid);
+  uint8_t* p = b.get();
+  cache_[addr] = Cached{std::move(b), owner};
+  txn_.insert(addr);
+  return p;
+}
+
+size_t VolumeImpl::MaxTxnBlocks() const {
+  return std::min<size_t>(kMaxTxnBlocks, (sb_.journal_blocks - kJournalHeaderSlots) / 2 - 1);
+}
+
+Status VolumeImpl::EnsureRoom(size_t blocks) {
+  if (txn_.size() + blocks > MaxTxnBlocks()) RETURN_IF_ERROR(Commit());
+  if (journal_->free_blocks() < MaxTxnBlocks() + 1) RETURN_IF_ERROR(Checkpoint());
+  return Status::Ok();
+}
+
+Status VolumeImpl::Commit() {
+  if (txn_.empty()) return Status::Ok();
+  RETURN_IF_ERROR(poisoned_);
+  // Data written through new pointers must be durable before the pointers.
+  RETURN_IF_ERROR(Poison(dev_->Flush()));
+  std::vector<uint64_t> homes(txn_.begin(), txn_.end());
+  std::vector<const uint8_t*> images;
+  for (uint64_t a : homes) {
+    uint8_t* b = cache_.at(a).data.get();
+    BlockHeader h = PeekHeader(b);
+    h.seq++;
+    SealBlock(b, h, sb_.uuid);
+    images.push_back(b);
+  }
+  if (homes.size() + 1 > journal_->free_blocks()) {
+    return Poison(Status::NoSpace("journal overflow (internal error)"));
+  }
+  RETURN_IF_ERROR(Poison(journal_->Append(homes, images)));
+  RETURN_IF_ERROR(Poison(dev_->Flush()));
+  dirty_.insert(homes.begin(), homes.end());
+  txn_.clear();
+  decref_uncommitted_.clear();
+  return Status::Ok();
+}
+
+Status VolumeImpl::Checkpoint() {
+  if (read_only_ || !journal_) return Status::Ok();
+  RETURN_IF_ERROR(Commit());
+  if (dirty_.empty()) {
+    pending_free_.clear();
+    return Status::Ok();
+  }
+  for (uint64_t a : dirty_) {
+    RETURN_IF_ERROR(Poison(dev_->Write(a * kBlockSize, cache_.at(a).data.get(), kBlockSize)));
+  }
+  RETURN_IF_ERROR(Poison(dev_->Flush()));
+  RETURN_IF_ERROR(Poison(journal_->Checkpoint()));
+  RETURN_IF_ERROR(Poison(dev_->Flush()));
+  dirty_.clear();
+  pending_free_.clear();
+  return Status::Ok();
+}
+
+Status VolumeImpl::Sync() {
+  MutexLock l(&mu_);
+  if (read_only_) return Status::Ok();
+  RETURN_IF_ERROR(poisoned_);
+  RETURN_IF_ERROR(Commit());
+  if (journal_->used_blocks() * 2 > journal_->ring_blocks()) RETURN_IF_ERROR(Checkpoint());
+  return Status::Ok();
+}
+
+void VolumeImpl::DropCache(LockId owner) {
+  for (auto it = cache_.begin(); it != cache_.end();) {
+    if (it->second.owner == owner && !txn_.count(it->first) && !dirty_.count(it->first)) {
+      it = cache_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+Status VolumeImpl::ReleaseCached() {
+  if (cached_locks_.empty()) return Status::Ok();
+  // Whoever takes these next reads the blocks from their home addresses.
+  RETURN_IF_ERROR(Checkpoint());
+  for (const LockId& id : cached_locks_) {
+    DropCache(id);
+    if (id.kind == LockKind::kGroup) alloc_cursor_.erase(static_cast<uint32_t>(id.id));
+    (void)locks_->Release(id);
+  }
+  cached_locks_.clear();
+  return Status::Ok();
+}
+
+Status VolumeImpl::AcquireCached(LockId id) {
+  if (cached_locks_.count(id)) return Status::Ok();
+  Status st = locks_->Acquire(id, LockMode::kExclusive, false);
+  if (st.code() == Status::Code::kLocked) {
+    // Never wait while holding cached locks (deadlock): give them all back.
+    RETURN_IF_ERROR(ReleaseCached());
+    st = locks_->Acquire(id, LockMode::kExclusive, true);
+  }
+  RETURN_IF_ERROR(st);
+  cached_locks_.insert(id);
+  return RecoverDeadHosts();
+}
+
+Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
+  std::set<uint32_t> need;
+  for (uint64_t a : addrs) {
+    uint32_t g, slot;
+    uint64_t rb;
+    if (a != 0 && sb_.LocateData(a, &g, &rb, &slot) && !cached_locks_.count(GroupLock(g))) {
+      need.insert(g);
+    }
+  }
+  for (uint32_t g : need) {
+    Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
+    if (st.code() == Status::Code::kLocked) {
+      // Wait in group order holding no other cached lock.
+      RETURN_IF_ERROR(ReleaseCached());
+      for (uint64_t a : addrs) {
+        uint32_t gg, slot;
+        uint64_t rb;
+        if (a != 0 && sb_.LocateData(a, &gg, &rb, &slot)) need.insert(gg);
+      }
+      for (uint32_t w : need) {
+        RETURN_IF_ERROR(locks_->Acquire(GroupLock(w), LockMode::kExclusive, true));
+        cached_locks_.insert(GroupLock(w));
+      }
+      return RecoverDeadHosts();
+    }
+    RETURN_IF_ERROR(st);
+    cached_locks_.insert(GroupLock(g));
+  }
+  if (!need.empty()) return RecoverDeadHosts();
+  return Status::Ok();
+}
+
+// =============================================================== refcounts
+
+Result<uint32_t> VolumeImpl::GetRef(uint64_t addr) {
+  uint32_t g, slot;
+  uint64_t rb;
+  if (!sb_.LocateData(addr, &g, &rb, &slot)) {
+    return Status::Corruption("block pointer " + std::to_string(addr) +
+                              " is outside the data area");
+  }
+  RETURN_IF_ERROR(AcquireGroupsFor({addr}));
+  uint8_t* b;
+  RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
+  return dede::GetRef(b, slot);
+}
+
+Status VolumeImpl::AddRef(uint64_t addr, int delta) {
+  uint32_t g, slot;
+  uint64_t rb;
+  if (!sb_.LocateData(addr, &g, &rb, &slot)) {
+    return Status::Corruption("block pointer " + std::to_string(addr) +
+                              " is outside the data area");
+  }
+  RETURN_IF_ERROR(AcquireGroupsFor({addr}));
+  uint8_t* b;
+  RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
+  uint32_t r = dede::GetRef(b, slot);
+  if (delta < 0 && r == 0) {
+    return Status::Corruption("refcount of block " + std::to_string(addr) + " would go negative");
+  }
+  if (delta > 0 && r == UINT32_MAX) {
+    return Status::NoSpace("refcount of block " + std::to_string(addr) + " is saturated");
+  }
+  r = delta > 0 ? r + 1 : r - 1;
+  dede::SetRef(Dirty(rb), slot, r);
+  if (delta < 0) {
+    decref_uncommitted_.insert(addr);
+    if (r == 0) pending_free_.insert(addr);
+  }
+  return Status::Ok();
+}
+
+Status VolumeImpl::AllocateFromGroup(uint32_t g, size_t n, std::vector<uint64_t>* out) {
+  uint64_t data_start = sb_.GroupDataStart(g);
+  uint64_t count = sb_.GroupDataBlocks(g);
+  uint64_t& cursor = alloc_cursor_[g];
+  for (uint64_t scanned = 0; scanned < count && out->size() < n;) {
+    uint64_t idx = (cursor + scanned) % count;
+    uint64_t rb = sb_.GroupStart(g) + idx / kRefsPerBlock;
+    uint8_t* b;
+    RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
+    uint32_t slot = static_cast<uint32_t>(idx % kRefsPerBlock);
+    uint64_t in_block = std::min<uint64_t>(kRefsPerBlock - slot, count - idx);
+    bool dirtied = false;
+    for (uint64_t k = 0; k < in_block && out->size() < n; k++) {
+      uint64_t addr = data_start + idx + k;
+      if (dede::GetRef(b, static_cast<uint32_t>(slot + k)) == 0 && !pending_free_.count(addr)) {
+        if (!dirtied) {
+          b = Dirty(rb);
+          dirtied = true;
+        }
+        dede::SetRef(b, static_cast<uint32_t>(slot + k), 1);
+        out->push_back(addr);
+        cursor = (idx + k + 1) % count;
+      }
+    }
+    scanned += in_block;
+  }
+  return Status::Ok();
+}
+
+Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out) {
+  out->clear();
+  // Start in this host's share of the groups so hosts rarely meet.
+  uint32_t first = static_cast<uint32_t>(uint64_t{host_ - 1} * sb_.group_count / sb_.max_hosts);
+  // Prefer groups we already hold.
+  for (const LockId& id : std::set<LockId>(cached_locks_)) {
+    if (id.kind != LockKind::kGroup || out->size() >= n) continue;
+    RETURN_IF_ERROR(AllocateFromGroup(static_cast<uint32_t>(id.id), n, out));
+  }
+  for (uint32_t i = 0; i < sb_.group_count && out->size() < n; i++) {
+    uint32_t g = (first + i) % sb_.group_count;
+    if (cached_locks_.count(GroupLock(g))) continue;
+    Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
+    if (st.code() == Status::Code::kLocked) continue;  // another host allocates there
+    RETURN_IF_ERROR(st);
+    cached_locks_.insert(GroupLock(g));
+    RETURN_IF_ERROR(RecoverDeadHosts());
+    RETURN_IF_ERROR(AllocateFromGroup(g, n, out));
+  }
+  if (out->size() < n) {
+    for (uint64_t a : *out) RETURN_IF_ERROR(AddRef(a, -1));
+    out->clear();
+    return Status::NoSpace("the volume is full");
+  }
+  return Status::Ok();
+}
+
+// ================================================================== inodes
+
+Result<Inode> VolumeImpl::GetInode(uint64_t ino) {
+  if (ino == 0 || ino > sb_.inode_count) {
+    return Status::NotFound("inode " + std::to_string(ino) + " does not exist");
+  }
+  uint8_t* b;
+  RETURN_IF_ERROR(Load(sb_.InodeBlock(ino), InodeLock(ino), kMagicInode, "inode", &b));
+  ASSIGN_OR_RETURN(Inode in, DecodeInode(b, sb_.uuid, sb_.InodeBlock(ino)));
+  if (in.ino != ino) {
+    return Status::Corruption("inode at block " + std::to_string(sb_.InodeBlock(ino)) +
+                              " claims number " + std::to_string(in.ino));
+  }
+  return in;
+}
+
+void VolumeImpl::PutInode(const Inode& in) {
+  uint64_t addr = sb_.InodeBlock(in.ino);
+  uint8_t* b = Dirty(addr);
+  EncodeInode(in, PeekHeader(b).seq, sb_.uuid, addr, b);
+}
+
+Result<Inode> VolumeImpl::ReadInodeUncached(uint64_t ino) {
+  {
+    MutexLock l(&mu_);
+    if (OwnsInode(ino)) return GetInode(ino);
+  }
+  BlockBuf b = NewBlockBuf();
+  uint64_t addr = sb_.InodeBlock(ino);
+  RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, b.get(), kBlockSize));
+  if (AllZero(b.get(), kBlockSize)) {
+    Inode in;
+    in.ino = ino;
+    return in;
+  }
+  return DecodeInode(b.get(), sb_.uuid, addr);
+}
+
+bool VolumeImpl::OwnsInode(uint64_t ino) {
+  return open_.count(ino) || cache_.count(sb_.InodeBlock(ino));
+}
+
+Result<std::vector<Inode>> VolumeImpl::ScanInodes() {
+  // Inodes are allocated lowest-first, so the table ends at the first run
+  // of 256 never-used (all-zero) inode blocks.
+  std::vector<Inode> out;
+  const uint64_t kChunk = 256;
+  BlockBuf buf = NewBlockBuf(kChunk);
+  for (uint64_t first = 1; first <= sb_.inode_count; first += kChunk) {
+    uint64_t n = std::min(kChunk, sb_.inode_count - first + 1);
+    RETURN_IF_ERROR(dev_->Read(sb_.InodeBlock(first) * kBlockSize, buf.get(), n * kBlockSize));
+    bool any = false;
+    for (uint64_t i = 0; i < n; i++) {
+      uint64_t ino = first + i;
+      const uint8_t* b = buf.get() + i * kBlockSize;
+      Inode in;
+      {
+        MutexLock l(&mu_);
+        if (cache_.count(sb_.InodeBlock(ino))) {
+          ASSIGN_OR_RETURN(in, GetInode(ino));
+          any = true;
+          out.push_back(in);
+          continue;
+        }
+      }
+      if (AllZero(b, kBlockSize)) {
+        in.ino = ino;
+      } else {
+        any = true;
+        ASSIGN_OR_RETURN(in, DecodeInode(b, sb_.uuid, sb_.InodeBlock(ino)));
+      }
+      out.push_back(in);
+    }
+    if (!any) break;
+  }
+  return out;
+}
+
+// =============================================================== namespace
+
+Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKind kind) {
+  RETURN_IF_ERROR(ValidateName(name));
+  if (kind == FileKind::kNone) return Status::Invalid("file kind 'none'");
+  {
+    MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckWritable());
+    RETURN_IF_ERROR(AcquireCached(kNamespaceLock));
+  }
+  ASSIGN_OR_RETURN(std::vector<Inode> inodes, ScanInodes());
+  uint64_t free_ino = 0;
+  for (const Inode& in : inodes) {
+    if (in.in_use() && in.name == name) return Status::Exists("file '" + name + "' exists");
+    if (!in.in_use() && free_ino == 0) free_ino = in.ino;
+  }
+  if (free_ino == 0) {
+    if (inodes.size() >= sb_.inode_count) return Status::NoSpace("no free inodes");
+    free_ino = inodes.size() + 1;
+  }
+  MutexLock l(&mu_);
+  RETURN_IF_ERROR(locks_->Acquire(InodeLock(free_ino), LockMode::kExclusive, false)
+                      .WithContext("allocating inode " + std::to_string(free_ino)));
+  uint64_t generation = 0;
+  Status st = CreateInode(free_ino, name, size, kind, &generation);
+  DropCache(InodeLock(free_ino));
+  (void)locks_->Release(InodeLock(free_ino));
+  RETURN_IF_ERROR(st);
+  return FileId{free_ino, generation};
+}
+
+Status VolumeImpl::CreateInode(uint64_t ino, const std::string& name, uint64_t size,
+                               FileKind kind, uint64_t* generation) {
+  RETURN_IF_ERROR(EnsureRoom(4));
+  ASSIGN_OR_RETURN(Inode in, GetInode(ino));
+  in.generation++;
+  in.flags = kInodeInUse;
+  in.kind = kind;
+  in.depth = 0;
+  in.root = 0;
+  in.size = size;
+  in.mapped_blocks = 0;
+  in.ctime_ns = in.mtime_ns = clock_->NowNanos();
+  in.owner_ino = 0;
+  in.name = name;
+  PutInode(in);
+  *generation = in.generation;
+  return Checkpoint();
+}
+
+Result<FileInfo> VolumeImpl::Lookup(const std::string& name) {
+  ASSIGN_OR_RETURN(std::vector<Inode> inodes, ScanInodes());
+  for (const Inode& in : inodes) {
+    if (in.in_use() && in.name == name) return InfoFrom(in);
+  }
+  return Status::NotFound("no file named '" + name + "'");
+}
+
+Result<std::vector<FileInfo>> VolumeImpl::List() {
+  ASSIGN_OR_RETURN(std::vector<Inode> inodes, ScanInodes());
+  std::vector<FileInfo> out;
+  for (const Inode& in : inodes) {
+    if (in.in_use()) out.push_back(InfoFrom(in));
+  }
+  return out;
+}
+
+Status VolumeImpl::Remove(const std::string& name) {
+  {
+    MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckWritable());
+  }
+  ASSIGN_OR_RETURN(FileInfo fi, Lookup(name));
+  ASSIGN_OR_RETURN(std::unique_ptr<File> f, OpenFileById(fi.id));
+  auto* st = static_cast<FileImpl*>(f.get())->state();
+  {
+    WriterLock wl(&st->rw);
+    RETURN_IF_ERROR(TruncateFile(st, 0));
+    MutexLock l(&mu_);
+    RETURN_IF_ERROR(AcquireCached(kNamespaceLock));
+    RETURN_IF_ERROR(EnsureRoom(2));
+    ASSIGN_OR_RETURN(Inode in, GetInode(fi.id.ino));
+    Inode cleared;
+    cleared.ino = in.ino;
+    cleared.generation = in.generation;  // the next create bumps it
+    PutInode(cleared);
+  }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<File>> VolumeImpl::OpenFile(const std::string& name) {
+  ASSIGN_OR_RETURN(FileInfo fi, Lookup(name));
+  return OpenInode(fi.id.ino, fi.id.generation, name);
+}
+
+Result<std::unique_ptr<File>> VolumeImpl::OpenFileById(FileId id) {
+  return OpenInode(id.ino, id.generation, "inode " + std::to_string(id.ino));
+}
+
+Result<std::unique_ptr<File>> VolumeImpl::OpenInode(uint64_t ino, uint64_t generation,
+                                                    const std::string& name) {
+  MutexLock l(&mu_);
+  if (ino == 0 || ino > sb_.inode_count) return Status::NotFound("no such file: " + name);
+  if (open_.count(ino)) return Status::Locked("file '" + name + "' is already open here");
+  Status st = locks_->Acquire(InodeLock(ino),
+                              read_only_ ? LockMode::kShared : LockMode::kExclusive, false);
+  if (st.code() == Status::Code::kLocked) {
+    return Status::Locked("file '" + name + "' is in use by another process or host");
+  }
+  RETURN_IF_ERROR(st);
+  Status rec = RecoverDeadHosts();
+  auto in = rec.ok() ? GetInode(ino) : Result<Inode>(rec);
+  if (!in.ok() || !in->in_use() || in->generation != generation) {
+    DropCache(InodeLock(ino));
+    (void)locks_->Release(InodeLock(ino));
+    if (!in.ok()) return in.status();
+    return Status::NotFound("file '" + name + "' no longer exists");
+  }
+  auto state = std::make_unique<OpenFileState>();
+  state->id = FileId{ino, generation};
+  state->writable = !read_only_;
+  open_[ino] = state.get();
+  return std::unique_ptr<File>(new FileImpl(this, std::move(state)));
+}
+
+void VolumeImpl::CloseFile(OpenFileState* f) {
+  MutexLock l(&mu_);
+  // The next holder reads this file's metadata from its home blocks.
+  if (!read_only_) (void)Checkpoint();
+  open_.erase(f->id.ino);
+  cache_.erase(sb_.InodeBlock(f->id.ino));
+  DropCache(InodeLock(f->id.ino));
+  (void)locks_->Release(InodeLock(f->id.ino));
+}
+
+Result<Inode> VolumeImpl::InodeOf(OpenFileState* f) {
+  MutexLock l(&mu_);
+  return GetInode(f->id.ino);
+}
+
+Status VolumeImpl::SetFlag(OpenFileState* f, uint32_t flag, bool on) {
+  MutexLock l(&mu_);
+  RETURN_IF_ERROR(CheckWritable());
+  RETURN_IF_ERROR(EnsureRoom(2));
+  ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+  in.flags = on ? (in.flags | flag) : (in.flags & ~flag);
+  PutInode(in);
+  return Status::Ok();
+}
+
+// =============================================================== block map
+
+Status VolumeImpl::FindLeaf(const Inode& in, uint64_t index, uint64_t* leaf, uint32_t* slot) {
+  *leaf = 0;
+  if (in.depth == 0 || index >= Capacity(in.depth)) return Status::Ok();
+  uint64_t addr = in.root;
+  for (uint32_t level = in.depth; level >= 1; level--) {
+    uint8_t* b;
+    RETURN_IF_ERROR(Load(addr, InodeLock(in.ino), kMagicPointerBlock, "pointer block", &b));
+    if (PeekHeader(b).flags != level) {
+      return Status::Corruption("pointer block at block " + std::to_string(addr) + " of inode " +
+                                std::to_string(in.ino) + " has level " +
+                                std::to_string(PeekHeader(b).flags) + ", expected " +
+                                std::to_string(level));
+    }
+    uint32_t s = static_cast<uint32_t>((index / Span(level)) % kPointersPerBlock);
+    if (level == 1) {
+      *leaf = addr;
+      *slot = s;
+      return Status::Ok();
+    }
+    uint64_t next = PtrAddr(dede::GetPtr(b, s));
+    if (next == 0) return Status::Ok();
+    addr = next;
+  }
+  return Status::Ok();
+}
+
+Result<uint64_t> VolumeImpl::GetPtr(const Inode& in, uint64_t index) {
+  uint64_t leaf;
+  uint32_t slot;
+  RETURN_IF_ERROR(FindLeaf(in, index, &leaf, &slot));
+  if (leaf == 0) return uint64_t{0};
+  return dede::GetPtr(cache_.at(leaf).data.get(), slot);
+}
+
+Status VolumeImpl::SetPtr(Inode* in, uint64_t index, uint64_t value) {
+  if (value == 0 && (in->depth == 0 || index >= Capacity(in->depth))) return Status::Ok();
+  // Grow the tree until it covers index.
+  while (index >= Capacity(in->depth)) {
+    std::vector<uint64_t> a;
+    RETURN_IF_ERROR(Allocate(1, &a));
+    uint32_t level = in->depth + 1;
+    uint8_t* b = Fresh(a[0], InodeLock(in->ino), kMagicPointerBlock, level);
+    if (in->root != 0) dede::SetPtr(b, 0, in->root);
+    in->root = a[0];
+    in->depth = static_cast<uint8_t>(level);
+  }
+  uint64_t addr = in->root;
+  for (uint32_t level = in->depth; level >= 1; level--) {
+    uint8_t* b;
+    RETURN_IF_ERROR(Load(addr, InodeLock(in->ino), kMagicPointerBlock, "pointer block", &b));
+    uint32_t s = static_cast<uint32_t>((index / Span(level)) % kPointersPerBlock);
+    if (level == 1) {
+      dede::SetPtr(Dirty(addr), s, value);
+      return Status::Ok();
+    }
+    uint64_t next = PtrAddr(dede::GetPtr(b, s));
+    if (next == 0) {
+      if (value == 0) return Status::Ok();
+      std::vector<uint64_t> a;
+      RETURN_IF_ERROR(Allocate(1, &a));
+      Fresh(a[0], InodeLock(in->ino), kMagicPointerBlock, level - 1);
+      dede::SetPtr(Dirty(addr), s, a[0]);
+      next = a[0];
+    }
+    addr = next;
+  }
+  return Status::Ok();
+}
+
+Status VolumeImpl::ReplaceBlock(Inode* in, uint64_t index, uint64_t value) {
+  ASSIGN_OR_RETURN(uint64_t old, GetPtr(*in, index));
+  if (old == value) return Status::Ok();
+  RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(old), PtrAddr(value)}));
+  RETURN_IF_ERROR(SetPtr(in, index, value));
+  if (old != 0) RETURN_IF_ERROR(AddRef(PtrAddr(old), -1));
+  if (old == 0 && value != 0) in->mapped_blocks++;
+  if (old != 0 && value == 0) in->mapped_blocks--;
+  return Status::Ok();
+}
+
+Status VolumeImpl::FreeSubtree(uint64_t addr, uint32_t level, uint64_t base, uint64_t keep_blocks,
+                               LockId owner, bool* now_empty) {
+  uint8_t* b;
+  RETURN_IF_ERROR(Load(addr, owner, kMagicPointerBlock, "pointer block", &b));
+  bool empty = true;
+  for (uint32_t s = 0; s < kPointersPerBlock; s++) {
+    uint64_t p = dede::GetPtr(cache_.at(addr).data.get(), s);
+    if (p == 0) continue;
+    uint64_t child_base = base + s * Span(level);
+    if (level == 1) {
+      // Data pointers beyond keep_blocks were punched before this runs.
+      empty = false;
+      continue;
+    }
+    if (child_base + Span(level) <= keep_blocks) {
+      empty = false;
+      continue;
+    }
+    bool child_empty = false;
+    RETURN_IF_ERROR(FreeSubtree(PtrAddr(p), level - 1, child_base, keep_blocks, owner,
+                                &child_empty));
+    if (child_empty) {
+      RETURN_IF_ERROR(EnsureRoom(8));
+      RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(p)}));
+      dede::SetPtr(Dirty(addr), s, 0);
+      RETURN_IF_ERROR(AddRef(PtrAddr(p), -1));
+    } else {
+      empty = false;
+    }
+  }
+  *now_empty = empty;
+  return Status::Ok();
+}
+
+Status VolumeImpl::FreeTree(Inode* in, uint64_t keep_blocks) {
+  if (in->depth == 0) return Status::Ok();
+  bool empty = false;
+  RETURN_IF_ERROR(FreeSubtree(in->root, in->depth, 0, keep_blocks, InodeLock(in->ino), &empty));
+  if (empty) {
+    RETURN_IF_ERROR(EnsureRoom(8));
+    RETURN_IF_ERROR(AcquireGroupsFor({in->root}));
+    RETURN_IF_ERROR(AddRef(in->root, -1));
+    in->root = 0;
+    in->depth = 0;
+  }
+  return Status::Ok();
+}
+
+// ==================================================================== data
+
+Status VolumeImpl::ReadData(OpenFileState* f, uint64_t offset, uint8_t* buf, size_t len) {
+  if (len == 0) return Status::Ok();
+  uint64_t first = offset / kBlockSize, last = (offset + len - 1) / kBlockSize;
+  std::vector<uint64_t> ptrs;
+  {
+    MutexLock l(&mu_);
+    ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+    if (offset > in.size || len > in.size - offset) {
+      return Status::Invalid("read of " + std::to_string(len) + " bytes at " +
+                             std::to_string(offset) + " is past the end of '" + in.name + "' (" +
+                             std::to_string(in.size) + " bytes)");
+    }
+    ptrs.reserve(last - first + 1);
+    for (uint64_t i = first; i <= last; i++) {
+      ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, i));
+      ptrs.push_back(PtrAddr(p));
+    }
+  }
+  BlockBuf tmp;
+  size_t i = 0;
+  while (i < ptrs.size()) {
+    uint64_t blk = first + i;
+    uint64_t bstart = blk * kBlockSize;
+    size_t skip = offset > bstart ? static_cast<size_t>(offset - bstart) : 0;
+    size_t take = std::min<uint64_t>(kBlockSize - skip, offset + len - (bstart + skip));
+    uint8_t* dst = buf + (bstart + skip - offset);
+    if (ptrs[i] == 0) {
+      std::memset(dst, 0, take);
+      i++;
+      continue;
+    }
+    if (skip != 0 || take != kBlockSize) {
+      if (!tmp) tmp = NewBlockBuf();
+      RETURN_IF_ERROR(dev_->Read(ptrs[i] * kBlockSize, tmp.get(), kBlockSize));
+      std::memcpy(dst, tmp.get() + skip, take);
+      i++;
+      continue;
+    }
+    // A run of whole blocks that are physically contiguous: one read.
+    size_t n = 1;
+    while (i + n < ptrs.size() && ptrs[i + n] == ptrs[i] + n &&
+           (first + i + n + 1) * kBlockSize <= offset + len) {
+      n++;
+    }
+    RETURN_IF_ERROR(dev_->Read(ptrs[i] * kBlockSize, dst, n * kBlockSize));
+    i += n;
+  }
+  return Status::Ok();
+}
+
+Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* buf, size_t len) {
+  if (len == 0) return Status::Ok();
+  uint64_t first = offset / kBlockSize, last = (offset + len - 1) / kBlockSize;
+  bool partial = offset % kBlockSize != 0 || (offset + len) % kBlockSize != 0;
+  {
+    // Fast path: whole blocks already owned exclusively are written in place
+    // with no metadata I/O and only a shared file lock.
+    MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckWritable());
+  }
+  if (!partial) {
+    ReaderLock rl(&f->rw);
+    std::vector<uint64_t> ptrs;
+    bool in_place = true;
+    {
+      MutexLock l(&mu_);
+      ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+      if (offset + len > in.size) {
+        return Status::Invalid("write past the end of '" + in.name + "'");
+      }
+      for (uint64_t i = first; i <= last && in_place; i++) {
+        ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, i));
+        if (p == 0 || PtrCow(p)) in_place = false;
+        ptrs.push_back(PtrAddr(p));
+      }
+    }
+    if (in_place) {
+      size_t i = 0;
+      while (i < ptrs.size()) {
+        size_t n = 1;
+        while (i + n < ptrs.size() && ptrs[i + n] == ptrs[i] + n) n++;
+        Status st = dev_->Write(ptrs[i] * kBlockSize, buf + i * kBlockSize, n * kBlockSize);
+        if (!st.ok()) {
+          MutexLock l(&mu_);
+          return Poison(st);
+        }
+        i += n;
+      }
+      return Status::Ok();
+    }
+  }
+
+  // Slow path: allocation, copy-on-write, or partial blocks.
+  WriterLock wl(&f->rw);
+  const uint64_t round = [&] {
+    uint64_t r = 1;
+    while (r * 2 <= std::min<uint64_t>(256, (MaxTxnBlocks() - 16) / 2)) r *= 2;
+    return r;
+  }();
+  BlockBuf scratch = NewBlockBuf(round);
+  for (uint64_t r0 = first; r0 <= last; r0 += round) {
+    uint64_t r1 = std::min(last + 1, r0 + round);  // [r0, r1)
+    size_t nblk = r1 - r0;
+    // Phase 1 (mu_): decide per block; allocate new blocks where needed.
+    std::vector<uint64_t> old(nblk), target(nblk);
+    std::vector<bool> fresh(nblk, false);
+    {
+      MutexLock l(&mu_);
+      RETURN_IF_ERROR(CheckWritable());
+      RETURN_IF_ERROR(EnsureRoom(nblk * 2 + 16));
+      ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+      if (offset + len > in.size) return Status::Invalid("write past the end of '" + in.name + "'");
+      size_t need = 0;
+      for (size_t k = 0; k < nblk; k++) {
+        ASSIGN_OR_RETURN(old[k], GetPtr(in, r0 + k));
+        if (old[k] != 0 && PtrCow(old[k])) {
+          ASSIGN_OR_RETURN(uint32_t refs, GetRef(PtrAddr(old[k])));
+          if (refs == 1 && !decref_uncommitted_.count(PtrAddr(old[k]))) {
+            // Last reference, durably: take the block back without a copy.
+            RETURN_IF_ERROR(SetPtr(&in, r0 + k, PtrAddr(old[k])));
+            old[k] = PtrAddr(old[k]);
+          }
+        }
+        if (old[k] == 0 || PtrCow(old[k])) {
+          fresh[k] = true;
+          need++;
+        } else {
+          target[k] = old[k];
+        }
+      }
+      PutInode(in);
+      if (need > 0) {
+        std::vector<uint64_t> got;
+        RETURN_IF_ERROR(Allocate(need, &got));
+        size_t j = 0;
+        for (size_t k = 0; k < nblk; k++) {
+          if (fresh[k]) target[k] = got[j++];
+        }
+      }
+    }
+    // Phase 2 (no mu_): assemble each block's new content and write it.
+    Status io;
+    for (size_t k = 0; k < nblk && io.ok(); k++) {
+      uint64_t bstart = (r0 + k) * kBlockSize;
+      uint64_t lo = std::max<uint64_t>(offset, bstart);
+      uint64_t hi = std::min<uint64_t>(offset + len, bstart + kBlockSize);
+      uint8_t* blk = scratch.get() + k * kBlockSize;
+      if (hi - lo != kBlockSize) {
+        if (old[k] == 0) {
+          std::memset(blk, 0, kBlockSize);
+        } else {
+          io = dev_->Read(PtrAddr(old[k]) * kBlockSize, blk, kBlockSize);
+        }
+      }
+      std::memcpy(blk + (lo - bstart), buf + (lo - offset), hi - lo);
+    }
+    for (size_t k = 0; k < nblk && io.ok();) {
+      size_t n = 1;
+      while (k + n < nblk && target[k + n] == target[k] + n) n++;
+      io = dev_->Write(target[k] * kBlockSize, scratch.get() + k * kBlockSize, n * kBlockSize);
+      k += n;
+    }
+    // Phase 3 (mu_): publish the new pointers.
+    MutexLock l(&mu_);
+    if (!io.ok()) {
+      for (size_t k = 0; k < nblk; k++) {
+        if (fresh[k]) (void)AddRef(target[k], -1);
+      }
+      return Poison(io);
+    }
+    ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+    for (size_t k = 0; k < nblk; k++) {
+      if (fresh[k]) RETURN_IF_ERROR(ReplaceBlock(&in, r0 + k, target[k]));
+    }
+    in.mtime_ns = clock_->NowNanos();
+    PutInode(in);
+  }
+  return Status::Ok();
+}
+
+Status VolumeImpl::TrimData(OpenFileState* f, uint64_t offset, uint64_t len) {
+  if (len == 0) return Status::Ok();
+  uint64_t first_full = (offset + kBlockSize - 1) / kBlockSize;
+  uint64_t end_full = (offset + len) / kBlockSize;  // exclusive
+  // Zero the partial edges through the ordinary write path.
+  static const std::vector<uint8_t> kZeros(kBlockSize, 0);
+  uint64_t head_end = std::min(offset + len, first_full * kBlockSize);
+  if (head_end > offset) RETURN_IF_ERROR(WriteData(f, offset, kZeros.data(), head_end - offset));
+  uint64_t tail_start = std::max(end_full * kBlockSize, head_end);
+  if (offset + len > tail_start && end_full >= first_full) {
+    RETURN_IF_ERROR(WriteData(f, tail_start, kZeros.data(), offset + len - tail_start));
+  }
+  WriterLock wl(&f->rw);
+  for (uint64_t i = first_full; i < end_full; i++) RETURN_IF_ERROR(PunchBlock(f, i));
+  return Status::Ok();
+}
+
+Status VolumeImpl::PunchBlock(OpenFileState* f, uint64_t index) {
+  MutexLock l(&mu_);
+  RETURN_IF_ERROR(CheckWritable());
+  RETURN_IF_ERROR(EnsureRoom(16));
+  ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+  if (index * kBlockSize >= in.size) {
+    return Status::Invalid("block " + std::to_string(index) + " is past the end of '" + in.name +
+                           "'");
+  }
+  ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, index));
+  if (p == 0) return Status::Ok();
+  RETURN_IF_ERROR(ReplaceBlock(&in, index, 0));
+  PutInode(in);
+  return Status::Ok();
+}
+
+Status VolumeImpl::TruncateFile(OpenFileState* f, uint64_t size) {
+  uint64_t old_size;
+  {
+    MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckWritable());
+    ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+    old_size = in.size;
+  }
+  uint64_t keep = (size + kBlockSize - 1) / kBlockSize;
+  uint64_t old_blocks = (old_size + kBlockSize - 1) / kBlockSize;
+  // Zero the tail of a partially kept last block so a later extension reads
+  // zeros there.
+  if (size < old_size && size % kBlockSize != 0) {
+    MutexLock l(&mu_);
+    ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+    ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, keep - 1));
+    (void)p;
+  }
+  if (size < old_size && size % kBlockSize != 0) {
+    uint64_t end = std::min(old_size, keep * kBlockSize);
+    std::vector<uint8_t> zeros(end - size, 0);
+    // WriteData takes the file lock itself; the caller holds it exclusive,
+    // so write through the slow path pieces directly.
+    MutexLock l(&mu_);
+    ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+    ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, keep - 1));
+    if (p != 0) {
+      BlockBuf blk = NewBlockBuf();
+      RETURN_IF_ERROR(dev_->Read(PtrAddr(p) * kBlockSize, blk.get(), kBlockSize));
+      std::memset(blk.get() + size % kBlockSize, 0, kBlockSize - size % kBlockSize);
+      uint64_t target = PtrAddr(p);
+      if (PtrCow(p)) {
+        RETURN_IF_ERROR(EnsureRoom(16));
+        std::vector<uint64_t> got;
+        RETURN_IF_ERROR(Allocate(1, &got));
+        target = got[0];
+      }
+      RETURN_IF_ERROR(Poison(dev_->Write(target * kBlockSize, blk.get(), kBlockSize)));
+      if (target != PtrAddr(p)) {
+        RETURN_IF_ERROR(ReplaceBlock(&in, keep - 1, target));
+        PutInode(in);
+      }
+    }
+  }
+  for (uint64_t i = old_blocks; i > keep; i--) {
+    MutexLock l(&mu_);
+    RETURN_IF_ERROR(EnsureRoom(16));
+    ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+    ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, i - 1));
+    if (p == 0) continue;
+    RETURN_IF_ERROR(ReplaceBlock(&in, i - 1, 0));
+    PutInode(in);
+  }
+  MutexLock l(&mu_);
+  RETURN_IF_ERROR(EnsureRoom(16));
+  ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+  if (size < old_size) RETURN_IF_ERROR(FreeTree(&in, keep));
+  in.size = size;
+  in.mtime_ns = clock_->NowNanos();
+  PutInode(in);
+  return Status::Ok();
+}
+
+Result<uint32_t> VolumeImpl::RefCountAt(OpenFileState* f, uint64_t index) {
+  MutexLock l(&mu_);
+  ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+  ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, index));
+  if (p == 0) return uint32_t{0};
+  return GetRef(PtrAddr(p));
+}
+
+Result<FileUsage> VolumeImpl::UsageOf(OpenFileState* f) {
+  MutexLock l(&mu_);
+  ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+  FileUsage u;
+  u.metadata_blocks = 1;
+  uint64_t nblocks = (in.size + kBlockSize - 1) / kBlockSize;
+  // Walk leaf by leaf rather than index by index: sparse files are cheap.
+  std::function<Status(uint64_t, uint32_t, uint64_t)> walk = [&](uint64_t addr, uint32_t level,
+                                                                uint64_t base)
+                                                                NO_THREAD_SAFETY_ANALYSIS -> Status {
+    uint8_t* b;
+    RETURN_IF_ERROR(Load(addr, InodeLock(in.ino), kMagicPointerBlock, "pointer block", &b));
+    u.metadata_blocks++;
+    for (uint32_t s = 0; s < kPointersPerBlock; s++) {
+      uint64_t p = dede::GetPtr(cache_.at(addr).data.get(), s);
+      uint64_t idx = base + s * Span(level);
+      if (p == 0 || idx >= nblocks) continue;
+      if (level > 1) {
+        RETURN_IF_ERROR(walk(PtrAddr(p), level - 1, idx));
+        continue;
+      }
+      ASSIGN_OR_RETURN(uint32_t refs, GetRef(PtrAddr(p)));
+      u.mapped_blocks++;
+      if (refs > 1) {
+        u.shared_blocks++;
+        u.saved_bytes += kBlockSize - kBlockSize / refs;
+      } else {
+        u.unique_blocks++;
+      }
+    }
+    return Status::Ok();
+  };
+  if (in.depth > 0) RETURN_IF_ERROR(walk(in.root, in.depth, 0));
+  return u;
+}
+
+// ======================================================= DeDe's primitives
+
+namespace {
+// Files of one volume in inode order, so two-file operations lock in order.
+std::pair<OpenFileState*, OpenFileState*> Ordered(OpenFileState* a, OpenFileState* b) {
+  return a->id.ino <= b->id.ino ? std::make_pair(a, b) : std::make_pair(b, a);
+}
+}  // namespace
+
+Status VolumeImpl::CompareAndShare(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
+                                   VerifyMode mode, const Fingerprint* witness) {
+  auto* s = static_cast<FileImpl*>(src)->state();
+  auto* d = static_cast<FileImpl*>(dst)->state();
+  if (mode == VerifyMode::kHashWitness) {
+    if (witness == nullptr) return Status::Invalid("hash witness missing");
+    if (sb_.hash_algo != HashAlgo::kSha256) {
+      return Status::Invalid("hash witnesses need a volume formatted with --hash sha256");
+    }
+  }
+  auto [lo, hi] = Ordered(s, d);
+  WriterLock l1(&lo->rw);
+  std::unique_ptr<WriterLock> l2;
+  if (hi != lo) l2 = std::make_unique<WriterLock>(&hi->rw);
+  uint64_t sp, dp;
+  {
+    MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckWritable());
+    ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
+    ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
+    if (src_index * kBlockSize >= sin.size || dst_index * kBlockSize >= din.size) {
+      return Status::Invalid("compare_and_share: block index past the end of the file");
+    }
+    ASSIGN_OR_RETURN(sp, GetPtr(sin, src_index));
+    ASSIGN_OR_RETURN(dp, GetPtr(din, dst_index));
+  }
+  if (sp == 0 || dp == 0) return Status::Mismatch("compare_and_share: a block is a hole");
+  if (PtrAddr(sp) == PtrAddr(dp)) return Status::Ok();
+  // Both file locks are held exclusively: neither block can change while we
+  // compare (writers need the file lock), so the check and the swap are
+  // atomic with respect to every writer.
+  BlockBuf a = NewBlockBuf(2);
+  RETURN_IF_ERROR(dev_->Read(PtrAddr(sp) * kBlockSize, a.get(), kBlockSize));
+  RETURN_IF_ERROR(dev_->Read(PtrAddr(dp) * kBlockSize, a.get() + kBlockSize, kBlockSize));
+  if (mode == VerifyMode::kByteCompare) {
+    if (std::memcmp(a.get(), a.get() + kBlockSize, kBlockSize) != 0) {
+      return Status::Mismatch("compare_and_share: contents differ");
+    }
+  } else {
+    if (!(ComputeFingerprint(sb_.hash_algo, a.get(), kBlockSize) == *witness) ||
+        !(ComputeFingerprint(sb_.hash_algo, a.get() + kBlockSize, kBlockSize) == *witness)) {
+      return Status::Mismatch("compare_and_share: content does not match the witness");
+    }
+  }
+  MutexLock l(&mu_);
+  RETURN_IF_ERROR(EnsureRoom(32));
+  RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp), PtrAddr(dp)}));
+  ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
+  RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
+  if (!PtrCow(sp)) RETURN_IF_ERROR(SetPtr(&sin, src_index, sp | kPtrCow));
+  PutInode(sin);
+  ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
+  RETURN_IF_ERROR(ReplaceBlock(&din, dst_index, PtrAddr(sp) | kPtrCow));
+  PutInode(din);
+  return Status::Ok();
+}
+
+Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) {
+  auto* s = static_cast<FileImpl*>(src)->state();
+  auto* d = static_cast<FileImpl*>(dst)->state();
+  auto [lo, hi] = Ordered(s, d);
+  WriterLock l1(&lo->rw);
+  std::unique_ptr<WriterLock> l2;
+  if (hi != lo) l2 = std::make_unique<WriterLock>(&hi->rw);
+  MutexLock l(&mu_);
+  RETURN_IF_ERROR(CheckWritable());
+  RETURN_IF_ERROR(EnsureRoom(32));
+  ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
+  if (src_index * kBlockSize >= sin.size) {
+    return Status::Invalid("clone_block: source block past the end of the file");
+  }
+  ASSIGN_OR_RETURN(uint64_t sp, GetPtr(sin, src_index));
+  {
+    ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
+    if (dst_index * kBlockSize >= din.size) {
+      return Status::Invalid("clone_block: destination block past the end of the file");
+    }
+    ASSIGN_OR_RETURN(uint64_t dp, GetPtr(din, dst_index));
+    if (sp != 0 && PtrAddr(dp) == PtrAddr(sp)) return Status::Ok();
+  }
+  if (sp != 0) {
+    RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
+    RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
+    if (!PtrCow(sp)) {
+      RETURN_IF_ERROR(SetPtr(&sin, src_index, sp | kPtrCow));
+      PutInode(sin);
+    }
+  }
+  ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
+  RETURN_IF_ERROR(ReplaceBlock(&din, dst_index, sp == 0 ? 0 : (PtrAddr(sp) | kPtrCow)));
+  PutInode(din);
+  return Status::Ok();
+}
+
+// =================================================================== stats
+
+Result<VolumeStats> VolumeImpl::Stats() {
+  VolumeStats st;
+  st.total_blocks = sb_.total_blocks;
+  st.data_blocks = sb_.DataBlocks();
+  st.inodes_total = sb_.inode_count;
+  st.fixed_metadata_blocks = sb_.group_start;
+  for (uint32_t g = 0; g < sb_.group_count; g++) st.fixed_metadata_blocks += sb_.GroupRefBlocks(g);
+  BlockBuf buf = NewBlockBuf(1);
+  for (uint32_t g = 0; g < sb_.group_count; g++) {
+    uint64_t count = sb_.GroupDataBlocks(g);
+    for (uint32_t r = 0; r < sb_.GroupRefBlocks(g); r++) {
+      uint64_t rb = sb_.GroupStart(g) + r;
+      const uint8_t* b = nullptr;
+      {
+        MutexLock l(&mu_);
+        auto it = cache_.find(rb);
+        if (it != cache_.end()) {
+          std::memcpy(buf.get(), it->second.data.get(), kBlockSize);
+          b = buf.get();
+        }
+      }
+      if (!b) {
+        RETURN_IF_ERROR(dev_->Read(rb * kBlockSize, buf.get(), kBlockSize));
+        b = buf.get();
+        if (AllZero(b, kBlockSize)) {
+          uint64_t n = std::min<uint64_t>(kRefsPerBlock, count - uint64_t{r} * kRefsPerBlock);
+          st.free_blocks += n;
+          continue;
+        }
+        RETURN_IF_ERROR(CheckBlock(b, kMagicRefcountBlock, rb, sb_.uuid, "refcount block"));
+      }
+      for (uint32_t s = 0; s < kRefsPerBlock && uint64_t{r} * kRefsPerBlock + s < count; s++) {
+        uint32_t refs = dede::GetRef(b, s);
+        if (refs == 0) st.free_blocks++;
+        if (refs > 0) st.used_blocks++;
+        if (refs > 1) st.shared_blocks++;
+      }
+    }
+  }
+  ASSIGN_OR_RETURN(std::vector<Inode> inodes, ScanInodes());
+  for (const Inode& in : inodes) {
+    if (!in.in_use()) continue;
+    st.files++;
+    st.logical_blocks += in.mapped_blocks;
+  }
+  // Pointer blocks are the used blocks that no file maps as data: every
+  // data reference is counted in some refcount, so used = distinct data
+  // blocks + pointer blocks. Count them by walking the maps.
+  std::function<Status(uint64_t, uint32_t)> walk = [&](uint64_t addr, uint32_t level) -> Status {
+    st.pointer_blocks++;
+    if (level == 1) return Status::Ok();
+    BlockBuf pb = NewBlockBuf();
+    bool cached = false;
+    {
+      MutexLock l(&mu_);
+      auto it = cache_.find(addr);
+      if (it != cache_.end()) {
+        std::memcpy(pb.get(), it->second.data.get(), kBlockSize);
+        cached = true;
+      }
+    }
+    if (!cached) {
+      RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, pb.get(), kBlockSize));
+      RETURN_IF_ERROR(CheckBlock(pb.get(), kMagicPointerBlock, addr, sb_.uuid, "pointer block"));
+    }
+    for (uint32_t s = 0; s < kPointersPerBlock; s++) {
+      uint64_t p = dede::GetPtr(pb.get(), s);
+      if (p) RETURN_IF_ERROR(walk(PtrAddr(p), level - 1));
+    }
+    return Status::Ok();
+  };
+  for (const Inode& in : inodes) {
+    if (in.in_use() && in.depth > 0) RETURN_IF_ERROR(walk(in.root, in.depth));
+  }
+  return st;
+}
+
+}  // namespace dede

@@ -1,0 +1,85 @@
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <random>
+
+#include "volume/mem_device.h"
+#include "volume/volume.h"
+
+using namespace dede;
+
+namespace {
+std::shared_ptr<LockManager> TempLocks() {
+  static int n = 0;
+  std::string p = "/tmp/dede-unit-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
+  auto lm = OpenLocalLockManager(p);
+  REQUIRE(lm.ok());
+  ::unlink(p.c_str());
+  return std::shared_ptr<LockManager>(std::move(lm.value()));
+}
+
+std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937 r(seed);
+  for (auto& b : v) b = static_cast<uint8_t>(r());
+  return v;
+}
+}  // namespace
+
+TEST_CASE("volume: create, write, read, share, reopen", "[volume]") {
+  MemDevice dev(64 << 20);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  auto locks = TempLocks();
+  OpenOptions oo;
+  oo.locks = locks;
+  std::vector<uint8_t> a = Pattern(3 * kBlockSize + 100, 1);
+  {
+    auto vol = Volume::Open(&dev, oo);
+    REQUIRE(vol.ok());
+    REQUIRE(vol.value()->Create("a", 1 << 20).ok());
+    REQUIRE(vol.value()->Create("b", 1 << 20).ok());
+    REQUIRE(vol.value()->Create("a", 1).status().code() == Status::Code::kExists);
+    auto fa = vol.value()->OpenFile("a");
+    REQUIRE(fa.ok());
+    auto fb = vol.value()->OpenFile("b");
+    REQUIRE(fb.ok());
+    REQUIRE(fa.value()->Write(10, a.data(), a.size()).ok());
+    std::vector<uint8_t> r(a.size());
+    REQUIRE(fa.value()->Read(10, r.data(), r.size()).ok());
+    REQUIRE(r == a);
+    // Copy block 1 of a into b block 5 through the normal path, then share.
+    std::vector<uint8_t> blk(kBlockSize);
+    REQUIRE(fa.value()->Read(kBlockSize, blk.data(), kBlockSize).ok());
+    REQUIRE(fb.value()->Write(5 * kBlockSize, blk.data(), kBlockSize).ok());
+    REQUIRE(vol.value()->CompareAndShare(fa.value().get(), 1, fb.value().get(), 5,
+                                         VerifyMode::kByteCompare).ok());
+    REQUIRE(fa.value()->BlockRefCount(1).value() == 2);
+    REQUIRE(fb.value()->BlockRefCount(5).value() == 2);
+    // Mismatch leaves things alone.
+    REQUIRE(vol.value()->CompareAndShare(fa.value().get(), 0, fb.value().get(), 5,
+                                         VerifyMode::kByteCompare).code() ==
+            Status::Code::kMismatch);
+    // COW: writing a's block 1 does not change b.
+    std::vector<uint8_t> x = Pattern(kBlockSize, 9);
+    REQUIRE(fa.value()->Write(kBlockSize, x.data(), kBlockSize).ok());
+    std::vector<uint8_t> rb(kBlockSize);
+    REQUIRE(fb.value()->Read(5 * kBlockSize, rb.data(), kBlockSize).ok());
+    REQUIRE(rb == blk);
+    REQUIRE(fb.value()->BlockRefCount(5).value() == 1);
+    REQUIRE(vol.value()->Sync().ok());
+    auto st = vol.value()->Stats();
+    REQUIRE(st.ok());
+    CHECK(st->files == 2);
+    CHECK(st->logical_blocks == 5);
+  }
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  auto fb = vol.value()->OpenFile("b");
+  REQUIRE(fb.ok());
+  std::vector<uint8_t> rb(kBlockSize);
+  REQUIRE(fb.value()->Read(5 * kBlockSize, rb.data(), kBlockSize).ok());
+  std::vector<uint8_t> expect(a.begin() + kBlockSize - 10, a.begin() + 2 * kBlockSize - 10);
+  REQUIRE(rb == expect);
+  fb.value().reset();
+  REQUIRE(vol.value()->Remove("b").ok());
+  REQUIRE(vol.value()->Lookup("b").status().code() == Status::Code::kNotFound);
+}

@@ -1,0 +1,158 @@
+// Private: the Volume implementation, shared by volume.cc and fsck.cc.
+#pragma once
+
+#include <map>
+#include <memory>
+#include <set>
+#include <unordered_map>
+#include <unordered_set>
+#include <vector>
+
+#include "util/mutex.h"
+#include "volume/journal.h"
+#include "volume/volume.h"
+
+namespace dede {
+
+struct AlignedFree {
+  void operator()(uint8_t* p) const { std::free(p); }
+};
+using BlockBuf = std::unique_ptr<uint8_t, AlignedFree>;
+BlockBuf NewBlockBuf(size_t blocks = 1);
+
+// State of an open file shared by the File object and the volume.
+struct OpenFileState {
+  FileId id;
+  bool writable = false;
+  // Readers and in-place writers of whole blocks hold it shared; anything
+  // that changes the file's block map (allocation, COW, share, punch,
+  // truncate) or does read-modify-write of a partial block holds it
+  // exclusive. Lock order: OpenFileState::rw (by inode number) before
+  // VolumeImpl::mu_.
+  SharedMutex rw;
+};
+
+class VolumeImpl : public Volume {
+ public:
+  VolumeImpl(BlockDevice* dev, const Superblock& sb, std::shared_ptr<LockManager> locks,
+             Clock* clock, bool read_only);
+  ~VolumeImpl() override;
+
+  Status Start(uint32_t host_id);
+
+  const Superblock& superblock() const override { return sb_; }
+  uint32_t host_id() const override { return host_; }
+  Result<FileId> Create(const std::string& name, uint64_t size, FileKind kind) EXCLUDES(mu_) override;
+  Result<FileInfo> Lookup(const std::string& name) EXCLUDES(mu_) override;
+  Result<std::vector<FileInfo>> List() EXCLUDES(mu_) override;
+  Status Remove(const std::string& name) EXCLUDES(mu_) override;
+  Result<std::unique_ptr<File>> OpenFile(const std::string& name) EXCLUDES(mu_) override;
+  Result<std::unique_ptr<File>> OpenFileById(FileId id) EXCLUDES(mu_) override;
+  Status CompareAndShare(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
+                         VerifyMode mode, const Fingerprint* witness) override;
+  Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) EXCLUDES(mu_) override;
+  Status Sync() EXCLUDES(mu_) override;
+  Result<VolumeStats> Stats() EXCLUDES(mu_) override;
+
+  // ---- used by FileImpl (file rw lock held by the caller as documented)
+  Status ReadData(OpenFileState* f, uint64_t offset, uint8_t* buf, size_t len) EXCLUDES(mu_);
+  Status WriteData(OpenFileState* f, uint64_t offset, const uint8_t* buf, size_t len) EXCLUDES(mu_);
+  Status TrimData(OpenFileState* f, uint64_t offset, uint64_t len) EXCLUDES(mu_);
+  Status TruncateFile(OpenFileState* f, uint64_t size) EXCLUDES(mu_);
+  Status SetFlag(OpenFileState* f, uint32_t flag, bool on) EXCLUDES(mu_);
+  Result<uint32_t> RefCountAt(OpenFileState* f, uint64_t index) EXCLUDES(mu_);
+  Status PunchBlock(OpenFileState* f, uint64_t index) EXCLUDES(mu_);
+  Result<FileUsage> UsageOf(OpenFileState* f) EXCLUDES(mu_);
+  Result<Inode> InodeOf(OpenFileState* f) EXCLUDES(mu_);
+  void CloseFile(OpenFileState* f) EXCLUDES(mu_);
+
+  // ---- fsck (fsck.cc)
+  friend Result<FsckReport> CheckVolume(Volume* vol, bool repair);
+
+ private:
+  struct Cached {
+    BlockBuf data;
+    LockId owner;
+  };
+
+  // Block cache and journalling (mu_ held).
+  Status Load(uint64_t addr, LockId owner, uint32_t magic, const char* what, uint8_t** out)
+      REQUIRES(mu_);
+  uint8_t* Dirty(uint64_t addr) REQUIRES(mu_);
+  uint8_t* Fresh(uint64_t addr, LockId owner, uint32_t magic, uint32_t flags) REQUIRES(mu_);
+  Status Commit() REQUIRES(mu_);
+  Status Checkpoint() REQUIRES(mu_);
+  Status EnsureRoom(size_t blocks) REQUIRES(mu_);
+  size_t MaxTxnBlocks() const;
+  Status Poison(Status s) REQUIRES(mu_);
+  Status CheckWritable() REQUIRES(mu_);
+
+  // Locks (mu_ held).
+  Status AcquireCached(LockId id) REQUIRES(mu_);
+  Status AcquireGroupsFor(const std::vector<uint64_t>& addrs) REQUIRES(mu_);
+  Status ReleaseCached() REQUIRES(mu_);
+  Status RecoverDeadHosts() REQUIRES(mu_);
+  void DropCache(LockId owner) REQUIRES(mu_);
+
+  // Inodes and block maps (mu_ held; caller holds the inode's lock).
+  Result<Inode> GetInode(uint64_t ino) REQUIRES(mu_);
+  void PutInode(const Inode& in) REQUIRES(mu_);
+  Result<uint64_t> GetPtr(const Inode& in, uint64_t index) REQUIRES(mu_);
+  // Sets the pointer for `index`, building the path (may allocate pointer
+  // blocks and grow the tree). Updates `in` (root/depth); caller PutInode.
+  Status SetPtr(Inode* in, uint64_t index, uint64_t value) REQUIRES(mu_);
+  // Locates (leaf block address, slot) for index, or leaf 0 if unmapped.
+  Status FindLeaf(const Inode& in, uint64_t index, uint64_t* leaf, uint32_t* slot)
+      REQUIRES(mu_);
+  Status FreeTree(Inode* in, uint64_t keep_blocks) REQUIRES(mu_);
+  Status FreeSubtree(uint64_t addr, uint32_t level, uint64_t base, uint64_t keep_blocks,
+                     LockId owner, bool* now_empty) REQUIRES(mu_);
+
+  // Reference counts and allocation (mu_ held).
+  Result<uint32_t> GetRef(uint64_t addr) REQUIRES(mu_);
+  Status AddRef(uint64_t addr, int delta) REQUIRES(mu_);
+  Status Allocate(size_t n, std::vector<uint64_t>* out) REQUIRES(mu_);
+  Status AllocateFromGroup(uint32_t g, size_t n, std::vector<uint64_t>* out) REQUIRES(mu_);
+
+  // One block of a file becomes `value` (hole, COW ref...), releasing the
+  // old block's reference. Caller holds the file exclusively.
+  Status ReplaceBlock(Inode* in, uint64_t index, uint64_t value) REQUIRES(mu_);
+
+  Status CreateInode(uint64_t ino, const std::string& name, uint64_t size, FileKind kind,
+                     uint64_t* generation) REQUIRES(mu_);
+  Result<Inode> ReadInodeUncached(uint64_t ino) EXCLUDES(mu_);
+  Result<std::vector<Inode>> ScanInodes() EXCLUDES(mu_);
+  Result<std::unique_ptr<File>> OpenInode(uint64_t ino, uint64_t generation,
+                                          const std::string& name) EXCLUDES(mu_);
+  bool OwnsInode(uint64_t ino) REQUIRES(mu_);
+
+  BlockDevice* const dev_;
+  const Superblock sb_;
+  const std::shared_ptr<LockManager> locks_;
+  Clock* const clock_;
+  const bool read_only_;
+  uint32_t host_ = 0;
+  bool volume_locked_ = false;
+  bool slot_locked_ = false;
+
+  // Lock order: OpenFileState::rw before mu_. Device I/O for file data is
+  // done without mu_; metadata block I/O (cache misses, commits) under it.
+  Mutex mu_;
+  std::unique_ptr<Journal> journal_ GUARDED_BY(mu_);
+  std::unordered_map<uint64_t, Cached> cache_ GUARDED_BY(mu_);
+  std::set<uint64_t> txn_ GUARDED_BY(mu_);      // modified since the last commit
+  std::set<uint64_t> dirty_ GUARDED_BY(mu_);    // committed, not yet written home
+  // Freed since the last checkpoint: not reusable until then, or a replay
+  // of an older transaction could overwrite the new owner's data.
+  std::unordered_set<uint64_t> pending_free_ GUARDED_BY(mu_);
+  // Refcount decremented in the running transaction: a write through a COW
+  // pointer to such a block must still copy (the decrement may not survive
+  // a crash, and then the block is still shared on disk).
+  std::unordered_set<uint64_t> decref_uncommitted_ GUARDED_BY(mu_);
+  std::set<LockId> cached_locks_ GUARDED_BY(mu_);  // namespace and groups
+  std::map<uint64_t, OpenFileState*> open_ GUARDED_BY(mu_);  // by inode number
+  std::map<uint32_t, uint64_t> alloc_cursor_ GUARDED_BY(mu_);  // group -> data index hint
+  Status poisoned_ GUARDED_BY(mu_);
+};
+
+}  // namespace dede
