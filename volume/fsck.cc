@@ -1,7 +1,350 @@
+// fsck: recount everything from the block maps and compare with what is
+// stored. Runs with the namespace, every allocation group and every file
+// locked by this process, after a checkpoint, so the device holds the whole
+// truth and nobody changes it underneath.
 #include "volume/fsck.h"
+
+#include <cstring>
+#include <functional>
+#include <unordered_map>
 
 #include "volume/volume_impl.h"
 
 namespace dede {
-Result<FsckReport> CheckVolume(Volume*, bool) { return Status::Unsupported("fsck: not yet"); }
+
+namespace {
+constexpr size_t kMaxListed = 1000;
+
+bool AllZeroBlock(const uint8_t* p) {
+  for (size_t i = 0; i < kBlockSize; i++) {
+    if (p[i]) return false;
+  }
+  return true;
+}
+
+uint64_t SpanOf(uint32_t level) {
+  uint64_t s = 1;
+  for (uint32_t i = 1; i < level; i++) s *= kPointersPerBlock;
+  return s;
+}
+}  // namespace
+
+Result<FsckReport> CheckVolume(Volume* vol, bool repair) {
+  return static_cast<VolumeImpl*>(vol)->Fsck(repair);
+}
+
+Result<FsckReport> VolumeImpl::Fsck(bool repair) {
+  MutexLock l(&mu_);
+  if (repair && read_only_) return Status::Invalid("fsck --repair needs a writable volume");
+  if (!open_.empty()) return Status::Invalid("fsck: close every file of this volume first");
+  RETURN_IF_ERROR(poisoned_);
+  FsckReport rep;
+  size_t suppressed = 0;
+  auto problem = [&](std::string where, std::string what, bool repaired = false) {
+    if (rep.problems.size() >= kMaxListed) {
+      suppressed++;
+      return;
+    }
+    rep.problems.push_back(FsckProblem{std::move(where), std::move(what), repaired});
+  };
+
+  // ---- quiesce: hold every lock that guards metadata.
+  auto take = [&](LockId id) NO_THREAD_SAFETY_ANALYSIS -> Status {
+    if (cached_locks_.count(id)) return Status::Ok();
+    Status st = locks_->Acquire(id, LockMode::kExclusive, false);
+    if (st.code() == Status::Code::kLocked) {
+      return Status::Locked(id.ToString() +
+                            " is in use by another process or host; fsck needs the volume to "
+                            "itself");
+    }
+    RETURN_IF_ERROR(st);
+    cached_locks_.insert(id);
+    return Status::Ok();
+  };
+  RETURN_IF_ERROR(take(LockId{LockKind::kNamespace, 0}));
+  for (uint32_t g = 0; g < sb_.group_count; g++) RETURN_IF_ERROR(take(LockId{LockKind::kGroup, g}));
+  RETURN_IF_ERROR(RecoverDeadHosts());
+  RETURN_IF_ERROR(Checkpoint());
+  cache_.clear();  // everything is at home now; read the device afresh
+  std::vector<LockId> inode_locks;
+  auto release_inodes = [&]() NO_THREAD_SAFETY_ANALYSIS {
+    for (const LockId& id : inode_locks) {
+      DropCache(id);
+      (void)locks_->Release(id);
+    }
+  };
+  struct InodeLocksGuard {
+    std::function<void()> f;
+    ~InodeLocksGuard() { f(); }
+  } guard{release_inodes};
+
+  BlockBuf buf = NewBlockBuf();
+
+  // ---- superblocks
+  {
+    BlockBuf two = NewBlockBuf(2);
+    RETURN_IF_ERROR(dev_->Read(0, two.get(), 2 * kBlockSize));
+    BlockBuf good = NewBlockBuf();
+    EncodeSuperblock(sb_, 0, good.get());
+    for (uint64_t a : kSuperblockAddrs) {
+      auto s = DecodeSuperblock(two.get() + a * kBlockSize, a);
+      BlockBuf want = NewBlockBuf();
+      EncodeSuperblock(sb_, a, want.get());
+      bool same = s.ok() && std::memcmp(two.get() + a * kBlockSize + kHeaderSize,
+                                        want.get() + kHeaderSize,
+                                        kBlockSize - kHeaderSize) == 0;
+      if (!same) {
+        bool fixed = false;
+        if (repair) {
+          RETURN_IF_ERROR(Poison(dev_->Write(a * kBlockSize, want.get(), kBlockSize)));
+          fixed = true;
+        }
+        problem("superblock copy at block " + std::to_string(a),
+                s.ok() ? "differs from the other copy" : s.status().message(), fixed);
+      }
+    }
+  }
+
+  // ---- journals: after recovery and our checkpoint, all must be empty.
+  for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
+    auto j = Journal::Open(dev_, sb_, h);
+    if (!j.ok()) {
+      bool fixed = false;
+      if (repair) {
+        RETURN_IF_ERROR(Poison(Journal::Initialize(dev_, sb_, h)));
+        fixed = true;
+      }
+      problem("journal of host " + std::to_string(h), j.status().message(), fixed);
+      continue;
+    }
+    auto pending = j.value()->HasTransactions();
+    if (!pending.ok()) return pending.status();
+    if (pending.value() && h != host_) {
+      problem("journal of host " + std::to_string(h),
+              "holds transactions that were not replayed (is that host alive?)");
+    }
+  }
+
+  // ---- inodes and block maps: recount references.
+  std::unordered_map<uint64_t, uint32_t> refs;  // physical block -> pointers found
+  struct Unshared {
+    uint64_t ino, index, leaf;
+    uint32_t slot;
+  };
+  std::vector<Unshared> unshared;  // non-COW data pointers, checked against refs later
+  std::unordered_map<std::string, uint64_t> names;
+  auto data_block_ok = [&](uint64_t a) {
+    uint32_t g, slot;
+    uint64_t rb;
+    return sb_.LocateData(a, &g, &rb, &slot);
+  };
+
+  for (uint64_t ino = 1; ino <= sb_.inode_count; ino++) {
+    uint64_t addr = sb_.InodeBlock(ino);
+    RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, buf.get(), kBlockSize));
+    if (AllZeroBlock(buf.get())) continue;
+    std::string where = "inode " + std::to_string(ino);
+    auto in = DecodeInode(buf.get(), sb_.uuid, addr);
+    if (!in.ok() || in->ino != ino) {
+      bool fixed = false;
+      if (repair) {
+        RETURN_IF_ERROR(take(LockId{LockKind::kInode, ino}));
+        Fresh(addr, LockId{LockKind::kInode, ino}, kMagicInode, 0);
+        Inode cleared;
+        cleared.ino = ino;
+        cleared.generation = 1;
+        PutInode(cleared);
+        RETURN_IF_ERROR(EnsureRoom(8));
+        fixed = true;
+      }
+      problem(where, (in.ok() ? "claims number " + std::to_string(in->ino)
+                              : in.status().message()) +
+                         " (the file is lost)",
+              fixed);
+      continue;
+    }
+    if (!in->in_use()) continue;
+    rep.files++;
+    where += " '" + in->name + "'";
+    LockId il{LockKind::kInode, ino};
+    Status st = locks_->Acquire(il, LockMode::kExclusive, false);
+    if (st.code() == Status::Code::kLocked) {
+      return Status::Locked("file '" + in->name +
+                            "' is in use by another process or host; fsck needs the volume to "
+                            "itself");
+    }
+    RETURN_IF_ERROR(st);
+    inode_locks.push_back(il);
+    if (!names.emplace(in->name, ino).second) {
+      problem(where, "has the same name as inode " + std::to_string(names[in->name]));
+    }
+    uint64_t nblocks = (in->size + kBlockSize - 1) / kBlockSize;
+    uint64_t mapped = 0;
+    Inode fixed_in = in.value();
+    bool inode_dirty = false;
+    // Recursive walk of the block map.
+    std::function<Status(uint64_t, uint32_t, uint64_t, uint64_t, uint32_t)> walk =
+        [&](uint64_t pa, uint32_t level, uint64_t base, uint64_t parent,
+            uint32_t parent_slot) NO_THREAD_SAFETY_ANALYSIS -> Status {
+      std::string pw = where + " pointer block " + std::to_string(pa);
+      auto drop_parent = [&]() NO_THREAD_SAFETY_ANALYSIS -> Status {
+        if (!repair) return Status::Ok();
+        RETURN_IF_ERROR(EnsureRoom(8));
+        if (parent == 0) {
+          fixed_in.root = 0;
+          fixed_in.depth = 0;
+          inode_dirty = true;
+        } else {
+          uint8_t* pb;
+          RETURN_IF_ERROR(Load(parent, il, kMagicPointerBlock, "pointer block", &pb));
+          dede::SetPtr(Dirty(parent), parent_slot, 0);
+        }
+        return Status::Ok();
+      };
+      if (!data_block_ok(pa)) {
+        RETURN_IF_ERROR(drop_parent());
+        problem(pw, "is outside the data area", repair);
+        return Status::Ok();
+      }
+      BlockBuf pb = NewBlockBuf();
+      RETURN_IF_ERROR(dev_->Read(pa * kBlockSize, pb.get(), kBlockSize));
+      auto dec = DecodePointerBlock(pb.get(), sb_.uuid, pa);
+      if (!dec.ok() || dec->level != level) {
+        RETURN_IF_ERROR(drop_parent());
+        problem(pw, (dec.ok() ? "has level " + std::to_string(dec->level) + ", expected " +
+                                    std::to_string(level)
+                              : dec.status().message()) +
+                        " (the data it mapped is lost)",
+                repair);
+        return Status::Ok();
+      }
+      rep.metadata_blocks++;
+      if (refs[pa]++ > 0) {
+        problem(pw, "is referenced more than once (pointer blocks are never shared)");
+      }
+      for (uint32_t s = 0; s < kPointersPerBlock; s++) {
+        uint64_t p = dec->ptrs[s];
+        if (p == 0) continue;
+        uint64_t idx = base + s * SpanOf(level);
+        auto clear_slot = [&]() NO_THREAD_SAFETY_ANALYSIS -> Status {
+          if (!repair) return Status::Ok();
+          RETURN_IF_ERROR(EnsureRoom(8));
+          uint8_t* b;
+          RETURN_IF_ERROR(Load(pa, il, kMagicPointerBlock, "pointer block", &b));
+          dede::SetPtr(Dirty(pa), s, 0);
+          return Status::Ok();
+        };
+        if (level > 1) {
+          if (PtrCow(p)) problem(pw, "slot " + std::to_string(s) + ": COW bit on a map pointer");
+          RETURN_IF_ERROR(walk(PtrAddr(p), level - 1, idx, pa, s));
+          continue;
+        }
+        std::string dw = where + " block " + std::to_string(idx);
+        if (idx >= nblocks) {
+          RETURN_IF_ERROR(clear_slot());
+          problem(dw, "is mapped beyond the end of the file", repair);
+          continue;
+        }
+        if (!data_block_ok(PtrAddr(p))) {
+          RETURN_IF_ERROR(clear_slot());
+          problem(dw, "points outside the data area (" + std::to_string(PtrAddr(p)) + ")",
+                  repair);
+          continue;
+        }
+        refs[PtrAddr(p)]++;
+        mapped++;
+        if (!PtrCow(p)) unshared.push_back(Unshared{ino, idx, pa, s});
+      }
+      return Status::Ok();
+    };
+    if (in->depth > 0) RETURN_IF_ERROR(walk(in->root, in->depth, 0, 0, 0));
+    rep.mapped_blocks += mapped;
+    if (mapped != in->mapped_blocks) {
+      problem(where, "records " + std::to_string(in->mapped_blocks) + " mapped blocks, found " +
+                         std::to_string(mapped),
+              repair);
+      fixed_in.mapped_blocks = mapped;
+      inode_dirty = true;
+    }
+    if (repair && inode_dirty) {
+      RETURN_IF_ERROR(EnsureRoom(8));
+      uint8_t* b;
+      RETURN_IF_ERROR(Load(addr, il, kMagicInode, "inode", &b));
+      PutInode(fixed_in);
+    }
+  }
+
+  // ---- unshared pointers must be the only reference to their block.
+  for (const Unshared& u : unshared) {
+    uint8_t* leaf = nullptr;
+    BlockBuf lb = NewBlockBuf();
+    RETURN_IF_ERROR(dev_->Read(u.leaf * kBlockSize, lb.get(), kBlockSize));
+    uint64_t p = dede::GetPtr(lb.get(), u.slot);
+    if (refs[PtrAddr(p)] > 1) {
+      if (repair) {
+        RETURN_IF_ERROR(EnsureRoom(8));
+        RETURN_IF_ERROR(Load(u.leaf, LockId{LockKind::kInode, u.ino}, kMagicPointerBlock,
+                             "pointer block", &leaf));
+        dede::SetPtr(Dirty(u.leaf), u.slot, p | kPtrCow);
+      }
+      problem("inode " + std::to_string(u.ino) + " block " + std::to_string(u.index),
+              "unshared (non-COW) pointer to block " + std::to_string(PtrAddr(p)) +
+                  ", which has " + std::to_string(refs[PtrAddr(p)]) + " references",
+              repair);
+    }
+  }
+
+  // ---- stored reference counts against the recount.
+  for (uint32_t g = 0; g < sb_.group_count; g++) {
+    uint64_t count = sb_.GroupDataBlocks(g);
+    uint64_t data_start = sb_.GroupDataStart(g);
+    for (uint32_t r = 0; r < sb_.GroupRefBlocks(g); r++) {
+      uint64_t rb = sb_.GroupStart(g) + r;
+      RETURN_IF_ERROR(dev_->Read(rb * kBlockSize, buf.get(), kBlockSize));
+      bool zero = AllZeroBlock(buf.get());
+      Status st = zero ? Status::Ok()
+                       : CheckBlock(buf.get(), kMagicRefcountBlock, rb, sb_.uuid,
+                                    "refcount block");
+      bool rewrite = false;
+      if (!st.ok()) {
+        problem("refcount block " + std::to_string(rb) + " of group " + std::to_string(g),
+                st.message() + " (rebuilt from the block maps)", repair);
+        rewrite = true;
+      }
+      uint64_t n = std::min<uint64_t>(kRefsPerBlock, count - uint64_t{r} * kRefsPerBlock);
+      for (uint32_t s = 0; s < n && st.ok(); s++) {
+        uint64_t a = data_start + uint64_t{r} * kRefsPerBlock + s;
+        uint32_t stored = zero ? 0 : dede::GetRef(buf.get(), s);
+        auto it = refs.find(a);
+        uint32_t found = it == refs.end() ? 0 : it->second;
+        if (stored != found) {
+          problem("block " + std::to_string(a),
+                  "refcount " + std::to_string(stored) + " stored, " + std::to_string(found) +
+                      " references found" + (found == 0 ? " (leaked)" : ""),
+                  repair);
+          rewrite = true;
+        }
+      }
+      if (rewrite && repair) {
+        RETURN_IF_ERROR(EnsureRoom(8));
+        uint8_t* b = Fresh(rb, LockId{LockKind::kGroup, g}, kMagicRefcountBlock, 0);
+        for (uint32_t s = 0; s < n; s++) {
+          auto it = refs.find(data_start + uint64_t{r} * kRefsPerBlock + s);
+          dede::SetRef(b, s, it == refs.end() ? 0 : it->second);
+        }
+      }
+    }
+  }
+  if (suppressed > 0) {
+    rep.problems.push_back(
+        FsckProblem{"fsck", std::to_string(suppressed) + " more problems not listed", repair});
+  }
+  if (repair) RETURN_IF_ERROR(Checkpoint());
+  release_inodes();
+  inode_locks.clear();
+  RETURN_IF_ERROR(ReleaseCached());
+  cache_.clear();
+  return rep;
+}
+
 }  // namespace dede

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "util/mutex.h"
+#include "volume/fsck.h"
 #include "volume/journal.h"
 #include "volume/volume.h"
 
@@ -67,7 +68,7 @@ class VolumeImpl : public Volume {
   void CloseFile(OpenFileState* f) EXCLUDES(mu_);
 
   // ---- fsck (fsck.cc)
-  friend Result<FsckReport> CheckVolume(Volume* vol, bool repair);
+  Result<FsckReport> Fsck(bool repair) EXCLUDES(mu_);
 
  private:
   struct Cached {

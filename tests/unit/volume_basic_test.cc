@@ -2,6 +2,7 @@
 #include <cstring>
 #include <random>
 
+#include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
 
@@ -82,4 +83,53 @@ TEST_CASE("volume: create, write, read, share, reopen", "[volume]") {
   fb.value().reset();
   REQUIRE(vol.value()->Remove("b").ok());
   REQUIRE(vol.value()->Lookup("b").status().code() == Status::Code::kNotFound);
+}
+
+TEST_CASE("volume: fsck is clean after use and finds a broken refcount", "[volume][fsck]") {
+  MemDevice dev(64 << 20);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  REQUIRE(vol.value()->Create("a", 4 << 20).ok());
+  {
+    auto fa = vol.value()->OpenFile("a");
+    REQUIRE(fa.ok());
+    std::vector<uint8_t> d = Pattern(3 << 20, 3);
+    REQUIRE(fa.value()->Write(4096, d.data(), d.size()).ok());
+    REQUIRE(vol.value()->CloneBlock(fa.value().get(), 2, fa.value().get(), 900).ok());
+    REQUIRE(fa.value()->Trim(8192 + 100, 40000).ok());
+  }
+  auto rep = CheckVolume(vol.value().get(), false);
+  REQUIRE(rep.ok());
+  for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
+  REQUIRE(rep->clean());
+  REQUIRE(rep->files == 1);
+  // Break the refcount of one data block behind fsck's back.
+  const Superblock sb = vol.value()->superblock();
+  vol.value().reset();
+  uint64_t rb = sb.GroupStart(0);
+  std::vector<uint8_t> blk(kBlockSize);
+  REQUIRE(dev.Read(rb * kBlockSize, blk.data(), kBlockSize).ok());
+  // Find a slot with refcount 1 and make it 7.
+  uint32_t slot = 0;
+  while (GetRef(blk.data(), slot) != 1) slot++;
+  SetRef(blk.data(), slot, 7);
+  BlockHeader h = PeekHeader(blk.data());
+  SealBlock(blk.data(), h, sb.uuid);
+  REQUIRE(dev.Write(rb * kBlockSize, blk.data(), kBlockSize).ok());
+  vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  rep = CheckVolume(vol.value().get(), false);
+  REQUIRE(rep.ok());
+  REQUIRE(rep->problems.size() == 1);
+  REQUIRE(rep->problems[0].what.find("refcount 7 stored, 1 references found") != std::string::npos);
+  rep = CheckVolume(vol.value().get(), true);
+  REQUIRE(rep.ok());
+  REQUIRE(rep->problems.size() == 1);
+  REQUIRE(rep->problems[0].repaired);
+  rep = CheckVolume(vol.value().get(), false);
+  REQUIRE(rep.ok());
+  REQUIRE(rep->clean());
 }
