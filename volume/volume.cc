@@ -508,6 +508,15 @@ Result<uint32_t> VolumeImpl::GetRef(uint64_t addr) {
     return Status::Corruption("block pointer " + std::to_string(addr) +
                               " is outside the data area");
   }
+  if (read_only_) {
+    // Readers (ls -l, stats) must not stall a daemon that holds the group:
+    // read the count from its home block, possibly a little stale.
+    BlockBuf b = NewBlockBuf();
+    RETURN_IF_ERROR(dev_->Read(rb * kBlockSize, b.get(), kBlockSize));
+    if (AllZero(b.get(), kBlockSize)) return uint32_t{0};
+    RETURN_IF_ERROR(CheckBlock(b.get(), kMagicRefcountBlock, rb, sb_.uuid, "refcount block"));
+    return dede::GetRef(b.get(), slot);
+  }
   RETURN_IF_ERROR(AcquireGroupsFor({addr}));
   uint8_t* b;
   RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
@@ -1180,18 +1189,9 @@ Status VolumeImpl::TruncateFile(OpenFileState* f, uint64_t size) {
   uint64_t keep = (size + kBlockSize - 1) / kBlockSize;
   uint64_t old_blocks = (old_size + kBlockSize - 1) / kBlockSize;
   // Zero the tail of a partially kept last block so a later extension reads
-  // zeros there.
+  // zeros there. (The caller holds the file exclusively, so this cannot go
+  // through WriteData, which takes the file lock itself.)
   if (size < old_size && size % kBlockSize != 0) {
-    MutexLock l(&mu_);
-    ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
-    ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, keep - 1));
-    (void)p;
-  }
-  if (size < old_size && size % kBlockSize != 0) {
-    uint64_t end = std::min(old_size, keep * kBlockSize);
-    std::vector<uint8_t> zeros(end - size, 0);
-    // WriteData takes the file lock itself; the caller holds it exclusive,
-    // so write through the slow path pieces directly.
     MutexLock l(&mu_);
     ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
     ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, keep - 1));
