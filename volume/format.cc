@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
@@ -98,6 +100,14 @@ Status CheckBlock(const uint8_t* blk, uint32_t magic, uint64_t addr, const Uuid&
 }
 
 // ---------------------------------------------------------------- superblock
+
+namespace {
+// Groups in `span` blocks when each full group has `full` blocks: group g
+// exists when it has at least 2 blocks (one refcount block, one data block).
+uint64_t GroupCountFor(uint64_t span, uint64_t full) {
+  return span < 2 ? 0 : (span - 2) / full + 1;
+}
+}  // namespace
 
 uint64_t Superblock::GroupStart(uint32_t g) const { return group_start + g * FullGroupBlocks(); }
 
@@ -194,23 +204,22 @@ Result<Superblock> DecodeSuperblock(const uint8_t* blk, uint64_t addr) {
   if (sb.incompat_features != 0) {
     return Status::Unsupported(where + ": unknown incompatible features");
   }
-  // Structural sanity: regions in order, inside the device.
+  // Structural sanity: regions in order, inside the device. Every count is
+  // bounded by 2^48 first so that none of the sums below can wrap.
+  const uint64_t kLimit = 1ull << 48;
   bool sane = sb.max_hosts >= 1 && sb.max_hosts <= kMaxHosts && sb.journal_blocks >= 16 &&
-              sb.lease_start == kLeaseAreaStartBlock &&
+              sb.journal_blocks < kLimit && sb.inode_count >= 1 && sb.inode_count < kLimit &&
+              sb.total_blocks < kLimit && sb.lease_start == kLeaseAreaStartBlock &&
               sb.lease_blocks == kLeaseBlocks * (1 + uint64_t{sb.lease_slots}) &&
               sb.journal_start == sb.lease_start + sb.lease_blocks &&
               sb.inode_start == sb.journal_start + sb.max_hosts * sb.journal_blocks &&
-              sb.inode_count >= 1 && sb.group_start == sb.inode_start + sb.inode_count &&
-              sb.group_refblocks >= 1 && sb.group_count >= 1 && sb.group_start < sb.total_blocks &&
-              sb.total_blocks < (1ull << 48);
-  if (sane) {
-    uint64_t last = sb.GroupStart(sb.group_count - 1);
-    sane = last < sb.total_blocks && sb.GroupDataBlocks(sb.group_count - 1) >= 1 &&
-           (sb.group_count == 1 || last >= sb.group_start);
-    // group_count must cover the device exactly (no room for another group).
-    uint64_t next = sb.GroupStart(sb.group_count);
-    sane = sane && (next >= sb.total_blocks || sb.total_blocks - next < 2);
-  }
+              sb.group_start == sb.inode_start + sb.inode_count && sb.group_refblocks >= 1 &&
+              sb.group_start < sb.total_blocks;
+  // group_count must tile the rest of the device exactly: every group has
+  // at least 2 blocks (a refcount block and a data block) and there is no
+  // room for another one.
+  sane = sane && sb.group_count >= 1 &&
+         sb.group_count == GroupCountFor(sb.total_blocks - sb.group_start, sb.FullGroupBlocks());
   if (!sane) return Status::Corruption(where + ": inconsistent layout fields");
   return sb;
 }
@@ -229,6 +238,10 @@ Result<Superblock> PlanLayout(const FormatParams& p) {
   sb.lease_blocks = kLeaseBlocks * (1 + uint64_t{sb.lease_slots});
   sb.journal_blocks = p.journal_blocks ? p.journal_blocks : (p.device_bytes < kGiB ? 256 : 1024);
   if (sb.journal_blocks < 16) return Status::Invalid("journal must be at least 16 blocks");
+  // Bound the sizes before adding them up so that nothing wraps.
+  const uint64_t kLimit = 1ull << 48;
+  if (sb.journal_blocks >= kLimit) return Status::Invalid("journal size is out of range");
+  if (p.inode_count >= kLimit) return Status::Invalid("inode count is out of range");
   sb.journal_start = sb.lease_start + sb.lease_blocks;
   sb.inode_start = sb.journal_start + sb.max_hosts * sb.journal_blocks;
   sb.inode_count = p.inode_count
@@ -245,13 +258,11 @@ Result<Superblock> PlanLayout(const FormatParams& p) {
                            std::to_string(min_blocks * kBlockSize) + " bytes");
   }
   if (sb.total_blocks >= (1ull << 48)) return Status::Invalid("device is larger than 1 EiB");
-  uint32_t g = 0;
-  while (true) {
-    uint64_t start = sb.group_start + g * sb.FullGroupBlocks();
-    if (start + 2 > sb.total_blocks) break;
-    g++;
+  uint64_t groups = GroupCountFor(sb.total_blocks - sb.group_start, sb.FullGroupBlocks());
+  if (groups > UINT32_MAX) {
+    return Status::Invalid("device needs more than 2^32 allocation groups; use larger groups");
   }
-  sb.group_count = g;
+  sb.group_count = static_cast<uint32_t>(groups);
   return sb;
 }
 
@@ -280,6 +291,12 @@ Result<JournalHeader> DecodeJournalHeader(const uint8_t* blk, const Uuid& uuid, 
 }
 
 void EncodeJournalTxn(const JournalTxn& t, const Uuid& uuid, uint64_t addr, uint8_t* blk) {
+  if (t.homes.size() > kMaxTxnBlocks) {
+    // A caller bug: the homes would overrun the block.
+    std::fprintf(stderr, "EncodeJournalTxn: %zu images (at most %u fit)\n", t.homes.size(),
+                 kMaxTxnBlocks);
+    std::abort();
+  }
   std::memset(blk, 0, kBlockSize);
   Encoder e(blk + kHeaderSize, kBlockSize - kHeaderSize);
   e.u32(static_cast<uint32_t>(t.homes.size()));
@@ -300,7 +317,14 @@ Result<JournalTxn> DecodeJournalTxn(const uint8_t* blk, const Uuid& uuid, uint64
                               std::to_string(n) + " images");
   }
   t.homes.resize(n);
-  for (auto& h : t.homes) h = d.u64();
+  for (uint32_t i = 0; i < n; i++) {
+    t.homes[i] = d.u64();
+    if (t.homes[i] & ~kPtrAddrMask) {
+      return Status::Corruption("journal transaction at block " + std::to_string(addr) +
+                                ": image " + std::to_string(i) + " has home address " +
+                                std::to_string(t.homes[i]) + " beyond 2^48");
+    }
+  }
   return t;
 }
 
@@ -331,14 +355,15 @@ void EncodeInode(const Inode& in, uint64_t seq, const Uuid& uuid, uint64_t addr,
   e.u32(in.flags);
   e.u16(static_cast<uint16_t>(in.kind));
   e.u8(in.depth);
-  e.u8(static_cast<uint8_t>(in.name.size()));
+  const size_t name_len = std::min<size_t>(in.name.size(), kMaxNameLen);
+  e.u8(static_cast<uint8_t>(name_len));
   e.u64(in.size);
   e.u64(in.root);
   e.u64(in.mapped_blocks);
   e.u64(in.ctime_ns);
   e.u64(in.mtime_ns);
   e.u64(in.owner_ino);
-  std::memcpy(blk + kInodeNameOff, in.name.data(), std::min<size_t>(in.name.size(), kMaxNameLen));
+  std::memcpy(blk + kInodeNameOff, in.name.data(), name_len);
   SealBlock(blk, BlockHeader{kMagicInode, kFormatMajor, kFormatMinor, 0, seq, addr}, uuid);
 }
 

@@ -428,6 +428,12 @@ Status VolumeImpl::Sync() {
   RETURN_IF_ERROR(poisoned_);
   RETURN_IF_ERROR(Commit());
   if (journal_->used_blocks() * 2 > journal_->ring_blocks()) RETURN_IF_ERROR(Checkpoint());
+  // Other processes may be waiting for the groups we cache: hand them back
+  // at a flush point once we have had them for a while.
+  if (!cached_locks_.empty() &&
+      clock_->MonotonicNanos() - cached_since_ns_ > kLockCacheNanos) {
+    RETURN_IF_ERROR(ReleaseCached());
+  }
   return Status::Ok();
 }
 
@@ -439,6 +445,19 @@ void VolumeImpl::DropCache(LockId owner) {
       ++it;
     }
   }
+}
+
+void VolumeImpl::NoteCached(LockId id) {
+  if (cached_locks_.empty()) cached_since_ns_ = clock_->MonotonicNanos();
+  cached_locks_.insert(id);
+}
+
+Status VolumeImpl::ReleaseCachedLock(LockId id) {
+  if (!cached_locks_.count(id)) return Status::Ok();
+  RETURN_IF_ERROR(Checkpoint());
+  DropCache(id);
+  cached_locks_.erase(id);
+  return locks_->Release(id);
 }
 
 Status VolumeImpl::ReleaseCached() {
@@ -463,7 +482,7 @@ Status VolumeImpl::AcquireCached(LockId id) {
     st = locks_->Acquire(id, LockMode::kExclusive, true);
   }
   RETURN_IF_ERROR(st);
-  cached_locks_.insert(id);
+  NoteCached(id);
   return RecoverDeadHosts();
 }
 
@@ -488,12 +507,12 @@ Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
       }
       for (uint32_t w : need) {
         RETURN_IF_ERROR(locks_->Acquire(GroupLock(w), LockMode::kExclusive, true));
-        cached_locks_.insert(GroupLock(w));
+        NoteCached(GroupLock(w));
       }
       return RecoverDeadHosts();
     }
     RETURN_IF_ERROR(st);
-    cached_locks_.insert(GroupLock(g));
+    NoteCached(GroupLock(g));
   }
   if (!need.empty()) return RecoverDeadHosts();
   return Status::Ok();
@@ -593,9 +612,23 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out) {
     Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
     if (st.code() == Status::Code::kLocked) continue;  // another host allocates there
     RETURN_IF_ERROR(st);
-    cached_locks_.insert(GroupLock(g));
+    NoteCached(GroupLock(g));
     RETURN_IF_ERROR(RecoverDeadHosts());
     RETURN_IF_ERROR(AllocateFromGroup(g, n, out));
+  }
+  if (out->size() < n) {
+    // Every group we could take without waiting is full or busy. Give back
+    // what we hold (rule: never wait holding cached locks) and wait for the
+    // groups in order until enough space turns up.
+    for (uint64_t a : *out) RETURN_IF_ERROR(AddRef(a, -1));
+    out->clear();
+    RETURN_IF_ERROR(ReleaseCached());
+    for (uint32_t g = 0; g < sb_.group_count && out->size() < n; g++) {
+      RETURN_IF_ERROR(locks_->Acquire(GroupLock(g), LockMode::kExclusive, true));
+      NoteCached(GroupLock(g));
+      RETURN_IF_ERROR(RecoverDeadHosts());
+      RETURN_IF_ERROR(AllocateFromGroup(g, n, out));
+    }
   }
   if (out->size() < n) {
     for (uint64_t a : *out) RETURN_IF_ERROR(AddRef(a, -1));
@@ -711,6 +744,8 @@ Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKi
   DropCache(InodeLock(free_ino));
   (void)locks_->Release(InodeLock(free_ino));
   RETURN_IF_ERROR(st);
+  // Namespace changes are rare; do not make other processes wait for ours.
+  RETURN_IF_ERROR(ReleaseCachedLock(kNamespaceLock));
   return FileId{free_ino, generation};
 }
 
@@ -769,6 +804,7 @@ Status VolumeImpl::Remove(const std::string& name) {
     cleared.ino = in.ino;
     cleared.generation = in.generation;  // the next create bumps it
     PutInode(cleared);
+    RETURN_IF_ERROR(ReleaseCachedLock(kNamespaceLock));
   }
   return Status::Ok();
 }

@@ -92,6 +92,8 @@ class VolumeImpl : public Volume {
   Status AcquireCached(LockId id) REQUIRES(mu_);
   Status AcquireGroupsFor(const std::vector<uint64_t>& addrs) REQUIRES(mu_);
   Status ReleaseCached() REQUIRES(mu_);
+  Status ReleaseCachedLock(LockId id) REQUIRES(mu_);
+  void NoteCached(LockId id) REQUIRES(mu_);
   Status RecoverDeadHosts() REQUIRES(mu_);
   void DropCache(LockId owner) REQUIRES(mu_);
 
@@ -151,6 +153,9 @@ class VolumeImpl : public Volume {
   // a crash, and then the block is still shared on disk).
   std::unordered_set<uint64_t> decref_uncommitted_ GUARDED_BY(mu_);
   std::set<LockId> cached_locks_ GUARDED_BY(mu_);  // namespace and groups
+  uint64_t cached_since_ns_ GUARDED_BY(mu_) = 0;
+  // How long Sync() keeps cached locks before handing them back.
+  static constexpr uint64_t kLockCacheNanos = 1'000'000'000;
   std::map<uint64_t, OpenFileState*> open_ GUARDED_BY(mu_);  // by inode number
   std::map<uint32_t, uint64_t> alloc_cursor_ GUARDED_BY(mu_);  // group -> data index hint
   Status poisoned_ GUARDED_BY(mu_);
