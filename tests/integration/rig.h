@@ -42,8 +42,11 @@ void CreateSparseFile(const std::string& path, uint64_t size);
 
 // A tgtd serving one LUN (lun 1) backed by a file, on 127.0.0.1:<free port>,
 // with its own control socket. Started in the constructor; the destructor
-// deletes the target and kills tgtd by pid. One per test suite is plenty:
-// tgtd starts in well under a second.
+// deletes the target and stops tgtd by pid ("tgtadm --op delete --mode
+// system"; tgtd ignores SIGTERM, SIGKILL is the fallback). One per test
+// suite is plenty: tgtd starts in well under a second. tgtd is also killed
+// when the thread that created the rig exits (so a crashed test leaves no
+// daemon behind): create rigs on a thread that outlives them.
 class TgtdRig {
  public:
   // backing_file must exist with the LUN's size. chap_user/password empty =
@@ -58,6 +61,7 @@ class TgtdRig {
   const std::string& iqn() const { return iqn_; }
   // iscsi://127.0.0.1:<port>/<iqn>/1 (with user%password@ when CHAP is on).
   std::string url() const;
+  // tgtd's pid; a test may SIGKILL it to simulate a crashed target.
   int pid() const { return pid_; }
 
   // Runs `tgtadm -C <ctl> --lld iscsi ARGS...` against this tgtd, e.g. to

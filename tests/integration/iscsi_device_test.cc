@@ -1,0 +1,500 @@
+// The iSCSI backend against a real tgtd on 127.0.0.1 (see rig.h).
+#include <arpa/inet.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <random>
+#include <regex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "tests/integration/rig.h"
+#include "volume/block_device.h"
+
+using dede::BlockDevice;
+using dede::DeviceOptions;
+using dede::Status;
+using dede::test::CreateSparseFile;
+using dede::test::TempDir;
+using dede::test::TgtdRig;
+
+namespace {
+
+constexpr uint64_t kMiB = 1024 * 1024;
+// Not a multiple of 4 KiB, so the last-sector cases are real edge cases.
+constexpr uint64_t kLunSize = 40 * kMiB + 7 * 512;
+
+// One target per process: tgtd starts in a fraction of a second, but there
+// is no reason to pay that per test case when the cases run together.
+struct Target {
+  explicit Target(const std::string& user = "", const std::string& password = "")
+      : backing(dir.file("lun.img")) {
+    CreateSparseFile(backing, kLunSize);
+    rig = std::make_unique<TgtdRig>(backing, user, password);
+  }
+  TempDir dir;
+  std::string backing;
+  std::unique_ptr<TgtdRig> rig;
+};
+
+Target& Plain() {
+  static Target t;
+  return t;
+}
+
+Target& WithChap() {
+  static Target t("dede-user", "s3cret-pass-1234");
+  return t;
+}
+
+std::string Portal(const TgtdRig& rig) {
+  return "127.0.0.1:" + std::to_string(rig.port());
+}
+
+std::string PlainUrl(const TgtdRig& rig, const std::string& iqn, int lun) {
+  return "iscsi://" + Portal(rig) + "/" + iqn + "/" + std::to_string(lun);
+}
+
+std::unique_ptr<BlockDevice> MustOpen(const std::string& url, DeviceOptions opts = {}) {
+  auto dev = dede::OpenBlockDevice(url, opts);
+  INFO(dev.status().ToString());
+  REQUIRE(dev.ok());
+  return std::move(dev).value();
+}
+
+std::vector<uint8_t> RandomBytes(size_t n, uint64_t seed) {
+  std::mt19937_64 gen(seed);
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; i += 8) {
+    uint64_t x = gen();
+    std::memcpy(v.data() + i, &x, std::min<size_t>(8, n - i));
+  }
+  return v;
+}
+
+std::vector<uint8_t> ReadFile(const std::string& path, uint64_t offset, size_t len) {
+  std::vector<uint8_t> buf(len);
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  REQUIRE(fd >= 0);
+  size_t done = 0;
+  while (done < len) {
+    ssize_t n = ::pread(fd, buf.data() + done, len - done, static_cast<off_t>(offset + done));
+    REQUIRE(n > 0);
+    done += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  return buf;
+}
+
+// A port on 127.0.0.1 with nothing listening.
+int ClosedPort() {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+bool OneLine(const std::string& s) {
+  return !s.empty() && s.find('\n') == std::string::npos;
+}
+
+}  // namespace
+
+TEST_CASE("iSCSI device reports the LUN size and its name", "[iscsi]") {
+  auto& t = Plain();
+  auto dev = MustOpen(t.rig->url());
+  CHECK(dev->size_bytes() == kLunSize);
+  CHECK(dev->name() == t.rig->url());
+  CHECK(dev->local_lock_path().empty());
+}
+
+TEST_CASE("iSCSI write, flush and read round trip", "[iscsi]") {
+  auto& t = Plain();
+  auto dev = MustOpen(t.rig->url());
+  REQUIRE(dev->size_bytes() == kLunSize);
+
+  // What the LUN must hold: its current content plus our writes.
+  std::vector<uint8_t> model = ReadFile(t.backing, 0, kLunSize);
+  struct Extent {
+    uint64_t offset;
+    size_t len;
+  };
+  const std::vector<Extent> writes = {
+      {0, 4096},
+      {512, 512},                             // overwrite inside the previous one
+      {3 * 4096 + 512, 8192 - 512},           // sector- but not page-aligned
+      {kMiB - 512, kMiB + 1024},              // > 1 MiB, crosses a chunk boundary
+      {5 * kMiB, 3 * kMiB + 4096},            // several chunks
+      {kLunSize - 2 * kMiB - 512, 2 * kMiB},  // ends one sector before the end
+      {kLunSize - 512, 512},                  // the last sector
+      {17 * kMiB + 4096, 64 * 1024},
+  };
+  uint64_t seed = 1;
+  for (const auto& w : writes) {
+    auto data = RandomBytes(w.len, seed++);
+    INFO("write at " << w.offset << " length " << w.len);
+    Status st = dev->Write(w.offset, data.data(), data.size());
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    std::memcpy(model.data() + w.offset, data.data(), w.len);
+  }
+
+  // Each extent reads back as the model says (later writes win).
+  for (const auto& w : writes) {
+    std::vector<uint8_t> got(w.len);
+    INFO("read at " << w.offset << " length " << w.len);
+    Status st = dev->Read(w.offset, got.data(), got.size());
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    REQUIRE(std::memcmp(got.data(), model.data() + w.offset, w.len) == 0);
+  }
+
+  Status flushed = dev->Flush();
+  INFO(flushed.ToString());
+  REQUIRE(flushed.ok());
+
+  // The whole LUN, read in one call through a separate session, and the
+  // backing file itself agree with the model.
+  auto other = MustOpen(t.rig->url());
+  std::vector<uint8_t> all(kLunSize);
+  Status st = other->Read(0, all.data(), all.size());
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  REQUIRE(all == model);
+  REQUIRE(ReadFile(t.backing, 0, kLunSize) == model);
+}
+
+TEST_CASE("iSCSI device rejects misaligned and out-of-range I/O", "[iscsi]") {
+  auto& t = Plain();
+  auto dev = MustOpen(t.rig->url());
+  std::vector<uint8_t> buf(8192);
+  CHECK(dev->Read(1, buf.data(), 512).code() == Status::Code::kInvalid);
+  CHECK(dev->Read(0, buf.data(), 100).code() == Status::Code::kInvalid);
+  CHECK(dev->Read(kLunSize, buf.data(), 512).code() == Status::Code::kInvalid);
+  CHECK(dev->Write(kLunSize - 512, buf.data(), 1024).code() == Status::Code::kInvalid);
+  // The session is still fine afterwards.
+  CHECK(dev->Read(kLunSize - 512, buf.data(), 512).ok());
+}
+
+TEST_CASE("read-only iSCSI device refuses writes", "[iscsi]") {
+  auto& t = Plain();
+  DeviceOptions opts;
+  opts.read_only = true;
+  auto dev = MustOpen(t.rig->url(), opts);
+  auto before = ReadFile(t.backing, 0, 8192);
+
+  std::vector<uint8_t> buf(8192);
+  REQUIRE(dev->Read(0, buf.data(), buf.size()).ok());
+  CHECK(buf == before);
+
+  auto junk = RandomBytes(8192, 99);
+  Status st = dev->Write(0, junk.data(), junk.size());
+  CHECK(st.code() == Status::Code::kInvalid);
+  CHECK_THAT(st.message(), Catch::Contains("read-only"));
+  CHECK(dev->Discard(0, 8192).code() == Status::Code::kInvalid);
+  CHECK(dev->Flush().ok());
+  CHECK(ReadFile(t.backing, 0, 8192) == before);
+}
+
+TEST_CASE("iSCSI CHAP authentication", "[iscsi]") {
+  auto& t = WithChap();
+  const std::string portal = Portal(*t.rig);
+
+  SECTION("the right password works") {
+    auto dev = MustOpen(t.rig->url());
+    CHECK(dev->name().find("s3cret") == std::string::npos);
+    auto data = RandomBytes(4096, 7);
+    REQUIRE(dev->Write(4096, data.data(), data.size()).ok());
+    REQUIRE(dev->Flush().ok());
+    std::vector<uint8_t> got(4096);
+    REQUIRE(dev->Read(4096, got.data(), got.size()).ok());
+    CHECK(got == data);
+  }
+
+  SECTION("a wrong password fails clearly") {
+    std::string url = "iscsi://dede-user%wrong-password@" + portal + "/" + t.rig->iqn() + "/1";
+    auto dev = dede::OpenBlockDevice(url);
+    REQUIRE_FALSE(dev.ok());
+    const std::string& msg = dev.status().message();
+    INFO(msg);
+    CHECK(dev.status().code() == Status::Code::kInvalid);
+    CHECK(OneLine(msg));
+    CHECK_THAT(msg, Catch::Contains("CHAP") && Catch::Contains("dede-user") &&
+                        Catch::Contains(t.rig->iqn()) && Catch::Contains(portal));
+    CHECK(msg.find("wrong-password") == std::string::npos);
+  }
+
+  SECTION("no credentials says CHAP is required") {
+    auto dev = dede::OpenBlockDevice(PlainUrl(*t.rig, t.rig->iqn(), 1));
+    REQUIRE_FALSE(dev.ok());
+    INFO(dev.status().message());
+    CHECK(dev.status().code() == Status::Code::kInvalid);
+    CHECK_THAT(dev.status().message(), Catch::Contains("requires CHAP"));
+  }
+}
+
+TEST_CASE("unreachable iSCSI portal fails fast and names the portal", "[iscsi]") {
+  int port = ClosedPort();
+  std::string portal = "127.0.0.1:" + std::to_string(port);
+  auto start = std::chrono::steady_clock::now();
+  auto dev = dede::OpenBlockDevice("iscsi://" + portal + "/iqn.2026-11.org.dede.test:none/1");
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  REQUIRE_FALSE(dev.ok());
+  const std::string& msg = dev.status().message();
+  INFO(msg);
+  CHECK(dev.status().code() == Status::Code::kUnavailable);
+  CHECK(OneLine(msg));
+  CHECK_THAT(msg, Catch::StartsWith("cannot connect to iSCSI portal " + portal + ": "));
+  CHECK(elapsed < std::chrono::seconds(3));
+}
+
+TEST_CASE("wrong target IQN or LUN gives a clear error", "[iscsi]") {
+  auto& t = Plain();
+  const std::string portal = Portal(*t.rig);
+
+  SECTION("unknown IQN") {
+    std::string iqn = t.rig->iqn() + "-nope";
+    auto dev = dede::OpenBlockDevice(PlainUrl(*t.rig, iqn, 1));
+    REQUIRE_FALSE(dev.ok());
+    INFO(dev.status().message());
+    CHECK(dev.status().code() == Status::Code::kNotFound);
+    CHECK(dev.status().message() == "iSCSI target " + iqn + " not found on " + portal);
+  }
+  SECTION("unknown LUN") {
+    auto dev = dede::OpenBlockDevice(PlainUrl(*t.rig, t.rig->iqn(), 7));
+    REQUIRE_FALSE(dev.ok());
+    INFO(dev.status().message());
+    CHECK(dev.status().code() == Status::Code::kNotFound);
+    CHECK_THAT(dev.status().message(),
+               Catch::StartsWith("LUN 7 not found on iSCSI target " + t.rig->iqn()));
+  }
+  SECTION("LUN 0 is tgtd's controller, not a disk") {
+    auto dev = dede::OpenBlockDevice(PlainUrl(*t.rig, t.rig->iqn(), 0));
+    REQUIRE_FALSE(dev.ok());
+    INFO(dev.status().message());
+    CHECK(dev.status().code() == Status::Code::kInvalid);
+    CHECK_THAT(dev.status().message(), Catch::Contains("is not a disk"));
+  }
+}
+
+TEST_CASE("malformed iSCSI URLs are invalid", "[iscsi]") {
+  const std::vector<std::string> bad = {
+      "iscsi://",
+      "iscsi://127.0.0.1",
+      "iscsi://127.0.0.1/",
+      "iscsi://127.0.0.1/iqn.2026-11.org.dede:x",   // no LUN
+      "iscsi://127.0.0.1/iqn.2026-11.org.dede:x/",  // empty LUN
+      "iscsi://127.0.0.1/iqn.2026-11.org.dede:x/abc",
+      "iscsi://127.0.0.1/iqn.2026-11.org.dede:x/1x",
+      "iscsi://127.0.0.1/iqn.2026-11.org.dede:x/-1",
+      "iscsi://127.0.0.1/iqn.2026-11.org.dede:x/99999",
+      "iscsi://127.0.0.1/iqn.2026-11.org.dede:x/1/2",
+      "iscsi://127.0.0.1//1",  // missing IQN
+      "iscsi://127.0.0.1/1",   // missing IQN
+      "iscsi://127.0.0.1/not-an-iqn/1",
+      "iscsi:///iqn.2026-11.org.dede:x/1",  // missing host
+      "iscsi://127.0.0.1:/iqn.2026-11.org.dede:x/1",
+      "iscsi://127.0.0.1:abc/iqn.2026-11.org.dede:x/1",
+      "iscsi://127.0.0.1:70000/iqn.2026-11.org.dede:x/1",
+      "iscsi://[::1/iqn.2026-11.org.dede:x/1",
+      "iscsi://user@127.0.0.1/iqn.2026-11.org.dede:x/1",  // user without password
+      "iscsi://%topsecret@127.0.0.1/iqn.2026-11.org.dede:x/1",
+      "iscsi://127.0.0.1/iqn.2026-11.org.dede%zz/1",
+  };
+  for (const auto& url : bad) {
+    auto dev = dede::OpenIscsiDevice(url, {});
+    INFO(url << " -> " << dev.status().ToString());
+    REQUIRE_FALSE(dev.ok());
+    CHECK(dev.status().code() == Status::Code::kInvalid);
+    CHECK(OneLine(dev.status().message()));
+    CHECK_THAT(dev.status().message(), Catch::StartsWith("invalid iSCSI URL"));
+    CHECK(dev.status().message().find("topsecret") == std::string::npos);
+  }
+  auto no_lun = dede::OpenIscsiDevice("iscsi://h/iqn.2026-11.org.dede:x", {});
+  CHECK_THAT(no_lun.status().message(), Catch::Contains("missing LUN"));
+  auto no_iqn = dede::OpenIscsiDevice("iscsi://h//1", {});
+  CHECK_THAT(no_iqn.status().message(), Catch::Contains("missing target IQN"));
+  auto text_lun = dede::OpenIscsiDevice("iscsi://h/iqn.2026-11.org.dede:x/abc", {});
+  CHECK_THAT(text_lun.status().message(), Catch::Contains("LUN 'abc' is not a number"));
+}
+
+TEST_CASE("OpenBlockDevice dispatches paths, iscsi:// and unknown schemes", "[iscsi]") {
+  SECTION("a path opens the path backend") {
+    TempDir dir;
+    std::string path = dir.file("plain.img");
+    CreateSparseFile(path, kMiB);
+    auto dev = dede::OpenBlockDevice(path);
+    INFO(dev.status().ToString());
+    REQUIRE(dev.ok());
+    CHECK(dev.value()->name() == path);
+    CHECK(dev.value()->size_bytes() == kMiB);
+  }
+  SECTION("iscsi:// opens the iSCSI backend") {
+    auto& t = Plain();
+    auto dev = MustOpen(t.rig->url());
+    CHECK_THAT(dev->name(), Catch::StartsWith("iscsi://"));
+    CHECK(dev->size_bytes() == kLunSize);
+  }
+  SECTION("other schemes are invalid") {
+    auto dev = dede::OpenBlockDevice("nbd://x");
+    REQUIRE_FALSE(dev.ok());
+    CHECK(dev.status().code() == Status::Code::kInvalid);
+    CHECK_THAT(dev.status().message(), Catch::Contains("nbd://x"));
+    auto empty = dede::OpenBlockDevice("iscsi://");
+    CHECK(empty.status().code() == Status::Code::kInvalid);
+  }
+}
+
+TEST_CASE("iSCSI device serves several threads at once", "[iscsi]") {
+  auto& t = Plain();
+  auto dev = MustOpen(t.rig->url());
+  constexpr int kThreads = 4;
+  constexpr size_t kChunk = 64 * 1024;
+  constexpr int kRounds = 25;
+  std::vector<std::thread> threads;
+  std::vector<int> failures(kThreads, 0);
+  for (int i = 0; i < kThreads; ++i) {
+    threads.emplace_back([&, i] {
+      uint64_t base = 24 * kMiB + static_cast<uint64_t>(i) * kRounds * kChunk;
+      for (int r = 0; r < kRounds; ++r) {
+        auto data = RandomBytes(kChunk, 1000 + i * 100 + r);
+        uint64_t at = base + static_cast<uint64_t>(r) * kChunk;
+        std::vector<uint8_t> got(kChunk);
+        if (!dev->Write(at, data.data(), kChunk).ok() || !dev->Read(at, got.data(), kChunk).ok() ||
+            got != data) {
+          ++failures[i];
+        }
+      }
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (int i = 0; i < kThreads; ++i) CHECK(failures[i] == 0);
+  CHECK(dev->Flush().ok());
+}
+
+TEST_CASE("iSCSI device reconnects when the target drops the session", "[iscsi]") {
+  auto& t = Plain();
+  auto dev = MustOpen(t.rig->url());
+  auto first = RandomBytes(8192, 4242);
+  REQUIRE(dev->Write(30 * kMiB, first.data(), first.size()).ok());
+
+  // Find our session(s) in tgtd's view and close their connections.
+  auto show = t.rig->Tgtadm({"--op", "show", "--mode", "target"});
+  REQUIRE(show.exit_code == 0);
+  std::regex nexus(R"(I_T nexus: (\d+))");
+  int dropped = 0;
+  for (std::sregex_iterator it(show.out.begin(), show.out.end(), nexus), end; it != end; ++it) {
+    auto r = t.rig->Tgtadm(
+        {"--op", "delete", "--mode", "conn", "--tid", "1", "--sid", (*it)[1].str(), "--cid", "0"});
+    INFO(r.err);
+    CHECK(r.exit_code == 0);
+    ++dropped;
+  }
+  REQUIRE(dropped >= 1);
+
+  // The next commands find the connection dead, log in again and succeed.
+  auto second = RandomBytes(8192, 4343);
+  Status st = dev->Write(30 * kMiB + 8192, second.data(), second.size());
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  std::vector<uint8_t> got(16384);
+  REQUIRE(dev->Read(30 * kMiB, got.data(), got.size()).ok());
+  CHECK(std::memcmp(got.data(), first.data(), 8192) == 0);
+  CHECK(std::memcmp(got.data() + 8192, second.data(), 8192) == 0);
+  REQUIRE(dev->Flush().ok());
+}
+
+TEST_CASE("iSCSI discard is a harmless hint", "[iscsi]") {
+  SECTION("without thin provisioning the data stays") {
+    auto& t = Plain();
+    auto dev = MustOpen(t.rig->url());
+    auto data = RandomBytes(65536, 555);
+    REQUIRE(dev->Write(32 * kMiB, data.data(), data.size()).ok());
+    REQUIRE(dev->Discard(32 * kMiB, data.size()).ok());
+    std::vector<uint8_t> got(data.size());
+    REQUIRE(dev->Read(32 * kMiB, got.data(), got.size()).ok());
+    CHECK(got == data);
+  }
+  SECTION("with thin provisioning the range is unmapped") {
+    Target thin;
+    auto r = thin.rig->Tgtadm({"--op", "update", "--mode", "logicalunit", "--tid", "1", "--lun",
+                               "1", "--params", "thin_provisioning=1"});
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+    auto dev = MustOpen(thin.rig->url());
+    auto data = RandomBytes(1 * kMiB, 556);
+    REQUIRE(dev->Write(2 * kMiB, data.data(), data.size()).ok());
+    REQUIRE(dev->Flush().ok());
+    Status st = dev->Discard(2 * kMiB, data.size());
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+    std::vector<uint8_t> got(data.size());
+    REQUIRE(dev->Read(2 * kMiB, got.data(), got.size()).ok());
+    CHECK(got == std::vector<uint8_t>(data.size(), 0));
+  }
+}
+
+TEST_CASE("iSCSI device fails cleanly when the target dies", "[iscsi]") {
+  Target t;
+  auto dev = MustOpen(t.rig->url());
+  auto data = RandomBytes(kMiB, 77);
+  REQUIRE(dev->Write(0, data.data(), data.size()).ok());
+
+  REQUIRE(::kill(t.rig->pid(), SIGKILL) == 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+
+  // A 1 MiB write into the dead connection must neither hang nor kill the
+  // process with SIGPIPE; reconnecting is tried once and refused.
+  auto start = std::chrono::steady_clock::now();
+  Status st = dev->Write(0, data.data(), data.size());
+  INFO(st.ToString());
+  REQUIRE_FALSE(st.ok());
+  CHECK(st.code() == Status::Code::kUnavailable);
+  CHECK(OneLine(st.message()));
+  CHECK_THAT(st.message(), Catch::StartsWith(t.rig->url() + ": WRITE(16) at offset 0 failed") &&
+                               Catch::Contains("cannot connect to iSCSI portal"));
+  std::vector<uint8_t> got(4096);
+  CHECK_FALSE(dev->Read(0, got.data(), got.size()).ok());
+  CHECK_FALSE(dev->Flush().ok());
+  CHECK(std::chrono::steady_clock::now() - start < std::chrono::seconds(3));
+}
+
+TEST_CASE("a portal that accepts but never answers times out", "[iscsi]") {
+  // A listening socket nobody serves: TCP connects, the login gets no reply.
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0);
+  REQUIRE(::listen(fd, 4) == 0);
+  REQUIRE(::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) == 0);
+  std::string portal = "127.0.0.1:" + std::to_string(ntohs(addr.sin_port));
+
+  auto start = std::chrono::steady_clock::now();
+  auto dev = dede::OpenBlockDevice("iscsi://" + portal + "/iqn.2026-11.org.dede.test:silent/1");
+  auto elapsed = std::chrono::steady_clock::now() - start;
+  ::close(fd);
+  REQUIRE_FALSE(dev.ok());
+  INFO(dev.status().message());
+  CHECK(dev.status().code() == Status::Code::kUnavailable);
+  CHECK_THAT(dev.status().message(), Catch::Contains(portal) && Catch::Contains("no answer"));
+  // The connect deadline is 10 s.
+  CHECK(elapsed >= std::chrono::seconds(9));
+  CHECK(elapsed < std::chrono::seconds(15));
+}
