@@ -253,9 +253,11 @@ Result<Superblock> PlanLayout(const FormatParams& p) {
   // A volume must hold at least 256 data blocks (1 MiB) to be of any use.
   const uint64_t min_blocks = sb.group_start + 1 + 256;
   if (sb.total_blocks < min_blocks) {
+    // min_blocks < 2^57 here; in bytes that may not fit 64 bits.
+    std::string need = std::to_string(min_blocks) + " blocks";
+    if (min_blocks < kLimit) need = std::to_string(min_blocks * kBlockSize) + " bytes";
     return Status::NoSpace("device is too small: " + std::to_string(p.device_bytes) +
-                           " bytes, a volume with these settings needs at least " +
-                           std::to_string(min_blocks * kBlockSize) + " bytes");
+                           " bytes, a volume with these settings needs at least " + need);
   }
   if (sb.total_blocks >= (1ull << 48)) return Status::Invalid("device is larger than 1 EiB");
   uint64_t groups = GroupCountFor(sb.total_blocks - sb.group_start, sb.FullGroupBlocks());

@@ -128,7 +128,7 @@ inline constexpr uint64_t kJournalHeaderSlots = 2;
 struct JournalHeader {
   uint32_t host = 0;
   uint64_t tail_seq = 1;  // sequence number of the oldest live transaction
-  uint64_t tail_pos = 0;  // its ring position (0 .. journal_blocks-2)
+  uint64_t tail_pos = 0;  // its ring position (0 .. journal_blocks-3)
 };
 void EncodeJournalHeader(const JournalHeader& jh, uint64_t seq, const Uuid& uuid, uint64_t addr,
                          uint8_t* blk);
