@@ -1224,27 +1224,37 @@ Status VolumeImpl::TruncateFile(OpenFileState* f, uint64_t size) {
   }
   uint64_t keep = (size + kBlockSize - 1) / kBlockSize;
   uint64_t old_blocks = (old_size + kBlockSize - 1) / kBlockSize;
-  // Zero the tail of a partially kept last block so a later extension reads
-  // zeros there. (The caller holds the file exclusively, so this cannot go
-  // through WriteData, which takes the file lock itself.)
-  if (size < old_size && size % kBlockSize != 0) {
+  // The bytes of the partial block at min(old, new) size that lie past EOF
+  // must read as zeros after the change: a shrink cuts data off there, and a
+  // grow exposes bytes a cloned or shared block may carry from another file.
+  // (The caller holds the file exclusively, so this cannot go through
+  // WriteData, which takes the file lock itself.)
+  const uint64_t edge = std::min(size, old_size);
+  if (size != old_size && edge % kBlockSize != 0) {
     MutexLock l(&mu_);
     ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
-    ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, keep - 1));
+    const uint64_t eblk = edge / kBlockSize;
+    ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, eblk));
     if (p != 0) {
       BlockBuf blk = NewBlockBuf();
       RETURN_IF_ERROR(dev_->Read(PtrAddr(p) * kBlockSize, blk.get(), kBlockSize));
-      std::memset(blk.get() + size % kBlockSize, 0, kBlockSize - size % kBlockSize);
+      const bool tail_zero =
+          AllZero(blk.get() + edge % kBlockSize, kBlockSize - edge % kBlockSize);
+      std::memset(blk.get() + edge % kBlockSize, 0, kBlockSize - edge % kBlockSize);
       uint64_t target = PtrAddr(p);
-      if (PtrCow(p)) {
+      if (tail_zero) {
+        // Nothing to clear (the usual case): keep the block, shared or not.
+      } else if (PtrCow(p)) {
         RETURN_IF_ERROR(EnsureRoom(16));
         std::vector<uint64_t> got;
         RETURN_IF_ERROR(Allocate(1, &got));
         target = got[0];
       }
-      RETURN_IF_ERROR(Poison(dev_->Write(target * kBlockSize, blk.get(), kBlockSize)));
+      if (!tail_zero) {
+        RETURN_IF_ERROR(Poison(dev_->Write(target * kBlockSize, blk.get(), kBlockSize)));
+      }
       if (target != PtrAddr(p)) {
-        RETURN_IF_ERROR(ReplaceBlock(&in, keep - 1, target));
+        RETURN_IF_ERROR(ReplaceBlock(&in, eblk, target));
         PutInode(in);
       }
     }
