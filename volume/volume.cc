@@ -408,6 +408,7 @@ Status VolumeImpl::Checkpoint() {
   if (read_only_ || !journal_) return Status::Ok();
   RETURN_IF_ERROR(Commit());
   if (dirty_.empty()) {
+    if (!pending_free_.empty()) full_groups_.clear();
     pending_free_.clear();
     return Status::Ok();
   }
@@ -418,6 +419,7 @@ Status VolumeImpl::Checkpoint() {
   RETURN_IF_ERROR(Poison(journal_->Checkpoint()));
   RETURN_IF_ERROR(Poison(dev_->Flush()));
   dirty_.clear();
+  if (!pending_free_.empty()) full_groups_.clear();  // freed blocks are usable now
   pending_free_.clear();
   return Status::Ok();
 }
@@ -426,7 +428,12 @@ Status VolumeImpl::Sync() {
   MutexLock l(&mu_);
   if (read_only_) return Status::Ok();
   RETURN_IF_ERROR(poisoned_);
-  RETURN_IF_ERROR(Commit());
+  if (txn_.empty()) {
+    // In-place writes change no metadata but must be durable all the same.
+    RETURN_IF_ERROR(Poison(dev_->Flush()));
+  } else {
+    RETURN_IF_ERROR(Commit());
+  }
   if (journal_->used_blocks() * 2 > journal_->ring_blocks()) RETURN_IF_ERROR(Checkpoint());
   // Other processes may be waiting for the groups we cache: hand them back
   // at a flush point once we have had them for a while.
@@ -466,7 +473,10 @@ Status VolumeImpl::ReleaseCached() {
   RETURN_IF_ERROR(Checkpoint());
   for (const LockId& id : cached_locks_) {
     DropCache(id);
-    if (id.kind == LockKind::kGroup) alloc_cursor_.erase(static_cast<uint32_t>(id.id));
+    if (id.kind == LockKind::kGroup) {
+      alloc_cursor_.erase(static_cast<uint32_t>(id.id));
+      full_groups_.erase(static_cast<uint32_t>(id.id));
+    }
     (void)locks_->Release(id);
   }
   cached_locks_.clear();
@@ -568,53 +578,84 @@ Status VolumeImpl::AddRef(uint64_t addr, int delta) {
   return Status::Ok();
 }
 
-Status VolumeImpl::AllocateFromGroup(uint32_t g, size_t n, std::vector<uint64_t>* out) {
-  uint64_t data_start = sb_.GroupDataStart(g);
-  uint64_t count = sb_.GroupDataBlocks(g);
-  uint64_t& cursor = alloc_cursor_[g];
-  for (uint64_t scanned = 0; scanned < count && out->size() < n;) {
-    uint64_t idx = (cursor + scanned) % count;
-    uint64_t rb = sb_.GroupStart(g) + idx / kRefsPerBlock;
-    uint8_t* b;
-    RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
-    uint32_t slot = static_cast<uint32_t>(idx % kRefsPerBlock);
-    uint64_t in_block = std::min<uint64_t>(kRefsPerBlock - slot, count - idx);
-    bool dirtied = false;
-    for (uint64_t k = 0; k < in_block && out->size() < n; k++) {
-      uint64_t addr = data_start + idx + k;
-      if (dede::GetRef(b, static_cast<uint32_t>(slot + k)) == 0 && !pending_free_.count(addr)) {
-        if (!dirtied) {
-          b = Dirty(rb);
-          dirtied = true;
-        }
-        dede::SetRef(b, static_cast<uint32_t>(slot + k), 1);
-        out->push_back(addr);
-        cursor = (idx + k + 1) % count;
-      }
+Status VolumeImpl::PrefetchGroup(uint32_t g) {
+  // One read for all of a group's refcount blocks instead of one per 4 MiB.
+  uint64_t first = sb_.GroupStart(g);
+  uint32_t n = sb_.GroupRefBlocks(g);
+  bool all_cached = true;
+  for (uint32_t r = 0; r < n && all_cached; r++) all_cached = cache_.count(first + r) > 0;
+  if (all_cached) return Status::Ok();
+  BlockBuf buf = NewBlockBuf(n);
+  RETURN_IF_ERROR(dev_->Read(first * kBlockSize, buf.get(), uint64_t{n} * kBlockSize));
+  for (uint32_t r = 0; r < n; r++) {
+    uint64_t addr = first + r;
+    if (cache_.count(addr)) continue;
+    BlockBuf b = NewBlockBuf();
+    std::memcpy(b.get(), buf.get() + uint64_t{r} * kBlockSize, kBlockSize);
+    if (AllZero(b.get(), kBlockSize)) {
+      SealBlock(b.get(), BlockHeader{kMagicRefcountBlock, kFormatMajor, kFormatMinor, 0, 0, addr},
+                sb_.uuid);
+    } else {
+      RETURN_IF_ERROR(CheckBlock(b.get(), kMagicRefcountBlock, addr, sb_.uuid, "refcount block"));
     }
-    scanned += in_block;
+    cache_[addr] = Cached{std::move(b), GroupLock(g)};
   }
   return Status::Ok();
 }
 
-Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out) {
-  out->clear();
-  // Start in this host's share of the groups so hosts rarely meet.
-  uint32_t first = static_cast<uint32_t>(uint64_t{host_ - 1} * sb_.group_count / sb_.max_hosts);
-  // Prefer groups we already hold.
-  for (const LockId& id : std::set<LockId>(cached_locks_)) {
-    if (id.kind != LockKind::kGroup || out->size() >= n) continue;
-    RETURN_IF_ERROR(AllocateFromGroup(static_cast<uint32_t>(id.id), n, out));
+Status VolumeImpl::AllocateFromGroup(uint32_t g, size_t n, bool meta, std::vector<uint64_t>* out) {
+  if (full_groups_.count(g)) return Status::Ok();
+  RETURN_IF_ERROR(PrefetchGroup(g));
+  const uint64_t data_start = sb_.GroupDataStart(g);
+  const uint64_t count = sb_.GroupDataBlocks(g);
+  // Data fills the group upwards from a next-fit cursor; block-map blocks
+  // come from the top downwards, so they do not split runs of file data.
+  GroupCursor& gc = alloc_cursor_[g];
+  const uint64_t start = meta ? gc.meta : gc.data;
+  uint8_t* dirty_block = nullptr;
+  uint64_t dirty_rb = 0;
+  for (uint64_t scanned = 0; scanned < count && out->size() < n; scanned++) {
+    uint64_t idx = meta ? (start + count - scanned) % count : (start + scanned) % count;
+    uint64_t addr = data_start + idx;
+    uint64_t rb = sb_.GroupStart(g) + idx / kRefsPerBlock;
+    uint32_t slot = static_cast<uint32_t>(idx % kRefsPerBlock);
+    uint8_t* b = (rb == dirty_rb && dirty_block) ? dirty_block : cache_.at(rb).data.get();
+    if (dede::GetRef(b, slot) != 0 || pending_free_.count(addr)) continue;
+    if (rb != dirty_rb || !dirty_block) {
+      dirty_block = Dirty(rb);
+      dirty_rb = rb;
+    }
+    dede::SetRef(dirty_block, slot, 1);
+    out->push_back(addr);
+    if (meta) {
+      gc.meta = (idx + count - 1) % count;
+    } else {
+      gc.data = (idx + 1) % count;
+    }
   }
+  if (out->size() < n) full_groups_.insert(g);  // until blocks are freed here
+  return Status::Ok();
+}
+
+Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta) {
+  out->clear();
+  // Prefer groups we already hold.
+  for (const LockId& id : cached_locks_) {
+    if (id.kind != LockKind::kGroup || out->size() >= n) continue;
+    RETURN_IF_ERROR(AllocateFromGroup(static_cast<uint32_t>(id.id), n, meta, out));
+  }
+  // Then this host's share of the groups, so hosts rarely meet; groups held
+  // by someone else are skipped, not waited for.
+  uint32_t first = static_cast<uint32_t>(uint64_t{host_ - 1} * sb_.group_count / sb_.max_hosts);
   for (uint32_t i = 0; i < sb_.group_count && out->size() < n; i++) {
     uint32_t g = (first + i) % sb_.group_count;
     if (cached_locks_.count(GroupLock(g))) continue;
     Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
-    if (st.code() == Status::Code::kLocked) continue;  // another host allocates there
+    if (st.code() == Status::Code::kLocked) continue;
     RETURN_IF_ERROR(st);
     NoteCached(GroupLock(g));
     RETURN_IF_ERROR(RecoverDeadHosts());
-    RETURN_IF_ERROR(AllocateFromGroup(g, n, out));
+    RETURN_IF_ERROR(AllocateFromGroup(g, n, meta, out));
   }
   if (out->size() < n) {
     // Every group we could take without waiting is full or busy. Give back
@@ -627,7 +668,7 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out) {
       RETURN_IF_ERROR(locks_->Acquire(GroupLock(g), LockMode::kExclusive, true));
       NoteCached(GroupLock(g));
       RETURN_IF_ERROR(RecoverDeadHosts());
-      RETURN_IF_ERROR(AllocateFromGroup(g, n, out));
+      RETURN_IF_ERROR(AllocateFromGroup(g, n, meta, out));
     }
   }
   if (out->size() < n) {
@@ -849,8 +890,7 @@ void VolumeImpl::CloseFile(OpenFileState* f) {
   // The next holder reads this file's metadata from its home blocks.
   if (!read_only_) (void)Checkpoint();
   open_.erase(f->id.ino);
-  cache_.erase(sb_.InodeBlock(f->id.ino));
-  DropCache(InodeLock(f->id.ino));
+  DropCache(InodeLock(f->id.ino));  // keeps blocks a failed checkpoint left dirty
   (void)locks_->Release(InodeLock(f->id.ino));
 }
 
@@ -910,7 +950,7 @@ Status VolumeImpl::SetPtr(Inode* in, uint64_t index, uint64_t value) {
   // Grow the tree until it covers index.
   while (index >= Capacity(in->depth)) {
     std::vector<uint64_t> a;
-    RETURN_IF_ERROR(Allocate(1, &a));
+    RETURN_IF_ERROR(Allocate(1, &a, /*meta=*/true));
     uint32_t level = in->depth + 1;
     uint8_t* b = Fresh(a[0], InodeLock(in->ino), kMagicPointerBlock, level);
     if (in->root != 0) dede::SetPtr(b, 0, in->root);
@@ -930,7 +970,7 @@ Status VolumeImpl::SetPtr(Inode* in, uint64_t index, uint64_t value) {
     if (next == 0) {
       if (value == 0) return Status::Ok();
       std::vector<uint64_t> a;
-      RETURN_IF_ERROR(Allocate(1, &a));
+      RETURN_IF_ERROR(Allocate(1, &a, /*meta=*/true));
       Fresh(a[0], InodeLock(in->ino), kMagicPointerBlock, level - 1);
       dede::SetPtr(Dirty(addr), s, a[0]);
       next = a[0];

@@ -114,8 +114,12 @@ class VolumeImpl : public Volume {
   // Reference counts and allocation (mu_ held).
   Result<uint32_t> GetRef(uint64_t addr) REQUIRES(mu_);
   Status AddRef(uint64_t addr, int delta) REQUIRES(mu_);
-  Status Allocate(size_t n, std::vector<uint64_t>* out) REQUIRES(mu_);
-  Status AllocateFromGroup(uint32_t g, size_t n, std::vector<uint64_t>* out) REQUIRES(mu_);
+  // Allocates n blocks (refcount 1), contiguous where possible. `meta`
+  // blocks (block maps) come from the top of a group, data from the bottom.
+  Status Allocate(size_t n, std::vector<uint64_t>* out, bool meta = false) REQUIRES(mu_);
+  Status AllocateFromGroup(uint32_t g, size_t n, bool meta, std::vector<uint64_t>* out)
+      REQUIRES(mu_);
+  Status PrefetchGroup(uint32_t g) REQUIRES(mu_);
 
   // One block of a file becomes `value` (hole, COW ref...), releasing the
   // old block's reference. Caller holds the file exclusively.
@@ -157,7 +161,13 @@ class VolumeImpl : public Volume {
   // How long Sync() keeps cached locks before handing them back.
   static constexpr uint64_t kLockCacheNanos = 1'000'000'000;
   std::map<uint64_t, OpenFileState*> open_ GUARDED_BY(mu_);  // by inode number
-  std::map<uint32_t, uint64_t> alloc_cursor_ GUARDED_BY(mu_);  // group -> data index hint
+  struct GroupCursor {
+    uint64_t data = 0;  // next data index to try (upwards)
+    uint64_t meta = 0;  // next block-map index to try (downwards; 0 wraps to the top)
+  };
+  std::map<uint32_t, GroupCursor> alloc_cursor_ GUARDED_BY(mu_);
+  // Groups a scan found full; cleared when freed blocks become reusable.
+  std::set<uint32_t> full_groups_ GUARDED_BY(mu_);
   Status poisoned_ GUARDED_BY(mu_);
 };
 
