@@ -412,8 +412,17 @@ Status VolumeImpl::Checkpoint() {
     pending_free_.clear();
     return Status::Ok();
   }
-  for (uint64_t a : dirty_) {
-    RETURN_IF_ERROR(Poison(dev_->Write(a * kBlockSize, cache_.at(a).data.get(), kBlockSize)));
+  // dirty_ is ordered: gather runs of adjacent blocks into single writes.
+  BlockBuf run = NewBlockBuf(64);
+  for (auto it = dirty_.begin(); it != dirty_.end();) {
+    uint64_t first = *it;
+    size_t n = 0;
+    while (it != dirty_.end() && *it == first + n && n < 64) {
+      std::memcpy(run.get() + n * kBlockSize, cache_.at(*it).data.get(), kBlockSize);
+      ++it;
+      ++n;
+    }
+    RETURN_IF_ERROR(Poison(dev_->Write(first * kBlockSize, run.get(), n * kBlockSize)));
   }
   RETURN_IF_ERROR(Poison(dev_->Flush()));
   RETURN_IF_ERROR(Poison(journal_->Checkpoint()));
@@ -1135,27 +1144,38 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
 
   // Slow path: allocation, copy-on-write, or partial blocks.
   WriterLock wl(&f->rw);
-  const uint64_t round = [&] {
-    uint64_t r = 1;
-    while (r * 2 <= std::min<uint64_t>(256, (MaxTxnBlocks() - 16) / 2)) r *= 2;
-    return r;
-  }();
-  BlockBuf scratch = NewBlockBuf(round);
-  for (uint64_t r0 = first; r0 <= last; r0 += round) {
-    uint64_t r1 = std::min(last + 1, r0 + round);  // [r0, r1)
-    size_t nblk = r1 - r0;
-    // Phase 1 (mu_): decide per block; allocate new blocks where needed.
-    std::vector<uint64_t> old(nblk), target(nblk);
-    std::vector<bool> fresh(nblk, false);
+  BlockBuf scratch;  // for partial blocks only; whole blocks go from `buf`
+  for (uint64_t r0 = first; r0 <= last;) {
+    // Phase 1 (mu_): look at up to 256 blocks, size the round so its
+    // metadata fits one transaction, then allocate where needed.
+    std::vector<uint64_t> old, target;
+    std::vector<bool> fresh;
+    size_t nblk;
     {
       MutexLock l(&mu_);
       RETURN_IF_ERROR(CheckWritable());
-      RETURN_IF_ERROR(EnsureRoom(nblk * 2 + 16));
       ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
       if (offset + len > in.size) return Status::Invalid("write past the end of '" + in.name + "'");
+      nblk = std::min<uint64_t>(256, last + 1 - r0);
+      for (size_t k = 0; k < nblk; k++) {
+        ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, r0 + k));
+        old.push_back(p);
+      }
+      // Dirtied per round: one refcount block per old COW block (worst
+      // case), the refcount blocks of a contiguous allocation, block-map
+      // blocks along two leaf paths, the inode.
+      auto cost = [&](size_t n) {
+        size_t cow = 0;
+        for (size_t k = 0; k < n; k++) cow += (old[k] != 0 && PtrCow(old[k]));
+        return cow + n / kRefsPerBlock + 2 + 2 * (in.depth + 2) + 2;
+      };
+      while (nblk > 1 && cost(nblk) > MaxTxnBlocks() / 2) nblk /= 2;
+      old.resize(nblk);
+      target.assign(nblk, 0);
+      fresh.assign(nblk, false);
+      RETURN_IF_ERROR(EnsureRoom(cost(nblk)));
       size_t need = 0;
       for (size_t k = 0; k < nblk; k++) {
-        ASSIGN_OR_RETURN(old[k], GetPtr(in, r0 + k));
         if (old[k] != 0 && PtrCow(old[k])) {
           ASSIGN_OR_RETURN(uint32_t refs, GetRef(PtrAddr(old[k])));
           if (refs == 1 && !decref_uncommitted_.count(PtrAddr(old[k]))) {
@@ -1181,42 +1201,63 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
         }
       }
     }
-    // Phase 2 (no mu_): assemble each block's new content and write it.
+    // Phase 2 (no mu_): write every block to its target; whole blocks
+    // straight from the caller's buffer, partial ones merged in `scratch`
+    // with the old content (or zeros).
     Status io;
+    std::vector<const uint8_t*> src(nblk);
     for (size_t k = 0; k < nblk && io.ok(); k++) {
       uint64_t bstart = (r0 + k) * kBlockSize;
       uint64_t lo = std::max<uint64_t>(offset, bstart);
       uint64_t hi = std::min<uint64_t>(offset + len, bstart + kBlockSize);
-      uint8_t* blk = scratch.get() + k * kBlockSize;
-      if (hi - lo != kBlockSize) {
-        if (old[k] == 0) {
-          std::memset(blk, 0, kBlockSize);
-        } else {
-          io = dev_->Read(PtrAddr(old[k]) * kBlockSize, blk, kBlockSize);
-        }
+      if (hi - lo == kBlockSize) {
+        src[k] = buf + (lo - offset);
+        continue;
+      }
+      if (!scratch) scratch = NewBlockBuf(2);
+      uint8_t* blk = scratch.get() + (k == 0 ? 0 : kBlockSize);  // at most head and tail
+      if (old[k] == 0) {
+        std::memset(blk, 0, kBlockSize);
+      } else {
+        io = dev_->Read(PtrAddr(old[k]) * kBlockSize, blk, kBlockSize);
       }
       std::memcpy(blk + (lo - bstart), buf + (lo - offset), hi - lo);
+      src[k] = blk;
     }
     for (size_t k = 0; k < nblk && io.ok();) {
       size_t n = 1;
-      while (k + n < nblk && target[k + n] == target[k] + n) n++;
-      io = dev_->Write(target[k] * kBlockSize, scratch.get() + k * kBlockSize, n * kBlockSize);
+      while (k + n < nblk && target[k + n] == target[k] + n &&
+             src[k + n] == src[k] + n * kBlockSize) {
+        n++;
+      }
+      io = dev_->Write(target[k] * kBlockSize, src[k], n * kBlockSize);
       k += n;
     }
-    // Phase 3 (mu_): publish the new pointers.
+    // Phase 3 (mu_): publish the new pointers. On failure, blocks not yet
+    // published are given back.
     MutexLock l(&mu_);
-    if (!io.ok()) {
-      for (size_t k = 0; k < nblk; k++) {
-        if (fresh[k]) (void)AddRef(target[k], -1);
-      }
-      return Poison(io);
+    Status st = io;
+    if (!io.ok()) (void)Poison(io);
+    Inode in;
+    if (st.ok()) {
+      auto got = GetInode(f->id.ino);
+      st = got.status();
+      if (st.ok()) in = got.value();
     }
-    ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
-    for (size_t k = 0; k < nblk; k++) {
-      if (fresh[k]) RETURN_IF_ERROR(ReplaceBlock(&in, r0 + k, target[k]));
+    size_t k = 0;
+    for (; k < nblk && st.ok(); k++) {
+      if (fresh[k]) st = ReplaceBlock(&in, r0 + k, target[k]);
+    }
+    if (!st.ok()) {
+      for (size_t u = (io.ok() ? k - 1 : 0); u < nblk; u++) {
+        if (fresh[u]) (void)AddRef(target[u], -1);
+      }
+      if (io.ok() && in.ino != 0) PutInode(in);
+      return st;
     }
     in.mtime_ns = clock_->NowNanos();
     PutInode(in);
+    r0 += nblk;
   }
   return Status::Ok();
 }
@@ -1391,8 +1432,9 @@ Status VolumeImpl::CompareAndShare(File* src, uint64_t src_index, File* dst, uin
     RETURN_IF_ERROR(CheckWritable());
     ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
     ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
-    if (src_index * kBlockSize >= sin.size || dst_index * kBlockSize >= din.size) {
-      return Status::Invalid("compare_and_share: block index past the end of the file");
+    if ((src_index + 1) * kBlockSize > sin.size || (dst_index + 1) * kBlockSize > din.size) {
+      return Status::Invalid("compare_and_share: only whole blocks inside both files can be "
+                             "shared");
     }
     ASSIGN_OR_RETURN(sp, GetPtr(sin, src_index));
     ASSIGN_OR_RETURN(dp, GetPtr(din, dst_index));
@@ -1439,14 +1481,17 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
   RETURN_IF_ERROR(CheckWritable());
   RETURN_IF_ERROR(EnsureRoom(32));
   ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
-  if (src_index * kBlockSize >= sin.size) {
-    return Status::Invalid("clone_block: source block past the end of the file");
+  // Only whole blocks: the bytes past EOF in a file's last block are always
+  // zero, and a clone into or out of a partial block would break that.
+  if ((src_index + 1) * kBlockSize > sin.size) {
+    return Status::Invalid("clone_block: source block is not a whole block inside the file");
   }
   ASSIGN_OR_RETURN(uint64_t sp, GetPtr(sin, src_index));
   {
     ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
-    if (dst_index * kBlockSize >= din.size) {
-      return Status::Invalid("clone_block: destination block past the end of the file");
+    if ((dst_index + 1) * kBlockSize > din.size) {
+      return Status::Invalid("clone_block: destination block is not a whole block inside the "
+                             "file");
     }
     ASSIGN_OR_RETURN(uint64_t dp, GetPtr(din, dst_index));
     if (sp != 0 && PtrAddr(dp) == PtrAddr(sp)) return Status::Ok();

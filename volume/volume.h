@@ -167,6 +167,10 @@ class Volume {
                                  VerifyMode mode, const Fingerprint* witness = nullptr) = 0;
   // CloneBlock: dst's block `dst_index` becomes a COW reference to src's
   // block `src_index` (no content check; a hole clones as a hole).
+  //
+  // Both primitives work on whole blocks only: an index whose block is not
+  // entirely inside its file (the partial last block) is kInvalid. That
+  // keeps the invariant that bytes past EOF in a last block read as zero.
   virtual Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) = 0;
 
   // Flush point (see top of file).
