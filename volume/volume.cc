@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <cstring>
+#include <chrono>
 #include <functional>
+#include <thread>
 
 #include "volume/fsck.h"
 #include "volume/volume_impl.h"
@@ -138,7 +140,10 @@ Status FormatVolume(BlockDevice* dev, const FormatOptions& opts, bool force) {
   if (!force) {
     RETURN_IF_ERROR(dev->Read(0, buf.get(), 2 * kBlockSize));
     for (uint64_t a : kSuperblockAddrs) {
-      if (DecodeSuperblock(buf.get() + a * kBlockSize, a).ok()) {
+      // A damaged or newer-version superblock still means "a volume lives
+      // here": only --force overwrites it.
+      if (DecodeSuperblock(buf.get() + a * kBlockSize, a).ok() ||
+          PeekHeader(buf.get() + a * kBlockSize).magic == kMagicSuperblock) {
         return Status::Exists(dev->name() + " already holds a dede volume (use --force to "
                               "overwrite it)");
       }
@@ -374,12 +379,15 @@ size_t VolumeImpl::MaxTxnBlocks() const {
 }
 
 Status VolumeImpl::EnsureRoom(size_t blocks) {
-  if (txn_.size() + blocks > MaxTxnBlocks()) RETURN_IF_ERROR(Commit());
+  if (txn_.size() + blocks > MaxTxnBlocks()) RETURN_IF_ERROR(Commit(/*durable=*/false));
   if (journal_->free_blocks() < MaxTxnBlocks() + 1) RETURN_IF_ERROR(Checkpoint());
   return Status::Ok();
 }
 
-Status VolumeImpl::Commit() {
+// A commit that is not `durable` skips the flush after the journal write:
+// it only needs to be durable before a checkpoint writes its images home or
+// a Sync() returns, and both flush first.
+Status VolumeImpl::Commit(bool durable) {
   if (txn_.empty()) return Status::Ok();
   RETURN_IF_ERROR(poisoned_);
   // Data written through new pointers must be durable before the pointers.
@@ -397,21 +405,26 @@ Status VolumeImpl::Commit() {
     return Poison(Status::NoSpace("journal overflow (internal error)"));
   }
   RETURN_IF_ERROR(Poison(journal_->Append(homes, images)));
-  RETURN_IF_ERROR(Poison(dev_->Flush()));
   dirty_.insert(homes.begin(), homes.end());
   txn_.clear();
-  decref_uncommitted_.clear();
+  if (durable) {
+    RETURN_IF_ERROR(Poison(dev_->Flush()));
+    decref_uncommitted_.clear();  // the decrements survive a crash from here on
+  }
   return Status::Ok();
 }
 
 Status VolumeImpl::Checkpoint() {
   if (read_only_ || !journal_) return Status::Ok();
-  RETURN_IF_ERROR(Commit());
+  RETURN_IF_ERROR(Commit(/*durable=*/false));
   if (dirty_.empty()) {
     if (!pending_free_.empty()) full_groups_.clear();
     pending_free_.clear();
     return Status::Ok();
   }
+  // The journal must be durable before any image goes home.
+  RETURN_IF_ERROR(Poison(dev_->Flush()));
+  decref_uncommitted_.clear();
   // dirty_ is ordered: gather runs of adjacent blocks into single writes.
   BlockBuf run = NewBlockBuf(64);
   for (auto it = dirty_.begin(); it != dirty_.end();) {
@@ -438,10 +451,12 @@ Status VolumeImpl::Sync() {
   if (read_only_) return Status::Ok();
   RETURN_IF_ERROR(poisoned_);
   if (txn_.empty()) {
-    // In-place writes change no metadata but must be durable all the same.
+    // In-place writes change no metadata but must be durable all the same
+    // (and so must a commit EnsureRoom made without a flush).
     RETURN_IF_ERROR(Poison(dev_->Flush()));
+    decref_uncommitted_.clear();
   } else {
-    RETURN_IF_ERROR(Commit());
+    RETURN_IF_ERROR(Commit(/*durable=*/true));
   }
   if (journal_->used_blocks() * 2 > journal_->ring_blocks()) RETURN_IF_ERROR(Checkpoint());
   // Other processes may be waiting for the groups we cache: hand them back
@@ -460,6 +475,21 @@ void VolumeImpl::DropCache(LockId owner) {
     } else {
       ++it;
     }
+  }
+}
+
+Status VolumeImpl::WaitLock(LockId id) {
+  // Another process may cache this lock until its next flush point; do not
+  // wait forever for one that went idle.
+  const auto deadline = std::chrono::steady_clock::now() + lock_wait_;
+  while (true) {
+    Status st = locks_->Acquire(id, LockMode::kExclusive, false);
+    if (st.code() != Status::Code::kLocked) return st;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      return Status::Locked(id.ToString() + " is still held by another process or host after " +
+                            std::to_string(lock_wait_.count()) + " s");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
 }
 
@@ -498,7 +528,7 @@ Status VolumeImpl::AcquireCached(LockId id) {
   if (st.code() == Status::Code::kLocked) {
     // Never wait while holding cached locks (deadlock): give them all back.
     RETURN_IF_ERROR(ReleaseCached());
-    st = locks_->Acquire(id, LockMode::kExclusive, true);
+    st = WaitLock(id);
   }
   RETURN_IF_ERROR(st);
   NoteCached(id);
@@ -525,7 +555,7 @@ Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
         if (a != 0 && sb_.LocateData(a, &gg, &rb, &slot)) need.insert(gg);
       }
       for (uint32_t w : need) {
-        RETURN_IF_ERROR(locks_->Acquire(GroupLock(w), LockMode::kExclusive, true));
+        RETURN_IF_ERROR(WaitLock(GroupLock(w)));
         NoteCached(GroupLock(w));
       }
       return RecoverDeadHosts();
@@ -674,7 +704,7 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta) {
     out->clear();
     RETURN_IF_ERROR(ReleaseCached());
     for (uint32_t g = 0; g < sb_.group_count && out->size() < n; g++) {
-      RETURN_IF_ERROR(locks_->Acquire(GroupLock(g), LockMode::kExclusive, true));
+      RETURN_IF_ERROR(WaitLock(GroupLock(g)));
       NoteCached(GroupLock(g));
       RETURN_IF_ERROR(RecoverDeadHosts());
       RETURN_IF_ERROR(AllocateFromGroup(g, n, meta, out));
@@ -896,8 +926,11 @@ Result<std::unique_ptr<File>> VolumeImpl::OpenInode(uint64_t ino, uint64_t gener
 
 void VolumeImpl::CloseFile(OpenFileState* f) {
   MutexLock l(&mu_);
-  // The next holder reads this file's metadata from its home blocks.
+  // The next holder reads this file's metadata from its home blocks; and a
+  // process that closes files hands back its groups, so an idle process never
+  // holds up another one.
   if (!read_only_) (void)Checkpoint();
+  (void)ReleaseCached();
   open_.erase(f->id.ino);
   DropCache(InodeLock(f->id.ino));  // keeps blocks a failed checkpoint left dirty
   (void)locks_->Release(InodeLock(f->id.ino));

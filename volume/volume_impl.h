@@ -1,6 +1,7 @@
 // Private: the Volume implementation, shared by volume.cc and fsck.cc.
 #pragma once
 
+#include <chrono>
 #include <map>
 #include <memory>
 #include <set>
@@ -81,7 +82,8 @@ class VolumeImpl : public Volume {
       REQUIRES(mu_);
   uint8_t* Dirty(uint64_t addr) REQUIRES(mu_);
   uint8_t* Fresh(uint64_t addr, LockId owner, uint32_t magic, uint32_t flags) REQUIRES(mu_);
-  Status Commit() REQUIRES(mu_);
+  Status Commit(bool durable) REQUIRES(mu_);
+  Status WaitLock(LockId id) REQUIRES(mu_);
   Status Checkpoint() REQUIRES(mu_);
   Status EnsureRoom(size_t blocks) REQUIRES(mu_);
   size_t MaxTxnBlocks() const;
@@ -158,6 +160,7 @@ class VolumeImpl : public Volume {
   std::unordered_set<uint64_t> decref_uncommitted_ GUARDED_BY(mu_);
   std::set<LockId> cached_locks_ GUARDED_BY(mu_);  // namespace and groups
   uint64_t cached_since_ns_ GUARDED_BY(mu_) = 0;
+  std::chrono::seconds lock_wait_{60};  // bound on waiting for a volume lock
   // How long Sync() keeps cached locks before handing them back.
   static constexpr uint64_t kLockCacheNanos = 1'000'000'000;
   std::map<uint64_t, OpenFileState*> open_ GUARDED_BY(mu_);  // by inode number
