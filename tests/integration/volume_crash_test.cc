@@ -397,9 +397,10 @@ class ProcessCrashTest {
     }
     ::close(fds[1]);
     // Let it run for a few ms to ~200 ms, collecting acknowledgements.
+    // The clock starts at its first acknowledged flush: a slow machine or a
+    // sanitizer build must not turn every kill into one before any flush.
     uint64_t delay_ms = U(2, 200);
     uint64_t last_ack = 0;
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(delay_ms);
     bool eof = false;
     auto drain = [&](int timeout_ms) {
       pollfd p{fds[0], POLLIN, 0};
@@ -409,6 +410,11 @@ class ProcessCrashTest {
       if (n == 0) eof = true;
       for (ssize_t k = 0; k < n / 8; k++) last_ack = std::max(last_ack, buf[k]);
     };
+    auto first_ack_deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!eof && last_ack == 0 && std::chrono::steady_clock::now() < first_ack_deadline) {
+      drain(100);
+    }
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(delay_ms);
     while (!eof) {
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
                       deadline - std::chrono::steady_clock::now())
