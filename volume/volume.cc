@@ -287,7 +287,13 @@ Status VolumeImpl::Start(uint32_t host_id) {
 
 VolumeImpl::~VolumeImpl() {
   MutexLock l(&mu_);
-  if (!read_only_ && poisoned_.ok()) (void)Checkpoint();
+  Status st = (read_only_ || !poisoned_.ok()) ? poisoned_ : Checkpoint();
+  if (!st.ok()) {
+    // Same as CloseFile: locks stay held (the lock manager drops them when
+    // it is destroyed, i.e. when this process is gone) so that whoever
+    // takes them next first replays our journal.
+    return;
+  }
   (void)ReleaseCached();
   if (slot_locked_) (void)locks_->Release(LockId{LockKind::kHostSlot, host_});
   if (volume_locked_) (void)locks_->Release(kVolumeLock);
@@ -929,10 +935,17 @@ void VolumeImpl::CloseFile(OpenFileState* f) {
   // The next holder reads this file's metadata from its home blocks; and a
   // process that closes files hands back its groups, so an idle process never
   // holds up another one.
-  if (!read_only_) (void)Checkpoint();
-  (void)ReleaseCached();
+  Status st = read_only_ ? Status::Ok() : Checkpoint();
   open_.erase(f->id.ino);
-  DropCache(InodeLock(f->id.ino));  // keeps blocks a failed checkpoint left dirty
+  if (!st.ok() || !poisoned_.ok()) {
+    // Committed changes may still sit only in our journal. Handing the lock
+    // back would let another process read stale home blocks (and a later
+    // replay of our journal would overwrite its work), so keep every lock
+    // until this process goes away and someone replays the journal.
+    return;
+  }
+  (void)ReleaseCached();
+  DropCache(InodeLock(f->id.ino));
   (void)locks_->Release(InodeLock(f->id.ino));
 }
 
@@ -1277,15 +1290,16 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
       st = got.status();
       if (st.ok()) in = got.value();
     }
-    size_t k = 0;
-    for (; k < nblk && st.ok(); k++) {
-      if (fresh[k]) st = ReplaceBlock(&in, r0 + k, target[k]);
+    size_t published = 0;  // blocks [0, published) are in the map
+    for (; published < nblk && st.ok(); published++) {
+      if (fresh[published]) st = ReplaceBlock(&in, r0 + published, target[published]);
+      if (!st.ok()) break;
     }
     if (!st.ok()) {
-      for (size_t u = (io.ok() ? k - 1 : 0); u < nblk; u++) {
+      for (size_t u = published; u < nblk; u++) {
         if (fresh[u]) (void)AddRef(target[u], -1);
       }
-      if (io.ok() && in.ino != 0) PutInode(in);
+      if (published > 0) PutInode(in);
       return st;
     }
     in.mtime_ns = clock_->NowNanos();
