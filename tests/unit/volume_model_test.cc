@@ -2,12 +2,15 @@
 //
 // Thousands of seeded random operations (create, write in every shape,
 // trim, clone_block, compare_and_share, punch, truncate, rm, reopen, sync,
-// set dedup) run against a Volume on a MemDevice and against a model that
+// set dedup, invalid calls, and a switch between two hosts: two Volume
+// instances on one device whose lock managers exclude each other, each
+// seeing what the other left behind) run against the volume and a model that
 // keeps every file's bytes and which file positions share one physical
 // block. The API hides physical addresses, so sharing is tracked as
 // equivalence classes of positions: clone/share moves the destination into
 // the source's class; a write to a shared block (COW), punch, trim or
-// truncate moves a position out. After every step the test checks
+// truncate moves a position out. Clone and share work on whole blocks
+// only (a partial last block is kInvalid). After every step the test checks
 //   * the bytes of the touched file ranges,
 //   * File::BlockRefCount of every touched position and of every member of
 //     every class that changed (== class size; 0 for holes),
