@@ -348,21 +348,25 @@ Status VolumeImpl::Load(uint64_t addr, LockId owner, uint32_t magic, const char*
   }
   BlockBuf b = NewBlockBuf();
   RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, b.get(), kBlockSize));
-  if ((magic == kMagicRefcountBlock || magic == kMagicInode) && AllZero(b.get(), kBlockSize)) {
-    // Never written since format.
-    if (magic == kMagicInode) {
-      Inode in;
-      in.ino = addr - sb_.inode_start + 1;
-      EncodeInode(in, 0, sb_.uuid, addr, b.get());
-    } else {
-      SealBlock(b.get(), BlockHeader{magic, kFormatMajor, kFormatMinor, 0, 0, addr}, sb_.uuid);
-    }
-  } else {
-    RETURN_IF_ERROR(CheckBlock(b.get(), magic, addr, sb_.uuid, what));
-  }
+  RETURN_IF_ERROR(Admit(b.get(), addr, magic, what));
   *out = b.get();
   cache_[addr] = Cached{std::move(b), owner};
   return Status::Ok();
+}
+
+Status VolumeImpl::Admit(uint8_t* b, uint64_t addr, uint32_t magic, const char* what) const {
+  if ((magic == kMagicRefcountBlock || magic == kMagicInode) && AllZero(b, kBlockSize)) {
+    // Never written since format: an empty refcount block or a free inode.
+    if (magic == kMagicInode) {
+      Inode in;
+      in.ino = addr - sb_.inode_start + 1;
+      EncodeInode(in, 0, sb_.uuid, addr, b);
+    } else {
+      SealBlock(b, BlockHeader{magic, kFormatMajor, kFormatMinor, 0, 0, addr}, sb_.uuid);
+    }
+    return Status::Ok();
+  }
+  return CheckBlock(b, magic, addr, sb_.uuid, what);
 }
 
 uint8_t* VolumeImpl::Dirty(uint64_t addr) {
@@ -637,12 +641,7 @@ Status VolumeImpl::PrefetchGroup(uint32_t g) {
     if (cache_.count(addr)) continue;
     BlockBuf b = NewBlockBuf();
     std::memcpy(b.get(), buf.get() + uint64_t{r} * kBlockSize, kBlockSize);
-    if (AllZero(b.get(), kBlockSize)) {
-      SealBlock(b.get(), BlockHeader{kMagicRefcountBlock, kFormatMajor, kFormatMinor, 0, 0, addr},
-                sb_.uuid);
-    } else {
-      RETURN_IF_ERROR(CheckBlock(b.get(), kMagicRefcountBlock, addr, sb_.uuid, "refcount block"));
-    }
+    RETURN_IF_ERROR(Admit(b.get(), addr, kMagicRefcountBlock, "refcount block"));
     cache_[addr] = Cached{std::move(b), GroupLock(g)};
   }
   return Status::Ok();

@@ -80,6 +80,9 @@ class VolumeImpl : public Volume {
   // Block cache and journalling (mu_ held).
   Status Load(uint64_t addr, LockId owner, uint32_t magic, const char* what, uint8_t** out)
       REQUIRES(mu_);
+  // Validates a block just read from `addr` (all-zero inode and refcount
+  // blocks are valid: never written since format, and get a fresh header).
+  Status Admit(uint8_t* b, uint64_t addr, uint32_t magic, const char* what) const;
   uint8_t* Dirty(uint64_t addr) REQUIRES(mu_);
   uint8_t* Fresh(uint64_t addr, LockId owner, uint32_t magic, uint32_t flags) REQUIRES(mu_);
   Status Commit(bool durable) REQUIRES(mu_);
