@@ -30,6 +30,7 @@ enum class LockKind : uint16_t {
   kInode = 4,      // id = inode number; the file's inode, block map, data
   kGroup = 5,      // id = allocation group; its refcount blocks
   kRecovery = 6,   // id = host slot; held while that slot's journal is replayed
+  kWanted = 7,     // id = kind << 40 | id of another lock; held shared by its waiters
 };
 
 struct LockId {

@@ -468,12 +468,11 @@ Status VolumeImpl::Sync() {
   } else {
     RETURN_IF_ERROR(Commit(/*durable=*/true));
   }
-  if (journal_->used_blocks() * 2 > journal_->ring_blocks()) RETURN_IF_ERROR(Checkpoint());
-  // Other processes may be waiting for the groups we cache: hand them back
-  // at a flush point once we have had them for a while.
-  if (!cached_locks_.empty() &&
-      clock_->MonotonicNanos() - cached_since_ns_ > kLockCacheNanos) {
-    RETURN_IF_ERROR(ReleaseCached());
+  // Journal space is reclaimed on demand (EnsureRoom); a flush point is
+  // where we hand cached locks to processes that announced they wait.
+  for (const LockId& id : cached_locks_) {
+    ASSIGN_OR_RETURN(bool wanted, locks_->IsHeldElsewhere(WantedLock(id)));
+    if (wanted) return ReleaseCached();
   }
   return Status::Ok();
 }
@@ -488,25 +487,33 @@ void VolumeImpl::DropCache(LockId owner) {
   }
 }
 
-Status VolumeImpl::WaitLock(LockId id) {
-  // Another process may cache this lock until its next flush point; do not
-  // wait forever for one that went idle.
-  const auto deadline = std::chrono::steady_clock::now() + lock_wait_;
-  while (true) {
-    Status st = locks_->Acquire(id, LockMode::kExclusive, false);
-    if (st.code() != Status::Code::kLocked) return st;
-    if (std::chrono::steady_clock::now() >= deadline) {
-      return Status::Locked(id.ToString() + " is still held by another process or host after " +
-                            std::to_string(lock_wait_.count()) + " s");
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+LockId VolumeImpl::WantedLock(LockId id) {
+  return LockId{LockKind::kWanted, (uint64_t{static_cast<uint16_t>(id.kind)} << 40) | id.id};
 }
 
-void VolumeImpl::NoteCached(LockId id) {
-  if (cached_locks_.empty()) cached_since_ns_ = clock_->MonotonicNanos();
-  cached_locks_.insert(id);
+Status VolumeImpl::WaitLock(LockId id) {
+  // Announce the wait (shared, so any number of waiters can): the holder
+  // caches the lock and gives it back at its next flush point when it sees
+  // the announcement. Do not wait forever for a holder that went idle.
+  LockId want = WantedLock(id);
+  bool announced = locks_->Acquire(want, LockMode::kShared, false).ok();
+  const auto deadline = std::chrono::steady_clock::now() + lock_wait_;
+  Status st;
+  while (true) {
+    st = locks_->Acquire(id, LockMode::kExclusive, false);
+    if (st.code() != Status::Code::kLocked) break;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      st = Status::Locked(id.ToString() + " is still held by another process or host after " +
+                          std::to_string(lock_wait_.count()) + " s");
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  if (announced) (void)locks_->Release(want);
+  return st;
 }
+
+void VolumeImpl::NoteCached(LockId id) { cached_locks_.insert(id); }
 
 Status VolumeImpl::ReleaseCachedLock(LockId id) {
   if (!cached_locks_.count(id)) return Status::Ok();

@@ -87,6 +87,7 @@ class VolumeImpl : public Volume {
   uint8_t* Fresh(uint64_t addr, LockId owner, uint32_t magic, uint32_t flags) REQUIRES(mu_);
   Status Commit(bool durable) REQUIRES(mu_);
   Status WaitLock(LockId id) REQUIRES(mu_);
+  static LockId WantedLock(LockId id);
   Status Checkpoint() REQUIRES(mu_);
   Status EnsureRoom(size_t blocks) REQUIRES(mu_);
   size_t MaxTxnBlocks() const;
@@ -162,10 +163,7 @@ class VolumeImpl : public Volume {
   // a crash, and then the block is still shared on disk).
   std::unordered_set<uint64_t> decref_uncommitted_ GUARDED_BY(mu_);
   std::set<LockId> cached_locks_ GUARDED_BY(mu_);  // namespace and groups
-  uint64_t cached_since_ns_ GUARDED_BY(mu_) = 0;
   std::chrono::seconds lock_wait_{60};  // bound on waiting for a volume lock
-  // How long Sync() keeps cached locks before handing them back.
-  static constexpr uint64_t kLockCacheNanos = 1'000'000'000;
   std::map<uint64_t, OpenFileState*> open_ GUARDED_BY(mu_);  // by inode number
   struct GroupCursor {
     uint64_t data = 0;  // next data index to try (upwards)
