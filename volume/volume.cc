@@ -883,7 +883,7 @@ Status VolumeImpl::Remove(const std::string& name) {
     RETURN_IF_ERROR(CheckWritable());
   }
   ASSIGN_OR_RETURN(FileInfo fi, Lookup(name));
-  ASSIGN_OR_RETURN(std::unique_ptr<File> f, OpenFileById(fi.id));
+  ASSIGN_OR_RETURN(std::unique_ptr<File> f, OpenInode(fi.id.ino, fi.id.generation, name));
   auto* st = static_cast<FileImpl*>(f.get())->state();
   {
     WriterLock wl(&st->rw);
