@@ -34,8 +34,10 @@ struct FsckReport {
   bool clean() const { return problems.empty(); }
 };
 
-// The caller must have the volume to itself (fsck takes the namespace lock
-// and every group lock; files open elsewhere are reported as skipped).
+// The caller must have the volume to itself: fsck takes the namespace lock,
+// every group lock and every file's lock, and fails with kLocked (naming the
+// lock or file) when another process or host holds one. Journals of dead
+// hosts are replayed first.
 Result<FsckReport> CheckVolume(Volume* vol, bool repair);
 
 }  // namespace dede
