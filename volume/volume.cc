@@ -598,8 +598,7 @@ Result<uint32_t> VolumeImpl::GetRef(uint64_t addr) {
     // read the count from its home block, possibly a little stale.
     BlockBuf b = NewBlockBuf();
     RETURN_IF_ERROR(dev_->Read(rb * kBlockSize, b.get(), kBlockSize));
-    if (AllZero(b.get(), kBlockSize)) return uint32_t{0};
-    RETURN_IF_ERROR(CheckBlock(b.get(), kMagicRefcountBlock, rb, sb_.uuid, "refcount block"));
+    RETURN_IF_ERROR(Admit(b.get(), rb, kMagicRefcountBlock, "refcount block"));
     return dede::GetRef(b.get(), slot);
   }
   RETURN_IF_ERROR(AcquireGroupsFor({addr}));
@@ -760,11 +759,7 @@ Result<Inode> VolumeImpl::ReadInodeUncached(uint64_t ino) {
   BlockBuf b = NewBlockBuf();
   uint64_t addr = sb_.InodeBlock(ino);
   RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, b.get(), kBlockSize));
-  if (AllZero(b.get(), kBlockSize)) {
-    Inode in;
-    in.ino = ino;
-    return in;
-  }
+  RETURN_IF_ERROR(Admit(b.get(), addr, kMagicInode, "inode"));
   return DecodeInode(b.get(), sb_.uuid, addr);
 }
 
@@ -1588,13 +1583,8 @@ Result<VolumeStats> VolumeImpl::Stats() {
       }
       if (!b) {
         RETURN_IF_ERROR(dev_->Read(rb * kBlockSize, buf.get(), kBlockSize));
+        RETURN_IF_ERROR(Admit(buf.get(), rb, kMagicRefcountBlock, "refcount block"));
         b = buf.get();
-        if (AllZero(b, kBlockSize)) {
-          uint64_t n = std::min<uint64_t>(kRefsPerBlock, count - uint64_t{r} * kRefsPerBlock);
-          st.free_blocks += n;
-          continue;
-        }
-        RETURN_IF_ERROR(CheckBlock(b, kMagicRefcountBlock, rb, sb_.uuid, "refcount block"));
       }
       for (uint32_t s = 0; s < kRefsPerBlock && uint64_t{r} * kRefsPerBlock + s < count; s++) {
         uint32_t refs = dede::GetRef(b, s);
