@@ -805,7 +805,8 @@ Result<std::vector<Inode>> VolumeImpl::ScanInodes() {
 
 // =============================================================== namespace
 
-Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKind kind) {
+Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKind kind,
+                                  uint64_t owner_ino) {
   RETURN_IF_ERROR(ValidateName(name));
   if (kind == FileKind::kNone) return Status::Invalid("file kind 'none'");
   {
@@ -827,7 +828,7 @@ Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKi
   RETURN_IF_ERROR(locks_->Acquire(InodeLock(free_ino), LockMode::kExclusive, false)
                       .WithContext("allocating inode " + std::to_string(free_ino)));
   uint64_t generation = 0;
-  Status st = CreateInode(free_ino, name, size, kind, &generation);
+  Status st = CreateInode(free_ino, name, size, kind, owner_ino, &generation);
   DropCache(InodeLock(free_ino));
   (void)locks_->Release(InodeLock(free_ino));
   RETURN_IF_ERROR(st);
@@ -837,7 +838,7 @@ Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKi
 }
 
 Status VolumeImpl::CreateInode(uint64_t ino, const std::string& name, uint64_t size,
-                               FileKind kind, uint64_t* generation) {
+                               FileKind kind, uint64_t owner_ino, uint64_t* generation) {
   RETURN_IF_ERROR(EnsureRoom(4));
   ASSIGN_OR_RETURN(Inode in, GetInode(ino));
   in.generation++;
@@ -848,7 +849,7 @@ Status VolumeImpl::CreateInode(uint64_t ino, const std::string& name, uint64_t s
   in.size = size;
   in.mapped_blocks = 0;
   in.ctime_ns = in.mtime_ns = clock_->NowNanos();
-  in.owner_ino = 0;
+  in.owner_ino = owner_ino;
   in.name = name;
   PutInode(in);
   *generation = in.generation;

@@ -144,8 +144,10 @@ class Volume {
   virtual uint32_t host_id() const = 0;
 
   // Namespace. Names are 1..255 bytes, no '/' and no NUL.
+  // `owner_ino` names the file an internal file belongs to (a write log's
+  // VM file); 0 for none. It is recorded, not enforced.
   virtual Result<FileId> Create(const std::string& name, uint64_t size,
-                                FileKind kind = FileKind::kRegular) = 0;
+                                FileKind kind = FileKind::kRegular, uint64_t owner_ino = 0) = 0;
   virtual Result<FileInfo> Lookup(const std::string& name) = 0;
   virtual Result<std::vector<FileInfo>> List() = 0;
   // Fails with kLocked when the file is open here or elsewhere.

@@ -44,7 +44,8 @@ class VolumeImpl : public Volume {
 
   const Superblock& superblock() const override { return sb_; }
   uint32_t host_id() const override { return host_; }
-  Result<FileId> Create(const std::string& name, uint64_t size, FileKind kind) EXCLUDES(mu_) override;
+  Result<FileId> Create(const std::string& name, uint64_t size, FileKind kind,
+                        uint64_t owner_ino) EXCLUDES(mu_) override;
   Result<FileInfo> Lookup(const std::string& name) EXCLUDES(mu_) override;
   Result<std::vector<FileInfo>> List() EXCLUDES(mu_) override;
   Status Remove(const std::string& name) EXCLUDES(mu_) override;
@@ -132,7 +133,7 @@ class VolumeImpl : public Volume {
   Status ReplaceBlock(Inode* in, uint64_t index, uint64_t value) REQUIRES(mu_);
 
   Status CreateInode(uint64_t ino, const std::string& name, uint64_t size, FileKind kind,
-                     uint64_t* generation) REQUIRES(mu_);
+                     uint64_t owner_ino, uint64_t* generation) REQUIRES(mu_);
   Result<Inode> ReadInodeUncached(uint64_t ino) EXCLUDES(mu_);
   Result<std::vector<Inode>> ScanInodes() EXCLUDES(mu_);
   Result<std::unique_ptr<File>> OpenInode(uint64_t ino, uint64_t generation,

@@ -8,6 +8,7 @@
 #include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -285,6 +286,7 @@ std::string BinaryPath(const std::string& name) {
   const std::string root = DEDE_BINARY_DIR;
   if (name == "dede") return root + "/tools/dede/dede";
   if (name == "dede-vmgen") return root + "/tools/vmgen/dede-vmgen";
+  if (name == "dedupd") return root + "/agent/dedupd";
   return root + "/" + name;
 }
 
@@ -449,6 +451,111 @@ void TgtdRig::Shutdown() {
     std::filesystem::remove_all(run_dir_, ec);
     run_dir_.clear();
   }
+}
+
+std::string RequireProgram(const std::string& name) {
+  std::string path = FindExecutable(name);
+  if (path.empty()) {
+    throw std::runtime_error(name + " is not installed (scripts/install-deps installs it)");
+  }
+  return path;
+}
+
+// ------------------------------------------------------------------ dedupd
+
+namespace {
+bool CanConnectUnix(const std::string& path) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+  bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+}  // namespace
+
+DedupdProcess::DedupdProcess(const std::string& volume, uint32_t host_id,
+                             const std::string& socket, const std::vector<std::string>& extra_args)
+    : socket_(socket), log_(socket + ".log") {
+  std::vector<std::string> argv = {BinaryPath("dedupd"), "--volume", volume, "--host-id",
+                                   std::to_string(host_id), "--socket", socket};
+  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+  int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error(ErrnoText("cannot create " + log_, errno));
+  try {
+    pid_ = Spawn(argv, {}, fd, fd);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  const auto deadline = Clock::now() + std::chrono::seconds(30);
+  while (true) {
+    if (!Running()) {
+      throw std::runtime_error("dedupd exited during start-up:\n" + ReadTail(log_));
+    }
+    if (CanConnectUnix(socket_)) {
+      // A connection attempt opens a session dedupd logs and drops: fine.
+      return;
+    }
+    if (Clock::now() > deadline) {
+      Kill();
+      throw std::runtime_error("dedupd did not listen on " + socket_ + " within 30 s:\n" +
+                               ReadTail(log_));
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+}
+
+DedupdProcess::~DedupdProcess() { Kill(); }
+
+std::string DedupdProcess::Uri(const std::string& export_name) const {
+  return "nbd+unix:///" + export_name + "?socket=" + socket_;
+}
+
+bool DedupdProcess::Running() {
+  if (pid_ <= 0) return false;
+  int status = 0;
+  pid_t r = ::waitpid(pid_, &status, WNOHANG);
+  if (r == pid_ || (r < 0 && errno == ECHILD)) {
+    pid_ = -1;
+    return false;
+  }
+  return true;
+}
+
+int DedupdProcess::Stop(int timeout_s) {
+  if (pid_ <= 0) return -1;
+  ::kill(pid_, SIGTERM);
+  const auto deadline = Clock::now() + std::chrono::seconds(timeout_s);
+  while (Clock::now() < deadline) {
+    int status = 0;
+    pid_t r = ::waitpid(pid_, &status, WNOHANG);
+    if (r == pid_) {
+      pid_ = -1;
+      return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  Kill();
+  return -1;
+}
+
+void DedupdProcess::Kill() {
+  if (pid_ <= 0) return;
+  ::kill(pid_, SIGKILL);
+  int status = 0;
+  ::waitpid(pid_, &status, 0);
+  pid_ = -1;
+}
+
+std::string DedupdProcess::Log() const {
+  std::ifstream in(log_);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
 }
 
 }  // namespace dede::test

@@ -37,6 +37,10 @@ ProcessResult RunProcess(const std::vector<std::string>& argv, int timeout_s = 1
 // Path of a binary built by this project, e.g. BinaryPath("dede").
 std::string BinaryPath(const std::string& name);
 
+// Full path of an external program (qemu-img, nbdcopy, fio...); throws
+// (failing the test loudly) when the machine lacks it.
+std::string RequireProgram(const std::string& name);
+
 // Creates a file of `size` bytes (sparse).
 void CreateSparseFile(const std::string& path, uint64_t size);
 
@@ -80,6 +84,35 @@ class TgtdRig {
   int port_ = 0;
   int pid_ = -1;
   int lld_id_ = 0;  // tgtd control port number (-C)
+};
+
+// A dedupd serving a volume on a Unix socket, as a child process whose
+// stderr goes to a log file. The constructor waits until the socket
+// accepts connections (throws with the log's tail if dedupd exits or does
+// not come up in 30 s). The destructor SIGKILLs a dedupd still running.
+class DedupdProcess {
+ public:
+  DedupdProcess(const std::string& volume, uint32_t host_id, const std::string& socket,
+                const std::vector<std::string>& extra_args = {});
+  ~DedupdProcess();
+  DedupdProcess(const DedupdProcess&) = delete;
+  DedupdProcess& operator=(const DedupdProcess&) = delete;
+
+  const std::string& socket() const { return socket_; }
+  // nbd+unix:///NAME?socket=PATH
+  std::string Uri(const std::string& export_name) const;
+  int pid() const { return pid_; }
+  bool Running();
+  // SIGTERM, then waits up to `timeout_s`; returns the exit code (-1 if it
+  // had to be killed or died of a signal).
+  int Stop(int timeout_s = 60);
+  void Kill();
+  std::string Log() const;  // everything dedupd wrote to stderr
+
+ private:
+  std::string socket_;
+  std::string log_;
+  int pid_ = -1;
 };
 
 }  // namespace dede::test

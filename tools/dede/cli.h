@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "util/status.h"
+#include "util/units.h"
 #include "volume/volume.h"
 
 namespace dede::cli {
@@ -94,11 +95,6 @@ class ArgParser {
   std::string details_;
 };
 
-// "4096", "20M", "1.5G", "64MiB", "2t": binary multiples (K = 1024). The
-// result must be a whole number of bytes and fit in 63 bits.
-std::optional<uint64_t> ParseSize(const std::string& text);
-// Decimal unsigned integer without sign or suffix.
-std::optional<uint64_t> ParseUnsigned(const std::string& text);
 
 // "512 B", "4.0 KiB", "12.3 MiB", ...
 std::string HumanSize(uint64_t bytes);

@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "kmod/writemon/write_log.h"
 #include "tools/dede/cli.h"
 #include "volume/format.h"
 #include "volume/volume.h"
@@ -59,7 +60,31 @@ struct Listing {
   bool in_use = false;
   bool have_usage = false;
   FileUsage usage;
+  // The file's write log (regular files, -l): records a dedup pass has
+  // not consumed yet.
+  enum class LogState { kNone, kRead, kBusy } log = LogState::kNone;
+  uint64_t log_records = 0;  // distinct blocks with a fingerprint
+  WriteLogScanStats log_stats;
 };
+
+// Replays the write log of `info` (if any) into `l`.
+Status ReadPendingLog(Volume* vol, const FileInfo& info, Listing* l) {
+  auto log = OpenWriteLog(vol, info.id);
+  if (!log.ok()) {
+    if (log.status().code() == Status::Code::kNotFound) return Status::Ok();
+    if (log.status().code() == Status::Code::kLocked) {
+      l->log = Listing::LogState::kBusy;  // being appended to or consumed right now
+      return Status::Ok();
+    }
+    return log.status();
+  }
+  const Superblock& sb = vol->superblock();
+  ASSIGN_OR_RETURN(WriteLogState state, ReplayWriteLog(log->get(), sb.hash_algo, sb.uuid, info.id));
+  l->log = Listing::LogState::kRead;
+  l->log_records = state.records.size();
+  l->log_stats = state.stats;
+  return Status::Ok();
+}
 
 void PrintTable(const std::vector<std::vector<std::string>>& rows) {
   // Right-align every column but the last (the name, which may hold spaces).
@@ -87,13 +112,18 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
   ArgParser parser(cmd);
   parser.AddPositional("VOL", kVolHelp);
   parser.options()("long,l", po::bool_switch(),
-                   "per file: kind, size, allocated, shared, unique, saved, dedup")(
+                   "per file: kind, size, allocated, shared, unique, saved, dedup, "
+                   "pending write-log records")(
+      "all,a", po::bool_switch(), "also list dede's internal files (write logs...)")(
       "json", po::bool_switch(), "print a JSON array");
   parser.SetDetails(
       "allocated: mapped blocks x 4 KiB. shared/unique: mapped blocks whose\n"
       "physical block is / is not referenced elsewhere too. saved: what sharing\n"
       "saves, each shared block's 4 KiB split among its references. A file open\n"
-      "elsewhere cannot be walked: it shows its inode figures and 'in use'.");
+      "elsewhere cannot be walked: it shows its inode figures and 'in use'.\n"
+      "logged: blocks whose fingerprint waits in the file's write log for the\n"
+      "next dedup pass (a running dedupd also buffers some in memory); '!' after\n"
+      "it: records were dropped under load, the next pass verifies everything.");
   if (auto rc = parser.Parse(args)) return *rc;
   const bool long_form = parser.flag("long");
 
@@ -107,8 +137,13 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
 
   std::vector<Listing> listing;
   for (const FileInfo& info : *files) {
+    if (info.kind != FileKind::kRegular && !parser.flag("all")) continue;
     Listing l;
     l.info = info;
+    if (long_form && info.kind == FileKind::kRegular) {
+      Status st = ReadPendingLog(vol, info, &l);
+      if (!st.ok()) return Fail(cmd, st.WithContext("write log of '" + info.name + "'"));
+    }
     if (long_form) {
       auto file = vol->OpenFile(info.name);
       if (file.ok()) {
@@ -155,6 +190,15 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
           j["saved_bytes"] = nullptr;
           j["metadata_blocks"] = nullptr;
         }
+        if (l.log == Listing::LogState::kRead) {
+          j["log_records"] = l.log_records;
+          j["log_dropped_records"] = l.log_stats.dropped_records;
+          j["log_corrupt_frames"] = l.log_stats.corrupt_frames;
+        } else if (l.log == Listing::LogState::kNone) {
+          j["log_records"] = 0;
+        } else {
+          j["log_records"] = nullptr;
+        }
       }
       out.push_back(std::move(j));
     }
@@ -167,7 +211,7 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
     return kExitOk;
   }
   std::vector<std::vector<std::string>> rows;
-  rows.push_back({"KIND", "SIZE", "ALLOCATED", "SHARED", "UNIQUE", "SAVED", "DEDUP", "NAME"});
+  rows.push_back({"KIND", "SIZE", "ALLOCATED", "SHARED", "UNIQUE", "SAVED", "DEDUP", "LOGGED", "NAME"});
   for (const Listing& l : listing) {
     const uint64_t mapped = l.have_usage ? l.usage.mapped_blocks : l.info.mapped_blocks;
     std::vector<std::string> row = {FileKindName(l.info.kind), HumanSize(l.info.size),
@@ -180,6 +224,13 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
       row.insert(row.end(), {"-", "-", "-"});
     }
     row.push_back(l.info.dedup ? "on" : "off");
+    switch (l.log) {
+      case Listing::LogState::kNone: row.push_back(l.info.kind == FileKind::kRegular ? "0" : "-"); break;
+      case Listing::LogState::kBusy: row.push_back("busy"); break;
+      case Listing::LogState::kRead:
+        row.push_back(std::to_string(l.log_records) + (l.log_stats.dropped_records ? "!" : ""));
+        break;
+    }
     row.push_back(l.info.name + (l.in_use ? "  (in use)" : ""));
     rows.push_back(std::move(row));
   }
@@ -199,9 +250,20 @@ int RunRm(const Command& cmd, const std::vector<std::string>& args) {
 
   auto opened = OpenVolume(parser.positional(0), /*read_only=*/false);
   if (!opened.ok()) return Fail(cmd, opened.status());
+  auto info = opened->volume->Lookup(name);
   Status st = opened->volume->Remove(name);
   if (st.code() == Status::Code::kLocked) return Fail(cmd, InUse(name, st));
   if (!st.ok()) return Fail(cmd, st);
+  if (info.ok() && info->kind == FileKind::kRegular) {
+    // Its write log goes with it; a log left behind (say, locked by a pass
+    // right now) is an orphan the next pass removes: its name carries the
+    // file's generation, which no live file has.
+    Status log_st = opened->volume->Remove(WriteLogName(info->id));
+    if (!log_st.ok() && log_st.code() != Status::Code::kNotFound) {
+      std::cerr << "dede rm: warning: write log of '" << name << "' left behind: "
+                << log_st.message() << "\n";
+    }
+  }
   st = opened->volume->Sync();
   if (!st.ok()) return Fail(cmd, st);
   return kExitOk;

@@ -1,0 +1,256 @@
+// dedupd: the per-host dede daemon. Serves every regular file of a volume as
+// an NBD export, fingerprints what VMs write (write monitor) and keeps the
+// per-file write logs on the volume. Later issues add dedup passes, merge
+// requests and scheduling.
+#include <signal.h>
+
+#include <boost/asio.hpp>
+#include <boost/program_options.hpp>
+#include <cstdio>
+#include <iostream>
+#include <memory>
+
+#include "agent/export_table.h"
+#include "agent/log_flusher.h"
+#include "agent/nbd_server.h"
+#include "kmod/writemon/write_monitor.h"
+#include "util/log.h"
+#include "util/units.h"
+#include "volume/volume.h"
+
+namespace po = boost::program_options;
+namespace asio = boost::asio;
+
+namespace dede {
+namespace {
+
+constexpr int kExitOk = 0;
+constexpr int kExitError = 1;
+constexpr int kExitUsage = 2;
+
+const char kUsage[] =
+    "usage: dedupd --volume VOL --host-id N --socket PATH [options]\n"
+    "\n"
+    "Serves every file of the dede volume VOL (a path or iscsi:// URL) as an NBD\n"
+    "export named after the file, on the Unix socket PATH (and, with --tcp-port,\n"
+    "on 127.0.0.1). A VM's disk is nbd+unix:///NAME?socket=PATH. The first client\n"
+    "of an export takes the file's lock; another dedupd or host asking for the same\n"
+    "export is refused until every client here has disconnected.\n"
+    "Fully written 4 KiB blocks are fingerprinted in memory and logged per file on\n"
+    "the volume for later dedup passes. SIGTERM or SIGINT drains requests, flushes\n"
+    "logs and data, releases locks and exits 0.\n";
+
+struct Config {
+  std::string volume;
+  uint32_t host_id = 0;
+  std::string socket;
+  int tcp_port = -1;
+  size_t threads = 8;
+  double sync_interval = 1.0;
+  double log_flush_interval = 30.0;
+  uint64_t log_flush_bytes = 1 << 20;
+  uint64_t monitor_memory = uint64_t{64} << 20;
+  bool write_monitor = true;
+  LogLevel log_level = LogLevel::kInfo;
+};
+
+int UsageError(const std::string& msg) {
+  std::fprintf(stderr, "dedupd: %s\n(try dedupd --help)\n", msg.c_str());
+  return kExitUsage;
+}
+
+// Returns an exit code, or -1 to go on.
+int ParseArgs(int argc, char** argv, Config* cfg) {
+  std::string tcp_port, flush_bytes, memory, log_level, config_file;
+  po::options_description opts("options");
+  opts.add_options()
+      ("help,h", "show this help")
+      ("version", "print the version")
+      ("volume", po::value(&cfg->volume)->value_name("VOL"), "volume: path or iscsi://host[:port]/iqn/lun")
+      ("host-id", po::value(&cfg->host_id)->value_name("N"), "this host's slot on the volume (1..max-hosts)")
+      ("socket", po::value(&cfg->socket)->value_name("PATH"), "Unix socket to serve NBD on")
+      ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port)")
+      ("config", po::value(&config_file)->value_name("FILE"), "read options from FILE (lines: name = value)")
+      ("threads", po::value(&cfg->threads)->value_name("N"), "worker threads for volume I/O (default 8)")
+      ("sync-interval", po::value(&cfg->sync_interval)->value_name("SEC"), "volume flush point every SEC seconds (default 1)")
+      ("log-flush-interval", po::value(&cfg->log_flush_interval)->value_name("SEC"), "append buffered records to write logs every SEC seconds (default 30)")
+      ("log-flush-bytes", po::value(&flush_bytes)->value_name("SIZE"), "flush a file's records once they fill SIZE of log (default 1M)")
+      ("monitor-memory", po::value(&memory)->value_name("SIZE"), "memory cap of the write monitor's buffers (default 64M)")
+      ("no-write-monitor", "serve without fingerprinting writes (benchmarks)")
+      ("log-level", po::value(&log_level)->value_name("LEVEL"), "debug, info, warning or error (default info)");
+  po::variables_map vm;
+  try {
+    po::store(po::command_line_parser(argc, argv).options(opts).run(), vm);
+    po::notify(vm);
+    if (vm.count("config")) {
+      po::store(po::parse_config_file<char>(config_file.c_str(), opts), vm);
+      po::notify(vm);
+    }
+  } catch (const std::exception& e) {
+    return UsageError(e.what());
+  }
+  if (vm.count("help")) {
+    std::cout << kUsage << "\n" << opts;
+    return kExitOk;
+  }
+  if (vm.count("version")) {
+    std::cout << "dedupd " << DEDE_VERSION << "\n";
+    return kExitOk;
+  }
+  if (cfg->volume.empty()) return UsageError("--volume is required");
+  if (cfg->host_id == 0) return UsageError("--host-id is required (1..max-hosts)");
+  if (cfg->socket.empty() && tcp_port.empty()) return UsageError("--socket is required");
+  if (!tcp_port.empty()) {
+    auto p = ParseUnsigned(tcp_port);
+    if (!p || *p > 65535) return UsageError("--tcp-port: not a port number: " + tcp_port);
+    cfg->tcp_port = static_cast<int>(*p);
+  }
+  if (!flush_bytes.empty()) {
+    auto v = ParseSize(flush_bytes);
+    if (!v || *v < 4096) return UsageError("--log-flush-bytes: need a size of at least 4K");
+    cfg->log_flush_bytes = *v;
+  }
+  if (!memory.empty()) {
+    auto v = ParseSize(memory);
+    if (!v || *v < (1 << 20)) return UsageError("--monitor-memory: need a size of at least 1M");
+    cfg->monitor_memory = *v;
+  }
+  if (!log_level.empty()) {
+    auto l = ParseLogLevel(log_level);
+    if (!l) return UsageError("--log-level: one of debug, info, warning, error");
+    cfg->log_level = *l;
+  }
+  if (cfg->threads < 1 || cfg->threads > 256) return UsageError("--threads: 1..256");
+  if (!(cfg->sync_interval > 0) || !(cfg->log_flush_interval > 0)) {
+    return UsageError("intervals must be positive");
+  }
+  cfg->write_monitor = vm.count("no-write-monitor") == 0;
+  return -1;
+}
+
+// Runs `work` on the worker pool every `interval`, never two at once.
+class PeriodicJob {
+ public:
+  PeriodicJob(asio::io_context& io, NbdServer* server, double interval, std::function<void()> work)
+      : timer_(io), server_(server), interval_(interval), work_(std::move(work)) {}
+  void Start() { Arm(); }
+  void Stop() {
+    stopped_ = true;
+    timer_.cancel();
+  }
+
+ private:
+  void Arm() {
+    if (stopped_) return;
+    timer_.expires_after(std::chrono::microseconds(static_cast<int64_t>(interval_ * 1e6)));
+    timer_.async_wait([this](boost::system::error_code ec) {
+      if (ec || stopped_) return;
+      server_->RunBlocking([this] {
+        work_();
+        asio::post(timer_.get_executor(), [this] { Arm(); });
+      });
+    });
+  }
+  asio::steady_timer timer_;
+  NbdServer* server_;
+  double interval_;
+  std::function<void()> work_;
+  bool stopped_ = false;
+};
+
+int Run(const Config& cfg) {
+  OpenOptions oo;
+  oo.host_id = cfg.host_id;
+  Result<OpenedVolume> ov = OpenVolumeSpec(cfg.volume, oo);
+  if (!ov.ok()) {
+    LOG(kError) << "cannot open volume " << cfg.volume << ": " << ov.status().ToString();
+    return kExitError;
+  }
+  Volume* vol = ov->volume.get();
+
+  WriteMonitorOptions mo;
+  mo.algo = vol->superblock().hash_algo;
+  mo.memory_cap_bytes = cfg.monitor_memory;
+  mo.flush_bytes = cfg.log_flush_bytes;
+  WriteMonitor monitor(mo);
+  LogFlusher flusher(vol, &monitor);
+  ExportTable table(vol, cfg.write_monitor ? &monitor : nullptr,
+                    cfg.write_monitor ? &flusher : nullptr);
+
+  asio::io_context io(1);
+  NbdServerOptions so;
+  so.unix_socket = cfg.socket;
+  so.tcp_port = cfg.tcp_port;
+  so.worker_threads = cfg.threads;
+  NbdServer server(io, &table, so);
+  if (Status st = server.Listen(); !st.ok()) {
+    LOG(kError) << st.ToString();
+    return kExitError;
+  }
+
+  PeriodicJob sync_job(io, &server, cfg.sync_interval, [&] {
+    // Flush point: makes logs and metadata durable and hands cached locks
+    // to other processes that asked for them.
+    if (Status st = vol->Sync(); !st.ok()) LOG(kError) << "volume flush: " << st.ToString();
+    if (cfg.write_monitor) (void)flusher.Tick();
+  });
+  PeriodicJob flush_job(io, &server, cfg.log_flush_interval, [&] {
+    if (cfg.write_monitor) (void)flusher.FlushAll();
+  });
+
+  int exit_code = kExitOk;
+  asio::signal_set signals(io, SIGTERM, SIGINT);
+  signals.async_wait([&](boost::system::error_code ec, int sig) {
+    if (ec) return;
+    LOG(kInfo) << "signal " << sig << ": draining requests and shutting down";
+    sync_job.Stop();
+    flush_job.Stop();
+    server.Shutdown([&] {
+      server.RunBlocking([&] {
+        if (cfg.write_monitor) {
+          if (Status st = flusher.FlushAll(); !st.ok()) {
+            LOG(kError) << "flushing write logs: " << st.ToString();
+            exit_code = kExitError;
+          }
+        }
+        table.CloseAll();
+        if (Status st = vol->Sync(); !st.ok()) {
+          LOG(kError) << "final volume flush: " << st.ToString();
+          exit_code = kExitError;
+        }
+        asio::post(io, [&] { io.stop(); });
+      });
+    });
+  });
+
+  server.Start();
+  sync_job.Start();
+  flush_job.Start();
+  {
+    auto names = table.List();
+    std::string where = cfg.socket.empty() ? "" : cfg.socket;
+    if (server.tcp_port()) {
+      where += (where.empty() ? "" : " and ") + std::string("127.0.0.1:") + std::to_string(server.tcp_port());
+    }
+    LOG(kInfo) << "host " << vol->host_id() << " serving " << (names.ok() ? names->size() : 0)
+               << " exports of " << cfg.volume << " on " << where << " (write monitor "
+               << (cfg.write_monitor ? HashAlgoName(mo.algo) : "off") << ")";
+  }
+  io.run();
+  server.JoinWorkers();
+  LOG(kInfo) << "stopped";
+  return exit_code;
+}
+
+}  // namespace
+}  // namespace dede
+
+int main(int argc, char** argv) {
+  dede::SetLogProgram("dedupd");
+  ::signal(SIGPIPE, SIG_IGN);
+  dede::Config cfg;
+  int rc = dede::ParseArgs(argc, argv, &cfg);
+  if (rc >= 0) return rc;
+  dede::SetLogLevel(cfg.log_level);
+  return dede::Run(cfg);
+}

@@ -1,0 +1,227 @@
+#include "agent/export_table.h"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "util/log.h"
+#include "volume/format.h"
+
+namespace dede {
+
+// ------------------------------------------------------------ BlockRangeLock
+
+// The condition variable needs the native mutex; the analysis cannot follow
+// std::unique_lock, so these two are checked by hand: held_ is only touched
+// with mu_ locked.
+void BlockRangeLock::Lock(uint64_t first_block, uint64_t last_block) NO_THREAD_SAFETY_ANALYSIS {
+  std::unique_lock<std::mutex> l(mu_.native());
+  cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS { return !OverlapsLocked(first_block, last_block); });
+  held_.emplace(first_block, last_block);
+}
+
+void BlockRangeLock::Unlock(uint64_t first_block, uint64_t last_block) NO_THREAD_SAFETY_ANALYSIS {
+  {
+    std::lock_guard<std::mutex> l(mu_.native());
+    auto [lo, hi] = held_.equal_range(first_block);
+    for (auto it = lo; it != hi; ++it) {
+      if (it->second == last_block) {
+        held_.erase(it);
+        break;
+      }
+    }
+  }
+  cv_.notify_all();
+}
+
+bool BlockRangeLock::OverlapsLocked(uint64_t first, uint64_t last) {
+  // A handful of writes are in flight per export: a scan is cheapest.
+  for (auto it = held_.begin(); it != held_.end() && it->first <= last; ++it) {
+    if (it->second >= first) return true;
+  }
+  return false;
+}
+
+namespace {
+class RangeGuard {
+ public:
+  RangeGuard(BlockRangeLock* l, uint64_t offset, uint64_t len)
+      : l_(l), first_(offset / kBlockSize), last_((offset + std::max<uint64_t>(len, 1) - 1) / kBlockSize) {
+    l_->Lock(first_, last_);
+  }
+  ~RangeGuard() { l_->Unlock(first_, last_); }
+
+ private:
+  BlockRangeLock* l_;
+  uint64_t first_, last_;
+};
+}  // namespace
+
+// -------------------------------------------------------------------- Export
+
+Export::Export(std::string name, std::unique_ptr<File> file, const FileInfo& info, Volume* vol,
+               WriteMonitor* monitor)
+    : name_(std::move(name)),
+      id_(info.id),
+      size_(info.size),
+      dedup_(info.dedup),
+      file_(std::move(file)),
+      vol_(vol),
+      monitor_(monitor) {}
+
+Status Export::Read(uint64_t offset, void* buf, size_t len) { return file_->Read(offset, buf, len); }
+
+Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua) {
+  Status st;
+  {
+    RangeGuard g(&ranges_, offset, len);
+    st = file_->Write(offset, buf, len);
+    if (monitor_) {
+      // A failed write leaves the blocks' content unknown: forget them.
+      if (st.ok()) {
+        monitor_->OnWrite(id_, offset, buf, len);
+      } else {
+        monitor_->OnInvalidate(id_, offset, len);
+      }
+    }
+  }
+  if (st.ok() && fua) st = vol_->Sync();
+  return st;
+}
+
+Status Export::Trim(uint64_t offset, uint64_t len, bool fua) {
+  Status st;
+  {
+    RangeGuard g(&ranges_, offset, len);
+    st = file_->Trim(offset, len);
+    if (monitor_) monitor_->OnInvalidate(id_, offset, len);
+  }
+  if (st.ok() && fua) st = vol_->Sync();
+  return st;
+}
+
+Status Export::WriteZeroes(uint64_t offset, uint64_t len, bool fua, bool no_hole) {
+  if (!no_hole) return Trim(offset, len, fua);
+  static constexpr size_t kChunk = 1 << 20;
+  static const std::vector<uint8_t> zeros(kChunk, 0);
+  Status st;
+  {
+    RangeGuard g(&ranges_, offset, len);
+    for (uint64_t done = 0; done < len && st.ok();) {
+      size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, len - done));
+      st = file_->Write(offset + done, zeros.data(), n);
+      done += n;
+    }
+    // Zero blocks are never worth sharing: drop, don't hash.
+    if (monitor_) monitor_->OnInvalidate(id_, offset, len);
+  }
+  if (st.ok() && fua) st = vol_->Sync();
+  return st;
+}
+
+Status Export::Flush() { return vol_->Sync(); }
+
+// --------------------------------------------------------------- ExportTable
+
+ExportTable::ExportTable(Volume* vol, WriteMonitor* monitor, LogFlusher* flusher)
+    : vol_(vol), monitor_(monitor), flusher_(flusher) {}
+
+ExportTable::~ExportTable() { CloseAll(); }
+
+Result<std::vector<std::string>> ExportTable::List() {
+  ASSIGN_OR_RETURN(std::vector<FileInfo> files, vol_->List());
+  std::vector<std::string> names;
+  for (const FileInfo& f : files) {
+    if (f.kind == FileKind::kRegular) names.push_back(f.name);
+  }
+  std::sort(names.begin(), names.end());
+  return names;
+}
+
+Result<std::shared_ptr<Export>> ExportTable::Acquire(const std::string& name) {
+  MutexLock o(&open_mu_);
+  {
+    MutexLock l(&mu_);
+    auto it = exports_.find(name);
+    if (it != exports_.end()) {
+      it->second->clients_++;
+      return it->second;
+    }
+  }
+  Result<FileInfo> found = vol_->Lookup(name);
+  if (!found.ok() || found->kind != FileKind::kRegular) {
+    if (found.ok() || found.status().code() == Status::Code::kNotFound) {
+      return Status::NotFound("no export named '" + name + "' on this volume");
+    }
+    return found.status();
+  }
+  Result<std::unique_ptr<File>> file = vol_->OpenFile(name);
+  if (!file.ok()) {
+    if (file.status().code() == Status::Code::kLocked) {
+      return Status::Locked("export '" + name +
+                            "' is in use by another dedupd or host (its VM runs there)");
+    }
+    return file.status().WithContext("opening export '" + name + "'");
+  }
+  ASSIGN_OR_RETURN(FileInfo info, (*file)->Info());
+  auto e = std::make_shared<Export>(name, std::move(*file), info, vol_, monitor_);
+  if (monitor_) monitor_->AddFile(info.id, info.dedup);
+  e->clients_ = 1;
+  LOG(kInfo) << "export '" << name << "' opened (" << info.size << " bytes, dedup "
+             << (info.dedup ? "on" : "off") << ")";
+  MutexLock l(&mu_);
+  exports_[name] = e;
+  return e;
+}
+
+void ExportTable::Release(const std::shared_ptr<Export>& e) {
+  MutexLock o(&open_mu_);
+  {
+    MutexLock l(&mu_);
+    if (--e->clients_ > 0) return;
+    exports_.erase(e->name_);
+  }
+  Close(e);
+}
+
+void ExportTable::Close(const std::shared_ptr<Export>& e) {
+  if (flusher_) {
+    Status st = flusher_->FlushFile(e->id());
+    if (!st.ok()) LOG(kWarning) << "export '" << e->name() << "': " << st.ToString();
+  }
+  if (monitor_) monitor_->RemoveFile(e->id());
+  // The next holder (maybe on another host) must find everything on disk.
+  Status st = vol_->Sync();
+  if (!st.ok()) LOG(kError) << "export '" << e->name() << "': flush on close: " << st.ToString();
+  e->file_.reset();
+  LOG(kInfo) << "export '" << e->name() << "' closed";
+}
+
+void ExportTable::CloseAll() {
+  MutexLock o(&open_mu_);
+  std::map<std::string, std::shared_ptr<Export>> all;
+  {
+    MutexLock l(&mu_);
+    all.swap(exports_);
+  }
+  for (auto& [name, e] : all) Close(e);
+}
+
+std::vector<std::shared_ptr<Export>> ExportTable::Snapshot() {
+  MutexLock l(&mu_);
+  std::vector<std::shared_ptr<Export>> out;
+  for (auto& [name, e] : exports_) out.push_back(e);
+  return out;
+}
+
+uint32_t NbdErrorFor(const Status& s) {
+  switch (s.code()) {
+    case Status::Code::kOk: return 0;
+    case Status::Code::kNoSpace: return 28;   // ENOSPC
+    case Status::Code::kInvalid: return 22;   // EINVAL
+    case Status::Code::kUnsupported: return 95;  // ENOTSUP
+    default: return 5;                        // EIO
+  }
+}
+
+}  // namespace dede

@@ -1,0 +1,115 @@
+// ExportTable: the volume files dedupd serves, and what a served file does
+// on each NBD command.
+//
+// A file becomes an Export when its first client enters it (NBD_OPT_GO):
+// the table opens it on the volume, which takes the file's lock, so the
+// VM is "powered on" here and no other process or host can open it. The
+// lock is held while any client is connected; the last client's departure
+// flushes the file's write-monitor buffer into its write log and closes the
+// file (releasing the lock).
+//
+// Every write goes through the write monitor while the blocks it covers are
+// held in the export's BlockRangeLock, so writes to the same 4 KiB block are
+// applied to the volume and to the monitor in the same order (the monitor's
+// latest record is the block's content) and partial-block read-modify-writes
+// of one block never interleave.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "agent/log_flusher.h"
+#include "kmod/writemon/write_monitor.h"
+#include "util/mutex.h"
+#include "util/status.h"
+#include "volume/volume.h"
+
+namespace dede {
+
+// Serialises operations that touch overlapping 4 KiB block ranges; others
+// run in parallel. Waiters block their thread (they run on the worker pool,
+// and a holder never waits for anything but device I/O).
+class BlockRangeLock {
+ public:
+  void Lock(uint64_t first_block, uint64_t last_block) EXCLUDES(mu_);
+  void Unlock(uint64_t first_block, uint64_t last_block) EXCLUDES(mu_);
+
+ private:
+  bool OverlapsLocked(uint64_t first, uint64_t last) REQUIRES(mu_);
+  Mutex mu_;
+  std::condition_variable cv_;
+  std::multimap<uint64_t, uint64_t> held_ GUARDED_BY(mu_);  // first -> last
+};
+
+class Export {
+ public:
+  Export(std::string name, std::unique_ptr<File> file, const FileInfo& info, Volume* vol,
+         WriteMonitor* monitor);
+  const std::string& name() const { return name_; }
+  FileId id() const { return id_; }
+  uint64_t size() const { return size_; }
+  bool dedup() const { return dedup_; }
+
+  Status Read(uint64_t offset, void* buf, size_t len);
+  // `fua`: durable (volume flush point) before returning.
+  Status Write(uint64_t offset, const void* buf, size_t len, bool fua);
+  Status Trim(uint64_t offset, uint64_t len, bool fua);
+  // no_hole: allocate and write zeros; else blocks become holes (read as 0).
+  Status WriteZeroes(uint64_t offset, uint64_t len, bool fua, bool no_hole);
+  Status Flush();
+
+  File* file() { return file_.get(); }
+
+ private:
+  friend class ExportTable;
+  const std::string name_;
+  const FileId id_;
+  const uint64_t size_;
+  const bool dedup_;
+  std::unique_ptr<File> file_;
+  Volume* const vol_;
+  WriteMonitor* const monitor_;  // nullptr: monitoring disabled
+  BlockRangeLock ranges_;
+  int clients_ = 0;  // guarded by ExportTable::mu_
+};
+
+class ExportTable {
+ public:
+  // `monitor` and `flusher` may be nullptr (monitoring off).
+  ExportTable(Volume* vol, WriteMonitor* monitor, LogFlusher* flusher);
+  ~ExportTable();
+
+  // The names clients may ask for: the volume's regular files.
+  Result<std::vector<std::string>> List();
+  // Enters the export for one more client; the first opens the file (and
+  // takes its lock): kLocked when another process or host holds it,
+  // kNotFound when there is no such regular file. Blocking (volume I/O):
+  // call from a worker thread.
+  Result<std::shared_ptr<Export>> Acquire(const std::string& name) EXCLUDES(mu_);
+  // One client left; the last one flushes the file's records and closes it.
+  void Release(const std::shared_ptr<Export>& e) EXCLUDES(mu_);
+  // Closes every export (shutdown, after all clients are gone).
+  void CloseAll() EXCLUDES(mu_);
+  std::vector<std::shared_ptr<Export>> Snapshot() EXCLUDES(mu_);
+
+ private:
+  void Close(const std::shared_ptr<Export>& e);
+  Volume* const vol_;
+  WriteMonitor* const monitor_;
+  LogFlusher* const flusher_;
+  // Lock order: ExportTable::mu_ is never held across volume I/O; opening
+  // and closing run under open_mu_ (held across I/O, never taken by the
+  // data path) so two clients racing for a new export open it once.
+  Mutex open_mu_ ACQUIRED_BEFORE(mu_);
+  Mutex mu_;
+  std::map<std::string, std::shared_ptr<Export>> exports_ GUARDED_BY(mu_);
+};
+
+// The NBD error number for a failed volume operation.
+uint32_t NbdErrorFor(const Status& s);
+
+}  // namespace dede

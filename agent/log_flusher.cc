@@ -1,0 +1,62 @@
+#include "agent/log_flusher.h"
+
+#include "kmod/writemon/write_log.h"
+#include "util/log.h"
+
+namespace dede {
+
+Status LogFlusher::FlushLocked(FileId id) {
+  MonitorBatch batch = monitor_->Take(id);
+  if (batch.empty()) return Status::Ok();
+  uint64_t bytes = EncodedWriteLogBytes(batch, monitor_->algo());
+  Status st = AppendToWriteLog(vol_, batch);
+  if (st.ok()) {
+    stats_.flushes++;
+    stats_.bytes += bytes;
+    stats_.records += batch.records.size();
+    return st;
+  }
+  if (st.code() == Status::Code::kLocked) {
+    // A pass is consuming the log right now; keep the records for later.
+    stats_.deferred++;
+    monitor_->PutBack(std::move(batch));
+    return Status::Ok();
+  }
+  stats_.failed++;
+  monitor_->MarkDropped(id, batch.records.size());
+  LOG(kWarning) << "write log of file " << id.ino << "." << id.generation << ": "
+                << batch.records.size() << " records lost: " << st.ToString();
+  return st;
+}
+
+Status LogFlusher::Tick() {
+  MutexLock l(&mu_);
+  Status first;
+  for (FileId id : monitor_->DueFiles(false)) {
+    Status st = FlushLocked(id);
+    if (first.ok()) first = st;
+  }
+  return first;
+}
+
+Status LogFlusher::FlushAll() {
+  MutexLock l(&mu_);
+  Status first;
+  for (FileId id : monitor_->DueFiles(true)) {
+    Status st = FlushLocked(id);
+    if (first.ok()) first = st;
+  }
+  return first;
+}
+
+Status LogFlusher::FlushFile(FileId id) {
+  MutexLock l(&mu_);
+  return FlushLocked(id);
+}
+
+FlusherStats LogFlusher::stats() {
+  MutexLock l(&mu_);
+  return stats_;
+}
+
+}  // namespace dede

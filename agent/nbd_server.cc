@@ -1,0 +1,458 @@
+#include "agent/nbd_server.h"
+
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <boost/asio/local/stream_protocol.hpp>
+#include <cstring>
+#include <deque>
+
+#include "util/log.h"
+
+namespace dede {
+
+namespace asio = boost::asio;
+using Socket = asio::generic::stream_protocol::socket;
+using Strand = asio::strand<asio::io_context::executor_type>;
+
+// One client connection. Every member below is touched only on strand_
+// (handlers are bound to it), except what the worker lambdas capture by
+// value; that is the whole locking story of this class.
+class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
+ public:
+  NbdConnection(NbdServer* server, Socket sock, uint64_t id)
+      : server_(server),
+        sock_(std::move(sock)),
+        strand_(asio::make_strand(server->io_)),
+        session_(server->opts_.session),
+        id_(id) {
+    rbuf_.resize(256 * 1024);
+  }
+
+  void Start() {
+    asio::dispatch(strand_, [self = shared_from_this()] {
+      self->SendSessionOutput();
+      self->Pump();
+    });
+  }
+
+  // Shutdown: stop taking requests, finish what is in flight, close.
+  void Drain() {
+    asio::dispatch(strand_, [self = shared_from_this()] {
+      if (self->finished_) return;
+      self->stop_reading_ = true;
+      self->MaybeFinish();
+    });
+  }
+
+ private:
+  bool Backpressured() const {
+    return inflight_ >= server_->opts_.max_inflight_requests ||
+           inflight_bytes_ >= server_->opts_.max_inflight_bytes;
+  }
+
+  void SendSessionOutput() {
+    if (session_.has_output()) Send(session_.TakeOutput());
+  }
+
+  // Feeds buffered bytes to the session until it needs more input, has to
+  // wait for the backend, or back-pressure stops it; then reads more.
+  void Pump() {
+    while (!finished_ && !stop_reading_ && !waiting_backend_ && !Backpressured() &&
+           rstart_ < rend_) {
+      size_t consumed = 0;
+      nbd::Action a = session_.Feed(rbuf_.data() + rstart_, rend_ - rstart_, &consumed);
+      rstart_ += consumed;
+      SendSessionOutput();
+      switch (a) {
+        case nbd::Action::kNeedInput:
+          break;
+        case nbd::Action::kListExports:
+          ListExports();
+          break;
+        case nbd::Action::kOpenExport:
+          OpenExport();
+          break;
+        case nbd::Action::kRequest:
+          Execute(session_.TakeRequest());
+          break;
+        case nbd::Action::kDisconnect:
+          stop_reading_ = true;
+          break;
+        case nbd::Action::kClose:
+          server_->c_protocol_errors_++;
+          LOG(kWarning) << "nbd connection " << id_ << ": closing: " << session_.close_reason();
+          stop_reading_ = true;
+          break;
+      }
+    }
+    if (rstart_ == rend_) rstart_ = rend_ = 0;
+    if (stop_reading_) {
+      MaybeFinish();
+      return;
+    }
+    ReadMore();
+  }
+
+  void ReadMore() {
+    if (read_pending_ || stop_reading_ || waiting_backend_ || Backpressured() || finished_) return;
+    if (rstart_ > 0) {
+      std::memmove(rbuf_.data(), rbuf_.data() + rstart_, rend_ - rstart_);
+      rend_ -= rstart_;
+      rstart_ = 0;
+    }
+    if (rend_ == rbuf_.size()) return;  // the session consumes all it is fed
+    read_pending_ = true;
+    sock_.async_read_some(
+        asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
+        asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
+          self->read_pending_ = false;
+          if (ec || n == 0) {
+            // End of file or error: the client is gone, unless we asked
+            // for it by shutting down our receive side.
+            if (!self->stop_reading_) self->client_gone_ = true;
+            self->stop_reading_ = true;
+            self->MaybeFinish();
+            return;
+          }
+          self->rend_ += n;
+          self->Pump();
+        }));
+  }
+
+  void ListExports() {
+    waiting_backend_ = true;
+    ExportTable* table = server_->table_;
+    server_->RunBlocking([self = shared_from_this(), table] {
+      auto names = table->List();
+      asio::post(self->strand_, [self, names = std::move(names)]() mutable {
+        self->waiting_backend_ = false;
+        if (names.ok()) {
+          self->session_.ReplyList(*names);
+        } else {
+          self->session_.ReplyList({});
+          LOG(kWarning) << "listing exports: " << names.status().ToString();
+        }
+        self->SendSessionOutput();
+        self->Pump();
+      });
+    });
+  }
+
+  void OpenExport() {
+    waiting_backend_ = true;
+    ExportTable* table = server_->table_;
+    std::string name = session_.export_name();
+    bool info_only = session_.info_only();
+    server_->RunBlocking([self = shared_from_this(), table, name, info_only] {
+      Result<std::shared_ptr<Export>> e = table->Acquire(name);
+      nbd::ExportInfo info;
+      if (e.ok()) {
+        info.size = (*e)->size();
+        info.description = "dede volume file '" + name + "'";
+        if (info_only) table->Release(*e);
+      }
+      asio::post(self->strand_, [self, e = std::move(e), info, info_only, table]() mutable {
+        self->waiting_backend_ = false;
+        if (!e.ok()) {
+          uint32_t rep = e.status().code() == Status::Code::kNotFound ? nbd::kRepErrUnknown
+                         : e.status().code() == Status::Code::kLocked ? nbd::kRepErrUnknown
+                                                                       : nbd::kRepErrShutdown;
+          LOG(kInfo) << "nbd connection " << self->id_ << ": " << e.status().message();
+          self->session_.ReplyExportError(rep, e.status().message());
+        } else {
+          self->session_.ReplyExport(info);
+          if (!info_only) {
+            if (self->finished_) {
+              table->Release(*e);  // the client left while we opened
+            } else {
+              self->export_ = *e;
+            }
+          }
+        }
+        self->SendSessionOutput();
+        self->Pump();
+      });
+    });
+  }
+
+  void Execute(nbd::Request req) {
+    if (!export_) return;  // the session only yields requests after GO
+    inflight_++;
+    inflight_bytes_ += req.length;
+    server_->c_requests_++;
+    server_->RunBlocking([self = shared_from_this(), e = export_, req = std::move(req)]() mutable {
+      std::vector<uint8_t> reply;
+      Status st;
+      bool fua = req.flags & nbd::kCmdFlagFua;
+      switch (req.type) {
+        case nbd::kCmdRead:
+          reply.resize(16 + size_t{req.length});
+          st = e->Read(req.offset, reply.data() + 16, req.length);
+          if (!st.ok()) reply.resize(16);
+          break;
+        case nbd::kCmdWrite:
+          st = e->Write(req.offset, req.payload.data(), req.payload.size(), fua);
+          break;
+        case nbd::kCmdFlush:
+          st = e->Flush();
+          break;
+        case nbd::kCmdTrim:
+          st = e->Trim(req.offset, req.length, fua);
+          break;
+        case nbd::kCmdWriteZeroes:
+          st = e->WriteZeroes(req.offset, req.length, fua, req.flags & nbd::kCmdFlagNoHole);
+          break;
+        default:
+          st = Status::Invalid("unexpected command");
+      }
+      uint32_t err = st.ok() ? 0 : NbdErrorFor(st);
+      if (!st.ok()) {
+        LOG(kWarning) << "export '" << e->name() << "': command " << req.type << " at "
+                      << req.offset << "+" << req.length << ": " << st.ToString();
+      }
+      if (reply.empty()) reply.resize(16);
+      std::vector<uint8_t> hdr = nbd::EncodeSimpleReplyHeader(req.cookie, err);
+      std::memcpy(reply.data(), hdr.data(), 16);
+      asio::post(self->strand_, [self, reply = std::move(reply), len = req.length, type = req.type,
+                                 err]() mutable {
+        self->inflight_--;
+        self->inflight_bytes_ -= len;
+        if (err) self->server_->c_request_errors_++;
+        if (type == nbd::kCmdRead && !err) self->server_->c_bytes_read_ += len;
+        if (type == nbd::kCmdWrite && !err) self->server_->c_bytes_written_ += len;
+        self->Send(std::move(reply));
+        self->Pump();
+      });
+    });
+  }
+
+  void Send(std::vector<uint8_t> bytes) {
+    if (client_gone_ || bytes.empty()) return;
+    wq_.push_back(std::move(bytes));
+    if (!writing_) WriteNext();
+  }
+
+  void WriteNext() {
+    writing_ = true;
+    // Gather every queued reply into one write.
+    std::vector<asio::const_buffer> bufs;
+    size_t n = std::min<size_t>(wq_.size(), 64);
+    for (size_t i = 0; i < n; ++i) bufs.push_back(asio::buffer(wq_[i]));
+    asio::async_write(
+        sock_, bufs,
+        asio::bind_executor(strand_, [self = shared_from_this(), n](boost::system::error_code ec, size_t) {
+          self->writing_ = false;
+          if (ec) {
+            self->client_gone_ = true;
+            self->stop_reading_ = true;
+            self->wq_.clear();
+            self->MaybeFinish();
+            return;
+          }
+          self->wq_.erase(self->wq_.begin(), self->wq_.begin() + n);
+          if (!self->wq_.empty()) {
+            self->WriteNext();
+          } else {
+            self->MaybeFinish();
+          }
+        }));
+  }
+
+  // Closes once nothing is in flight and (unless the client is gone) every
+  // reply has been written.
+  void MaybeFinish() {
+    if (finished_ || !stop_reading_) return;
+    if (read_pending_) {
+      // We stopped reading (DISC, protocol error, drain): end the pending
+      // read with end-of-file; its handler comes back here.
+      boost::system::error_code ec;
+      sock_.shutdown(asio::socket_base::shutdown_receive, ec);
+      return;
+    }
+    if (inflight_ > 0 || waiting_backend_) return;
+    if (writing_ && !client_gone_) return;
+    finished_ = true;
+    boost::system::error_code ec;
+    sock_.shutdown(asio::socket_base::shutdown_both, ec);
+    sock_.close(ec);
+    if (export_) {
+      ExportTable* table = server_->table_;
+      server_->RunBlocking([table, e = std::move(export_)] { table->Release(e); });
+      export_.reset();
+    }
+    server_->Finished(this);
+  }
+
+  NbdServer* server_;
+  Socket sock_;
+  Strand strand_;
+  nbd::NbdSession session_;
+  const uint64_t id_;
+  std::vector<uint8_t> rbuf_;
+  size_t rstart_ = 0, rend_ = 0;
+  bool read_pending_ = false;
+  bool waiting_backend_ = false;
+  bool stop_reading_ = false;
+  bool client_gone_ = false;
+  bool writing_ = false;
+  bool finished_ = false;
+  std::deque<std::vector<uint8_t>> wq_;
+  std::shared_ptr<Export> export_;
+  size_t inflight_ = 0;
+  size_t inflight_bytes_ = 0;
+};
+
+// -------------------------------------------------------------------- server
+
+NbdServer::NbdServer(asio::io_context& io, ExportTable* table, const NbdServerOptions& opts)
+    : io_(io), table_(table), opts_(opts), pool_(std::max<size_t>(1, opts.worker_threads)) {}
+
+NbdServer::~NbdServer() {
+  pool_.join();
+  if (!opts_.unix_socket.empty() && unix_acceptor_) ::unlink(opts_.unix_socket.c_str());
+}
+
+namespace {
+// True if something accepts connections on the Unix socket `path`.
+bool UnixSocketLive(const std::string& path) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+  bool live = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return live;
+}
+}  // namespace
+
+Status NbdServer::Listen() {
+  boost::system::error_code ec;
+  if (!opts_.unix_socket.empty()) {
+    const std::string& path = opts_.unix_socket;
+    if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+      return Status::Invalid("socket path too long (max " +
+                             std::to_string(sizeof(sockaddr_un::sun_path) - 1) + " bytes): " + path);
+    }
+    struct stat st;
+    if (::stat(path.c_str(), &st) == 0) {
+      if (!S_ISSOCK(st.st_mode)) return Status::Exists(path + " exists and is not a socket");
+      if (UnixSocketLive(path)) return Status::Exists("another server is listening on " + path);
+      ::unlink(path.c_str());  // stale socket of a dead dedupd
+    }
+    asio::generic::stream_protocol::endpoint ep{asio::local::stream_protocol::endpoint(path)};
+    auto acc = std::make_unique<Acceptor>(io_);
+    acc->open(ep.protocol(), ec);
+    if (!ec) acc->bind(ep, ec);
+    if (!ec) acc->listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) return Status::IoError("listening on " + path + ": " + ec.message());
+    ::chmod(path.c_str(), 0660);
+    unix_acceptor_ = std::move(acc);
+  }
+  if (opts_.tcp_port >= 0) {
+    // Loopback only: NBD has no authentication here.
+    asio::ip::tcp::endpoint tep(asio::ip::address_v4::loopback(), static_cast<uint16_t>(opts_.tcp_port));
+    asio::generic::stream_protocol::endpoint ep{tep};
+    auto acc = std::make_unique<Acceptor>(io_);
+    acc->open(ep.protocol(), ec);
+    if (!ec) acc->set_option(asio::socket_base::reuse_address(true), ec);
+    if (!ec) acc->bind(ep, ec);
+    if (!ec) acc->listen(asio::socket_base::max_listen_connections, ec);
+    if (ec) return Status::IoError("listening on 127.0.0.1:" + std::to_string(opts_.tcp_port) + ": " + ec.message());
+    sockaddr_in sa{};
+    socklen_t len = sizeof(sa);
+    ::getsockname(acc->native_handle(), reinterpret_cast<sockaddr*>(&sa), &len);
+    tcp_port_ = ntohs(sa.sin_port);
+    tcp_acceptor_ = std::move(acc);
+  }
+  if (!unix_acceptor_ && !tcp_acceptor_) return Status::Invalid("no socket to listen on");
+  return Status::Ok();
+}
+
+void NbdServer::Start() {
+  if (unix_acceptor_) Accept(unix_acceptor_.get());
+  if (tcp_acceptor_) Accept(tcp_acceptor_.get());
+}
+
+void NbdServer::Accept(Acceptor* acceptor) {
+  acceptor->async_accept([this, acceptor](boost::system::error_code ec, Socket sock) {
+    if (ec == asio::error::operation_aborted) return;
+    {
+      MutexLock l(&mu_);
+      if (shutting_down_) return;
+    }
+    if (!ec) {
+      if (sock.local_endpoint().protocol().family() == AF_INET) {
+        int one = 1;
+        ::setsockopt(sock.native_handle(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      }
+      uint64_t id = ++c_total_;
+      auto c = std::make_shared<NbdConnection>(this, std::move(sock), id);
+      {
+        MutexLock l(&mu_);
+        conns_.insert(c);
+      }
+      LOG(kDebug) << "nbd connection " << id << " accepted";
+      c->Start();
+    } else {
+      LOG(kWarning) << "accept: " << ec.message();
+    }
+    Accept(acceptor);
+  });
+}
+
+void NbdServer::Finished(NbdConnection* c) {
+  std::function<void()> done;
+  {
+    MutexLock l(&mu_);
+    for (auto it = conns_.begin(); it != conns_.end(); ++it) {
+      if (it->get() == c) {
+        // Keep the object alive until this handler returns.
+        asio::post(io_, [keep = *it] {});
+        conns_.erase(it);
+        break;
+      }
+    }
+    if (shutting_down_ && conns_.empty() && on_shutdown_) done = std::move(on_shutdown_);
+  }
+  if (done) asio::post(io_, std::move(done));
+}
+
+void NbdServer::Shutdown(std::function<void()> done) {
+  std::set<std::shared_ptr<NbdConnection>> conns;
+  {
+    MutexLock l(&mu_);
+    shutting_down_ = true;
+    conns = conns_;
+    if (conns_.empty()) {
+      asio::post(io_, std::move(done));
+    } else {
+      on_shutdown_ = std::move(done);
+    }
+  }
+  boost::system::error_code ec;
+  if (unix_acceptor_) unix_acceptor_->close(ec);
+  if (tcp_acceptor_) tcp_acceptor_->close(ec);
+  for (auto& c : conns) c->Drain();
+}
+
+NbdServerStats NbdServer::stats() {
+  NbdServerStats s;
+  s.connections_total = c_total_;
+  {
+    MutexLock l(&mu_);
+    s.connections_open = conns_.size();
+  }
+  s.requests = c_requests_;
+  s.request_errors = c_request_errors_;
+  s.protocol_errors = c_protocol_errors_;
+  s.bytes_read = c_bytes_read_;
+  s.bytes_written = c_bytes_written_;
+  return s;
+}
+
+}  // namespace dede

@@ -1,0 +1,97 @@
+// NbdServer: serves the ExportTable's files over NBD on a Unix socket and,
+// by option, TCP on 127.0.0.1 only. Network I/O runs on an Asio
+// io_context; each request's volume I/O runs on a worker pool, so one
+// client can have many requests in flight and a slow client or a slow
+// device never stalls the others. Each connection is a small state machine
+// around an nbd::NbdSession (agent/nbd_protocol.h), which does all parsing.
+//
+// Per connection, at most max_inflight_requests requests (and
+// max_inflight_bytes of payload) are executing; past that, the connection
+// stops reading from its socket until replies go out (back-pressure).
+#pragma once
+
+#include <atomic>
+#include <boost/asio.hpp>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "agent/export_table.h"
+#include "agent/nbd_protocol.h"
+#include "util/mutex.h"
+#include "util/status.h"
+
+namespace dede {
+
+struct NbdServerOptions {
+  std::string unix_socket;  // "" = no Unix socket
+  int tcp_port = -1;        // -1 = no TCP; 0 = pick a free port (tests)
+  size_t worker_threads = 8;
+  size_t max_inflight_requests = 64;
+  size_t max_inflight_bytes = size_t{64} << 20;
+  nbd::SessionOptions session;
+};
+
+struct NbdServerStats {
+  uint64_t connections_total = 0;
+  uint64_t connections_open = 0;
+  uint64_t requests = 0;
+  uint64_t request_errors = 0;   // replies with a non-zero error
+  uint64_t protocol_errors = 0;  // connections closed for bad traffic
+  uint64_t bytes_read = 0;       // READ payload sent to clients
+  uint64_t bytes_written = 0;    // WRITE payload received
+};
+
+class NbdConnection;
+
+class NbdServer {
+ public:
+  NbdServer(boost::asio::io_context& io, ExportTable* table, const NbdServerOptions& opts);
+  ~NbdServer();
+
+  // Binds the sockets; kExists if another server is listening on the Unix
+  // socket, kIoError for other bind errors.
+  Status Listen();
+  uint16_t tcp_port() const { return tcp_port_; }
+  void Start();
+  // Stops accepting; every connection finishes the requests it has read,
+  // sends their replies and closes; then `done` runs on the io_context.
+  void Shutdown(std::function<void()> done);
+  NbdServerStats stats();
+
+  // Runs blocking work (volume I/O) on the worker pool.
+  template <typename F>
+  void RunBlocking(F&& f) {
+    boost::asio::post(pool_, std::forward<F>(f));
+  }
+  // Waits for the worker pool to finish everything posted.
+  void JoinWorkers() { pool_.join(); }
+
+ private:
+  friend class NbdConnection;
+  using Acceptor = boost::asio::basic_socket_acceptor<boost::asio::generic::stream_protocol>;
+  void Accept(Acceptor* acceptor);
+  void Finished(NbdConnection* c) EXCLUDES(mu_);
+
+  boost::asio::io_context& io_;
+  ExportTable* const table_;
+  const NbdServerOptions opts_;
+  boost::asio::thread_pool pool_;
+  std::unique_ptr<Acceptor> unix_acceptor_;
+  std::unique_ptr<Acceptor> tcp_acceptor_;
+  uint16_t tcp_port_ = 0;
+
+  Mutex mu_;
+  std::set<std::shared_ptr<NbdConnection>> conns_ GUARDED_BY(mu_);
+  bool shutting_down_ GUARDED_BY(mu_) = false;
+  std::function<void()> on_shutdown_ GUARDED_BY(mu_);
+
+ public:
+  // Counters (relaxed atomics, read by stats()).
+  std::atomic<uint64_t> c_total_{0}, c_requests_{0}, c_request_errors_{0}, c_protocol_errors_{0},
+      c_bytes_read_{0}, c_bytes_written_{0};
+};
+
+}  // namespace dede

@@ -1,0 +1,144 @@
+// WriteLog: the per-file, append-only log of write-monitor records on the
+// volume (paper section 3.1: the "write log" DeDe's index update consumes).
+//
+// Each VM file F = (ino, generation) has at most one log: a volume file of
+// kind kWriteLog named WriteLogName(F), with owner_ino = F.ino. The name
+// carries the generation, so a file removed and recreated in the same inode
+// gets a fresh log and an orphaned log is recognisable by name.
+//
+// The log is a sequence of frames, each starting at a 4 KiB-aligned offset
+// and padded with zeros to the next 4 KiB boundary. A frame holds one
+// MonitorBatch (or part of a big one): invalidated ranges, then records.
+// docs/FORMAT.md ("Write log") gives the exact encoding. Each frame has a
+// header crc32c (volume UUID, owner file id and the frame's own log offset
+// folded in, so a misdirected or foreign frame fails) and a payload crc32c.
+// A reader skips a bad frame (bad header, or a valid header with a bad or
+// missing payload) by stepping 4 KiB at a time until the next valid header
+// and counts it once. Stepping rather than trusting the bad frame's length
+// also finds a frame appended inside the extent of an earlier torn one;
+// the header crc binds the frame's own offset, so payload bytes never pass
+// as a header. Torn appends therefore cost at most the torn frame.
+//
+// Whoever appends or consumes a log holds the log file's lock (File) for
+// the duration; dedupd opens the log per flush, so others can lock it in
+// between.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "kmod/writemon/write_monitor.h"
+#include "util/status.h"
+#include "volume/format.h"
+#include "volume/volume.h"
+
+namespace dede {
+
+inline constexpr uint32_t kMagicWriteLogFrame = 0x4c574444;  // "DDWL"
+inline constexpr uint16_t kWriteLogMajor = 1;
+inline constexpr uint16_t kWriteLogMinor = 0;
+inline constexpr uint32_t kWriteLogHeaderSize = 128;
+// A batch bigger than this is split into several frames.
+inline constexpr uint32_t kWriteLogMaxFrameBytes = 8u << 20;
+
+// Frame flags (on disk; never renumber).
+inline constexpr uint32_t kFrameRecordsDropped = 1u << 0;
+
+// ".dede-wlog-<ino>-<generation>"
+std::string WriteLogName(FileId owner);
+std::optional<FileId> ParseWriteLogName(const std::string& name);
+
+// One decoded frame.
+struct WriteLogFrame {
+  uint64_t log_offset = 0;  // where it starts in the log file
+  uint32_t host_id = 0;     // host that wrote it
+  FileId owner;
+  uint64_t first_ns = 0;
+  uint64_t last_ns = 0;
+  uint64_t dropped_records = 0;
+  uint64_t dropped_since_ns = 0;
+  std::vector<InvalidRange> invalidated;
+  std::vector<BlockRecord> records;
+  uint64_t encoded_bytes = 0;  // padded size on disk
+};
+
+// Encodes `batch` into frames to be appended at log byte `log_offset`
+// (4 KiB-aligned). The result is a whole number of 4 KiB blocks; empty for
+// an empty batch. `batch` must keep the MonitorBatch invariants (sorted,
+// disjoint, blocks below 2^52); fingerprints must have the algo's size.
+std::vector<uint8_t> EncodeWriteLogFrames(const MonitorBatch& batch, uint32_t host_id,
+                                          HashAlgo algo, const Uuid& uuid,
+                                          uint64_t log_offset);
+// Size EncodeWriteLogFrames would produce (for flush sizing).
+uint64_t EncodedWriteLogBytes(const MonitorBatch& batch, HashAlgo algo);
+// Bytes one record takes in a frame (for the monitor's flush threshold).
+size_t WriteLogRecordBytes(HashAlgo algo);
+// Bytes one invalidated range takes in a frame.
+size_t WriteLogRangeBytes();
+
+// Decodes the frame at buf[0..len) which was read from log offset
+// `log_offset` of the log of `owner`. kCorruption (with what and where)
+// for any check failure, kUnsupported for a newer major version. When the
+// header is valid (the frame decodes, or only its payload is bad or cut
+// short by `len`), *frame_bytes is set to the padded frame size; else 0.
+// `frame_bytes` may be nullptr.
+Result<WriteLogFrame> DecodeWriteLogFrame(const uint8_t* buf, size_t len, HashAlgo algo,
+                                          const Uuid& uuid, FileId owner,
+                                          uint64_t log_offset, uint64_t* frame_bytes);
+
+struct WriteLogScanStats {
+  uint64_t frames = 0;          // valid frames
+  uint64_t corrupt_frames = 0;  // bad header runs or bad payloads skipped
+  uint64_t skipped_bytes = 0;   // bytes of the log not in a valid frame
+  uint64_t records = 0;         // fingerprint records in valid frames
+  uint64_t invalidations = 0;   // invalidated ranges in valid frames
+  uint64_t dropped_records = 0; // sum over valid frames
+  uint64_t dropped_since_ns = 0;  // earliest over valid frames; 0 = none
+};
+
+// Streams the frames of one log file (opened by the caller, lock held).
+class WriteLogReader {
+ public:
+  WriteLogReader(File* log, HashAlgo algo, const Uuid& uuid, FileId owner);
+  // Next valid frame into *out; false at the end of the log. Corrupt
+  // frames are skipped and counted; only I/O errors are returned.
+  Result<bool> Next(WriteLogFrame* out);
+  const WriteLogScanStats& stats() const { return stats_; }
+
+ private:
+  Status Fill(uint64_t offset, size_t want);
+  File* log_;
+  HashAlgo algo_;
+  Uuid uuid_;
+  FileId owner_;
+  uint64_t size_ = 0;
+  uint64_t pos_ = 0;
+  bool in_bad_run_ = false;
+  std::vector<uint8_t> buf_;
+  uint64_t buf_offset_ = 0;
+  WriteLogScanStats stats_;
+};
+
+// The state a log describes: applies every valid frame in order (an
+// invalidation removes earlier records of its blocks; a record replaces an
+// earlier one). `records` is keyed by block.
+struct WriteLogState {
+  std::map<uint64_t, BlockRecord> records;
+  WriteLogScanStats stats;
+};
+Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid, FileId owner);
+
+// Appends `batch` to the log of batch.file, creating the log if needed.
+// Opens the log (taking its lock), writes the frames at its end, closes it.
+// Does not Sync: the volume's next flush point makes it durable. kLocked
+// if someone else holds the log right now (the caller keeps the batch).
+Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch);
+
+// Opens the log of `owner` read-only style for scanning: kNotFound if there
+// is none. Returns the open File (lock held) for a WriteLogReader.
+Result<std::unique_ptr<File>> OpenWriteLog(Volume* vol, FileId owner);
+
+}  // namespace dede

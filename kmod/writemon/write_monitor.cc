@@ -1,0 +1,539 @@
+#include "kmod/writemon/write_monitor.h"
+
+#include <algorithm>
+#include <limits>
+
+#include "kmod/writemon/write_log.h"
+#include "volume/format.h"
+
+namespace dede {
+
+namespace {
+
+// Block indexes of a file: byte offsets are u64, so blocks stay below 2^52
+// and block + count never wraps.
+constexpr uint64_t kBlockLimit = uint64_t{1} << 52;
+
+struct RecVal {
+  uint64_t time_ns = 0;
+  Fingerprint fp;
+};
+struct RangeVal {
+  uint64_t end = 0;  // one past the last block
+  uint64_t time_ns = 0;
+};
+
+// Memory is charged by estimate, not measured: a red-black tree node is
+// about 32 bytes of links and colour plus the value.
+constexpr uint64_t kTreeNodeOverhead = 32;
+constexpr uint64_t kNodeBytes =
+    kTreeNodeOverhead + std::max(sizeof(std::pair<const uint64_t, RecVal>),
+                                 sizeof(std::pair<const uint64_t, RangeVal>));
+
+// Writes per hashing round of OnWrite: bounds the stack array and how long
+// the file's mutex is held for one huge write.
+constexpr size_t kOpsPerRound = 64;
+
+// The coalesced state of a file: applying a sequence of ops in order to it
+// is the meaning of the buffer. `records` and the blocks of `ranges` are
+// disjoint; ranges are non-overlapping and non-adjacent (a map from first
+// block to end), so one TRIM of a whole disk is one entry.
+struct State {
+  std::map<uint64_t, RecVal> records;
+  std::map<uint64_t, RangeVal> ranges;
+
+  uint64_t nodes() const { return records.size() + ranges.size(); }
+  bool empty() const { return records.empty() && ranges.empty(); }
+
+  // The range holding block b, or ranges.end().
+  std::map<uint64_t, RangeVal>::iterator RangeAt(uint64_t b) {
+    auto it = ranges.upper_bound(b);
+    if (it == ranges.begin()) return ranges.end();
+    --it;
+    return b < it->second.end ? it : ranges.end();
+  }
+
+  void SetRecord(uint64_t b, uint64_t time_ns, const Fingerprint& fp) {
+    if (records.empty() || b > records.rbegin()->first) {
+      // Sequential writes append: O(1) with the end hint.
+      records.emplace_hint(records.end(), b, RecVal{time_ns, fp});
+    } else {
+      records.insert_or_assign(b, RecVal{time_ns, fp});
+    }
+    if (ranges.empty()) return;
+    auto it = RangeAt(b);
+    if (it == ranges.end()) return;
+    const RangeVal r = it->second;
+    if (it->first == b) {
+      ranges.erase(it);
+    } else {
+      it->second.end = b;
+    }
+    if (b + 1 < r.end) ranges.emplace(b + 1, RangeVal{r.end, r.time_ns});
+  }
+
+  // Drops the records of [first, end); returns how many.
+  uint64_t EraseRecords(uint64_t first, uint64_t end) {
+    if (records.empty() || first > records.rbegin()->first) return 0;
+    auto it = records.lower_bound(first);
+    uint64_t n = 0;
+    while (it != records.end() && it->first < end) {
+      it = records.erase(it);
+      n++;
+    }
+    return n;
+  }
+
+  // Ranges that [first, end) overlaps or touches (they merge with it).
+  uint64_t TouchingRanges(uint64_t first, uint64_t end) {
+    uint64_t n = 0;
+    auto it = ranges.upper_bound(first);
+    if (it != ranges.begin() && std::prev(it)->second.end >= first) --it;
+    for (; it != ranges.end() && it->first <= end; ++it) n++;
+    return n;
+  }
+
+  void Invalidate(uint64_t first, uint64_t end, uint64_t time_ns) {
+    EraseRecords(first, end);
+    auto it = ranges.upper_bound(first);
+    if (it != ranges.begin() && std::prev(it)->second.end >= first) --it;
+    uint64_t lo = first, hi = end, t = time_ns;
+    while (it != ranges.end() && it->first <= end) {
+      lo = std::min(lo, it->first);
+      hi = std::max(hi, it->second.end);
+      t = std::max(t, it->second.time_ns);
+      it = ranges.erase(it);
+    }
+    ranges.emplace_hint(it, lo, RangeVal{hi, t});
+  }
+
+  // Nodes a record of block b adds (a new record, maybe a range split in
+  // two, maybe a one-block range gone).
+  int64_t RecordNodeDelta(uint64_t b) {
+    int64_t d = records.count(b) ? 0 : 1;
+    auto it = RangeAt(b);
+    if (it != ranges.end()) {
+      const bool at_first = it->first == b, at_last = b + 1 == it->second.end;
+      if (at_first && at_last) d -= 1;
+      if (!at_first && !at_last) d += 1;
+    }
+    return d;
+  }
+};
+
+}  // namespace
+
+// One change, as the write path appends it: a record (count == 0) or the
+// invalidation of [block, block + count).
+struct WriteMonitor::Op {
+  uint64_t block = 0;
+  uint64_t count = 0;
+  uint64_t time_ns = 0;
+  Fingerprint fp;
+};
+
+namespace {
+// An op is charged like the tree node it may become, so coalescing never
+// raises a file's charge (except a record splitting a range in two).
+constexpr uint64_t kOpBytes = std::max<uint64_t>(kNodeBytes, 64);
+}  // namespace
+
+struct WriteMonitor::FileBuffer {
+  FileBuffer(FileId i, bool on) : id(i), dedup(on) {}
+
+  const FileId id;
+  // Changed under mu; read without it on the write path to skip hashing.
+  std::atomic<bool> dedup;
+  std::atomic<uint64_t> hashed{0};
+
+  Mutex mu;
+  bool removed GUARDED_BY(mu) = false;
+  std::vector<Op> ops GUARDED_BY(mu);  // since the last coalesce, in call order
+  uint64_t record_ops GUARDED_BY(mu) = 0;  // ops with count == 0
+  State state GUARDED_BY(mu);              // everything before `ops`
+  uint64_t charged GUARDED_BY(mu) = 0;     // this file's part of buffered_bytes_
+  uint64_t dropped_total GUARDED_BY(mu) = 0;
+  uint64_t dropped_pending GUARDED_BY(mu) = 0;  // not yet taken in a batch
+  uint64_t dropped_since_ns GUARDED_BY(mu) = 0;
+
+  uint64_t Charge() const REQUIRES(mu) { return ops.size() * kOpBytes + state.nodes() * kNodeBytes; }
+
+  // Brings the shared counter in line with what the file holds now.
+  void Recharge(std::atomic<uint64_t>* total) REQUIRES(mu) {
+    const uint64_t now = Charge();
+    if (now >= charged) {
+      total->fetch_add(now - charged, std::memory_order_relaxed);
+    } else {
+      total->fetch_sub(charged - now, std::memory_order_relaxed);
+    }
+    charged = now;
+  }
+
+  void Coalesce(std::atomic<uint64_t>* total) REQUIRES(mu) {
+    if (ops.empty()) return;
+    for (const Op& op : ops) ApplyOp(&state, op);
+    // Keep a modest vector for the next writes, give back a big one.
+    if (ops.capacity() > 4 * kOpsPerRound) {
+      std::vector<Op>().swap(ops);
+    } else {
+      ops.clear();
+    }
+    record_ops = 0;
+    Recharge(total);
+  }
+
+  void Drop(uint64_t n, uint64_t since_ns) REQUIRES(mu) {
+    dropped_total += n;
+    dropped_pending += n;
+    if (dropped_since_ns == 0 || (since_ns != 0 && since_ns < dropped_since_ns)) {
+      dropped_since_ns = since_ns;
+    }
+  }
+
+  uint64_t BufferedRecords() const REQUIRES(mu) { return state.records.size() + record_ops; }
+
+  static void ApplyOp(State* s, const Op& op) {
+    if (op.count == 0) {
+      s->SetRecord(op.block, op.time_ns, op.fp);
+    } else {
+      s->Invalidate(op.block, op.block + op.count, op.time_ns);
+    }
+  }
+};
+
+WriteMonitor::WriteMonitor(const WriteMonitorOptions& opts)
+    : opts_(opts),
+      clock_(opts.clock != nullptr ? opts.clock : Clock::Real()),
+      record_bytes_(WriteLogRecordBytes(opts.algo)),
+      range_bytes_(WriteLogRangeBytes()),
+      // A file is normally taken once its records reach flush_bytes; if the
+      // flusher lags, coalescing at twice that keeps hot rewrites from
+      // filling the cap with superseded ops.
+      coalesce_ops_(std::max<size_t>(2 * (opts.flush_bytes / WriteLogRecordBytes(opts.algo) + 1),
+                                     4 * kOpsPerRound)) {}
+
+WriteMonitor::~WriteMonitor() = default;
+
+std::shared_ptr<WriteMonitor::FileBuffer> WriteMonitor::Find(FileId id) {
+  ReaderLock l(&mu_);
+  auto it = files_.find({id.ino, id.generation});
+  return it == files_.end() ? nullptr : it->second;
+}
+
+bool WriteMonitor::Reserve(uint64_t bytes) {
+  uint64_t cur = buffered_bytes_.load(std::memory_order_relaxed);
+  do {
+    if (cur > opts_.memory_cap_bytes || bytes > opts_.memory_cap_bytes - cur) return false;
+  } while (!buffered_bytes_.compare_exchange_weak(cur, cur + bytes, std::memory_order_relaxed));
+  return true;
+}
+
+void WriteMonitor::Release(uint64_t bytes) {
+  buffered_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
+}
+
+void WriteMonitor::AddFile(FileId id, bool dedup_on) {
+  {
+    WriterLock l(&mu_);
+    auto& slot = files_[{id.ino, id.generation}];
+    if (slot == nullptr) {
+      slot = std::make_shared<FileBuffer>(id, dedup_on);
+      return;
+    }
+  }
+  SetDedup(id, dedup_on);  // already monitored: only the setting changes
+}
+
+void WriteMonitor::RemoveFile(FileId id) {
+  std::shared_ptr<FileBuffer> fb;
+  {
+    WriterLock l(&mu_);
+    auto it = files_.find({id.ino, id.generation});
+    if (it == files_.end()) return;
+    fb = std::move(it->second);
+    files_.erase(it);
+  }
+  // A write that found the file before it left the map may still come:
+  // `removed` turns it away.
+  MutexLock l(&fb->mu);
+  fb->removed = true;
+  fb->ops.clear();
+  fb->ops.shrink_to_fit();
+  fb->record_ops = 0;
+  fb->state = State{};
+  fb->Recharge(&buffered_bytes_);
+}
+
+void WriteMonitor::SetDedup(FileId id, bool on) {
+  std::shared_ptr<FileBuffer> fb = Find(id);
+  if (fb == nullptr) return;
+  MutexLock l(&fb->mu);
+  fb->dedup.store(on, std::memory_order_relaxed);
+  if (!on) {
+    fb->ops.clear();
+    fb->ops.shrink_to_fit();
+    fb->record_ops = 0;
+    fb->state = State{};
+    fb->Recharge(&buffered_bytes_);
+  }
+}
+
+void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t len) {
+  if (len == 0) return;
+  std::shared_ptr<FileBuffer> fb = Find(id);
+  if (fb == nullptr || !fb->dedup.load(std::memory_order_relaxed)) return;
+  uint64_t end = offset + len;
+  if (end < offset) end = std::numeric_limits<uint64_t>::max();  // nonsense; stay in range
+  const uint64_t now = clock_->NowNanos();
+  const uint64_t head = offset / kBlockSize, tail = (end - 1) / kBlockSize;
+  const uint64_t first_full = head + (offset % kBlockSize != 0);
+  const uint64_t end_full = end / kBlockSize;
+
+  Op ops[kOpsPerRound];
+  size_t n = 0;
+  if (first_full >= end_full) {
+    // No whole block: the one or two blocks touched are invalidated.
+    ops[n++] = Op{head, tail - head + 1, now, {}};
+    Append(fb.get(), ops, n, 0);
+    return;
+  }
+  if (offset % kBlockSize != 0) ops[n++] = Op{head, 1, now, {}};
+  if (end % kBlockSize != 0) ops[n++] = Op{tail, 1, now, {}};
+  const uint8_t* p = static_cast<const uint8_t*>(data) + (first_full * kBlockSize - offset);
+  size_t hashed = 0;
+  for (uint64_t b = first_full; b < end_full; b++, p += kBlockSize) {
+    if (n == kOpsPerRound) {
+      Append(fb.get(), ops, n, hashed);
+      n = 0;
+      hashed = 0;
+    }
+    // Hashing happens here, with no lock held.
+    ops[n++] = Op{b, 0, now, ComputeFingerprint(opts_.algo, p, kBlockSize)};
+    hashed++;
+  }
+  Append(fb.get(), ops, n, hashed);
+}
+
+void WriteMonitor::OnInvalidate(FileId id, uint64_t offset, uint64_t len) {
+  if (len == 0) return;
+  std::shared_ptr<FileBuffer> fb = Find(id);
+  if (fb == nullptr || !fb->dedup.load(std::memory_order_relaxed)) return;
+  uint64_t end = offset + len;
+  if (end < offset) end = std::numeric_limits<uint64_t>::max();
+  const uint64_t first = offset / kBlockSize, last = (end - 1) / kBlockSize;
+  // One op whatever the length: a TRIM of a whole disk stays O(1).
+  Op op{first, last - first + 1, clock_->NowNanos(), {}};
+  Append(fb.get(), &op, 1, 0);
+}
+
+void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed) {
+  if (n == 0) return;
+  fb->hashed.fetch_add(hashed, std::memory_order_relaxed);
+  hashed_blocks_.fetch_add(hashed, std::memory_order_relaxed);
+  const uint64_t charge = n * kOpBytes;
+  const bool fits = Reserve(charge);
+  MutexLock l(&fb->mu);
+  if (fb->removed || !fb->dedup.load(std::memory_order_relaxed)) {
+    if (fits) Release(charge);
+    return;
+  }
+  if (fits) {
+    // The common case: append, nothing else.
+    fb->ops.insert(fb->ops.end(), ops, ops + n);
+    fb->charged += charge;
+    for (size_t i = 0; i < n; i++) fb->record_ops += ops[i].count == 0;
+    if (fb->ops.size() >= coalesce_ops_) fb->Coalesce(&buffered_bytes_);
+    return;
+  }
+
+  // At the cap. Coalesce first: afterwards ops apply straight to the state
+  // (in call order, as `ops` is empty), so a rewrite of a buffered block
+  // costs nothing and only growth needs room.
+  fb->Coalesce(&buffered_bytes_);
+  State& s = fb->state;
+  for (size_t i = 0; i < n; i++) {
+    const Op& op = ops[i];
+    if (op.count == 0) {
+      const int64_t d = s.RecordNodeDelta(op.block);
+      const uint64_t need = d > 0 ? static_cast<uint64_t>(d) * kNodeBytes : 0;
+      if (need == 0 || Reserve(need)) {
+        fb->charged += need;
+        s.SetRecord(op.block, op.time_ns, op.fp);
+      } else {
+        fb->Drop(1, op.time_ns);
+        dropped_records_.fetch_add(1, std::memory_order_relaxed);
+      }
+    } else {
+      const uint64_t op_end = op.block + op.count;
+      // Removing the covered records only frees memory: always done, so a
+      // shed invalidation leaves no stale buffered record behind.
+      s.EraseRecords(op.block, op_end);
+      fb->Recharge(&buffered_bytes_);
+      const bool grows = s.TouchingRanges(op.block, op_end) == 0;
+      if (!grows || Reserve(kNodeBytes)) {
+        if (grows) fb->charged += kNodeBytes;
+        s.Invalidate(op.block, op_end, op.time_ns);
+      } else {
+        fb->Drop(1, op.time_ns);
+        dropped_records_.fetch_add(1, std::memory_order_relaxed);
+      }
+    }
+    fb->Recharge(&buffered_bytes_);
+  }
+}
+
+std::vector<FileId> WriteMonitor::DueFiles(bool all) {
+  std::vector<std::shared_ptr<FileBuffer>> files;
+  {
+    ReaderLock l(&mu_);
+    files.reserve(files_.size());
+    for (const auto& [key, fb] : files_) files.push_back(fb);
+  }
+  std::vector<FileId> due;
+  for (const auto& fb : files) {
+    MutexLock l(&fb->mu);
+    if (fb->removed) continue;
+    if (all) {
+      if (!fb->ops.empty() || !fb->state.empty() || fb->dropped_pending > 0) due.push_back(fb->id);
+      continue;
+    }
+    // Cheap bound first (every pending op a new entry); coalesce only when
+    // the bound passes the threshold, then decide on the real sizes.
+    auto bytes = [&](uint64_t records, uint64_t ranges) {
+      return records * record_bytes_ + ranges * range_bytes_;
+    };
+    const uint64_t bound = bytes(fb->state.records.size() + fb->record_ops,
+                                 fb->state.ranges.size() + fb->ops.size() - fb->record_ops);
+    if (bound < opts_.flush_bytes || bound == 0) continue;
+    fb->Coalesce(&buffered_bytes_);
+    if (bytes(fb->state.records.size(), fb->state.ranges.size()) >= opts_.flush_bytes) {
+      due.push_back(fb->id);
+    }
+  }
+  return due;
+}
+
+MonitorBatch WriteMonitor::Take(FileId id) {
+  MonitorBatch batch;
+  batch.file = id;
+  std::shared_ptr<FileBuffer> fb = Find(id);
+  if (fb == nullptr) return batch;
+  std::vector<Op> ops;
+  State state;
+  {
+    MutexLock l(&fb->mu);
+    ops.swap(fb->ops);
+    std::swap(state, fb->state);
+    fb->record_ops = 0;
+    fb->Recharge(&buffered_bytes_);
+    batch.dropped_records = fb->dropped_pending;
+    batch.dropped_since_ns = fb->dropped_since_ns;
+    fb->dropped_pending = 0;
+    fb->dropped_since_ns = 0;
+  }
+  // Coalesced outside the file's lock: writes go on into a fresh buffer.
+  for (const Op& op : ops) FileBuffer::ApplyOp(&state, op);
+  batch.records.reserve(state.records.size());
+  batch.invalidated.reserve(state.ranges.size());
+  auto note_time = [&](uint64_t t) {
+    if (batch.first_ns == 0 || t < batch.first_ns) batch.first_ns = t;
+    batch.last_ns = std::max(batch.last_ns, t);
+  };
+  for (const auto& [first, r] : state.ranges) {
+    batch.invalidated.push_back(InvalidRange{first, r.end - first, r.time_ns});
+    note_time(r.time_ns);
+  }
+  for (const auto& [block, r] : state.records) {
+    batch.records.push_back(BlockRecord{block, r.time_ns, r.fp});
+    note_time(r.time_ns);
+  }
+  return batch;
+}
+
+void WriteMonitor::PutBack(MonitorBatch batch) {
+  std::shared_ptr<FileBuffer> fb = Find(batch.file);
+  if (fb == nullptr) return;
+  MutexLock l(&fb->mu);
+  if (fb->removed || !fb->dedup.load(std::memory_order_relaxed)) return;
+  fb->Coalesce(&buffered_bytes_);
+  // Old batch first, then what was buffered since: newer entries win.
+  State merged;
+  for (const InvalidRange& r : batch.invalidated) {
+    if (r.count == 0 || r.first >= kBlockLimit) continue;
+    merged.Invalidate(r.first, r.first + std::min(r.count, kBlockLimit - r.first), r.time_ns);
+  }
+  for (const BlockRecord& r : batch.records) {
+    if (r.block < kBlockLimit) merged.SetRecord(r.block, r.time_ns, r.fp);
+  }
+  for (const auto& [first, r] : fb->state.ranges) merged.Invalidate(first, r.end, r.time_ns);
+  for (const auto& [block, r] : fb->state.records) merged.SetRecord(block, r.time_ns, r.fp);
+
+  const uint64_t before = fb->state.nodes() * kNodeBytes;
+  const uint64_t after = merged.nodes() * kNodeBytes;
+  if (after <= before || Reserve(after - before)) {
+    if (after > before) fb->charged += after - before;
+    fb->state = std::move(merged);
+    fb->Recharge(&buffered_bytes_);
+  } else {
+    const uint64_t lost = batch.records.size() + batch.invalidated.size();
+    fb->Drop(lost, batch.first_ns != 0 ? batch.first_ns : clock_->NowNanos());
+    dropped_records_.fetch_add(lost, std::memory_order_relaxed);
+  }
+  // The batch's own losses were never recorded anywhere else: keep them.
+  if (batch.dropped_records > 0) {
+    fb->dropped_pending += batch.dropped_records;
+    if (batch.dropped_since_ns != 0 &&
+        (fb->dropped_since_ns == 0 || batch.dropped_since_ns < fb->dropped_since_ns)) {
+      fb->dropped_since_ns = batch.dropped_since_ns;
+    }
+    if (fb->dropped_since_ns == 0) fb->dropped_since_ns = clock_->NowNanos();
+  }
+}
+
+void WriteMonitor::MarkDropped(FileId id, uint64_t n, uint64_t since_ns) {
+  if (n == 0) return;
+  std::shared_ptr<FileBuffer> fb = Find(id);
+  if (fb == nullptr) return;
+  MutexLock l(&fb->mu);
+  if (fb->removed) return;
+  fb->Drop(n, since_ns != 0 ? since_ns : clock_->NowNanos());
+  dropped_records_.fetch_add(n, std::memory_order_relaxed);
+}
+
+MonitorFileStats WriteMonitor::FileStats(FileId id) {
+  MonitorFileStats st;
+  std::shared_ptr<FileBuffer> fb = Find(id);
+  if (fb == nullptr) {
+    st.dedup = false;  // not monitored: nothing is hashed
+    return st;
+  }
+  MutexLock l(&fb->mu);
+  st.buffered_records = fb->BufferedRecords();
+  st.buffered_bytes = fb->charged;
+  st.hashed_blocks = fb->hashed.load(std::memory_order_relaxed);
+  st.dropped_records = fb->dropped_total;
+  st.dropped_since_ns = fb->dropped_since_ns;
+  st.dedup = fb->dedup.load(std::memory_order_relaxed);
+  return st;
+}
+
+MonitorStats WriteMonitor::Stats() {
+  std::vector<std::shared_ptr<FileBuffer>> files;
+  {
+    ReaderLock l(&mu_);
+    for (const auto& [key, fb] : files_) files.push_back(fb);
+  }
+  MonitorStats st;
+  st.files = files.size();
+  for (const auto& fb : files) {
+    MutexLock l(&fb->mu);
+    st.buffered_records += fb->BufferedRecords();
+  }
+  st.buffered_bytes = buffered_bytes_.load(std::memory_order_relaxed);
+  st.memory_cap_bytes = opts_.memory_cap_bytes;
+  st.hashed_blocks = hashed_blocks_.load(std::memory_order_relaxed);
+  st.dropped_records = dropped_records_.load(std::memory_order_relaxed);
+  return st;
+}
+
+}  // namespace dede

@@ -1,0 +1,180 @@
+// WriteMonitor: DeDe's write monitor (paper section 3.1) in dedupd's write
+// path. For every fully covered, 4 KiB-aligned block of a completed write it
+// fingerprints the block from the caller's buffer (no extra I/O) and buffers
+// a (block, fingerprint, time) record for the file. Records are buffered per
+// file and coalesce: a later write of the same block replaces the record.
+// Anything that changes a block without fingerprinting it (a partial-block
+// write, TRIM, WRITE_ZEROES, a failed write) invalidates the block: its
+// buffered record goes, and the invalidation itself is kept so that a record
+// of the block already flushed to the file's write log is cancelled too.
+//
+// The buffer has a memory cap shared by all files. When a record would pass
+// it, the file's buffer is coalesced first (rewrites of buffered blocks then
+// cost nothing); if there is still no room the record is shed: counted per
+// file and the file marked "records dropped since T", which reaches the
+// write log so a later pass knows the log is incomplete (and may even hold
+// a stale fingerprint for a block rewritten while shedding) and must verify
+// everything. An invalidation that finds no room is shed the same way, but
+// still removes the buffered records it covers. Correctness never depends
+// on these records: every share is verified by the volume.
+//
+// Files with dedup=off are never hashed and have no buffer. Writes made
+// while a file is off (or while no monitor ran) are not seen, so its log
+// may keep stale fingerprints from before: harmless for the same reason.
+//
+// Threads: every method may be called from any thread. Hashing runs outside
+// the monitor's lock. Records of one block are applied in the order the
+// monitor is called; callers serialise writes to the same block (dedupd's
+// per-export block range lock) and call OnWrite before releasing it, so the
+// buffer's order is the device's order.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include "util/clock.h"
+#include "util/fingerprint.h"
+#include "util/mutex.h"
+#include "volume/volume.h"
+
+namespace dede {
+
+// One fingerprinted block: `block` is the block index within the file.
+struct BlockRecord {
+  uint64_t block = 0;
+  uint64_t time_ns = 0;  // wall clock when the write completed
+  Fingerprint fp;
+};
+
+// Blocks [first, first + count) changed without a fingerprint.
+struct InvalidRange {
+  uint64_t first = 0;
+  uint64_t count = 0;
+  uint64_t time_ns = 0;
+};
+
+// A file's buffered changes, taken for the write log, coalesced:
+// `records` sorted by block, one per block (latest write wins);
+// `invalidated` sorted, non-overlapping, non-adjacent ranges, disjoint from
+// `records`. Applying `invalidated` and then `records` to the previous state
+// of the log gives the new state.
+struct MonitorBatch {
+  FileId file;
+  std::vector<BlockRecord> records;
+  std::vector<InvalidRange> invalidated;
+  uint64_t first_ns = 0;  // time range of what is in the batch (0 if empty)
+  uint64_t last_ns = 0;
+  // Entries (records or invalidations) lost since the previous batch: shed
+  // at the cap, put back over the cap, or counted by MarkDropped.
+  uint64_t dropped_records = 0;
+  uint64_t dropped_since_ns = 0;  // first loss since the previous batch; 0 = none
+  bool empty() const {
+    return records.empty() && invalidated.empty() && dropped_records == 0;
+  }
+};
+
+struct WriteMonitorOptions {
+  HashAlgo algo = HashAlgo::kXxh128;
+  // Cap on buffered bytes (all files): past it new records are shed.
+  size_t memory_cap_bytes = size_t{64} << 20;
+  // A file is due for flushing when its coalesced records would encode to
+  // at least this many bytes in the write log (so a flush under sustained
+  // writing appends >= 1 MiB sequentially).
+  size_t flush_bytes = size_t{1} << 20;
+  Clock* clock = nullptr;  // nullptr = real clock
+};
+
+struct MonitorFileStats {
+  uint64_t buffered_records = 0;     // records now in memory (after coalescing so far)
+  uint64_t buffered_bytes = 0;       // memory charged to the file
+  uint64_t hashed_blocks = 0;        // blocks fingerprinted since AddFile
+  uint64_t dropped_records = 0;      // shed since AddFile
+  uint64_t dropped_since_ns = 0;     // first shed not yet taken in a batch; 0 = none
+  bool dedup = true;
+};
+
+struct MonitorStats {
+  uint64_t files = 0;
+  uint64_t buffered_records = 0;
+  uint64_t buffered_bytes = 0;
+  uint64_t memory_cap_bytes = 0;
+  uint64_t hashed_blocks = 0;
+  uint64_t dropped_records = 0;
+};
+
+class WriteMonitor {
+ public:
+  explicit WriteMonitor(const WriteMonitorOptions& opts);
+  ~WriteMonitor();
+  WriteMonitor(const WriteMonitor&) = delete;
+  WriteMonitor& operator=(const WriteMonitor&) = delete;
+
+  HashAlgo algo() const { return opts_.algo; }
+
+  // Starts monitoring `id`. Calls for files never added are ignored.
+  void AddFile(FileId id, bool dedup_on);
+  // Stops monitoring and discards the file's buffer (take it first).
+  void RemoveFile(FileId id);
+  // dedup=off discards the file's buffer and stops hashing; on resumes.
+  void SetDedup(FileId id, bool on);
+
+  // A write of `len` bytes at byte `offset` completed successfully with
+  // `data`. Whole aligned blocks are fingerprinted; partial edge blocks are
+  // invalidated.
+  void OnWrite(FileId id, uint64_t offset, const void* data, size_t len);
+  // Bytes [offset, offset+len) changed without data to hash (TRIM,
+  // WRITE_ZEROES, failed write): every block it touches is invalidated.
+  void OnInvalidate(FileId id, uint64_t offset, uint64_t len);
+
+  // Files with anything to flush: those past flush_bytes, or when `all`,
+  // every file with a non-empty buffer or shed records.
+  std::vector<FileId> DueFiles(bool all);
+  // Takes the file's buffer, coalesced (see MonitorBatch); the file's
+  // buffer is empty afterwards and its memory released.
+  MonitorBatch Take(FileId id);
+  // Gives back a batch taken by Take() that could not be written; it is
+  // older than anything buffered since and merged under it (newer records
+  // of the same block win). If it does not fit under the cap, its records
+  // are counted as dropped instead.
+  void PutBack(MonitorBatch batch);
+  // Counts `n` entries of `id` as lost (e.g. a batch whose log append
+  // failed for good), lost since `since_ns` (0 = now).
+  void MarkDropped(FileId id, uint64_t n, uint64_t since_ns = 0);
+
+  MonitorFileStats FileStats(FileId id);
+  MonitorStats Stats();
+
+ private:
+  // One file's buffer (write_monitor.cc): an append-only vector of compact
+  // ops and the coalesced state they are folded into, under its own mutex.
+  struct FileBuffer;
+  struct Op;
+  using FileKey = std::pair<uint64_t, uint64_t>;  // (ino, generation)
+
+  std::shared_ptr<FileBuffer> Find(FileId id) EXCLUDES(mu_);
+  // Adds the ops of one call to `fb` (appended while under the cap; else
+  // applied one by one to the coalesced state, shed when there is no room).
+  void Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed);
+  // Charges `bytes` to the shared budget if it stays within the cap.
+  bool Reserve(uint64_t bytes);
+  void Release(uint64_t bytes);
+
+  const WriteMonitorOptions opts_;
+  Clock* const clock_;
+  const size_t record_bytes_;   // WriteLogRecordBytes(algo)
+  const size_t range_bytes_;    // WriteLogRangeBytes()
+  const size_t coalesce_ops_;   // pending ops that trigger an in-place coalesce
+  // Guards the map only: the write path takes it shared, just long enough
+  // to find the file; AddFile/RemoveFile take it exclusively.
+  SharedMutex mu_;
+  std::map<FileKey, std::shared_ptr<FileBuffer>> files_ GUARDED_BY(mu_);
+  std::atomic<uint64_t> buffered_bytes_{0};  // all files; see Reserve
+  std::atomic<uint64_t> hashed_blocks_{0};
+  std::atomic<uint64_t> dropped_records_{0};
+};
+
+}  // namespace dede

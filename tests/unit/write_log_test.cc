@@ -1,0 +1,633 @@
+// Tests for the write log (kmod/writemon/write_log.h): frame round trips,
+// every damaged or misplaced frame is refused, versions, the reader's
+// skipping of torn and corrupt frames, splitting of big batches, and
+// AppendToWriteLog + ReplayWriteLog on an in-memory volume against a model.
+#include "kmod/writemon/write_log.h"
+
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <functional>
+#include <map>
+#include <random>
+#include <string>
+#include <unistd.h>
+#include <vector>
+
+#include "util/coding.h"
+#include "util/crc32c.h"
+#include "volume/mem_device.h"
+
+using namespace dede;
+
+namespace {
+
+constexpr uint64_t kB = kBlockSize;
+constexpr uint64_t kMs = 1'000'000;
+constexpr uint64_t kT0 = 1'700'000'000'000'000'000ull;
+constexpr Uuid kUuid = {0x10, 0x32, 0x54, 0x76, 0x98, 0xba, 0xdc, 0xfe,
+                        0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef};
+constexpr Uuid kOtherUuid = {0x10, 0x32, 0x54, 0x76, 0x98, 0xba, 0xdc, 0xfe,
+                             0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xee};
+const FileId kOwner{5, 2};
+
+bool Contains(const std::string& s, const std::string& sub) {
+  return s.find(sub) != std::string::npos;
+}
+
+Fingerprint FpOf(HashAlgo algo, uint64_t seed) {
+  uint8_t blk[64];
+  for (size_t i = 0; i < sizeof blk; i++) blk[i] = static_cast<uint8_t>(seed * 131 + i);
+  return ComputeFingerprint(algo, blk, sizeof blk);
+}
+
+// Times on whole milliseconds after the first one survive the encoding
+// exactly (they are stored as ms after the frame's first time).
+MonitorBatch SampleBatch(HashAlgo algo, FileId owner, size_t records, size_t ranges,
+                         uint64_t block_base = 0) {
+  MonitorBatch b;
+  b.file = owner;
+  uint64_t block = block_base;
+  uint64_t t = kT0;
+  for (size_t i = 0; i < ranges; i++) {
+    b.invalidated.push_back(InvalidRange{block, 1 + i % 7, t + (i % 5) * kMs});
+    block += 1 + i % 7 + 1;
+  }
+  for (size_t i = 0; i < records; i++) {
+    b.records.push_back(BlockRecord{block, t + (i % 11) * kMs, FpOf(algo, i)});
+    block += 1 + i % 3;
+  }
+  b.first_ns = kT0;
+  b.last_ns = kT0 + 10 * kMs;
+  return b;
+}
+
+bool SameFrame(const WriteLogFrame& f, const MonitorBatch& b) {
+  if (f.records.size() != b.records.size() || f.invalidated.size() != b.invalidated.size()) {
+    return false;
+  }
+  for (size_t i = 0; i < b.records.size(); i++) {
+    if (f.records[i].block != b.records[i].block || f.records[i].time_ns != b.records[i].time_ns ||
+        !(f.records[i].fp == b.records[i].fp)) {
+      return false;
+    }
+  }
+  for (size_t i = 0; i < b.invalidated.size(); i++) {
+    if (f.invalidated[i].first != b.invalidated[i].first ||
+        f.invalidated[i].count != b.invalidated[i].count ||
+        f.invalidated[i].time_ns != b.invalidated[i].time_ns) {
+      return false;
+    }
+  }
+  return f.dropped_records == b.dropped_records && f.dropped_since_ns == b.dropped_since_ns;
+}
+
+// Recomputes a frame's header crc as docs/FORMAT.md defines it.
+void ResealHeader(uint8_t* frame, const Uuid& uuid, FileId owner, uint64_t log_offset) {
+  uint8_t prefix[40];
+  std::memcpy(prefix, uuid.data(), 16);
+  EncodeU64(prefix + 16, owner.ino);
+  EncodeU64(prefix + 24, owner.generation);
+  EncodeU64(prefix + 32, log_offset);
+  EncodeU32(frame + 8, 0);
+  uint32_t crc = Crc32cExtend(0, prefix, sizeof prefix);
+  crc = Crc32cExtend(crc, frame, kWriteLogHeaderSize);
+  EncodeU32(frame + 8, crc);
+}
+
+std::shared_ptr<LockManager> TempLocks() {
+  static int n = 0;
+  std::string p = "/tmp/dede-unit-wlog-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
+  auto lm = OpenLocalLockManager(p);
+  REQUIRE(lm.ok());
+  ::unlink(p.c_str());
+  return std::shared_ptr<LockManager>(std::move(lm.value()));
+}
+
+struct MemVolume {
+  explicit MemVolume(HashAlgo algo = HashAlgo::kXxh128, uint64_t bytes = 96 << 20) : dev(bytes) {
+    FormatOptions fo;
+    fo.hash_algo = algo;
+    REQUIRE(FormatVolume(&dev, fo, false).ok());
+    OpenOptions oo;
+    oo.locks = TempLocks();
+    auto v = Volume::Open(&dev, oo);
+    REQUIRE(v.ok());
+    vol = std::move(v.value());
+  }
+  MemDevice dev;
+  std::unique_ptr<Volume> vol;
+};
+
+std::vector<WriteLogFrame> ReadAll(File* log, HashAlgo algo, const Uuid& uuid, FileId owner,
+                                   WriteLogScanStats* stats) {
+  WriteLogReader r(log, algo, uuid, owner);
+  std::vector<WriteLogFrame> out;
+  WriteLogFrame f;
+  while (true) {
+    auto more = r.Next(&f);
+    REQUIRE(more.ok());
+    if (!*more) break;
+    out.push_back(f);
+  }
+  *stats = r.stats();
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("writelog: names", "[writemon]") {
+  CHECK(WriteLogName(kOwner) == ".dede-wlog-5-2");
+  CHECK(WriteLogName(FileId{~uint64_t{0}, 0}) == ".dede-wlog-18446744073709551615-0");
+  auto id = ParseWriteLogName(".dede-wlog-5-2");
+  REQUIRE(id.has_value());
+  CHECK(*id == kOwner);
+  REQUIRE(ParseWriteLogName(".dede-wlog-18446744073709551615-0").has_value());
+  for (const char* bad : {".dede-wlog-", ".dede-wlog-5", ".dede-wlog-5-", ".dede-wlog--2",
+                          ".dede-wlog-05-2", ".dede-wlog-5-2x", ".dede-wlog-5-2-1", "vm-5-2",
+                          ".dede-wlog-18446744073709551616-0", ".dede-wlog-+5-2", "dede-wlog-5-2"}) {
+    CAPTURE(bad);
+    CHECK(!ParseWriteLogName(bad).has_value());
+  }
+}
+
+TEST_CASE("writelog: frame round trip, both hash algorithms", "[writemon]") {
+  for (HashAlgo algo : {HashAlgo::kXxh128, HashAlgo::kSha256}) {
+    CAPTURE(HashAlgoName(algo));
+    CHECK(WriteLogRecordBytes(algo) == 12 + HashAlgoSize(algo));
+    MonitorBatch b = SampleBatch(algo, kOwner, 50, 6);
+    b.dropped_records = 3;
+    b.dropped_since_ns = kT0 - 5;
+    const uint64_t off = 8192;
+    std::vector<uint8_t> enc = EncodeWriteLogFrames(b, 7, algo, kUuid, off);
+    REQUIRE(enc.size() == kB);
+    CHECK(EncodedWriteLogBytes(b, algo) == enc.size());
+    uint64_t fb = 0;
+    auto f = DecodeWriteLogFrame(enc.data(), enc.size(), algo, kUuid, kOwner, off, &fb);
+    REQUIRE(f.ok());
+    CHECK(fb == kB);
+    CHECK(f->encoded_bytes == kB);
+    CHECK(f->log_offset == off);
+    CHECK(f->host_id == 7);
+    CHECK(f->owner == kOwner);
+    CHECK(f->first_ns == kT0);
+    CHECK(f->last_ns == kT0 + 10 * kMs);
+    CHECK(SameFrame(*f, b));
+    // Encoding is canonical.
+    MonitorBatch again;
+    again.file = kOwner;
+    again.records = f->records;
+    again.invalidated = f->invalidated;
+    again.dropped_records = f->dropped_records;
+    again.dropped_since_ns = f->dropped_since_ns;
+    CHECK(EncodeWriteLogFrames(again, 7, algo, kUuid, off) == enc);
+    // The other algorithm's reader refuses it.
+    HashAlgo other = algo == HashAlgo::kXxh128 ? HashAlgo::kSha256 : HashAlgo::kXxh128;
+    auto wrong = DecodeWriteLogFrame(enc.data(), enc.size(), other, kUuid, kOwner, off, &fb);
+    CHECK(wrong.status().code() == Status::Code::kCorruption);
+    CHECK(Contains(wrong.status().message(), "hash algorithm"));
+  }
+  // Sub-millisecond times are rounded down to the frame's millisecond grid.
+  MonitorBatch b;
+  b.file = kOwner;
+  b.records.push_back(BlockRecord{3, kT0 + 1, FpOf(HashAlgo::kXxh128, 1)});
+  b.records.push_back(BlockRecord{4, kT0 + 2 * kMs + 999, FpOf(HashAlgo::kXxh128, 2)});
+  auto enc = EncodeWriteLogFrames(b, 1, HashAlgo::kXxh128, kUuid, 0);
+  auto f = DecodeWriteLogFrame(enc.data(), enc.size(), HashAlgo::kXxh128, kUuid, kOwner, 0, nullptr);
+  REQUIRE(f.ok());
+  CHECK(f->first_ns == kT0 + 1);
+  CHECK(f->last_ns == kT0 + 2 * kMs + 999);
+  CHECK(f->records[0].time_ns == kT0 + 1);
+  CHECK(f->records[1].time_ns == kT0 + 1 + 2 * kMs);
+  // An empty batch encodes to nothing; one with only shed records to a frame.
+  MonitorBatch e;
+  e.file = kOwner;
+  CHECK(EncodeWriteLogFrames(e, 1, HashAlgo::kXxh128, kUuid, 0).empty());
+  e.dropped_records = 9;
+  e.dropped_since_ns = kT0;
+  enc = EncodeWriteLogFrames(e, 1, HashAlgo::kXxh128, kUuid, 0);
+  f = DecodeWriteLogFrame(enc.data(), enc.size(), HashAlgo::kXxh128, kUuid, kOwner, 0, nullptr);
+  REQUIRE(f.ok());
+  CHECK(f->dropped_records == 9);
+  CHECK(f->dropped_since_ns == kT0);
+  CHECK(f->records.empty());
+}
+
+TEST_CASE("writelog: every single-bit flip is detected", "[writemon]") {
+  for (HashAlgo algo : {HashAlgo::kXxh128, HashAlgo::kSha256}) {
+    MonitorBatch b = SampleBatch(algo, kOwner, 60, 4);
+    const uint64_t off = 3 * kB;
+    const std::vector<uint8_t> enc = EncodeWriteLogFrames(b, 2, algo, kUuid, off);
+    REQUIRE(enc.size() == kB);
+    size_t header_flips = 0, payload_flips = 0;
+    for (size_t bit = 0; bit < enc.size() * 8; bit++) {
+      std::vector<uint8_t> x = enc;
+      x[bit / 8] ^= static_cast<uint8_t>(1u << (bit % 8));
+      uint64_t fb = 0;
+      auto f = DecodeWriteLogFrame(x.data(), x.size(), algo, kUuid, kOwner, off, &fb);
+      if (f.ok()) FAIL("flip of bit " << bit << " not detected");
+      CHECK(Contains(f.status().message(), "write log .dede-wlog-5-2 frame at offset 12288: "));
+      (bit / 8 < kWriteLogHeaderSize ? header_flips : payload_flips)++;
+      if (bit / 8 >= kWriteLogHeaderSize) CHECK(fb == kB);  // the header still names the frame
+    }
+    CHECK(header_flips == kWriteLogHeaderSize * 8);
+  }
+  // The message names the failure.
+  MonitorBatch b = SampleBatch(HashAlgo::kXxh128, kOwner, 10, 0);
+  std::vector<uint8_t> enc = EncodeWriteLogFrames(b, 2, HashAlgo::kXxh128, kUuid, 8192);
+  enc[kWriteLogHeaderSize + 3] ^= 1;
+  auto f = DecodeWriteLogFrame(enc.data(), enc.size(), HashAlgo::kXxh128, kUuid, kOwner, 8192,
+                               nullptr);
+  CHECK(f.status().code() == Status::Code::kCorruption);
+  CHECK(Contains(f.status().message(),
+                 "write log .dede-wlog-5-2 frame at offset 8192: payload crc mismatch"));
+}
+
+TEST_CASE("writelog: misdirected and foreign frames fail", "[writemon]") {
+  MonitorBatch b = SampleBatch(HashAlgo::kXxh128, kOwner, 10, 2);
+  const std::vector<uint8_t> enc = EncodeWriteLogFrames(b, 1, HashAlgo::kXxh128, kUuid, 8192);
+  auto dec = [&](const Uuid& uuid, FileId owner, uint64_t off) {
+    return DecodeWriteLogFrame(enc.data(), enc.size(), HashAlgo::kXxh128, uuid, owner, off, nullptr);
+  };
+  REQUIRE(dec(kUuid, kOwner, 8192).ok());
+  for (auto r : {dec(kUuid, kOwner, 4096), dec(kUuid, kOwner, 12288), dec(kUuid, FileId{5, 3}, 8192),
+                 dec(kUuid, FileId{6, 2}, 8192), dec(kOtherUuid, kOwner, 8192)}) {
+    CHECK(r.status().code() == Status::Code::kCorruption);
+    CHECK(Contains(r.status().message(), "header crc mismatch"));
+  }
+}
+
+TEST_CASE("writelog: versions, flags, reserved bytes and field checks", "[writemon]") {
+  const HashAlgo algo = HashAlgo::kXxh128;
+  MonitorBatch b = SampleBatch(algo, kOwner, 10, 2);
+  const std::vector<uint8_t> enc = EncodeWriteLogFrames(b, 1, algo, kUuid, 0);
+  auto edit = [&](const std::function<void(uint8_t*)>& change) {
+    std::vector<uint8_t> x = enc;
+    change(x.data());
+    ResealHeader(x.data(), kUuid, kOwner, 0);
+    return DecodeWriteLogFrame(x.data(), x.size(), algo, kUuid, kOwner, 0, nullptr);
+  };
+  auto newer_major = edit([](uint8_t* p) { EncodeU16(p + 4, kWriteLogMajor + 1); });
+  CHECK(newer_major.status().code() == Status::Code::kUnsupported);
+  CHECK(Contains(newer_major.status().message(), "format version 2.0 is newer"));
+  CHECK(edit([](uint8_t* p) { EncodeU16(p + 4, 0); }).status().code() == Status::Code::kCorruption);
+  // A newer minor is read, and may use the reserved bytes.
+  auto newer_minor = edit([](uint8_t* p) {
+    EncodeU16(p + 6, kWriteLogMinor + 1);
+    p[28] = 0xaa;
+    p[127] = 0x55;
+  });
+  REQUIRE(newer_minor.ok());
+  CHECK(SameFrame(*newer_minor, b));
+  // Our own minor must leave them zero.
+  struct Case {
+    const char* name;
+    std::function<void(uint8_t*)> change;
+    const char* message;
+  };
+  const Case cases[] = {
+      {"reserved u32", [](uint8_t* p) { p[29] = 1; }, "reserved header bytes"},
+      {"reserved tail", [](uint8_t* p) { p[110] = 1; }, "reserved header bytes"},
+      {"unknown flag", [](uint8_t* p) { EncodeU32(p + 16, 2); }, "unknown flags 0x00000002"},
+      {"flag without count", [](uint8_t* p) { EncodeU32(p + 16, kFrameRecordsDropped); }, "disagree"},
+      {"count without flag", [](uint8_t* p) { EncodeU64(p + 72, 1); }, "disagree"},
+      {"since without count", [](uint8_t* p) { EncodeU64(p + 80, 1); }, "disagree"},
+      {"algo", [](uint8_t* p) { EncodeU16(p + 24, 2); }, "hash algorithm 2"},
+      {"fp size", [](uint8_t* p) { EncodeU16(p + 26, 32); }, "fingerprint size 32"},
+      {"time range", [](uint8_t* p) { EncodeU64(p + 64, DecodeU64(p + 56) - 1); }, "time range"},
+      {"last before a record", [](uint8_t* p) { EncodeU64(p + 64, DecodeU64(p + 56) + kMs); },
+       "time past last_ns"},
+      {"range count", [](uint8_t* p) { EncodeU32(p + 88, 3); }, "do not fit a payload"},
+      {"record count", [](uint8_t* p) { EncodeU32(p + 92, 9); }, "do not fit a payload"},
+      {"payload too big", [](uint8_t* p) { EncodeU32(p + 96, kWriteLogMaxFrameBytes); },
+       "exceeds the frame limit"},
+      {"claimed offset", [](uint8_t* p) { EncodeU64(p + 48, 4096); }, "claims offset 4096"},
+      {"owner", [](uint8_t* p) { EncodeU64(p + 32, 6); }, "belongs to file 6.2"},
+      {"magic", [](uint8_t* p) { EncodeU32(p, kMagicWriteLogFrame + 1); }, "bad magic"},
+  };
+  for (const Case& c : cases) {
+    CAPTURE(c.name);
+    auto r = edit(c.change);
+    CHECK(r.status().code() == Status::Code::kCorruption);
+    CHECK(Contains(r.status().message(), c.message));
+  }
+  // Payload checks, with both crcs recomputed.
+  auto payload_edit = [&](const std::function<void(uint8_t*)>& change) {
+    std::vector<uint8_t> x = enc;
+    uint8_t* payload = x.data() + kWriteLogHeaderSize;
+    const uint32_t len = DecodeU32(x.data() + 96);
+    change(payload);
+    EncodeU32(x.data() + 12, Crc32c(payload, len));
+    ResealHeader(x.data(), kUuid, kOwner, 0);
+    return DecodeWriteLogFrame(x.data(), x.size(), algo, kUuid, kOwner, 0, nullptr);
+  };
+  const size_t rec0 = 2 * 20;  // first record after two ranges
+  const Case payload_cases[] = {
+      {"empty range", [](uint8_t* p) { EncodeU64(p + 8, 0); }, "range 0 is empty"},
+      {"range past the largest file", [](uint8_t* p) { EncodeU64(p, uint64_t{1} << 52); },
+       "past the largest file"},
+      {"range wraps", [](uint8_t* p) { EncodeU64(p + 8, ~uint64_t{0}); }, "past the largest file"},
+      {"ranges overlap", [](uint8_t* p) { EncodeU64(p + 20, DecodeU64(p)); }, "overlaps"},
+      {"records out of order",
+       [rec0](uint8_t* p) { EncodeU64(p + rec0 + 28, DecodeU64(p + rec0)); }, "out of order"},
+      {"record in a range", [rec0](uint8_t* p) { EncodeU64(p + rec0, 0); }, "in an invalidated range"},
+      {"record time", [rec0](uint8_t* p) { EncodeU32(p + rec0 + 8, 1000000); }, "time past last_ns"},
+  };
+  for (const Case& c : payload_cases) {
+    CAPTURE(c.name);
+    auto r = payload_edit(c.change);
+    CHECK(r.status().code() == Status::Code::kCorruption);
+    CHECK(Contains(r.status().message(), c.message));
+  }
+  // Nonzero padding.
+  std::vector<uint8_t> x = enc;
+  x.back() = 1;
+  auto r = DecodeWriteLogFrame(x.data(), x.size(), algo, kUuid, kOwner, 0, nullptr);
+  CHECK(Contains(r.status().message(), "padding byte 4095 is not zero"));
+  // Short buffers.
+  uint64_t fb = 1;
+  r = DecodeWriteLogFrame(enc.data(), 100, algo, kUuid, kOwner, 0, &fb);
+  CHECK(Contains(r.status().message(), "truncated header"));
+  CHECK(fb == 0);
+  r = DecodeWriteLogFrame(enc.data(), 1000, algo, kUuid, kOwner, 0, &fb);
+  CHECK(Contains(r.status().message(), "frame cut short (1000 of 4096 bytes)"));
+  CHECK(fb == kB);
+}
+
+TEST_CASE("writelog: a big batch splits into several frames", "[writemon]") {
+  const HashAlgo algo = HashAlgo::kXxh128;
+  // 20 000 ranges and 400 000 records: about 11.6 MB of payload.
+  MonitorBatch b = SampleBatch(algo, kOwner, 400000, 20000);
+  b.dropped_records = 5;
+  b.dropped_since_ns = kT0;
+  const uint64_t off = 40960;
+  std::vector<uint8_t> enc = EncodeWriteLogFrames(b, 3, algo, kUuid, off);
+  CHECK(enc.size() == EncodedWriteLogBytes(b, algo));
+  CHECK(enc.size() % kB == 0);
+  uint64_t pos = 0;
+  size_t frames = 0, records = 0, ranges = 0, dropped = 0;
+  MonitorBatch joined;
+  while (pos < enc.size()) {
+    uint64_t fb = 0;
+    auto f = DecodeWriteLogFrame(enc.data() + pos, enc.size() - pos, algo, kUuid, kOwner, off + pos,
+                                 &fb);
+    REQUIRE(f.ok());
+    CHECK(fb <= kWriteLogMaxFrameBytes);
+    records += f->records.size();
+    ranges += f->invalidated.size();
+    dropped += f->dropped_records;
+    joined.records.insert(joined.records.end(), f->records.begin(), f->records.end());
+    joined.invalidated.insert(joined.invalidated.end(), f->invalidated.begin(), f->invalidated.end());
+    pos += fb;
+    frames++;
+  }
+  CHECK(frames == 2);
+  CHECK(records == b.records.size());
+  CHECK(ranges == b.invalidated.size());
+  CHECK(dropped == 5);
+  joined.file = kOwner;
+  joined.dropped_records = 5;
+  joined.dropped_since_ns = kT0;
+  // Frames carry their own time ranges, so compare entries and times.
+  WriteLogFrame all;
+  all.records = joined.records;
+  all.invalidated = joined.invalidated;
+  all.dropped_records = 5;
+  all.dropped_since_ns = kT0;
+  CHECK(SameFrame(all, b));
+}
+
+TEST_CASE("writelog: append and replay on a volume match a model", "[writemon]") {
+  for (HashAlgo algo : {HashAlgo::kXxh128, HashAlgo::kSha256}) {
+    CAPTURE(HashAlgoName(algo));
+    MemVolume mv(algo);
+    Volume* vol = mv.vol.get();
+    auto created = vol->Create("vm", 1 << 20);
+    REQUIRE(created.ok());
+    const FileId owner = *created;
+    CHECK(OpenWriteLog(vol, owner).status().code() == Status::Code::kNotFound);
+    // Empty batches write nothing, not even a log.
+    MonitorBatch empty;
+    empty.file = owner;
+    REQUIRE(AppendToWriteLog(vol, empty).ok());
+    CHECK(vol->Lookup(WriteLogName(owner)).status().code() == Status::Code::kNotFound);
+
+    std::mt19937_64 rng(11);
+    std::map<uint64_t, BlockRecord> model;
+    uint64_t t = kT0;
+    uint64_t total_dropped = 0;
+    for (int round = 0; round < 12; round++) {
+      // A random coalesced batch through the monitor's own rules.
+      std::map<uint64_t, BlockRecord> recs;
+      std::map<uint64_t, uint64_t> ranges;  // first -> count
+      MonitorBatch b;
+      b.file = owner;
+      const int nr = static_cast<int>(rng() % 4);
+      uint64_t cursor = rng() % 50;
+      for (int i = 0; i < nr; i++) {
+        const uint64_t count = 1 + rng() % (round == 5 ? (uint64_t{100} << 30) / kB : 40);
+        b.invalidated.push_back(InvalidRange{cursor, count, t});
+        cursor += count + 1 + rng() % 20;
+        if (round == 5) break;
+      }
+      t += kMs;
+      const int n = static_cast<int>(rng() % 300);
+      uint64_t block = 0;
+      for (int i = 0; i < n; i++) {
+        block += 1 + rng() % 4;
+        bool in_range = false;
+        for (const InvalidRange& r : b.invalidated) {
+          in_range = in_range || (block >= r.first && block < r.first + r.count);
+        }
+        if (in_range) continue;
+        b.records.push_back(BlockRecord{block, t, FpOf(algo, rng())});
+      }
+      if (round % 4 == 3) {
+        b.dropped_records = 1 + round;
+        b.dropped_since_ns = t;
+        total_dropped += b.dropped_records;
+      }
+      b.first_ns = kT0;
+      b.last_ns = t;
+      if (b.empty()) continue;
+      REQUIRE(AppendToWriteLog(vol, b).ok());
+      for (const InvalidRange& r : b.invalidated) {
+        auto it = model.lower_bound(r.first);
+        while (it != model.end() && it->first < r.first + r.count) it = model.erase(it);
+      }
+      for (const BlockRecord& r : b.records) model[r.block] = r;
+      t += kMs;
+    }
+    auto info = vol->Lookup(WriteLogName(owner));
+    REQUIRE(info.ok());
+    CHECK(info->kind == FileKind::kWriteLog);
+    CHECK(info->owner_ino == owner.ino);
+    CHECK(info->size % kB == 0);
+
+    auto log = OpenWriteLog(vol, owner);
+    REQUIRE(log.ok());
+    // The log is locked while open: appends must wait.
+    CHECK(AppendToWriteLog(vol, SampleBatch(algo, owner, 3, 0)).code() == Status::Code::kLocked);
+    auto st = ReplayWriteLog(log->get(), algo, vol->superblock().uuid, owner);
+    REQUIRE(st.ok());
+    CHECK(st->stats.corrupt_frames == 0);
+    CHECK(st->stats.skipped_bytes == 0);
+    CHECK(st->stats.dropped_records == total_dropped);
+    REQUIRE(st->records.size() == model.size());
+    for (const auto& [block, r] : model) {
+      const BlockRecord& got = st->records.at(block);
+      CHECK(got.fp == r.fp);
+      CHECK(got.time_ns == r.time_ns);
+    }
+  }
+}
+
+TEST_CASE("writelog: the reader skips torn and corrupt frames", "[writemon]") {
+  const HashAlgo algo = HashAlgo::kXxh128;
+  MemVolume mv(algo);
+  Volume* vol = mv.vol.get();
+  const Uuid uuid = vol->superblock().uuid;
+  auto created = vol->Create("vm", 1 << 20);
+  REQUIRE(created.ok());
+  const FileId owner = *created;
+  // Five frames: 1 block, 3 blocks (300 records), 1, 1, 3.
+  const size_t sizes[] = {10, 300, 20, 30, 300};
+  std::vector<uint64_t> offsets;
+  for (size_t i = 0; i < 5; i++) {
+    auto info = vol->Lookup(WriteLogName(owner));
+    offsets.push_back(info.ok() ? info->size : 0);
+    REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, sizes[i], 1, i * 100000)).ok());
+  }
+  auto log = OpenWriteLog(vol, owner);
+  REQUIRE(log.ok());
+  File* f = log->get();
+  CHECK(offsets == std::vector<uint64_t>{0, kB, 4 * kB, 5 * kB, 6 * kB});
+  CHECK(f->size() == 9 * kB);
+  WriteLogScanStats stats;
+  CHECK(ReadAll(f, algo, uuid, owner, &stats).size() == 5);
+  CHECK(stats.records == 660);
+  CHECK(stats.invalidations == 5);
+
+  SECTION("a corrupt payload in the middle") {
+    uint8_t byte;
+    REQUIRE(f->Read(kB + 2000, &byte, 1).ok());
+    byte ^= 0x10;
+    REQUIRE(f->Write(kB + 2000, &byte, 1).ok());
+    auto frames = ReadAll(f, algo, uuid, owner, &stats);
+    REQUIRE(frames.size() == 4);
+    CHECK(frames[1].log_offset == 4 * kB);
+    CHECK(stats.corrupt_frames == 1);
+    CHECK(stats.skipped_bytes == 3 * kB);
+    CHECK(stats.records == 360);
+  }
+  SECTION("a bad header run in the middle") {
+    std::vector<uint8_t> junk(4 * kB, 0xab);
+    REQUIRE(f->Write(kB, junk.data(), junk.size()).ok());
+    auto frames = ReadAll(f, algo, uuid, owner, &stats);
+    REQUIRE(frames.size() == 3);
+    CHECK(frames[1].log_offset == 5 * kB);
+    CHECK(stats.corrupt_frames == 1);
+    CHECK(stats.skipped_bytes == 4 * kB);
+  }
+  SECTION("a torn tail") {
+    REQUIRE(f->Truncate(8 * kB).ok());  // the last frame loses its last block
+    auto frames = ReadAll(f, algo, uuid, owner, &stats);
+    CHECK(frames.size() == 4);
+    CHECK(stats.corrupt_frames == 1);
+    CHECK(stats.skipped_bytes == 2 * kB);
+    // Zeros where the tail should be (extended, never written).
+    REQUIRE(f->Truncate(6 * kB).ok());
+    REQUIRE(f->Truncate(9 * kB).ok());
+    frames = ReadAll(f, algo, uuid, owner, &stats);
+    CHECK(frames.size() == 4);
+    CHECK(stats.corrupt_frames == 1);
+    CHECK(stats.skipped_bytes == 3 * kB);
+    // A ragged end (not a whole block) is skipped as well.
+    REQUIRE(f->Truncate(6 * kB + 100).ok());
+    frames = ReadAll(f, algo, uuid, owner, &stats);
+    CHECK(frames.size() == 4);
+    CHECK(stats.corrupt_frames == 1);
+    CHECK(stats.skipped_bytes == 100);
+  }
+  SECTION("a frame appended inside a torn frame's extent is found") {
+    // Frame 2 (3 blocks at 1..3) loses its last two blocks; a new frame
+    // lands at block 2, inside the extent its header claims.
+    std::vector<uint8_t> zeros(2 * kB, 0);
+    REQUIRE(f->Write(2 * kB, zeros.data(), zeros.size()).ok());
+    MonitorBatch nb = SampleBatch(algo, owner, 5, 0, 999999);
+    std::vector<uint8_t> enc = EncodeWriteLogFrames(nb, vol->host_id(), algo, uuid, 2 * kB);
+    REQUIRE(enc.size() == kB);
+    REQUIRE(f->Write(2 * kB, enc.data(), enc.size()).ok());
+    auto frames = ReadAll(f, algo, uuid, owner, &stats);
+    REQUIRE(frames.size() == 5);
+    CHECK(frames[1].log_offset == 2 * kB);
+    CHECK(frames[1].records.size() == 5);
+    CHECK(stats.corrupt_frames == 2);  // the torn frame, then the zero block after the new one
+    CHECK(stats.skipped_bytes == 2 * kB);
+  }
+  SECTION("a whole log of garbage") {
+    std::vector<uint8_t> junk(9 * kB);
+    std::mt19937 rng(3);
+    for (auto& x : junk) x = static_cast<uint8_t>(rng());
+    REQUIRE(f->Write(0, junk.data(), junk.size()).ok());
+    auto frames = ReadAll(f, algo, uuid, owner, &stats);
+    CHECK(frames.empty());
+    CHECK(stats.corrupt_frames == 1);
+    CHECK(stats.skipped_bytes == 9 * kB);
+  }
+}
+
+TEST_CASE("writelog: a log bigger than the read chunk replays", "[writemon]") {
+  const HashAlgo algo = HashAlgo::kXxh128;
+  MemVolume mv(algo, 128 << 20);
+  Volume* vol = mv.vol.get();
+  auto created = vol->Create("vm", 1 << 20);
+  REQUIRE(created.ok());
+  const FileId owner = *created;
+  // Three appends of ~3.2 MB each: frames straddle the 4 MiB read chunks.
+  for (int i = 0; i < 3; i++) {
+    REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 120000, 0, i * 1000000)).ok());
+  }
+  auto log = OpenWriteLog(vol, owner);
+  REQUIRE(log.ok());
+  CHECK((*log)->size() > (8u << 20));
+  auto st = ReplayWriteLog(log->get(), algo, vol->superblock().uuid, owner);
+  REQUIRE(st.ok());
+  CHECK(st->stats.frames == 3);
+  CHECK(st->stats.corrupt_frames == 0);
+  CHECK(st->records.size() == 360000);
+}
+
+TEST_CASE("writelog: monitor batches through the log", "[writemon]") {
+  // End to end: monitor -> Take -> AppendToWriteLog -> ReplayWriteLog.
+  MemVolume mv(HashAlgo::kSha256);
+  Volume* vol = mv.vol.get();
+  auto created = vol->Create("vm", 1 << 20);
+  REQUIRE(created.ok());
+  const FileId owner = *created;
+  ManualClock clock(kT0);
+  WriteMonitorOptions o;
+  o.algo = vol->superblock().hash_algo;
+  o.clock = &clock;
+  WriteMonitor m(o);
+  m.AddFile(owner, true);
+  std::vector<uint8_t> d(16 * kB);
+  for (size_t i = 0; i < d.size(); i++) d[i] = static_cast<uint8_t>(i * 7 + i / kB);
+  m.OnWrite(owner, 0, d.data(), d.size());
+  REQUIRE(AppendToWriteLog(vol, m.Take(owner)).ok());
+  clock.Advance(3 * kMs);
+  m.OnInvalidate(owner, 4 * kB, 4 * kB);
+  m.OnWrite(owner, 10 * kB + 1, d.data(), 100);
+  m.OnWrite(owner, 15 * kB, d.data(), kB);
+  REQUIRE(AppendToWriteLog(vol, m.Take(owner)).ok());
+  auto log = OpenWriteLog(vol, owner);
+  REQUIRE(log.ok());
+  auto st = ReplayWriteLog(log->get(), o.algo, vol->superblock().uuid, owner);
+  REQUIRE(st.ok());
+  CHECK(st->records.size() == 16 - 4 - 1);
+  CHECK(st->records.count(5) == 0);
+  CHECK(st->records.count(10) == 0);
+  CHECK(st->records.at(15).fp == ComputeFingerprint(o.algo, d.data(), kB));
+  CHECK(st->records.at(15).time_ns == kT0 + 3 * kMs);
+  CHECK(st->records.at(3).fp == ComputeFingerprint(o.algo, d.data() + 3 * kB, kB));
+  CHECK(st->records.at(3).time_ns == kT0);
+}

@@ -1,0 +1,545 @@
+// Tests for the write monitor (kmod/writemon/write_monitor.h): which blocks
+// get fingerprinted, coalescing and invalidation, dedup=off, the memory cap
+// and shedding, flush sizing, PutBack, and a randomized comparison with a
+// plain model of "what the write log should say".
+#include "kmod/writemon/write_monitor.h"
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <map>
+#include <random>
+#include <set>
+#include <thread>
+#include <vector>
+
+#include "kmod/writemon/write_log.h"
+#include "volume/format.h"
+
+using namespace dede;
+
+namespace {
+
+constexpr uint64_t kB = kBlockSize;
+constexpr uint64_t kMs = 1'000'000;
+const FileId kF{7, 3};
+const FileId kG{8, 1};
+
+std::vector<uint8_t> Data(size_t n, uint32_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937 r(seed);
+  for (auto& b : v) b = static_cast<uint8_t>(r());
+  return v;
+}
+
+Fingerprint Fp(HashAlgo algo, const uint8_t* block) { return ComputeFingerprint(algo, block, kB); }
+
+WriteMonitorOptions Opts(ManualClock* clock, HashAlgo algo = HashAlgo::kXxh128) {
+  WriteMonitorOptions o;
+  o.algo = algo;
+  o.clock = clock;
+  return o;
+}
+
+// Blocks of a batch's invalidated ranges, expanded (small ranges only).
+std::set<uint64_t> InvalidBlocks(const MonitorBatch& b) {
+  std::set<uint64_t> s;
+  for (const InvalidRange& r : b.invalidated) {
+    for (uint64_t i = 0; i < r.count; i++) s.insert(r.first + i);
+  }
+  return s;
+}
+
+std::map<uint64_t, Fingerprint> Records(const MonitorBatch& b) {
+  std::map<uint64_t, Fingerprint> m;
+  for (const BlockRecord& r : b.records) m[r.block] = r.fp;
+  return m;
+}
+
+// The batch invariants of MonitorBatch.
+void CheckBatchShape(const MonitorBatch& b) {
+  for (size_t i = 1; i < b.records.size(); i++) REQUIRE(b.records[i - 1].block < b.records[i].block);
+  for (size_t i = 0; i < b.invalidated.size(); i++) {
+    REQUIRE(b.invalidated[i].count > 0);
+    if (i > 0) {
+      REQUIRE(b.invalidated[i - 1].first + b.invalidated[i - 1].count < b.invalidated[i].first);
+    }
+  }
+  size_t ri = 0;
+  for (const BlockRecord& r : b.records) {
+    while (ri < b.invalidated.size() && b.invalidated[ri].first + b.invalidated[ri].count <= r.block) {
+      ri++;
+    }
+    REQUIRE((ri == b.invalidated.size() || b.invalidated[ri].first > r.block));
+  }
+}
+
+// Applies a batch the way ReplayWriteLog applies a frame.
+void ApplyToLog(std::map<uint64_t, Fingerprint>* log, const MonitorBatch& b) {
+  for (const InvalidRange& r : b.invalidated) {
+    auto it = log->lower_bound(r.first);
+    while (it != log->end() && it->first < r.first + r.count) it = log->erase(it);
+  }
+  for (const BlockRecord& r : b.records) (*log)[r.block] = r.fp;
+}
+
+}  // namespace
+
+TEST_CASE("writemon: only whole aligned blocks are fingerprinted", "[writemon]") {
+  for (HashAlgo algo : {HashAlgo::kXxh128, HashAlgo::kSha256}) {
+    ManualClock clock;
+    WriteMonitor m(Opts(&clock, algo));
+    m.AddFile(kF, true);
+    std::vector<uint8_t> d = Data(3 * kB, 1);
+    m.OnWrite(kF, 2 * kB, d.data(), d.size());
+    // Unaligned: whole blocks 11 and 12, partial 10 and 13.
+    std::vector<uint8_t> u = Data(3 * kB, 2);
+    m.OnWrite(kF, 10 * kB + 100, u.data(), u.size());
+    // Inside one block; and across one boundary with no whole block.
+    m.OnWrite(kF, 20 * kB + 5, u.data(), 10);
+    m.OnWrite(kF, 30 * kB + 4000, u.data(), 200);
+    // Ends exactly on a boundary, starts mid-block.
+    m.OnWrite(kF, 40 * kB + 1, u.data(), 2 * kB - 1);
+
+    MonitorFileStats fs = m.FileStats(kF);
+    CHECK(fs.hashed_blocks == 3 + 2 + 1);
+    MonitorBatch b = m.Take(kF);
+    CheckBatchShape(b);
+    auto recs = Records(b);
+    REQUIRE(recs.size() == 6);
+    for (uint64_t i = 0; i < 3; i++) CHECK(recs.at(2 + i) == Fp(algo, d.data() + i * kB));
+    CHECK(recs.at(11) == Fp(algo, u.data() + kB - 100));
+    CHECK(recs.at(12) == Fp(algo, u.data() + 2 * kB - 100));
+    CHECK(recs.at(41) == Fp(algo, u.data() + kB - 1));
+    CHECK(recs.at(2).size == HashAlgoSize(algo));
+    CHECK(InvalidBlocks(b) == std::set<uint64_t>{10, 13, 20, 30, 31, 40});
+    CHECK(b.first_ns == clock.NowNanos());
+    CHECK(b.last_ns == clock.NowNanos());
+    for (const BlockRecord& r : b.records) CHECK(r.time_ns == clock.NowNanos());
+    // Taken: nothing left.
+    CHECK(m.Take(kF).empty());
+    CHECK(m.FileStats(kF).buffered_records == 0);
+    CHECK(m.Stats().buffered_bytes == 0);
+  }
+}
+
+TEST_CASE("writemon: rewrites coalesce, latest wins", "[writemon]") {
+  ManualClock clock;
+  WriteMonitor m(Opts(&clock));
+  m.AddFile(kF, true);
+  std::vector<uint8_t> a = Data(4 * kB, 1), b = Data(kB, 2), c = Data(kB, 3);
+  m.OnWrite(kF, 0, a.data(), a.size());
+  clock.Advance(5 * kMs);
+  m.OnWrite(kF, kB, b.data(), kB);
+  clock.Advance(5 * kMs);
+  m.OnWrite(kF, kB, c.data(), kB);
+  MonitorBatch batch = m.Take(kF);
+  CheckBatchShape(batch);
+  REQUIRE(batch.records.size() == 4);
+  CHECK(batch.invalidated.empty());
+  CHECK(batch.records[1].block == 1);
+  CHECK(batch.records[1].fp == Fp(HashAlgo::kXxh128, c.data()));
+  CHECK(batch.records[1].time_ns == clock.NowNanos());
+  CHECK(batch.records[0].fp == Fp(HashAlgo::kXxh128, a.data()));
+  CHECK(batch.first_ns == clock.NowNanos() - 10 * kMs);
+  CHECK(batch.last_ns == clock.NowNanos());
+}
+
+TEST_CASE("writemon: a partial write drops the record and invalidates", "[writemon]") {
+  ManualClock clock;
+  WriteMonitor m(Opts(&clock));
+  m.AddFile(kF, true);
+  std::vector<uint8_t> a = Data(3 * kB, 1);
+  m.OnWrite(kF, 0, a.data(), a.size());
+  m.OnWrite(kF, kB + 512, a.data(), 512);
+  MonitorBatch b = m.Take(kF);
+  CheckBatchShape(b);
+  CHECK(Records(b).count(1) == 0);
+  CHECK(Records(b).size() == 2);
+  REQUIRE(b.invalidated.size() == 1);
+  CHECK(b.invalidated[0].first == 1);
+  CHECK(b.invalidated[0].count == 1);
+
+  // A whole write after the partial one brings the record back and the
+  // invalidation goes (the record cancels an older log record anyway).
+  m.OnWrite(kF, kB + 512, a.data(), 512);
+  m.OnWrite(kF, kB, a.data(), kB);
+  b = m.Take(kF);
+  CheckBatchShape(b);
+  CHECK(b.invalidated.empty());
+  CHECK(Records(b).at(1) == Fp(HashAlgo::kXxh128, a.data()));
+}
+
+TEST_CASE("writemon: TRIM and WRITE_ZEROES drop the records they touch", "[writemon]") {
+  ManualClock clock;
+  WriteMonitor m(Opts(&clock));
+  m.AddFile(kF, true);
+  std::vector<uint8_t> a = Data(10 * kB, 1);
+  m.OnWrite(kF, 0, a.data(), a.size());
+  clock.Advance(kMs);
+  m.OnInvalidate(kF, 2 * kB + 1, 3 * kB);  // touches blocks 2..5
+  m.OnInvalidate(kF, 8 * kB, kB);          // exactly block 8
+  m.OnInvalidate(kF, 9 * kB, 0);           // nothing
+  MonitorBatch b = m.Take(kF);
+  CheckBatchShape(b);
+  std::set<uint64_t> keys;
+  for (const auto& [k, v] : Records(b)) keys.insert(k);
+  CHECK(keys == std::set<uint64_t>{0, 1, 6, 7, 9});
+  REQUIRE(b.invalidated.size() == 2);
+  CHECK(b.invalidated[0].first == 2);
+  CHECK(b.invalidated[0].count == 4);
+  CHECK(b.invalidated[0].time_ns == clock.NowNanos());
+  CHECK(b.invalidated[1].first == 8);
+  CHECK(b.invalidated[1].count == 1);
+
+  // Adjacent and overlapping invalidations merge into one range.
+  m.OnInvalidate(kF, 0, kB);
+  m.OnInvalidate(kF, kB, kB);
+  m.OnInvalidate(kF, 5 * kB, 10 * kB);
+  m.OnInvalidate(kF, kB, 6 * kB);
+  b = m.Take(kF);
+  REQUIRE(b.invalidated.size() == 1);
+  CHECK(b.invalidated[0].first == 0);
+  CHECK(b.invalidated[0].count == 15);
+}
+
+TEST_CASE("writemon: dedup=off files are not hashed; SetDedup off discards", "[writemon]") {
+  ManualClock clock;
+  WriteMonitor m(Opts(&clock));
+  m.AddFile(kF, false);
+  m.AddFile(kG, true);
+  std::vector<uint8_t> a = Data(4 * kB, 1);
+  m.OnWrite(kF, 0, a.data(), a.size());
+  m.OnInvalidate(kF, 0, kB);
+  CHECK(m.FileStats(kF).hashed_blocks == 0);
+  CHECK(m.FileStats(kF).dedup == false);
+  CHECK(m.Take(kF).empty());
+
+  m.OnWrite(kG, 0, a.data(), a.size());
+  CHECK(m.FileStats(kG).buffered_records == 4);
+  CHECK(m.Stats().buffered_bytes > 0);
+  m.SetDedup(kG, false);
+  CHECK(m.FileStats(kG).buffered_records == 0);
+  CHECK(m.Stats().buffered_bytes == 0);
+  m.OnWrite(kG, 0, a.data(), a.size());
+  CHECK(m.Take(kG).empty());
+  CHECK(m.DueFiles(true).empty());
+
+  m.SetDedup(kG, true);
+  m.OnWrite(kG, kB, a.data(), kB);
+  CHECK(Records(m.Take(kG)).size() == 1);
+
+  // Files never added are ignored; removed files too.
+  m.OnWrite(FileId{99, 1}, 0, a.data(), a.size());
+  CHECK(m.Take(FileId{99, 1}).empty());
+  m.OnWrite(kG, 0, a.data(), a.size());
+  m.RemoveFile(kG);
+  CHECK(m.Stats().buffered_bytes == 0);
+  CHECK(m.Stats().files == 1);
+  m.OnWrite(kG, 0, a.data(), a.size());
+  CHECK(m.Take(kG).empty());
+}
+
+TEST_CASE("writemon: the memory cap sheds records and marks the file", "[writemon]") {
+  ManualClock clock;
+  WriteMonitorOptions o = Opts(&clock);
+  o.memory_cap_bytes = 64 << 10;
+  WriteMonitor m(o);
+  m.AddFile(kF, true);
+  m.AddFile(kG, true);
+  std::vector<uint8_t> a = Data(kB, 1), b = Data(kB, 2);
+
+  // Fill the cap with distinct blocks of kF, one write each.
+  uint64_t n = 0;
+  while (m.FileStats(kF).dropped_records == 0) {
+    m.OnWrite(kF, n * kB, a.data(), kB);
+    n++;
+    REQUIRE(n < 10000);
+  }
+  const uint64_t shed_at = clock.NowNanos();
+  const MonitorFileStats fs = m.FileStats(kF);
+  CHECK(fs.dropped_records == 1);
+  CHECK(fs.dropped_since_ns == shed_at);
+  CHECK(m.Stats().buffered_bytes <= o.memory_cap_bytes);
+  CHECK(m.Stats().dropped_records == 1);
+  const uint64_t kept = fs.buffered_records;
+  CHECK(kept == n - 1);
+
+  // Rewriting buffered blocks at the cap costs nothing: no more shedding,
+  // and the latest content wins.
+  clock.Advance(kMs);
+  for (uint64_t i = 0; i < kept; i++) m.OnWrite(kF, i * kB, b.data(), kB);
+  CHECK(m.FileStats(kF).dropped_records == 1);
+  // New blocks are shed, for any file; the mark keeps the first time.
+  m.OnWrite(kF, (n + 5) * kB, b.data(), kB);
+  m.OnWrite(kG, 0, b.data(), kB);
+  CHECK(m.FileStats(kF).dropped_records == 2);
+  CHECK(m.FileStats(kF).dropped_since_ns == shed_at);
+  CHECK(m.FileStats(kG).dropped_records == 1);
+  CHECK(m.FileStats(kG).dropped_since_ns == clock.NowNanos());
+  // An invalidation with no room is shed too, but still removes the
+  // buffered record it covers.
+  m.OnInvalidate(kF, 1000 * kB, kB);
+  CHECK(m.FileStats(kF).dropped_records == 3);
+  m.OnInvalidate(kF, 0, 100);
+  CHECK(m.Stats().buffered_bytes <= o.memory_cap_bytes);
+
+  MonitorBatch batch = m.Take(kF);
+  CheckBatchShape(batch);
+  CHECK(batch.dropped_records == 3);
+  CHECK(batch.dropped_since_ns == shed_at);
+  CHECK(Records(batch).count(0) == 0);
+  CHECK(Records(batch).size() == kept - 1);
+  for (const BlockRecord& r : batch.records) CHECK(r.fp == Fp(HashAlgo::kXxh128, b.data()));
+  // The mark goes with the batch; the lifetime count stays.
+  CHECK(m.FileStats(kF).dropped_since_ns == 0);
+  CHECK(m.FileStats(kF).dropped_records == 3);
+  CHECK(m.Take(kF).dropped_records == 0);
+  // Memory came back: new records fit again.
+  m.OnWrite(kG, 0, b.data(), kB);
+  CHECK(m.FileStats(kG).buffered_records == 1);
+  CHECK(m.FileStats(kG).dropped_records == 1);
+  // A file with only shed records is still due when flushing everything.
+  MonitorBatch g = m.Take(kG);
+  CHECK(g.dropped_records == 1);
+  m.MarkDropped(kG, 4);
+  CHECK(m.DueFiles(true) == std::vector<FileId>{kG});
+  g = m.Take(kG);
+  CHECK(g.dropped_records == 4);
+  CHECK(g.dropped_since_ns == clock.NowNanos());
+  CHECK(!g.empty());
+}
+
+TEST_CASE("writemon: files are due when their records reach flush_bytes", "[writemon]") {
+  ManualClock clock;
+  WriteMonitorOptions o = Opts(&clock);
+  const size_t per = WriteLogRecordBytes(o.algo);
+  o.flush_bytes = 100 * per;
+  WriteMonitor m(o);
+  m.AddFile(kF, true);
+  m.AddFile(kG, true);
+  std::vector<uint8_t> a = Data(100 * kB, 1);
+  m.OnWrite(kF, 0, a.data(), 99 * kB);
+  CHECK(m.DueFiles(false).empty());
+  // Rewrites of the same blocks coalesce: still not due.
+  for (int i = 0; i < 50; i++) m.OnWrite(kF, 0, a.data(), 99 * kB);
+  CHECK(m.DueFiles(false).empty());
+  CHECK(m.FileStats(kF).buffered_records == 99);
+  m.OnWrite(kF, 99 * kB, a.data(), kB);
+  CHECK(m.DueFiles(false) == std::vector<FileId>{kF});
+  m.OnWrite(kG, 0, a.data(), kB);
+  CHECK(m.DueFiles(false) == std::vector<FileId>{kF});
+  CHECK(m.DueFiles(true).size() == 2);
+  MonitorBatch b = m.Take(kF);
+  CHECK(b.records.size() == 100);
+  CHECK(EncodedWriteLogBytes(b, o.algo) >= o.flush_bytes);
+  CHECK(m.DueFiles(false).empty());
+}
+
+TEST_CASE("writemon: PutBack merges under newer writes", "[writemon]") {
+  ManualClock clock;
+  WriteMonitor m(Opts(&clock));
+  m.AddFile(kF, true);
+  std::vector<uint8_t> a = Data(6 * kB, 1), b = Data(kB, 2);
+  m.OnWrite(kF, 0, a.data(), 4 * kB);
+  m.OnInvalidate(kF, 10 * kB, 3 * kB);
+  m.MarkDropped(kF, 2);
+  const uint64_t t0 = clock.NowNanos();
+  MonitorBatch old = m.Take(kF);
+  REQUIRE(old.records.size() == 4);
+
+  clock.Advance(kMs);
+  m.OnWrite(kF, kB, b.data(), kB);       // newer record wins over old block 1
+  m.OnInvalidate(kF, 2 * kB, kB);        // newer invalidation kills old block 2
+  m.OnWrite(kF, 11 * kB, b.data(), kB);  // newer record splits the old range
+  m.PutBack(std::move(old));
+  MonitorBatch merged = m.Take(kF);
+  CheckBatchShape(merged);
+  auto recs = Records(merged);
+  CHECK(recs.size() == 4);
+  CHECK(recs.at(0) == Fp(HashAlgo::kXxh128, a.data()));
+  CHECK(recs.at(1) == Fp(HashAlgo::kXxh128, b.data()));
+  CHECK(recs.at(3) == Fp(HashAlgo::kXxh128, a.data() + 3 * kB));
+  CHECK(recs.at(11) == Fp(HashAlgo::kXxh128, b.data()));
+  CHECK(InvalidBlocks(merged) == std::set<uint64_t>{2, 10, 12});
+  CHECK(merged.dropped_records == 2);
+  CHECK(merged.dropped_since_ns == t0);
+  CHECK(merged.first_ns == t0);
+  CHECK(merged.last_ns == clock.NowNanos());
+
+  // A batch that does not fit under the cap is counted as dropped.
+  WriteMonitorOptions o = Opts(&clock);
+  o.memory_cap_bytes = 8 << 10;
+  WriteMonitor small(o);
+  small.AddFile(kF, true);
+  MonitorBatch big;
+  big.file = kF;
+  big.first_ns = t0;
+  big.last_ns = t0;
+  for (uint64_t i = 0; i < 1000; i++) {
+    big.records.push_back(BlockRecord{i, t0, Fp(HashAlgo::kXxh128, a.data())});
+  }
+  small.PutBack(std::move(big));
+  CHECK(small.FileStats(kF).buffered_records == 0);
+  CHECK(small.FileStats(kF).dropped_records == 1000);
+  CHECK(small.FileStats(kF).dropped_since_ns == t0);
+}
+
+TEST_CASE("writemon: a huge TRIM takes O(1) memory", "[writemon]") {
+  ManualClock clock;
+  WriteMonitorOptions o = Opts(&clock);
+  o.memory_cap_bytes = 1 << 20;
+  WriteMonitor m(o);
+  m.AddFile(kF, true);
+  std::vector<uint8_t> a = Data(8 * kB, 1);
+  m.OnWrite(kF, 50 * kB, a.data(), a.size());
+  const uint64_t disk = uint64_t{100} << 30;
+  for (int i = 0; i < 1000; i++) m.OnInvalidate(kF, 0, disk);
+  // The last block a u64 offset can name, too.
+  m.OnInvalidate(kF, ~uint64_t{0} - 10, 100);
+  CHECK(m.Stats().buffered_bytes < 256 << 10);
+  CHECK(m.DueFiles(false).empty());
+  MonitorBatch b = m.Take(kF);
+  CheckBatchShape(b);
+  CHECK(b.records.empty());
+  REQUIRE(b.invalidated.size() == 2);
+  CHECK(b.invalidated[0].first == 0);
+  CHECK(b.invalidated[0].count == disk / kB);
+  CHECK(b.invalidated[1].first == (~uint64_t{0}) / kB);
+  CHECK(b.invalidated[1].count == 1);
+}
+
+TEST_CASE("writemon: randomized against a model of the log", "[writemon]") {
+  for (uint32_t seed : {1u, 2u, 3u, 4u}) {
+    CAPTURE(seed);
+    std::mt19937_64 rng(seed);
+    ManualClock clock;
+    WriteMonitorOptions o = Opts(&clock);
+    o.flush_bytes = 4096;  // small: the in-place coalesce runs often
+    WriteMonitor m(o);
+    m.AddFile(kF, true);
+    const uint64_t blocks = 64;
+    std::vector<uint8_t> disk(blocks * kB, 0);
+    // truth: blocks whose last change was a whole-block write, and its data
+    std::map<uint64_t, Fingerprint> truth, log;
+    // pending: the monitor's expected buffer since the last Take
+    std::map<uint64_t, Fingerprint> pend_rec;
+    std::set<uint64_t> pend_inv;
+    for (int step = 0; step < 4000; step++) {
+      clock.Advance(rng() % 3 * kMs);
+      const int what = static_cast<int>(rng() % 100);
+      const uint64_t off = rng() % 3 == 0 ? rng() % blocks * kB : rng() % (blocks * kB);
+      const uint64_t maxlen = blocks * kB - off;
+      const uint64_t len = std::min<uint64_t>(maxlen, 1 + rng() % (rng() % 4 == 0 ? 20 * kB : 2 * kB));
+      if (what < 60) {
+        std::vector<uint8_t> d = Data(len, static_cast<uint32_t>(rng()));
+        std::memcpy(disk.data() + off, d.data(), len);
+        m.OnWrite(kF, off, d.data(), len);
+        for (uint64_t b = off / kB; b <= (off + len - 1) / kB; b++) {
+          const bool whole = b * kB >= off && (b + 1) * kB <= off + len;
+          if (whole) {
+            Fingerprint fp = Fp(HashAlgo::kXxh128, disk.data() + b * kB);
+            truth[b] = fp;
+            pend_rec[b] = fp;
+            pend_inv.erase(b);
+          } else {
+            truth.erase(b);
+            pend_rec.erase(b);
+            pend_inv.insert(b);
+          }
+        }
+      } else if (what < 75) {
+        m.OnInvalidate(kF, off, len);
+        for (uint64_t b = off / kB; b <= (off + len - 1) / kB; b++) {
+          truth.erase(b);
+          pend_rec.erase(b);
+          pend_inv.insert(b);
+        }
+      } else if (what < 80) {
+        (void)m.DueFiles(rng() % 2 == 0);
+      } else if (what < 85) {
+        // A failed append: the batch comes back under what follows.
+        MonitorBatch b = m.Take(kF);
+        m.OnWrite(kF, 0, disk.data(), kB);  // block 0 unchanged on disk: a rewrite
+        truth[0] = Fp(HashAlgo::kXxh128, disk.data());
+        pend_rec[0] = truth[0];
+        pend_inv.erase(0);
+        m.PutBack(std::move(b));
+      } else if (what < 90) {
+        MonitorBatch b = m.Take(kF);
+        CheckBatchShape(b);
+        REQUIRE(Records(b) == pend_rec);
+        REQUIRE(InvalidBlocks(b) == pend_inv);
+        REQUIRE(b.dropped_records == 0);
+        ApplyToLog(&log, b);
+        REQUIRE(log == truth);
+        pend_rec.clear();
+        pend_inv.clear();
+      }
+      REQUIRE(m.FileStats(kF).buffered_records >= pend_rec.size());
+    }
+    MonitorBatch b = m.Take(kF);
+    ApplyToLog(&log, b);
+    REQUIRE(log == truth);
+    REQUIRE(m.Stats().buffered_bytes == 0);
+  }
+}
+
+TEST_CASE("writemon: threads on different files", "[writemon]") {
+  WriteMonitorOptions o;
+  o.flush_bytes = 16 << 10;
+  WriteMonitor m(o);
+  constexpr int kThreads = 4;
+  constexpr uint64_t kBlocks = 256;
+  std::vector<std::map<uint64_t, Fingerprint>> truth(kThreads), log(kThreads);
+  for (int t = 0; t < kThreads; t++) m.AddFile(FileId{uint64_t(t + 1), 1}, true);
+  std::atomic<bool> done{false};
+  Mutex log_mu;
+
+  std::thread flusher([&] {
+    while (!done.load()) {
+      for (FileId id : m.DueFiles(false)) {
+        MonitorBatch b = m.Take(id);
+        MutexLock l(&log_mu);
+        ApplyToLog(&log[id.ino - 1], b);
+      }
+      // Churn the map while writers run.
+      m.AddFile(FileId{100, 1}, true);
+      m.RemoveFile(FileId{100, 1});
+      (void)m.Stats();
+    }
+  });
+  std::vector<std::thread> writers;
+  for (int t = 0; t < kThreads; t++) {
+    writers.emplace_back([&, t] {
+      const FileId id{uint64_t(t + 1), 1};
+      std::mt19937_64 rng(t);
+      std::vector<uint8_t> buf(16 * kB);
+      for (int i = 0; i < 3000; i++) {
+        const uint64_t b = rng() % (kBlocks - 16);
+        const uint64_t n = 1 + rng() % 16;
+        for (auto& x : buf) x = static_cast<uint8_t>(rng());
+        if (rng() % 10 == 0) {
+          m.OnInvalidate(id, b * kB, n * kB);
+          for (uint64_t k = 0; k < n; k++) truth[t].erase(b + k);
+        } else {
+          m.OnWrite(id, b * kB, buf.data(), n * kB);
+          for (uint64_t k = 0; k < n; k++) {
+            truth[t][b + k] = Fp(HashAlgo::kXxh128, buf.data() + k * kB);
+          }
+        }
+      }
+    });
+  }
+  for (auto& w : writers) w.join();
+  done.store(true);
+  flusher.join();
+  for (int t = 0; t < kThreads; t++) {
+    MonitorBatch b = m.Take(FileId{uint64_t(t + 1), 1});
+    ApplyToLog(&log[t], b);
+    CHECK(log[t] == truth[t]);
+    CHECK(m.FileStats(FileId{uint64_t(t + 1), 1}).dropped_records == 0);
+  }
+  CHECK(m.Stats().buffered_bytes == 0);
+  CHECK(m.Stats().hashed_blocks > 0);
+}
