@@ -48,6 +48,7 @@ constexpr size_t kExportNameZeroes = 124;
 constexpr uint32_t kKnownClientFlags = kClientFlagFixedNewstyle | kClientFlagNoZeroes;
 constexpr uint16_t kKnownCmdFlags = kCmdFlagFua | kCmdFlagNoHole;
 constexpr uint32_t kRepErrBit = 0x80000000u;
+constexpr uint32_t kPayloadReserve = 1 << 20;
 // The spec's bound on any string (names, messages, descriptions).
 constexpr size_t kMaxStringBytes = 4096;
 
@@ -89,22 +90,30 @@ bool ValidName(const std::string& name) {
 }
 
 uint16_t TransmissionFlags(const ExportInfo& info) {
-  uint16_t flags = kTxHasFlags | kTxSendFlush | kTxSendFua | kTxSendTrim | kTxSendWriteZeroes |
-                   kTxCanMultiConn;
+  uint16_t flags =
+      kTxHasFlags | kTxSendFlush | kTxSendFua | kTxSendTrim | kTxSendWriteZeroes | kTxCanMultiConn;
   if (info.read_only) flags |= kTxReadOnly;
   return flags;
 }
 
 const char* OptionName(uint32_t option) {
   switch (option) {
-    case kOptExportName: return "NBD_OPT_EXPORT_NAME";
-    case kOptAbort: return "NBD_OPT_ABORT";
-    case kOptList: return "NBD_OPT_LIST";
-    case kOptStartTls: return "NBD_OPT_STARTTLS";
-    case kOptInfo: return "NBD_OPT_INFO";
-    case kOptGo: return "NBD_OPT_GO";
-    case kOptStructuredReply: return "NBD_OPT_STRUCTURED_REPLY";
-    default: return nullptr;
+    case kOptExportName:
+      return "NBD_OPT_EXPORT_NAME";
+    case kOptAbort:
+      return "NBD_OPT_ABORT";
+    case kOptList:
+      return "NBD_OPT_LIST";
+    case kOptStartTls:
+      return "NBD_OPT_STARTTLS";
+    case kOptInfo:
+      return "NBD_OPT_INFO";
+    case kOptGo:
+      return "NBD_OPT_GO";
+    case kOptStructuredReply:
+      return "NBD_OPT_STRUCTURED_REPLY";
+    default:
+      return nullptr;
   }
 }
 
@@ -177,8 +186,8 @@ Action NbdSession::Run(const uint8_t* data, size_t len, size_t* pos) {
           return Finish(Action::kClose, "client flags " + Hex(flags) + " have unknown bits");
         }
         if ((flags & kClientFlagFixedNewstyle) == 0) {
-          return Finish(Action::kClose, "client does not speak fixed newstyle (client flags " +
-                                            Hex(flags) + ")");
+          return Finish(Action::kClose,
+                        "client does not speak fixed newstyle (client flags " + Hex(flags) + ")");
         }
         no_zeroes_ = (flags & kClientFlagNoZeroes) != 0;
         phase_ = Phase::kOptionHeader;
@@ -202,8 +211,7 @@ Action NbdSession::Run(const uint8_t* data, size_t len, size_t* pos) {
         // memory a client can make us hold during the handshake.
         if (option_len_ > opts_.max_option_bytes) {
           return Finish(Action::kClose, "option " + std::to_string(option_) + " has " +
-                                            std::to_string(option_len_) +
-                                            " bytes of data (limit " +
+                                            std::to_string(option_len_) + " bytes of data (limit " +
                                             std::to_string(opts_.max_option_bytes) + ")");
         }
         in_.reserve(option_len_);
@@ -256,8 +264,9 @@ Action NbdSession::HandleOption() {
       std::string name(data.begin(), data.end());
       if (!ValidName(name)) {
         // EXPORT_NAME has no error reply: all we can do is hang up.
-        return Finish(Action::kClose, "NBD_OPT_EXPORT_NAME: the export name is not a valid "
-                                      "NBD string (NUL byte or longer than 4096 bytes)");
+        return Finish(Action::kClose,
+                      "NBD_OPT_EXPORT_NAME: the export name is not a valid "
+                      "NBD string (NUL byte or longer than 4096 bytes)");
       }
       export_name_ = std::move(name);
       info_only_ = false;
@@ -274,9 +283,9 @@ Action NbdSession::HandleOption() {
       const char* what = OptionName(option_);
       const size_t n = data.size();
       if (n < 4 + 2) {
-        QueueOptionError(option_, kRepErrInvalid,
-                         std::string(what) + ": option data too short (" + std::to_string(n) +
-                             " bytes)");
+        QueueOptionError(
+            option_, kRepErrInvalid,
+            std::string(what) + ": option data too short (" + std::to_string(n) + " bytes)");
         return Action::kNeedInput;
       }
       const uint32_t name_len = load_big_u32(data.data());
@@ -298,8 +307,9 @@ Action NbdSession::HandleOption() {
       std::string name(data.begin() + 4, data.begin() + 4 + name_len);
       if (!ValidName(name)) {
         QueueOptionError(option_, kRepErrInvalid,
-                         std::string(what) + ": the export name is not a valid NBD string "
-                                             "(NUL byte or longer than 4096 bytes)");
+                         std::string(what) +
+                             ": the export name is not a valid NBD string "
+                             "(NUL byte or longer than 4096 bytes)");
         return Action::kNeedInput;
       }
       info_requests_.clear();
@@ -362,14 +372,15 @@ Action NbdSession::ParseRequestHeader() {
   if (r.type == kCmdWrite) {
     if (r.length > opts_.max_payload) {
       return Finish(Action::kClose, "NBD_CMD_WRITE of " + std::to_string(r.length) +
-                                        " bytes (limit " + std::to_string(opts_.max_payload) +
-                                        ")");
+                                        " bytes (limit " + std::to_string(opts_.max_payload) + ")");
     }
     // The payload follows whether or not the request is valid; a rejected
-    // one is skipped rather than buffered.
+    // one is skipped rather than buffered. The buffer grows with what
+    // arrives: a client that announces 32 MiB and sends nothing more holds
+    // little memory.
     payload_error_ = CheckRequest(r);
     payload_left_ = r.length;
-    if (payload_error_ == 0) r.payload.reserve(r.length);
+    if (payload_error_ == 0) r.payload.reserve(std::min<uint32_t>(r.length, kPayloadReserve));
     pending_ = std::move(r);
     phase_ = Phase::kRequestPayload;
     return Action::kNeedInput;
@@ -473,8 +484,8 @@ void NbdSession::ReplyExport(const ExportInfo& info) {
   item.clear();
   PutU32(&item, info.min_block);
   PutU32(&item, info.preferred_block);
-  PutU32(&item, info.max_block == 0 ? opts_.max_payload
-                                    : std::min(info.max_block, opts_.max_payload));
+  PutU32(&item,
+         info.max_block == 0 ? opts_.max_payload : std::min(info.max_block, opts_.max_payload));
   QueueInfo(kInfoBlockSize, item.data(), item.size());
   QueueOptionReply(option_, kRepAck, nullptr, 0);
 

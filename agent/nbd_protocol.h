@@ -114,7 +114,7 @@ enum class Action {
   kNeedInput,     // everything fed was consumed; feed more when it arrives
   kListExports,   // client sent NBD_OPT_LIST: call ReplyList()
   kOpenExport,    // GO / INFO / EXPORT_NAME for export_name(): call ReplyExport()
-  kRequest,       // a valid request: TakeRequest(), execute, send EncodeSimpleReplyHeader() (+ data)
+  kRequest,       // a valid request: TakeRequest(), execute, reply (EncodeSimpleReplyHeader)
   kDisconnect,    // NBD_CMD_DISC or NBD_OPT_ABORT: finish in-flight requests, flush output, close
   kClose,         // protocol violation: flush output, close now; close_reason() says why
 };

@@ -61,8 +61,14 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   // Feeds buffered bytes to the session until it needs more input, has to
   // wait for the backend, or back-pressure stops it; then reads more.
   void Pump() {
+    // A reply to the session (list, export) may leave it with something to
+    // say without any new input (EXPORT_NAME failure closes): feed it once
+    // even when nothing is buffered.
+    bool feed_empty = recheck_session_;
+    recheck_session_ = false;
     while (!finished_ && !stop_reading_ && !waiting_backend_ && !Backpressured() &&
-           rstart_ < rend_) {
+           (rstart_ < rend_ || feed_empty)) {
+      feed_empty = false;
       size_t consumed = 0;
       nbd::Action a = session_.Feed(rbuf_.data() + rstart_, rend_ - rstart_, &consumed);
       rstart_ += consumed;
@@ -137,6 +143,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
           LOG(kWarning) << "listing exports: " << names.status().ToString();
         }
         self->SendSessionOutput();
+        self->recheck_session_ = true;
         self->Pump();
       });
     });
@@ -174,6 +181,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
           }
         }
         self->SendSessionOutput();
+        self->recheck_session_ = true;
         self->Pump();
       });
     });
@@ -296,6 +304,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   size_t rstart_ = 0, rend_ = 0;
   bool read_pending_ = false;
   bool waiting_backend_ = false;
+  bool recheck_session_ = false;
   bool stop_reading_ = false;
   bool client_gone_ = false;
   bool writing_ = false;

@@ -380,13 +380,15 @@ Result<WriteLogFrame> DecodeWriteLogFrame(const uint8_t* buf, size_t len, HashAl
     r.first = pd.u64();
     r.count = pd.u64();
     const uint32_t ms = pd.u32();
-    const std::string which = "invalidated range " + std::to_string(i);
-    if (r.count == 0) return corrupt(which + " is empty");
+    auto bad = [&](const char* what) {
+      return corrupt("invalidated range " + std::to_string(i) + what);
+    };
+    if (r.count == 0) return bad(" is empty");
     if (r.first >= kBlockLimit || r.count > kBlockLimit - r.first) {
-      return corrupt(which + " is past the largest file");
+      return bad(" is past the largest file");
     }
-    if (i > 0 && r.first <= prev_end) return corrupt(which + " overlaps or touches the previous one");
-    if (!time_of(ms, &r.time_ns)) return corrupt(which + " has a time past last_ns");
+    if (i > 0 && r.first <= prev_end) return bad(" overlaps or touches the previous one");
+    if (!time_of(ms, &r.time_ns)) return bad(" has a time past last_ns");
     prev_end = r.first + r.count;
   }
   f.records.resize(nrecords);
@@ -397,13 +399,13 @@ Result<WriteLogFrame> DecodeWriteLogFrame(const uint8_t* buf, size_t len, HashAl
     const uint32_t ms = pd.u32();
     r.fp.size = static_cast<uint8_t>(fp_size);
     pd.bytes(r.fp.bytes.data(), fp_size);
-    const std::string which = "record " + std::to_string(i);
-    if (r.block >= kBlockLimit) return corrupt(which + " is past the largest file");
-    if (i > 0 && r.block <= f.records[i - 1].block) return corrupt(which + " is out of order");
-    if (!time_of(ms, &r.time_ns)) return corrupt(which + " has a time past last_ns");
+    auto bad = [&](const char* what) { return corrupt("record " + std::to_string(i) + what); };
+    if (r.block >= kBlockLimit) return bad(" is past the largest file");
+    if (i > 0 && r.block <= f.records[i - 1].block) return bad(" is out of order");
+    if (!time_of(ms, &r.time_ns)) return bad(" has a time past last_ns");
     while (ri < nranges && f.invalidated[ri].first + f.invalidated[ri].count <= r.block) ri++;
     if (ri < nranges && f.invalidated[ri].first <= r.block) {
-      return corrupt(which + " lies in an invalidated range");
+      return bad(" lies in an invalidated range");
     }
   }
   return f;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <new>
+#include <type_traits>
 
 #include "kmod/writemon/write_log.h"
 #include "volume/format.h"
@@ -133,13 +135,96 @@ struct WriteMonitor::Op {
 };
 
 namespace {
+
 // An op is charged like the tree node it may become, so coalescing never
 // raises a file's charge (except a record splitting a range in two).
 constexpr uint64_t kOpBytes = std::max<uint64_t>(kNodeBytes, 64);
+
+// Ops are kept in fixed-size chunks, so growing a buffer never copies what
+// is there (a vector doubling 2 MiB under the file's lock would stall the
+// write path). Chunks are raw storage (Op is trivially copyable: no
+// zeroing) and recycled through a small pool, so steady writing reuses
+// memory that is already mapped instead of faulting in fresh pages.
+constexpr size_t kChunkOps = 1024;
+// Spare chunks kept for reuse, all files together (4 MiB); not charged to
+// the cap, which counts what is buffered.
+constexpr size_t kMaxSpareChunks = 64;
+
 }  // namespace
 
+struct WriteMonitor::ChunkPool {
+  ~ChunkPool() {
+    MutexLock l(&mu);
+    for (Op* c : spare) Free(c);
+  }
+  Op* Get() {
+    {
+      MutexLock l(&mu);
+      if (!spare.empty()) {
+        Op* c = spare.back();
+        spare.pop_back();
+        return c;
+      }
+    }
+    return static_cast<Op*>(::operator new(kChunkOps * sizeof(Op), std::align_val_t{alignof(Op)}));
+  }
+  void Put(Op* c) {
+    {
+      MutexLock l(&mu);
+      if (spare.size() < kMaxSpareChunks) {
+        spare.push_back(c);
+        return;
+      }
+    }
+    Free(c);
+  }
+  static void Free(Op* c) { ::operator delete(c, std::align_val_t{alignof(Op)}); }
+
+  Mutex mu;  // a leaf: taken under a file's mutex, never the other way
+  std::vector<Op*> spare GUARDED_BY(mu);
+};
+
+class WriteMonitor::OpList {
+  static_assert(std::is_trivially_copyable_v<Op> && std::is_trivially_destructible_v<Op>);
+
+ public:
+  explicit OpList(ChunkPool* pool) : pool_(pool) {}
+  ~OpList() { clear(); }
+  OpList(const OpList&) = delete;
+  OpList& operator=(const OpList&) = delete;
+
+  void push_back(const Op& v) {
+    if (size_ % kChunkOps == 0) chunks_.push_back(pool_->Get());
+    // Placement copy into raw storage: no zeroing first.
+    new (chunks_.back() + size_ % kChunkOps) Op(v);
+    size_++;
+  }
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  const Op& back() const { return chunks_.back()[(size_ - 1) % kChunkOps]; }
+  void clear() {
+    for (Op* c : chunks_) pool_->Put(c);
+    chunks_.clear();
+    size_ = 0;
+  }
+  void swap(OpList& o) {
+    chunks_.swap(o.chunks_);
+    std::swap(size_, o.size_);
+    std::swap(pool_, o.pool_);
+  }
+  template <typename F>
+  void ForEach(F&& f) const {
+    for (size_t i = 0; i < size_; i++) f(chunks_[i / kChunkOps][i % kChunkOps]);
+  }
+
+ private:
+  ChunkPool* pool_;
+  std::vector<Op*> chunks_;
+  size_t size_ = 0;
+};
+
 struct WriteMonitor::FileBuffer {
-  FileBuffer(FileId i, bool on) : id(i), dedup(on) {}
+  FileBuffer(FileId i, bool on, ChunkPool* pool) : id(i), dedup(on), ops(pool) {}
 
   const FileId id;
   // Changed under mu; read without it on the write path to skip hashing.
@@ -148,8 +233,13 @@ struct WriteMonitor::FileBuffer {
 
   Mutex mu;
   bool removed GUARDED_BY(mu) = false;
-  std::vector<Op> ops GUARDED_BY(mu);  // since the last coalesce, in call order
+  OpList ops GUARDED_BY(mu);  // since the last coalesce, in call order
   uint64_t record_ops GUARDED_BY(mu) = 0;  // ops with count == 0
+  // `ops` are records of strictly increasing blocks (kept up to date in
+  // O(1) per op). With an empty `state` too the ops are already their own
+  // coalesced form (sequential writing): sizing is exact, coalescing gains
+  // nothing, and Take needs no tree.
+  bool ops_increasing GUARDED_BY(mu) = true;
   State state GUARDED_BY(mu);              // everything before `ops`
   uint64_t charged GUARDED_BY(mu) = 0;     // this file's part of buffered_bytes_
   uint64_t dropped_total GUARDED_BY(mu) = 0;
@@ -169,16 +259,37 @@ struct WriteMonitor::FileBuffer {
     charged = now;
   }
 
+  void Append(const Op* in, size_t n) REQUIRES(mu) {
+    for (size_t i = 0; i < n; i++) {
+      const Op& op = in[i];
+      record_ops += op.count == 0;
+      ops_increasing =
+          ops_increasing && op.count == 0 && (ops.empty() || op.block > ops.back().block);
+      ops.push_back(op);
+    }
+  }
+
+  bool Sequential() const REQUIRES(mu) { return ops_increasing && state.empty(); }
+
+  // Drops the ops (applied or discarded by the caller).
+  void ClearOps() REQUIRES(mu) {
+    ops.clear();
+    record_ops = 0;
+    ops_increasing = true;
+  }
+
   void Coalesce(std::atomic<uint64_t>* total) REQUIRES(mu) {
     if (ops.empty()) return;
-    for (const Op& op : ops) ApplyOp(&state, op);
-    // Keep a modest vector for the next writes, give back a big one.
-    if (ops.capacity() > 4 * kOpsPerRound) {
-      std::vector<Op>().swap(ops);
-    } else {
-      ops.clear();
-    }
-    record_ops = 0;
+    State* s = &state;
+    ops.ForEach([s](const Op& op) { ApplyOp(s, op); });
+    ClearOps();
+    Recharge(total);
+  }
+
+  // Discards everything buffered (the lost entries are not counted).
+  void Discard(std::atomic<uint64_t>* total) REQUIRES(mu) {
+    ClearOps();
+    state = State{};
     Recharge(total);
   }
 
@@ -202,7 +313,8 @@ struct WriteMonitor::FileBuffer {
 };
 
 WriteMonitor::WriteMonitor(const WriteMonitorOptions& opts)
-    : opts_(opts),
+    : pool_(std::make_unique<ChunkPool>()),
+      opts_(opts),
       clock_(opts.clock != nullptr ? opts.clock : Clock::Real()),
       record_bytes_(WriteLogRecordBytes(opts.algo)),
       range_bytes_(WriteLogRangeBytes()),
@@ -237,7 +349,7 @@ void WriteMonitor::AddFile(FileId id, bool dedup_on) {
     WriterLock l(&mu_);
     auto& slot = files_[{id.ino, id.generation}];
     if (slot == nullptr) {
-      slot = std::make_shared<FileBuffer>(id, dedup_on);
+      slot = std::make_shared<FileBuffer>(id, dedup_on, pool_.get());
       return;
     }
   }
@@ -257,11 +369,7 @@ void WriteMonitor::RemoveFile(FileId id) {
   // `removed` turns it away.
   MutexLock l(&fb->mu);
   fb->removed = true;
-  fb->ops.clear();
-  fb->ops.shrink_to_fit();
-  fb->record_ops = 0;
-  fb->state = State{};
-  fb->Recharge(&buffered_bytes_);
+  fb->Discard(&buffered_bytes_);
 }
 
 void WriteMonitor::SetDedup(FileId id, bool on) {
@@ -269,13 +377,7 @@ void WriteMonitor::SetDedup(FileId id, bool on) {
   if (fb == nullptr) return;
   MutexLock l(&fb->mu);
   fb->dedup.store(on, std::memory_order_relaxed);
-  if (!on) {
-    fb->ops.clear();
-    fb->ops.shrink_to_fit();
-    fb->record_ops = 0;
-    fb->state = State{};
-    fb->Recharge(&buffered_bytes_);
-  }
+  if (!on) fb->Discard(&buffered_bytes_);
 }
 
 void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t len) {
@@ -338,11 +440,11 @@ void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed
     return;
   }
   if (fits) {
-    // The common case: append, nothing else.
-    fb->ops.insert(fb->ops.end(), ops, ops + n);
+    // The common case: append, nothing else. Sequential ops have nothing
+    // to coalesce.
+    fb->Append(ops, n);
     fb->charged += charge;
-    for (size_t i = 0; i < n; i++) fb->record_ops += ops[i].count == 0;
-    if (fb->ops.size() >= coalesce_ops_) fb->Coalesce(&buffered_bytes_);
+    if (fb->ops.size() >= coalesce_ops_ && !fb->Sequential()) fb->Coalesce(&buffered_bytes_);
     return;
   }
 
@@ -405,6 +507,10 @@ std::vector<FileId> WriteMonitor::DueFiles(bool all) {
     const uint64_t bound = bytes(fb->state.records.size() + fb->record_ops,
                                  fb->state.ranges.size() + fb->ops.size() - fb->record_ops);
     if (bound < opts_.flush_bytes || bound == 0) continue;
+    if (fb->Sequential()) {
+      due.push_back(fb->id);  // the bound is exact
+      continue;
+    }
     fb->Coalesce(&buffered_bytes_);
     if (bytes(fb->state.records.size(), fb->state.ranges.size()) >= opts_.flush_bytes) {
       due.push_back(fb->id);
@@ -418,27 +524,37 @@ MonitorBatch WriteMonitor::Take(FileId id) {
   batch.file = id;
   std::shared_ptr<FileBuffer> fb = Find(id);
   if (fb == nullptr) return batch;
-  std::vector<Op> ops;
+  OpList ops(pool_.get());
   State state;
+  bool sequential;
   {
     MutexLock l(&fb->mu);
+    sequential = fb->Sequential();
     ops.swap(fb->ops);
     std::swap(state, fb->state);
-    fb->record_ops = 0;
+    fb->ClearOps();
     fb->Recharge(&buffered_bytes_);
     batch.dropped_records = fb->dropped_pending;
     batch.dropped_since_ns = fb->dropped_since_ns;
     fb->dropped_pending = 0;
     fb->dropped_since_ns = 0;
   }
-  // Coalesced outside the file's lock: writes go on into a fresh buffer.
-  for (const Op& op : ops) FileBuffer::ApplyOp(&state, op);
-  batch.records.reserve(state.records.size());
-  batch.invalidated.reserve(state.ranges.size());
   auto note_time = [&](uint64_t t) {
     if (batch.first_ns == 0 || t < batch.first_ns) batch.first_ns = t;
     batch.last_ns = std::max(batch.last_ns, t);
   };
+  if (sequential) {
+    batch.records.reserve(ops.size());
+    ops.ForEach([&](const Op& op) {
+      batch.records.push_back(BlockRecord{op.block, op.time_ns, op.fp});
+      note_time(op.time_ns);
+    });
+    return batch;
+  }
+  // Coalesced outside the file's lock: writes go on into a fresh buffer.
+  ops.ForEach([&state](const Op& op) { FileBuffer::ApplyOp(&state, op); });
+  batch.records.reserve(state.records.size());
+  batch.invalidated.reserve(state.ranges.size());
   for (const auto& [first, r] : state.ranges) {
     batch.invalidated.push_back(InvalidRange{first, r.end - first, r.time_ns});
     note_time(r.time_ns);

@@ -149,10 +149,14 @@ class WriteMonitor {
   MonitorStats Stats();
 
  private:
-  // One file's buffer (write_monitor.cc): an append-only vector of compact
-  // ops and the coalesced state they are folded into, under its own mutex.
-  struct FileBuffer;
+  // Defined in write_monitor.cc. One file's buffer: an append-only list of
+  // compact ops (a record, or an invalidated block range) and the coalesced
+  // state they are folded into, under its own mutex. The list lives in
+  // chunks recycled through the monitor's pool.
   struct Op;
+  struct ChunkPool;
+  class OpList;
+  struct FileBuffer;
   using FileKey = std::pair<uint64_t, uint64_t>;  // (ino, generation)
 
   std::shared_ptr<FileBuffer> Find(FileId id) EXCLUDES(mu_);
@@ -163,6 +167,8 @@ class WriteMonitor {
   bool Reserve(uint64_t bytes);
   void Release(uint64_t bytes);
 
+  // Destroyed last: every buffer returns its chunks here.
+  const std::unique_ptr<ChunkPool> pool_;
   const WriteMonitorOptions opts_;
   Clock* const clock_;
   const size_t record_bytes_;   // WriteLogRecordBytes(algo)

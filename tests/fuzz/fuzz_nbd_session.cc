@@ -103,8 +103,7 @@ void CheckOptionReplies(const Bytes& out) {
 
 void CheckRequest(const Request& r, const ExportInfo& e, const Config& cfg) {
   const std::string what = "request type " + std::to_string(r.type) + " offset " +
-                           std::to_string(r.offset) + " length " + std::to_string(r.length) +
-                           ": ";
+                           std::to_string(r.offset) + " length " + std::to_string(r.length) + ": ";
   switch (r.type) {
     case kCmdRead:
     case kCmdWrite:
@@ -298,8 +297,8 @@ Bytes GoData(const std::string& name, const std::vector<uint16_t>& infos) {
   for (uint16_t i : infos) PutU16(&d, i);
   return d;
 }
-void Req(Bytes* b, uint16_t type, uint16_t flags, uint64_t cookie, uint64_t offset,
-         uint32_t length, bool with_payload = false) {
+void Req(Bytes* b, uint16_t type, uint16_t flags, uint64_t cookie, uint64_t offset, uint32_t length,
+         bool with_payload = false) {
   PutU32(b, kRequestMagic);
   PutU16(b, flags);
   PutU16(b, type);
@@ -324,10 +323,10 @@ void Requests(Bytes* b) {
   Req(b, kCmdTrim, 0, 3, 4096, 8192);
   Req(b, kCmdWriteZeroes, kCmdFlagNoHole, 4, 0, 512);
   Req(b, kCmdFlush, 0, 5, 0, 0);
-  Req(b, 5, 0, 6, 0, 512);                           // unknown command
-  Req(b, kCmdRead, 0, 7, (1 << 20) - 100, 200);      // beyond the end
+  Req(b, 5, 0, 6, 0, 512);                             // unknown command
+  Req(b, kCmdRead, 0, 7, (1 << 20) - 100, 200);        // beyond the end
   Req(b, kCmdWrite, 0, 8, ~uint64_t{0} - 4, 8, true);  // overflow
-  Req(b, kCmdRead, 1 << 2, 9, 0, 512);               // unknown flag
+  Req(b, kCmdRead, 1 << 2, 9, 0, 512);                 // unknown flag
 }
 
 std::vector<Bytes> Seeds() {

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <random>
 #include <sstream>
 #include <string>
@@ -168,6 +169,16 @@ LogView ReadLog(const std::string& vol_path, const std::string& name) {
   v.records = st->records;
   v.stats = st->stats;
   return v;
+}
+
+FileId ReadLogOwner(const std::string& vol_path, const std::string& name) {
+  OpenOptions oo;
+  oo.read_only = true;
+  auto ov = OpenVolumeSpec(vol_path, oo);
+  REQUIRE(ov.ok());
+  auto info = ov->volume->Lookup(name);
+  REQUIRE(info.ok());
+  return info->id;
 }
 
 // Requires the log to hold exactly `expect_full` blocks, each with the
@@ -451,7 +462,7 @@ struct QemuIoScript {
   }
 };
 
-TEST_CASE("qemu-io: aligned and unaligned writes, write-zeroes, discards; the write log is exact",
+TEST_CASE("qemu-io aligned and unaligned writes and write-zeroes and discards with an exact write log",
           "[nbd]") {
   const uint64_t size = 4 * kMiB;
   TestVolume tv({{"vm1", size}, {"vm2", size}, {"optout", size}});
@@ -481,11 +492,74 @@ TEST_CASE("qemu-io: aligned and unaligned writes, write-zeroes, discards; the wr
   REQUIRE(d.Stop() == 0);
   RequireFsckClean(tv.vol);
 
-  RequireLogMatches(ReadLog(tv.vol, "vm1"), s1.full, c1);
+  LogView log1 = ReadLog(tv.vol, "vm1");
+  RequireLogMatches(log1, s1.full, c1);
   RequireLogMatches(ReadLog(tv.vol, "vm2"), s2.full, c2);
   LogView opt = ReadLog(tv.vol, "optout");
   REQUIRE(opt.records.empty());
   REQUIRE(opt.stats.records == 0);
+
+  // dede ls -l shows the pending records per file; the logs themselves are
+  // internal files, listed with --all only.
+  std::vector<std::string> argv = {BinaryPath("dede"), "ls", "-l", "--json", tv.vol};
+  ProcessResult ls = RunOk(argv);
+  auto j = nlohmann::json::parse(ls.out);
+  REQUIRE(j.size() == 3);
+  for (const auto& f : j) {
+    INFO(f.dump());
+    REQUIRE(f["kind"] == "file");
+    if (f["name"] == "vm1") REQUIRE(f["log_records"] == log1.records.size());
+    if (f["name"] == "optout") REQUIRE(f["log_records"] == 0);
+  }
+  ProcessResult table = RunOk({BinaryPath("dede"), "ls", "-l", tv.vol});
+  REQUIRE(table.out.find("LOGGED") != std::string::npos);
+  REQUIRE(table.out.find(" " + std::to_string(log1.records.size()) + " ") != std::string::npos);
+  ProcessResult all = RunOk({BinaryPath("dede"), "ls", "--all", tv.vol});
+  REQUIRE(all.out.find(WriteLogName(ReadLogOwner(tv.vol, "vm1"))) != std::string::npos);
+  // rm takes the file's log with it.
+  RunOk({BinaryPath("dede"), "rm", tv.vol, "vm1"});
+  all = RunOk({BinaryPath("dede"), "ls", "--all", tv.vol});
+  REQUIRE(all.out.find("vm1") == std::string::npos);
+  REQUIRE(all.out.find(".dede-wlog-") != std::string::npos);  // vm2's is still there
+}
+
+TEST_CASE("TCP on 127.0.0.1 by option", "[nbd]") {
+  TestVolume tv({{"vm", 1 * kMiB}});
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--tcp-port", "0"});
+  // The log names the port picked: "... on PATH and 127.0.0.1:PORT".
+  std::string log = d.Log();
+  size_t at = log.find("127.0.0.1:");
+  REQUIRE(at != std::string::npos);
+  int port = std::stoi(log.substr(at + 10));
+  REQUIRE(port > 0);
+  RunOk({RequireProgram("qemu-io"), "-f", "raw", "-c", "write -P 0x42 0 65536", "-c",
+         "read -P 0x42 0 65536", "nbd://127.0.0.1:" + std::to_string(port) + "/vm"});
+  REQUIRE(d.Stop() == 0);
+}
+
+TEST_CASE("under memory pressure the monitor sheds records and the log says so", "[nbd]") {
+  const uint64_t size = 64 * kMiB;
+  TestVolume tv({{"vm", size}});
+  // 1 MiB of buffer holds far fewer than 16384 records, and the flusher
+  // only runs once a minute.
+  DedupdProcess d(tv.vol, 1, tv.sock,
+                  {"--monitor-memory", "1M", "--log-flush-interval", "60", "--log-flush-bytes", "64M"});
+  std::vector<uint8_t> img = MakeImage(size, 5);
+  for (uint64_t i = 0; i < size; i += kBlk) img[i] = 1;  // no all-zero blocks
+  std::string in = tv.dir.file("in.raw");
+  WriteFile(in, img);
+  RunOk({RequireProgram("qemu-img"), "convert", "-n", "-f", "raw", "-O", "raw", in, d.Uri("vm")});
+  REQUIRE(ReadExport(tv.dir, d, "vm") == img);
+  REQUIRE(d.Stop() == 0);
+  LogView log = ReadLog(tv.vol, "vm");
+  REQUIRE(log.stats.dropped_records > 0);
+  REQUIRE(log.stats.dropped_since_ns > 0);
+  REQUIRE(log.records.size() + log.stats.dropped_records >= size / kBlk);
+  REQUIRE(log.records.size() < size / kBlk);
+  // What was logged is still right.
+  for (const auto& [b, rec] : log.records) REQUIRE(rec.fp == IndependentXxh128(&img[b * kBlk]));
+  ProcessResult table = RunOk({BinaryPath("dede"), "ls", "-l", tv.vol});
+  REQUIRE(table.out.find("!") != std::string::npos);
 }
 
 TEST_CASE("qemu-io over SHA-256 volumes logs SHA-256 fingerprints", "[nbd]") {
@@ -535,7 +609,8 @@ TEST_CASE("fio --ioengine=nbd with verification, and the log covers every block"
                                      "--uri=" + d.Uri(name), "--rw=" + rw, "--bs=" + bs,
                                      "--size=" + std::to_string(size), "--iodepth=16",
                                      "--verify=crc32c", "--do_verify=1", "--verify_fatal=1",
-                                     "--randseed=42", "--output-format=terse"};
+                                     "--randseed=42", "--output-format=terse",
+                                     "--verify_state_save=0", "--directory=" + tv.dir.path()};
     RunOk(argv, 600);
   };
   run_fio("rand4k", "randwrite", "4k");
@@ -614,6 +689,12 @@ TEST_CASE("malformed NBD traffic gets an error or a closed connection, never a c
     std::vector<uint8_t> f;
     RawClient::Put32(&f, 0xffffffff);
     c.Send(f);
+    REQUIRE(c.ServerClosed());
+  }
+  {  // NBD_OPT_EXPORT_NAME of an unknown export: no error reply exists, it closes
+    RawClient c(tv.sock);
+    REQUIRE(c.Hello());
+    c.SendOption(1, {'n', 'o', 'p', 'e'});
     REQUIRE(c.ServerClosed());
   }
   {  // unknown export, then a good one on the same connection

@@ -34,7 +34,9 @@ void PutU64(Bytes* b, uint64_t v) {
   boost::endian::store_big_u64(x, v);
   b->insert(b->end(), x, x + 8);
 }
-void PutStr(Bytes* b, const std::string& s) { b->insert(b->end(), s.begin(), s.end()); }
+void PutStr(Bytes* b, const std::string& s) {
+  b->insert(b->end(), s.begin(), s.end());
+}
 Bytes Cat(Bytes a, const Bytes& b) {
   a.insert(a.end(), b.begin(), b.end());
   return a;
@@ -169,8 +171,8 @@ ExportInfo Export(uint64_t size = 1 << 20, bool read_only = false) {
   return info;
 }
 
-constexpr uint16_t kFullFlags = kTxHasFlags | kTxSendFlush | kTxSendFua | kTxSendTrim |
-                                kTxSendWriteZeroes | kTxCanMultiConn;
+constexpr uint16_t kFullFlags =
+    kTxHasFlags | kTxSendFlush | kTxSendFua | kTxSendTrim | kTxSendWriteZeroes | kTxCanMultiConn;
 
 // A session that went through GO for `info`; output drained.
 NbdSession Opened(const ExportInfo& info, const SessionOptions& opts = {}) {
@@ -222,12 +224,12 @@ TEST_CASE("nbd: greeting is NBDMAGIC, IHAVEOPT, FIXED_NEWSTYLE|NO_ZEROES", "[nbd
   CHECK(consumed == 0);
 }
 
-TEST_CASE("nbd: GO handshake sends INFO_EXPORT, BLOCK_SIZE, ACK and starts transmission",
-          "[nbd]") {
+TEST_CASE("nbd: GO handshake sends INFO_EXPORT, BLOCK_SIZE, ACK and starts transmission", "[nbd]") {
   NbdSession s;
   s.TakeOutput();
   const bool read_only = GENERATE(false, true);
-  const Bytes hello = Cat(ClientFlags(kBothFlags), Option(kOptGo, GoData("vm-1", {kInfoBlockSize})));
+  const Bytes hello =
+      Cat(ClientFlags(kBothFlags), Option(kOptGo, GoData("vm-1", {kInfoBlockSize})));
   REQUIRE(Feed(&s, hello) == Action::kOpenExport);
   CHECK(s.export_name() == "vm-1");
   CHECK_FALSE(s.info_only());
@@ -374,8 +376,8 @@ TEST_CASE("nbd: EXPORT_NAME replies size and flags, with 124 zeroes unless NO_ZE
   s.TakeOutput();
   const uint32_t flags = kClientFlagFixedNewstyle | (no_zeroes ? kClientFlagNoZeroes : 0);
   const Bytes name = {'d', 'i', 's', 'k'};
-  const Bytes in = Cat(Cat(ClientFlags(flags), Option(kOptExportName, name)),
-                       Req(kCmdFlush, 5, 0, 0));
+  const Bytes in =
+      Cat(Cat(ClientFlags(flags), Option(kOptExportName, name)), Req(kCmdFlush, 5, 0, 0));
   size_t consumed = 0;
   REQUIRE(Feed(&s, in, &consumed) == Action::kOpenExport);
   CHECK(consumed == in.size() - 28);  // the request waits for the reply
@@ -461,7 +463,12 @@ TEST_CASE("nbd: malformed GO/INFO data gets ERR_INVALID and the handshake goes o
   Bytes trailing = Cat(GoData("abc"), {0});
   Bytes with_nul = GoData(std::string("a\0b", 3));
   const std::vector<Bytes> bad = {
-      {},  {0, 0, 0, 0, 0},  name_too_long, count_too_big, trailing, with_nul,
+      {},
+      {0, 0, 0, 0, 0},
+      name_too_long,
+      count_too_big,
+      trailing,
+      with_nul,
       GoData(std::string(4097, 'n')),
   };
   for (uint32_t option : {kOptGo, kOptInfo}) {
@@ -486,9 +493,15 @@ TEST_CASE("nbd: handshake violations close the connection", "[nbd]") {
   NbdSession s(opts);
   s.TakeOutput();
   Bytes in;
-  SECTION("unknown client flag") { in = ClientFlags(kBothFlags | 4); }
-  SECTION("no FIXED_NEWSTYLE") { in = ClientFlags(kClientFlagNoZeroes); }
-  SECTION("no flags at all") { in = ClientFlags(0); }
+  SECTION("unknown client flag") {
+    in = ClientFlags(kBothFlags | 4);
+  }
+  SECTION("no FIXED_NEWSTYLE") {
+    in = ClientFlags(kClientFlagNoZeroes);
+  }
+  SECTION("no flags at all") {
+    in = ClientFlags(0);
+  }
   SECTION("option data over the limit") {
     in = Cat(ClientFlags(kBothFlags), Option(kOptList, {}));
     in = Cat(in, Option(kOptGo, Bytes(1001, 0)));
@@ -621,8 +634,8 @@ TEST_CASE("nbd: a bad request magic closes the connection", "[nbd]") {
 TEST_CASE("nbd: an unknown command gets EINVAL with its cookie; the next one is read", "[nbd]") {
   NbdSession s = Opened(Export());
   for (uint16_t type : {uint16_t{5}, uint16_t{7}, uint16_t{8}, uint16_t{0xffff}}) {
-    CHECK(Rejected(&s, Req(type, 0xabcdef0000000000ull + type, 0, 512), 0xabcdef0000000000ull + type) ==
-          kEInval);
+    CHECK(Rejected(&s, Req(type, 0xabcdef0000000000ull + type, 0, 512),
+                   0xabcdef0000000000ull + type) == kEInval);
   }
   CHECK(Accepted(&s, Req(kCmdRead, 1, 0, 512)).cookie == 1);
   CHECK(s.rejected_requests() == 4);
@@ -745,8 +758,8 @@ TEST_CASE("nbd: WRITE payload and headers may arrive in pieces", "[nbd]") {
 
 TEST_CASE("nbd: EncodeSimpleReplyHeader is magic, error, cookie, big-endian", "[nbd]") {
   const Bytes h = EncodeSimpleReplyHeader(0x1122334455667788ull, kENoSpc);
-  CHECK(h == Bytes{0x67, 0x44, 0x66, 0x98, 0, 0, 0, 28, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77,
-                   0x88});
+  CHECK(h ==
+        Bytes{0x67, 0x44, 0x66, 0x98, 0, 0, 0, 28, 0x11, 0x22, 0x33, 0x44, 0x55, 0x66, 0x77, 0x88});
 }
 
 // --------------------------------------------------- split-feeding property
@@ -833,23 +846,41 @@ Bytes RandomStream(std::mt19937_64& rng) {
   const int options = static_cast<int>(pick(5));
   for (int i = 0; i < options; i++) {
     switch (pick(6)) {
-      case 0: b = Cat(b, Option(kOptList, pick(4) == 0 ? Bytes{1} : Bytes{})); break;
-      case 1: b = Cat(b, Option(kOptInfo, GoData(pick(2) ? "vm" : "nope", {kInfoName}))); break;
-      case 2: b = Cat(b, Option(kOptGo, GoData("missing"))); break;
-      case 3: b = Cat(b, Option(static_cast<uint32_t>(pick(20)), Pattern(pick(40), 1))); break;
-      case 4: b = Cat(b, Option(kOptGo, Pattern(pick(12), 2))); break;  // malformed
-      default: b = Cat(b, Option(kOptStructuredReply, {})); break;
+      case 0:
+        b = Cat(b, Option(kOptList, pick(4) == 0 ? Bytes{1} : Bytes{}));
+        break;
+      case 1:
+        b = Cat(b, Option(kOptInfo, GoData(pick(2) ? "vm" : "nope", {kInfoName})));
+        break;
+      case 2:
+        b = Cat(b, Option(kOptGo, GoData("missing")));
+        break;
+      case 3:
+        b = Cat(b, Option(static_cast<uint32_t>(pick(20)), Pattern(pick(40), 1)));
+        break;
+      case 4:
+        b = Cat(b, Option(kOptGo, Pattern(pick(12), 2)));
+        break;  // malformed
+      default:
+        b = Cat(b, Option(kOptStructuredReply, {}));
+        break;
     }
   }
   switch (pick(4)) {
-    case 0: b = Cat(b, Option(kOptExportName, {'v', 'm'})); break;
-    case 1: b = Cat(b, Option(kOptGo, GoData("ro"))); break;
-    default: b = Cat(b, Option(kOptGo, GoData("vm", {kInfoBlockSize}))); break;
+    case 0:
+      b = Cat(b, Option(kOptExportName, {'v', 'm'}));
+      break;
+    case 1:
+      b = Cat(b, Option(kOptGo, GoData("ro")));
+      break;
+    default:
+      b = Cat(b, Option(kOptGo, GoData("vm", {kInfoBlockSize})));
+      break;
   }
   const int requests = static_cast<int>(pick(40));
   for (int i = 0; i < requests; i++) {
-    const uint16_t types[] = {kCmdRead, kCmdWrite, kCmdWrite, kCmdTrim, kCmdWriteZeroes,
-                              kCmdFlush, 5, 77};
+    const uint16_t types[] = {kCmdRead,        kCmdWrite, kCmdWrite, kCmdTrim,
+                              kCmdWriteZeroes, kCmdFlush, 5,         77};
     const uint16_t type = types[pick(8)];
     const uint16_t flags = pick(4) == 0 ? static_cast<uint16_t>(pick(8)) : 0;
     uint64_t offset = pick(4) == 0 ? ~uint64_t{0} - pick(1 << 21) : pick(1 << 21);
@@ -860,10 +891,17 @@ Bytes RandomStream(std::mt19937_64& rng) {
     b = Cat(b, Req(type, rng(), offset, length, flags, payload));
   }
   switch (pick(8)) {
-    case 0: b = Cat(b, Req(kCmdDisc, 1, 0, 0)); break;
-    case 1: b = Cat(b, Req(kCmdRead, 1, 0, 1, 0, {}, 0xdeadbeef)); break;
-    case 2: b.resize(b.size() - pick(std::min<size_t>(b.size(), 30))); break;  // cut short
-    default: break;
+    case 0:
+      b = Cat(b, Req(kCmdDisc, 1, 0, 0));
+      break;
+    case 1:
+      b = Cat(b, Req(kCmdRead, 1, 0, 1, 0, {}, 0xdeadbeef));
+      break;
+    case 2:
+      b.resize(b.size() - pick(std::min<size_t>(b.size(), 30)));
+      break;  // cut short
+    default:
+      break;
   }
   return b;
 }
@@ -877,8 +915,10 @@ TEST_CASE("nbd: byte-at-a-time and chunked feeding match one big feed", "[nbd]")
     std::mt19937_64 rng(seed);
     const Bytes stream = RandomStream(rng);
     INFO("seed " << seed << ", " << stream.size() << " bytes");
-    const Transcript whole = Drive(stream, [] { return size_t{1} << 30; }, opts);
-    const Transcript bytes = Drive(stream, [] { return size_t{1}; }, opts);
+    const Transcript whole = Drive(
+        stream, [] { return size_t{1} << 30; }, opts);
+    const Transcript bytes = Drive(
+        stream, [] { return size_t{1}; }, opts);
     std::mt19937_64 chunk_rng(seed * 31);
     const Transcript chunks = Drive(
         stream, [&] { return std::uniform_int_distribution<size_t>(1, 64)(chunk_rng); }, opts);

@@ -104,7 +104,7 @@ std::shared_ptr<LockManager> TempLocks() {
 }
 
 struct MemVolume {
-  explicit MemVolume(HashAlgo algo = HashAlgo::kXxh128, uint64_t bytes = 96 << 20) : dev(bytes) {
+  explicit MemVolume(HashAlgo algo = HashAlgo::kXxh128, uint64_t bytes = 64 << 20) : dev(bytes) {
     FormatOptions fo;
     fo.hash_algo = algo;
     REQUIRE(FormatVolume(&dev, fo, false).ok());
@@ -320,7 +320,7 @@ TEST_CASE("writelog: versions, flags, reserved bytes and field checks", "[writem
     ResealHeader(x.data(), kUuid, kOwner, 0);
     return DecodeWriteLogFrame(x.data(), x.size(), algo, kUuid, kOwner, 0, nullptr);
   };
-  const size_t rec0 = 2 * 20;  // first record after two ranges
+  constexpr size_t rec0 = 2 * 20;  // first record after two ranges
   const Case payload_cases[] = {
       {"empty range", [](uint8_t* p) { EncodeU64(p + 8, 0); }, "range 0 is empty"},
       {"range past the largest file", [](uint8_t* p) { EncodeU64(p, uint64_t{1} << 52); },
@@ -328,9 +328,9 @@ TEST_CASE("writelog: versions, flags, reserved bytes and field checks", "[writem
       {"range wraps", [](uint8_t* p) { EncodeU64(p + 8, ~uint64_t{0}); }, "past the largest file"},
       {"ranges overlap", [](uint8_t* p) { EncodeU64(p + 20, DecodeU64(p)); }, "overlaps"},
       {"records out of order",
-       [rec0](uint8_t* p) { EncodeU64(p + rec0 + 28, DecodeU64(p + rec0)); }, "out of order"},
-      {"record in a range", [rec0](uint8_t* p) { EncodeU64(p + rec0, 0); }, "in an invalidated range"},
-      {"record time", [rec0](uint8_t* p) { EncodeU32(p + rec0 + 8, 1000000); }, "time past last_ns"},
+       [](uint8_t* p) { EncodeU64(p + rec0 + 28, DecodeU64(p + rec0)); }, "out of order"},
+      {"record in a range", [](uint8_t* p) { EncodeU64(p + rec0, 0); }, "in an invalidated range"},
+      {"record time", [](uint8_t* p) { EncodeU32(p + rec0 + 8, 1000000); }, "time past last_ns"},
   };
   for (const Case& c : payload_cases) {
     CAPTURE(c.name);
@@ -578,7 +578,7 @@ TEST_CASE("writelog: the reader skips torn and corrupt frames", "[writemon]") {
 
 TEST_CASE("writelog: a log bigger than the read chunk replays", "[writemon]") {
   const HashAlgo algo = HashAlgo::kXxh128;
-  MemVolume mv(algo, 128 << 20);
+  MemVolume mv(algo);
   Volume* vol = mv.vol.get();
   auto created = vol->Create("vm", 1 << 20);
   REQUIRE(created.ok());
