@@ -526,9 +526,16 @@ TEST_CASE("qemu-io aligned and unaligned writes and write-zeroes and discards wi
 TEST_CASE("TCP on 127.0.0.1 by option", "[nbd]") {
   TestVolume tv({{"vm", 1 * kMiB}});
   DedupdProcess d(tv.vol, 1, tv.sock, {"--tcp-port", "0"});
-  // The log names the port picked: "... on PATH and 127.0.0.1:PORT".
-  std::string log = d.Log();
-  size_t at = log.find("127.0.0.1:");
+  // The log names the port picked: "... on PATH and 127.0.0.1:PORT". The
+  // socket listens a moment before that line is written.
+  std::string log;
+  size_t at = std::string::npos;
+  for (int i = 0; i < 500 && at == std::string::npos; i++) {
+    log = d.Log();
+    at = log.find("127.0.0.1:");
+    if (at == std::string::npos) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  INFO(log);
   REQUIRE(at != std::string::npos);
   int port = std::stoi(log.substr(at + 10));
   REQUIRE(port > 0);
