@@ -23,9 +23,14 @@ Status LogFlusher::FlushLocked(FileId id) {
     return Status::Ok();
   }
   stats_.failed++;
-  monitor_->MarkDropped(id, batch.records.size());
-  LOG(kWarning) << "write log of file " << id.ino << "." << id.generation << ": "
-                << batch.records.size() << " records lost: " << st.ToString();
+  // Everything in the batch is lost, invalidations included (a lost
+  // invalidation may leave a stale record in the log): the file is marked so
+  // the next pass verifies everything.
+  uint64_t lost = batch.records.size() + batch.invalidated.size() + batch.dropped_records;
+  uint64_t since = batch.dropped_since_ns ? batch.dropped_since_ns : batch.first_ns;
+  monitor_->MarkDropped(id, lost, since);
+  LOG(kWarning) << "write log of file " << id.ino << "." << id.generation << ": " << lost
+                << " records lost: " << st.ToString();
   return st;
 }
 

@@ -9,7 +9,7 @@
 // The log is a sequence of frames, each starting at a 4 KiB-aligned offset
 // and padded with zeros to the next 4 KiB boundary. A frame holds one
 // MonitorBatch (or part of a big one): invalidated ranges, then records.
-// docs/FORMAT.md ("Write log") gives the exact encoding. Each frame has a
+// docs/FORMAT.md (section 12, "Write log") gives the exact encoding. Each frame has a
 // header crc32c (volume UUID, owner file id and the frame's own log offset
 // folded in, so a misdirected or foreign frame fails) and a payload crc32c.
 // A reader skips a bad frame (bad header, or a valid header with a bad or
@@ -92,6 +92,7 @@ Result<WriteLogFrame> DecodeWriteLogFrame(const uint8_t* buf, size_t len, HashAl
 struct WriteLogScanStats {
   uint64_t frames = 0;          // valid frames
   uint64_t corrupt_frames = 0;  // bad header runs or bad payloads skipped
+                                // (a newer major version counts here too)
   uint64_t skipped_bytes = 0;   // bytes of the log not in a valid frame
   uint64_t records = 0;         // fingerprint records in valid frames
   uint64_t invalidations = 0;   // invalidated ranges in valid frames
@@ -99,7 +100,8 @@ struct WriteLogScanStats {
   uint64_t dropped_since_ns = 0;  // earliest over valid frames; 0 = none
 };
 
-// Streams the frames of one log file (opened by the caller, lock held).
+// Streams the frames of one log file (opened by the caller, lock held),
+// reading it in 4 MiB chunks. The log's size is taken at construction.
 class WriteLogReader {
  public:
   WriteLogReader(File* log, HashAlgo algo, const Uuid& uuid, FileId owner);
@@ -132,13 +134,18 @@ struct WriteLogState {
 Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid, FileId owner);
 
 // Appends `batch` to the log of batch.file, creating the log if needed.
-// Opens the log (taking its lock), writes the frames at its end, closes it.
-// Does not Sync: the volume's next flush point makes it durable. kLocked
-// if someone else holds the log right now (the caller keeps the batch).
+// Opens the log (taking its lock), writes the frames at its end (its size
+// rounded up to 4 KiB) in one write, closes it. An empty batch writes
+// nothing. Does not Sync: the volume's next flush point makes it durable.
+// kLocked if someone else holds the log right now (the caller keeps the
+// batch); kInvalid if the batch breaks the MonitorBatch invariants or its
+// fingerprints are not the volume's algorithm; kCorruption if the name is
+// taken by a file that is not this file's write log.
 Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch);
 
 // Opens the log of `owner` read-only style for scanning: kNotFound if there
-// is none. Returns the open File (lock held) for a WriteLogReader.
+// is none (kCorruption if the name is taken by something else). Returns
+// the open File (lock held) for a WriteLogReader.
 Result<std::unique_ptr<File>> OpenWriteLog(Volume* vol, FileId owner);
 
 }  // namespace dede

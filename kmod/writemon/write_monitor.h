@@ -79,7 +79,10 @@ struct MonitorBatch {
 
 struct WriteMonitorOptions {
   HashAlgo algo = HashAlgo::kXxh128;
-  // Cap on buffered bytes (all files): past it new records are shed.
+  // Cap on buffered bytes (all files): past it new records are shed. What
+  // is counted is an estimate of the heap the buffers take (an op or a
+  // coalesced entry is charged like a tree node, ~88 bytes); up to 4 MiB
+  // of spare op chunks kept for reuse come on top.
   size_t memory_cap_bytes = size_t{64} << 20;
   // A file is due for flushing when its coalesced records would encode to
   // at least this many bytes in the write log (so a flush under sustained
@@ -90,9 +93,9 @@ struct WriteMonitorOptions {
 
 struct MonitorFileStats {
   uint64_t buffered_records = 0;     // records now in memory (after coalescing so far)
-  uint64_t buffered_bytes = 0;       // memory charged to the file
+  uint64_t buffered_bytes = 0;       // memory charged to the file (an estimate)
   uint64_t hashed_blocks = 0;        // blocks fingerprinted since AddFile
-  uint64_t dropped_records = 0;      // shed since AddFile
+  uint64_t dropped_records = 0;      // entries lost since AddFile (see MonitorBatch)
   uint64_t dropped_since_ns = 0;     // first shed not yet taken in a batch; 0 = none
   bool dedup = true;
 };
@@ -131,20 +134,25 @@ class WriteMonitor {
   void OnInvalidate(FileId id, uint64_t offset, uint64_t len);
 
   // Files with anything to flush: those past flush_bytes, or when `all`,
-  // every file with a non-empty buffer or shed records.
+  // every file with a non-empty buffer or shed records. Sorted by FileId.
   std::vector<FileId> DueFiles(bool all);
   // Takes the file's buffer, coalesced (see MonitorBatch); the file's
-  // buffer is empty afterwards and its memory released.
+  // buffer is empty afterwards and its memory released. Coalescing runs
+  // outside the file's lock, so writes go on meanwhile. Batches of one file
+  // must reach its log in the order they were taken: one flusher at a time
+  // per file, from Take until the append or the PutBack.
   MonitorBatch Take(FileId id);
   // Gives back a batch taken by Take() that could not be written; it is
   // older than anything buffered since and merged under it (newer records
-  // of the same block win). If it does not fit under the cap, its records
-  // are counted as dropped instead.
+  // of the same block win). If it does not fit under the cap, its entries
+  // (records and invalidated ranges) are counted as dropped instead. Its
+  // own dropped count and time are kept either way.
   void PutBack(MonitorBatch batch);
   // Counts `n` entries of `id` as lost (e.g. a batch whose log append
   // failed for good), lost since `since_ns` (0 = now).
   void MarkDropped(FileId id, uint64_t n, uint64_t since_ns = 0);
 
+  // Unknown files report zeros and dedup = false.
   MonitorFileStats FileStats(FileId id);
   MonitorStats Stats();
 

@@ -631,3 +631,47 @@ TEST_CASE("writelog: monitor batches through the log", "[writemon]") {
   CHECK(st->records.at(3).fp == ComputeFingerprint(o.algo, d.data() + 3 * kB, kB));
   CHECK(st->records.at(3).time_ns == kT0);
 }
+
+TEST_CASE("writelog: appends refuse bad batches and foreign files", "[writemon]") {
+  MemVolume mv;
+  Volume* vol = mv.vol.get();
+  auto created = vol->Create("vm", 1 << 20);
+  REQUIRE(created.ok());
+  const FileId owner = *created;
+  MonitorBatch b = SampleBatch(HashAlgo::kXxh128, owner, 5, 2);
+
+  MonitorBatch unsorted = b;
+  std::swap(unsorted.records[0], unsorted.records[1]);
+  CHECK(AppendToWriteLog(vol, unsorted).code() == Status::Code::kInvalid);
+  MonitorBatch overlap = b;
+  overlap.records[0].block = overlap.invalidated[0].first;
+  CHECK(AppendToWriteLog(vol, overlap).code() == Status::Code::kInvalid);
+  MonitorBatch touching = b;
+  touching.invalidated[1].first = touching.invalidated[0].first + touching.invalidated[0].count;
+  CHECK(AppendToWriteLog(vol, touching).code() == Status::Code::kInvalid);
+  MonitorBatch other_algo = SampleBatch(HashAlgo::kSha256, owner, 5, 2);
+  Status st = AppendToWriteLog(vol, other_algo);
+  CHECK(st.code() == Status::Code::kInvalid);
+  CHECK(Contains(st.message(), "the volume uses xxh128"));
+  // Nothing was created by the refused appends.
+  CHECK(vol->Lookup(WriteLogName(owner)).status().code() == Status::Code::kNotFound);
+
+  // A regular file squatting on the log's name is not taken for the log.
+  const FileId other{owner.ino, owner.generation + 1};
+  REQUIRE(vol->Create(WriteLogName(other), 0).ok());
+  MonitorBatch ob = SampleBatch(HashAlgo::kXxh128, other, 5, 0);
+  CHECK(AppendToWriteLog(vol, ob).code() == Status::Code::kCorruption);
+  CHECK(OpenWriteLog(vol, other).status().code() == Status::Code::kCorruption);
+
+  REQUIRE(AppendToWriteLog(vol, b).ok());
+  auto log = OpenWriteLog(vol, owner);
+  REQUIRE(log.ok());
+  auto state = ReplayWriteLog(log->get(), HashAlgo::kXxh128, vol->superblock().uuid, owner);
+  REQUIRE(state.ok());
+  CHECK(state->records.size() == 5);
+  // Read with the wrong volume UUID, every frame is foreign.
+  auto foreign = ReplayWriteLog(log->get(), HashAlgo::kXxh128, kOtherUuid, owner);
+  REQUIRE(foreign.ok());
+  CHECK(foreign->records.empty());
+  CHECK(foreign->stats.corrupt_frames == 1);
+}

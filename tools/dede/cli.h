@@ -38,7 +38,7 @@ struct Command {
   CommandHandler run;
 };
 
-// Handlers (cmd_volume.cc, cmd_files.cc, cmd_transfer.cc). Each gets the
+// Handlers (cmd_volume.cc, cmd_files.cc, cmd_transfer.cc, cmd_analyze.cc). Each gets the
 // arguments after the command name and returns the exit code.
 int RunFormat(const Command& cmd, const std::vector<std::string>& args);
 int RunInfo(const Command& cmd, const std::vector<std::string>& args);
@@ -50,6 +50,7 @@ int RunRm(const Command& cmd, const std::vector<std::string>& args);
 int RunSet(const Command& cmd, const std::vector<std::string>& args);
 int RunImport(const Command& cmd, const std::vector<std::string>& args);
 int RunExport(const Command& cmd, const std::vector<std::string>& args);
+int RunAnalyze(const Command& cmd, const std::vector<std::string>& args);
 
 // ---------------------------------------------------------------- errors
 

@@ -28,6 +28,8 @@ constexpr Command kCommands[] = {
     {"stats", "VOL [--json]", "Show space figures: logical, physical, savings, free, overhead.",
      RunStats},
     {"fsck", "VOL [--repair] [--json]", "Check the volume's consistency (and repair it).", RunFsck},
+    {"analyze", "RAWFILE... [--json]",
+     "Estimate dedup savings of raw images at 4K..1M blocks (no volume needed).", RunAnalyze},
 };
 
 const Command* FindCommand(const std::string& name) {
