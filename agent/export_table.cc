@@ -179,7 +179,10 @@ void ExportTable::Release(const std::shared_ptr<Export>& e) {
   {
     MutexLock l(&mu_);
     if (--e->clients_ > 0) return;
-    exports_.erase(e->name_);
+    auto it = exports_.find(e->name_);
+    // CloseAll (shutdown) may have closed it already.
+    if (it == exports_.end() || it->second != e) return;
+    exports_.erase(it);
   }
   Close(e);
 }

@@ -174,7 +174,9 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
           self->session_.ReplyExport(info);
           if (!info_only) {
             if (self->finished_) {
-              table->Release(*e);  // the client left while we opened
+              // The client left while we opened: give it back (volume I/O,
+              // so not on this thread).
+              self->server_->RunBlocking([table, ex = *e] { table->Release(ex); });
             } else {
               self->export_ = *e;
             }
