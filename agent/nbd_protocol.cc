@@ -48,7 +48,10 @@ constexpr size_t kExportNameZeroes = 124;
 constexpr uint32_t kKnownClientFlags = kClientFlagFixedNewstyle | kClientFlagNoZeroes;
 constexpr uint16_t kKnownCmdFlags = kCmdFlagFua | kCmdFlagNoHole;
 constexpr uint32_t kRepErrBit = 0x80000000u;
-constexpr uint32_t kPayloadReserve = 1 << 20;
+// Up-front reservation of a WRITE payload: most writes fit, so they are
+// received without regrowing; a client announcing 32 MiB and sending nothing
+// holds at most this much.
+constexpr uint32_t kPayloadReserve = 8 << 20;
 // The spec's bound on any string (names, messages, descriptions).
 constexpr size_t kMaxStringBytes = 4096;
 
@@ -67,7 +70,8 @@ void PutU64(std::vector<uint8_t>* out, uint64_t v) {
   boost::endian::store_big_u64(b, v);
   out->insert(out->end(), b, b + sizeof b);
 }
-void PutBytes(std::vector<uint8_t>* out, const void* data, size_t len) {
+template <typename Vec>
+void PutBytes(Vec* out, const void* data, size_t len) {
   if (len == 0) return;  // data may be null
   const auto* p = static_cast<const uint8_t*>(data);
   out->insert(out->end(), p, p + len);
@@ -375,9 +379,10 @@ Action NbdSession::ParseRequestHeader() {
                                         " bytes (limit " + std::to_string(opts_.max_payload) + ")");
     }
     // The payload follows whether or not the request is valid; a rejected
-    // one is skipped rather than buffered. The buffer grows with what
-    // arrives: a client that announces 32 MiB and sends nothing more holds
-    // little memory.
+    // one is skipped rather than buffered. Up to kPayloadReserve is
+    // reserved at once (pooled, aligned storage: no regrowth for common
+    // sizes); beyond that the buffer grows with what arrives, so a client
+    // that announces 32 MiB and sends nothing holds at most 8 MiB.
     payload_error_ = CheckRequest(r);
     payload_left_ = r.length;
     if (payload_error_ == 0) r.payload.reserve(std::min<uint32_t>(r.length, kPayloadReserve));

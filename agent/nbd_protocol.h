@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "util/io_buffer.h"
+
 namespace dede::nbd {
 
 // ---- wire constants (from the NBD protocol; never change)
@@ -100,7 +102,7 @@ struct Request {
   uint64_t cookie = 0; // "handle": echoed in the reply
   uint64_t offset = 0;
   uint32_t length = 0;
-  std::vector<uint8_t> payload;  // WRITE only
+  IoBytes payload;  // WRITE only; 4 KiB-aligned (O_DIRECT without a bounce)
 };
 
 struct SessionOptions {

@@ -18,6 +18,13 @@ namespace asio = boost::asio;
 using Socket = asio::generic::stream_protocol::socket;
 using Strand = asio::strand<asio::io_context::executor_type>;
 
+// Bytes queued for the client: a header (greeting, option reply, simple
+// reply header) and, for a READ, its data in a separate aligned buffer.
+struct OutMessage {
+  std::vector<uint8_t> head;
+  IoBytes data;
+};
+
 // One client connection. Every member below is touched only on strand_
 // (handlers are bound to it), except what the worker lambdas capture by
 // value; that is the whole locking story of this class.
@@ -195,14 +202,14 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     inflight_bytes_ += req.length;
     server_->c_requests_++;
     server_->RunBlocking([self = shared_from_this(), e = export_, req = std::move(req)]() mutable {
-      std::vector<uint8_t> reply;
+      IoBytes data;  // READ reply data, aligned so O_DIRECT needs no bounce
       Status st;
       bool fua = req.flags & nbd::kCmdFlagFua;
       switch (req.type) {
         case nbd::kCmdRead:
-          reply.resize(16 + size_t{req.length});
-          st = e->Read(req.offset, reply.data() + 16, req.length);
-          if (!st.ok()) reply.resize(16);
+          data.resize(req.length);
+          st = e->Read(req.offset, data.data(), req.length);
+          if (!st.ok()) data = IoBytes();
           break;
         case nbd::kCmdWrite:
           st = e->Write(req.offset, req.payload.data(), req.payload.size(), fua);
@@ -224,9 +231,9 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
         LOG(kWarning) << "export '" << e->name() << "': command " << req.type << " at "
                       << req.offset << "+" << req.length << ": " << st.ToString();
       }
-      if (reply.empty()) reply.resize(16);
-      std::vector<uint8_t> hdr = nbd::EncodeSimpleReplyHeader(req.cookie, err);
-      std::memcpy(reply.data(), hdr.data(), 16);
+      // The payload buffer goes back to the pool here, on the worker.
+      req.payload = IoBytes();
+      OutMessage reply{nbd::EncodeSimpleReplyHeader(req.cookie, err), std::move(data)};
       asio::post(self->strand_, [self, reply = std::move(reply), len = req.length, type = req.type,
                                  err]() mutable {
         self->inflight_--;
@@ -241,8 +248,12 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   }
 
   void Send(std::vector<uint8_t> bytes) {
-    if (client_gone_ || bytes.empty()) return;
-    wq_.push_back(std::move(bytes));
+    if (bytes.empty()) return;
+    Send(OutMessage{std::move(bytes), IoBytes()});
+  }
+  void Send(OutMessage m) {
+    if (client_gone_) return;
+    wq_.push_back(std::move(m));
     if (!writing_) WriteNext();
   }
 
@@ -251,7 +262,10 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     // Gather every queued reply into one write.
     std::vector<asio::const_buffer> bufs;
     size_t n = std::min<size_t>(wq_.size(), 64);
-    for (size_t i = 0; i < n; ++i) bufs.push_back(asio::buffer(wq_[i]));
+    for (size_t i = 0; i < n; ++i) {
+      bufs.push_back(asio::buffer(wq_[i].head));
+      if (!wq_[i].data.empty()) bufs.push_back(asio::buffer(wq_[i].data));
+    }
     asio::async_write(
         sock_, bufs,
         asio::bind_executor(strand_, [self = shared_from_this(), n](boost::system::error_code ec, size_t) {
@@ -311,7 +325,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   bool client_gone_ = false;
   bool writing_ = false;
   bool finished_ = false;
-  std::deque<std::vector<uint8_t>> wq_;
+  std::deque<OutMessage> wq_;
   std::shared_ptr<Export> export_;
   size_t inflight_ = 0;
   size_t inflight_bytes_ = 0;

@@ -90,13 +90,21 @@ class PathDevice : public BlockDevice {
   // buffer, widening to 4 KiB boundaries (read-modify-write for writes).
   Status Bounced(uint64_t offset, void* buf, size_t len, bool write) {
     auto* p = static_cast<uint8_t*>(buf);
-    std::unique_ptr<uint8_t, FreeDeleter> bounce(
-        static_cast<uint8_t*>(std::aligned_alloc(kDirectAlign, kBounceMax)));
-    if (!bounce) return Status::NoSpace("out of memory for bounce buffer");
+    // One bounce buffer per thread, sized to the largest request seen (up
+    // to kBounceMax): allocating per call costs an mmap and page faults.
+    thread_local std::unique_ptr<uint8_t, FreeDeleter> bounce;
+    thread_local size_t bounce_size = 0;
+    size_t want = std::min(kBounceMax, (static_cast<size_t>(offset % kDirectAlign) + len +
+                                        kDirectAlign - 1) / kDirectAlign * kDirectAlign);
+    if (bounce_size < want) {
+      bounce.reset(static_cast<uint8_t*>(std::aligned_alloc(kDirectAlign, want)));
+      bounce_size = bounce ? want : 0;
+      if (!bounce) return Status::NoSpace("out of memory for bounce buffer");
+    }
     while (len > 0) {
       uint64_t start = offset / kDirectAlign * kDirectAlign;
       size_t head = static_cast<size_t>(offset - start);
-      size_t span = std::min(len, kBounceMax - head);
+      size_t span = std::min(len, bounce_size - head);
       size_t wide = (head + span + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
       if (start + wide > size_) wide = static_cast<size_t>(size_ - start);
       if (!write || head != 0 || span % kDirectAlign != 0) {

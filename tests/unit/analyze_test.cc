@@ -91,8 +91,8 @@ TEST_CASE("analyze: count table counts, grows, keeps the all-zero key apart", "[
   std::map<Key, uint64_t> expect;
   std::vector<Key> keys;
   for (int i = 0; i < 20000; i++) keys.push_back(RandomKey(rng));
-  keys.push_back(Key{});              // the empty-slot marker is a valid key too
-  keys.push_back(Key{0, 1});          // keys sharing the low word collide in the index
+  keys.push_back(Key{});      // the empty-slot marker is a valid key too
+  keys.push_back(Key{0, 1});  // keys sharing the low word collide in the index
   keys.push_back(Key{5, 1});
   keys.push_back(Key{5, 2});
   for (int round = 0; round < 100000; round++) {
@@ -172,8 +172,7 @@ TEST_CASE("analyze: figures match a byte-by-byte reference at every block size",
   std::mt19937_64 rng(seed);
   // A palette of 4 KiB blocks (index 0: zeros; 1: zeros but one byte), so
   // that chunks of every size repeat.
-  std::vector<std::string> palette = {std::string(kBaseBlock, '\0'),
-                                      std::string(kBaseBlock, '\0')};
+  std::vector<std::string> palette = {std::string(kBaseBlock, '\0'), std::string(kBaseBlock, '\0')};
   palette[1][kBaseBlock / 2] = 1;
   for (int i = 0; i < 12; i++) palette.push_back(RandomBlock(rng));
   // A base image of runs; the others diverge from it: overwritten blocks,
@@ -201,14 +200,14 @@ TEST_CASE("analyze: figures match a byte-by-byte reference at every block size",
       img.replace(to, len, base.substr(from, len));
     }
     const size_t z = rng() % (img.size() - 100000);
-    std::fill(img.begin() + static_cast<ptrdiff_t>(z), img.begin() + static_cast<ptrdiff_t>(z) + 90000,
-              '\0');
+    std::fill(img.begin() + static_cast<ptrdiff_t>(z),
+              img.begin() + static_cast<ptrdiff_t>(z) + 90000, '\0');
     img.resize(img.size() - rng() % (600 * 1024));  // mostly not a multiple of 4 KiB
     images.push_back(img);
   }
-  images.push_back(images[0]);         // a full clone
+  images.push_back(images[0]);                // a full clone
   images.push_back(std::string(5000, '\0'));  // a small all-zero image
-  images.push_back("");                      // an empty one
+  images.push_back("");                       // an empty one
 
   Analyzer a(images.size(), 1 << 20);  // small windows: many of them
   Feed(a, images);
@@ -242,6 +241,13 @@ TEST_CASE("analyze: figures match a byte-by-byte reference at every block size",
       CHECK(h.buckets[b].blocks == want[b].second);
     }
     CHECK(h.buckets.size() == (want.empty() ? 0 : want.rbegin()->first + 1));
+  }
+  // The images do exercise both kinds of sharing at 4K and 64K: copies at
+  // the same offset (the clone) and shifted copies (exact dedup only).
+  for (size_t s : {0, 3}) {
+    INFO("block size " << kBlockSizes[s]);
+    CHECK(figures[s].linked_clone_distinct < figures[s].nonzero_chunks);
+    CHECK(figures[s].distinct < figures[s].linked_clone_distinct);
   }
   // The same images through the default (4 MiB) window give the same figures.
   Analyzer big(images.size());
@@ -277,7 +283,7 @@ TEST_CASE("analyze: derived figures and misuse", "[analyze]") {
   CHECK_THROWS_AS(a.AddSlice(2, {data.data(), 10}), std::invalid_argument);
   a.AddSlice(0, {data.data(), 100});  // image 0 ends in the first window
   CHECK_THROWS_AS(a.AddSlice(0, {data.data(), 100}), std::invalid_argument);
-  a.EndWindow();                      // image 1 got nothing: it is empty
+  a.EndWindow();  // image 1 got nothing: it is empty
   CHECK_THROWS_AS(a.AddSlice(0, {data.data(), 1}), std::invalid_argument);
   CHECK_THROWS_AS(a.AddSlice(1, {data.data(), 1}), std::invalid_argument);
   a.AddSlice(0, {});

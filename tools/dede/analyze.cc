@@ -194,10 +194,10 @@ void Analyzer::CountSize(size_t size_index) {
         continue;
       }
       fig.nonzero_chunks++;
-      const Key key = per_chunk == 1 ? block_keys_[base]
-                                     : FromXxh(XXH3_128bits_withSeed(block_keys_.data() + base,
-                                                                     per_chunk * sizeof(Key),
-                                                                     fig.block_size));
+      const Key key = per_chunk == 1
+                          ? block_keys_[base]
+                          : FromXxh(XXH3_128bits_withSeed(block_keys_.data() + base,
+                                                          per_chunk * sizeof(Key), fig.block_size));
       ps.table.Add(key);
       offset_keys_[present++] = key;
     }
@@ -207,7 +207,8 @@ void Analyzer::CountSize(size_t size_index) {
     } else {
       std::sort(offset_keys_.begin(), offset_keys_.begin() + static_cast<ptrdiff_t>(present));
       fig.linked_clone_distinct += static_cast<uint64_t>(
-          std::unique(offset_keys_.begin(), offset_keys_.begin() + static_cast<ptrdiff_t>(present)) -
+          std::unique(offset_keys_.begin(),
+                      offset_keys_.begin() + static_cast<ptrdiff_t>(present)) -
           offset_keys_.begin());
     }
   }
@@ -229,7 +230,7 @@ void Analyzer::AddSlice(size_t image, std::span<const uint8_t> bytes) {
 
 void Analyzer::EndWindow() {
   for (size_t i = 0; i < images_; i++) {
-    if (!fed_[i]) FingerprintImage(i, {});  // ended before this window
+    if (!fed_[i]) block_count_[i] = 0;  // ended before this window
     ended_[i] = ended_[i] || !fed_[i];
     fed_[i] = false;
   }

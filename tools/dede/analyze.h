@@ -49,8 +49,8 @@
 namespace dede::analyze {
 
 inline constexpr uint32_t kBaseBlock = 4096;
-inline constexpr std::array<uint32_t, 6> kBlockSizes = {4096,        8192,      16384,
-                                                        64 * 1024,   256 * 1024, 1024 * 1024};
+inline constexpr std::array<uint32_t, 6> kBlockSizes = {4096,      8192,       16384,
+                                                        64 * 1024, 256 * 1024, 1024 * 1024};
 inline constexpr uint32_t kMaxBlock = 1024 * 1024;
 
 // A 128-bit fingerprint, as two words (no padding: hashed as 16 bytes).
@@ -113,8 +113,8 @@ class CountTable {
 struct HistogramBucket {
   uint64_t min_count = 0;  // occurrences, inclusive range
   uint64_t max_count = 0;
-  uint64_t distinct = 0;   // distinct contents occurring that often
-  uint64_t blocks = 0;     // their occurrences (chunks)
+  uint64_t distinct = 0;  // distinct contents occurring that often
+  uint64_t blocks = 0;    // their occurrences (chunks)
 };
 
 struct Histogram {
@@ -148,7 +148,9 @@ struct SizeFigures {
   uint64_t linked_clone_savings_bytes() const {
     return (nonzero_chunks - linked_clone_distinct) * block_size;
   }
-  double linked_clone_savings_pct() const { return Percent(nonzero_chunks - linked_clone_distinct); }
+  double linked_clone_savings_pct() const {
+    return Percent(nonzero_chunks - linked_clone_distinct);
+  }
 
  private:
   double Percent(uint64_t saved_chunks) const {
@@ -203,11 +205,12 @@ class Analyzer {
   std::vector<bool> fed_;  // got its slice in the current window
   // Per window, image-major: image i's 4 KiB fingerprints at
   // [i * blocks_per_window_, (i + 1) * blocks_per_window_); past the
-  // image's end, the zero block's.
+  // image's end in a window it got a slice of, the zero block's (padding).
+  // An image with no slice has block_count_ 0 and its entries are unused.
   std::vector<Key> block_keys_;
-  std::vector<uint8_t> block_zero_;    // 1 if that 4 KiB block is all zeros
-  std::vector<size_t> block_count_;    // per image: 4 KiB blocks in this window
-  std::vector<Key> offset_keys_;       // linked clones: one chunk offset, every image
+  std::vector<uint8_t> block_zero_;  // 1 if that 4 KiB block is all zeros
+  std::vector<size_t> block_count_;  // per image: 4 KiB blocks in this window
+  std::vector<Key> offset_keys_;     // linked clones: one chunk offset, every image
   std::array<PerSize, kBlockSizes.size()> sizes_;
 };
 

@@ -218,14 +218,13 @@ void PrintHuman(const std::vector<Image>& images, uint64_t total_bytes,
 
   std::cout << "\nexact dedup (zero chunks excluded) and linked clones (same offset only):\n";
   rows = {{"BLOCK", "CHUNKS", "ZERO", "ZERO BYTES", "NON-ZERO", "DISTINCT", "PHYSICAL", "SAVED",
-           "SAVINGS", "CLONES PHYS", "CLONES SAVE"}};
+           "SAVINGS", "CLONES PHYSICAL", "CLONES SAVINGS"}};
   for (const auto& f : figures) {
-    rows.push_back({BlockName(f.block_size), std::to_string(f.chunks),
-                    std::to_string(f.zero_chunks), HumanSize(f.zero_bytes()),
-                    std::to_string(f.nonzero_chunks), std::to_string(f.distinct),
-                    HumanSize(f.physical_bytes()), HumanSize(f.savings_bytes()),
-                    Pct(f.savings_pct()), HumanSize(f.linked_clone_physical_bytes()),
-                    Pct(f.linked_clone_savings_pct())});
+    rows.push_back(
+        {BlockName(f.block_size), std::to_string(f.chunks), std::to_string(f.zero_chunks),
+         HumanSize(f.zero_bytes()), std::to_string(f.nonzero_chunks), std::to_string(f.distinct),
+         HumanSize(f.physical_bytes()), HumanSize(f.savings_bytes()), Pct(f.savings_pct()),
+         HumanSize(f.linked_clone_physical_bytes()), Pct(f.linked_clone_savings_pct())});
   }
   PrintTable(rows, 2);
 
@@ -238,10 +237,10 @@ void PrintHuman(const std::vector<Image>& images, uint64_t total_bytes,
     std::string range = b.min_count == b.max_count
                             ? std::to_string(b.min_count)
                             : std::to_string(b.min_count) + "-" + std::to_string(b.max_count);
-    rows.push_back({range, std::to_string(b.distinct), std::to_string(b.blocks),
-                    Pct(nonzero == 0 ? 0.0
-                                     : 100.0 * static_cast<double>(b.blocks) /
-                                           static_cast<double>(nonzero))});
+    rows.push_back(
+        {range, std::to_string(b.distinct), std::to_string(b.blocks),
+         Pct(nonzero == 0 ? 0.0
+                          : 100.0 * static_cast<double>(b.blocks) / static_cast<double>(nonzero))});
   }
   PrintTable(rows, 2);
   std::cout << "\nfingerprints: XXH3-128; tables " << HumanSize(table_bytes) << std::endl;
