@@ -32,6 +32,7 @@
 
 #include <algorithm>
 #include <boost/endian/conversion.hpp>
+#include <cstring>
 #include <utility>
 
 namespace dede::nbd {
@@ -239,7 +240,11 @@ Action NbdSession::Run(const uint8_t* data, size_t len, size_t* pos) {
 
       case Phase::kRequestPayload: {
         const size_t take = std::min<size_t>(payload_left_, len - *pos);
-        if (payload_error_ == 0) PutBytes(&pending_.payload, data + *pos, take);
+        if (payload_error_ == 0 && take > 0) {
+          GrowPayload(payload_have_ + take);
+          std::memcpy(pending_.payload.data() + payload_have_, data + *pos, take);
+          payload_have_ += take;
+        }
         *pos += take;
         payload_left_ -= static_cast<uint32_t>(take);
         if (payload_left_ > 0) return Action::kNeedInput;
@@ -385,7 +390,8 @@ Action NbdSession::ParseRequestHeader() {
     // that announces 32 MiB and sends nothing holds at most 8 MiB.
     payload_error_ = CheckRequest(r);
     payload_left_ = r.length;
-    if (payload_error_ == 0) r.payload.reserve(std::min<uint32_t>(r.length, kPayloadReserve));
+    payload_have_ = 0;
+    if (payload_error_ == 0) r.payload.resize(std::min<uint32_t>(r.length, kPayloadReserve));
     pending_ = std::move(r);
     phase_ = Phase::kRequestPayload;
     return Action::kNeedInput;
@@ -511,6 +517,33 @@ void NbdSession::ReplyExportError(uint32_t rep_err, const std::string& message) 
   if ((rep_err & kRepErrBit) == 0) rep_err = kRepErrUnknown;
   QueueOptionError(option_, rep_err, message);
   phase_ = Phase::kOptionHeader;
+}
+
+// The payload buffer holds min(length, kPayloadReserve) bytes from the
+// start and grows (doubling, never past the request's length) only for
+// bigger writes, as their bytes arrive. Its size equals the length once
+// the payload is complete.
+void NbdSession::GrowPayload(size_t need) {
+  IoBytes& p = pending_.payload;
+  if (p.size() >= need) return;
+  p.resize(std::min<size_t>(pending_.length, std::max(need, 2 * p.size())));
+}
+
+uint8_t* NbdSession::PayloadSpace(size_t* len) {
+  *len = 0;
+  if (phase_ != Phase::kRequestPayload || payload_error_ != 0 || payload_left_ == 0) {
+    return nullptr;
+  }
+  GrowPayload(payload_have_ + 1);
+  *len = std::min<size_t>(payload_left_, pending_.payload.size() - payload_have_);
+  return pending_.payload.data() + payload_have_;
+}
+
+void NbdSession::PayloadFilled(size_t n) {
+  if (phase_ != Phase::kRequestPayload || payload_error_ != 0) return;
+  n = std::min<size_t>({n, payload_left_, pending_.payload.size() - payload_have_});
+  payload_have_ += n;
+  payload_left_ -= static_cast<uint32_t>(n);
 }
 
 Request NbdSession::TakeRequest() {

@@ -164,6 +164,14 @@ class NbdSession {
   // request: a default Request.
   Request TakeRequest();
 
+  // Zero-copy receive of a WRITE payload. While the payload of a request
+  // that will be executed is arriving, returns where the driver may read up
+  // to *len bytes straight from the socket (else nullptr, *len = 0). After
+  // reading n of them, call PayloadFilled(n), then Feed (even with no bytes)
+  // as usual: it yields kRequest once the payload is complete.
+  uint8_t* PayloadSpace(size_t* len);
+  void PayloadFilled(size_t n);
+
   // Bytes to send to the client, in order; cleared by the call.
   std::vector<uint8_t> TakeOutput();
   bool has_output() const { return !out_.empty(); }
@@ -193,6 +201,7 @@ class NbdSession {
   void QueueOptionError(uint32_t option, uint32_t rep_err, const std::string& message);
   void QueueInfo(uint16_t info, const void* data, size_t len);
   void QueueSimpleReply(uint64_t cookie, uint32_t error);
+  void GrowPayload(size_t need);
   void Reject(uint64_t cookie, uint32_t error);
 
   SessionOptions opts_;
@@ -210,6 +219,7 @@ class NbdSession {
   ExportInfo export_;             // the export in transmission
   Request pending_;               // header parsed; payload being read or awaiting TakeRequest
   bool request_ready_ = false;
+  size_t payload_have_ = 0;  // bytes of pending_.payload received so far
   uint32_t payload_left_ = 0;     // WRITE payload bytes still to consume
   uint32_t payload_error_ = 0;    // non-zero: payload is skipped, then this error replied
   Action final_action_ = Action::kClose;  // what Feed keeps returning in kDone

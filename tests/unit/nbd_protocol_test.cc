@@ -757,6 +757,46 @@ TEST_CASE("nbd: WRITE payload and headers may arrive in pieces", "[nbd]") {
   CHECK(s.TakeRequest().cookie == 43);
 }
 
+TEST_CASE("nbd: a WRITE payload can be received straight into the request buffer", "[nbd]") {
+  // Bigger than the up-front reservation, so the buffer has to grow too.
+  const uint32_t len = (8u << 20) + 12345;
+  NbdSession s = Opened(Export(64 << 20));
+  const Bytes data = Pattern(len, 3);
+  Bytes hdr = Req(kCmdWrite, 77, 4096, len);
+  size_t consumed = 0;
+  // The header and the first 100 payload bytes come through Feed.
+  Bytes first = Cat(hdr, Bytes(data.begin(), data.begin() + 100));
+  REQUIRE(s.Feed(first.data(), first.size(), &consumed) == Action::kNeedInput);
+  REQUIRE(consumed == first.size());
+  size_t done = 100;
+  std::mt19937 rng(5);
+  while (done < len) {
+    size_t space = 0;
+    uint8_t* p = s.PayloadSpace(&space);
+    REQUIRE(p != nullptr);
+    REQUIRE(space > 0);
+    REQUIRE(space <= len - done);
+    size_t n = std::min<size_t>(space, 1 + rng() % (1 << 20));
+    std::memcpy(p, data.data() + done, n);
+    s.PayloadFilled(n);
+    done += n;
+    if (done < len) REQUIRE(s.Feed(nullptr, 0, &consumed) == Action::kNeedInput);
+  }
+  size_t space = 0;
+  CHECK(s.PayloadSpace(&space) == nullptr);
+  REQUIRE(s.Feed(nullptr, 0, &consumed) == Action::kRequest);
+  Request w = s.TakeRequest();
+  CHECK(w.cookie == 77);
+  CHECK(w.payload.size() == len);
+  CHECK(AsBytes(w.payload) == data);
+  CHECK(reinterpret_cast<uintptr_t>(w.payload.data()) % 4096 == 0);
+  // A rejected WRITE (beyond the end) offers no space: its bytes are skipped.
+  Bytes bad = Req(kCmdWrite, 78, 64 << 20, 8192);
+  REQUIRE(s.Feed(bad.data(), bad.size(), &consumed) == Action::kNeedInput);
+  CHECK(s.PayloadSpace(&space) == nullptr);
+  CHECK(space == 0);
+}
+
 TEST_CASE("nbd: EncodeSimpleReplyHeader is magic, error, cookie, big-endian", "[nbd]") {
   const Bytes h = EncodeSimpleReplyHeader(0x1122334455667788ull, kENoSpc);
   CHECK(h ==
