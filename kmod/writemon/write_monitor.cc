@@ -202,6 +202,7 @@ class WriteMonitor::OpList {
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
   const Op& back() const { return chunks_.back()[(size_ - 1) % kChunkOps]; }
+  const Op& operator[](size_t i) const { return chunks_[i / kChunkOps][i % kChunkOps]; }
   void clear() {
     for (Op* c : chunks_) pool_->Put(c);
     chunks_.clear();
@@ -271,11 +272,68 @@ struct WriteMonitor::FileBuffer {
 
   bool Sequential() const REQUIRES(mu) { return ops_increasing && state.empty(); }
 
+  // Only records, nothing coalesced before them: coalescing is a sort of
+  // the ops by block, latest first (SortRecords), no tree.
+  bool RecordsOnly() const REQUIRES(mu) { return record_ops == ops.size() && state.empty(); }
+
+  // Ops at which Append coalesces in place again: past the threshold and
+  // at least twice what the last in-place sort left, so hot rewrites cost
+  // O(log n) per op, not a re-sort per write.
+  size_t sorted_ops GUARDED_BY(mu) = 0;
+  bool CoalesceDue(size_t threshold) const REQUIRES(mu) {
+    return ops.size() >= std::max(threshold, 2 * sorted_ops) && !Sequential();
+  }
+
+  // Coalesces a RecordsOnly buffer into its sorted, one-per-block op list
+  // (which is Sequential).
+  void SortInPlace(ChunkPool* pool, std::atomic<uint64_t>* total) REQUIRES(mu) {
+    OpList sorted(pool);
+    SortRecords(ops, sorted_ops, [&sorted](const Op& op) { sorted.push_back(op); });
+    const size_t n = sorted.size();
+    ops.swap(sorted);  // `sorted` returns the old chunks to the pool
+    record_ops = n;
+    ops_increasing = true;
+    sorted_ops = n;
+    Recharge(total);
+  }
+
+  // Calls f for the latest op of each block of `list` (records only), in
+  // block order. The first `sorted_prefix` ops are known to be in strictly
+  // increasing block order (what the last SortInPlace left).
+  template <typename F>
+  static void SortRecords(const OpList& list, size_t sorted_prefix, F&& f) {
+    struct Key {
+      uint64_t block;
+      uint64_t index;
+    };
+    std::vector<Key> keys;
+    keys.reserve(list.size());
+    bool sorted = true;
+    for (size_t i = 0; i < list.size(); i++) {
+      const uint64_t b = list[i].block;
+      sorted = sorted && (keys.empty() || b > keys.back().block);
+      keys.push_back(Key{b, i});
+    }
+    if (!sorted) {
+      auto less = [](const Key& a, const Key& b) {
+        return a.block < b.block || (a.block == b.block && a.index < b.index);
+      };
+      const auto mid = keys.begin() + static_cast<ptrdiff_t>(std::min(sorted_prefix, keys.size()));
+      std::sort(mid, keys.end(), less);
+      std::inplace_merge(keys.begin(), mid, keys.end(), less);
+    }
+    for (size_t i = 0; i < keys.size(); i++) {
+      if (i + 1 < keys.size() && keys[i + 1].block == keys[i].block) continue;  // a later write wins
+      f(list[keys[i].index]);
+    }
+  }
+
   // Drops the ops (applied or discarded by the caller).
   void ClearOps() REQUIRES(mu) {
     ops.clear();
     record_ops = 0;
     ops_increasing = true;
+    sorted_ops = 0;
   }
 
   void Coalesce(std::atomic<uint64_t>* total) REQUIRES(mu) {
@@ -391,16 +449,21 @@ void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t 
   const uint64_t first_full = head + (offset % kBlockSize != 0);
   const uint64_t end_full = end / kBlockSize;
 
-  Op ops[kOpsPerRound];
+  // Raw storage: every slot used is assigned first (no 4 KiB zeroing per call).
+  union OpArray {
+    OpArray() {}
+    Op v[kOpsPerRound];
+  } storage;
+  Op* const ops = storage.v;
   size_t n = 0;
   if (first_full >= end_full) {
     // No whole block: the one or two blocks touched are invalidated.
-    ops[n++] = Op{head, tail - head + 1, now, {}};
+    new (&ops[n++]) Op{head, tail - head + 1, now, {}};
     Append(fb.get(), ops, n, 0);
     return;
   }
-  if (offset % kBlockSize != 0) ops[n++] = Op{head, 1, now, {}};
-  if (end % kBlockSize != 0) ops[n++] = Op{tail, 1, now, {}};
+  if (offset % kBlockSize != 0) new (&ops[n++]) Op{head, 1, now, {}};
+  if (end % kBlockSize != 0) new (&ops[n++]) Op{tail, 1, now, {}};
   const uint8_t* p = static_cast<const uint8_t*>(data) + (first_full * kBlockSize - offset);
   size_t hashed = 0;
   for (uint64_t b = first_full; b < end_full; b++, p += kBlockSize) {
@@ -410,7 +473,7 @@ void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t 
       hashed = 0;
     }
     // Hashing happens here, with no lock held.
-    ops[n++] = Op{b, 0, now, ComputeFingerprint(opts_.algo, p, kBlockSize)};
+    new (&ops[n++]) Op{b, 0, now, ComputeFingerprint(opts_.algo, p, kBlockSize)};
     hashed++;
   }
   Append(fb.get(), ops, n, hashed);
@@ -444,7 +507,13 @@ void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed
     // to coalesce.
     fb->Append(ops, n);
     fb->charged += charge;
-    if (fb->ops.size() >= coalesce_ops_ && !fb->Sequential()) fb->Coalesce(&buffered_bytes_);
+    if (fb->CoalesceDue(coalesce_ops_)) {
+      if (fb->RecordsOnly()) {
+        fb->SortInPlace(pool_.get(), &buffered_bytes_);
+      } else {
+        fb->Coalesce(&buffered_bytes_);
+      }
+    }
     return;
   }
 
@@ -511,6 +580,13 @@ std::vector<FileId> WriteMonitor::DueFiles(bool all) {
       due.push_back(fb->id);  // the bound is exact
       continue;
     }
+    if (fb->RecordsOnly()) {
+      // Random writes: a sort, and the result is Sequential, so Take
+      // needs no coalescing.
+      fb->SortInPlace(pool_.get(), &buffered_bytes_);
+      if (fb->ops.size() * record_bytes_ >= opts_.flush_bytes) due.push_back(fb->id);
+      continue;
+    }
     fb->Coalesce(&buffered_bytes_);
     if (bytes(fb->state.records.size(), fb->state.ranges.size()) >= opts_.flush_bytes) {
       due.push_back(fb->id);
@@ -526,10 +602,13 @@ MonitorBatch WriteMonitor::Take(FileId id) {
   if (fb == nullptr) return batch;
   OpList ops(pool_.get());
   State state;
-  bool sequential;
+  bool sequential, records_only;
+  size_t sorted_prefix;
   {
     MutexLock l(&fb->mu);
     sequential = fb->Sequential();
+    records_only = fb->RecordsOnly();
+    sorted_prefix = fb->sorted_ops;
     ops.swap(fb->ops);
     std::swap(state, fb->state);
     fb->ClearOps();
@@ -546,6 +625,15 @@ MonitorBatch WriteMonitor::Take(FileId id) {
   if (sequential) {
     batch.records.reserve(ops.size());
     ops.ForEach([&](const Op& op) {
+      batch.records.push_back(BlockRecord{op.block, op.time_ns, op.fp});
+      note_time(op.time_ns);
+    });
+    return batch;
+  }
+  if (records_only) {
+    // Coalesced outside the file's lock by a sort: no tree.
+    batch.records.reserve(ops.size());
+    FileBuffer::SortRecords(ops, sorted_prefix, [&](const Op& op) {
       batch.records.push_back(BlockRecord{op.block, op.time_ns, op.fp});
       note_time(op.time_ns);
     });
