@@ -875,3 +875,60 @@ TEST_CASE("racing writers on one export: the log's latest record is the block's 
 
 }  // namespace
 }  // namespace dede
+
+namespace dede {
+namespace {
+
+TEST_CASE("dedupd command line with usage errors and bad volumes and taken host ids and config files",
+          "[nbd]") {
+  TestVolume tv({{"vm", 1 * kMiB}});
+  const std::string dedupd = BinaryPath("dedupd");
+  ProcessResult r = RunProcess({dedupd, "--volume", tv.vol, "--socket", tv.sock});
+  REQUIRE(r.exit_code == 2);
+  REQUIRE(r.err.find("--host-id") != std::string::npos);
+  r = RunProcess({dedupd, "--bogus"});
+  REQUIRE(r.exit_code == 2);
+  r = RunProcess({dedupd, "--help"});
+  REQUIRE(r.exit_code == 0);
+  REQUIRE(r.out.find("--socket") != std::string::npos);
+
+  r = RunProcess({dedupd, "--volume", tv.dir.file("missing.img"), "--host-id", "1", "--socket",
+                  tv.sock});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.err.find("missing.img") != std::string::npos);
+
+  // Options from a config file; the host slot it takes is then refused to a
+  // second dedupd.
+  std::string cfg = tv.dir.file("dedupd.conf");
+  {
+    std::ofstream out(cfg);
+    out << "volume = " << tv.vol << "\nhost-id = 3\nsocket = " << tv.sock << "\nthreads = 2\n";
+  }
+  DedupdProcess d(tv.vol, 3, tv.sock, {"--config", cfg});
+  {  // the config file is really read: a bad value in it is a usage error
+    std::string bad = tv.dir.file("bad.conf");
+    std::ofstream out(bad);
+    out << "volume = " << tv.vol << "\nhost-id = 5\nsocket = " << tv.dir.file("c.sock")
+        << "\nthreads = 0\n";
+    out.close();
+    ProcessResult b = RunProcess({dedupd, "--config", bad}, 30);
+    INFO(b.err);
+    REQUIRE(b.exit_code == 2);
+    REQUIRE(b.err.find("--threads") != std::string::npos);
+  }
+  r = RunProcess({dedupd, "--volume", tv.vol, "--host-id", "3", "--socket", tv.dir.file("b.sock")},
+                 30);
+  INFO(r.err);
+  REQUIRE(r.exit_code == 1);
+  // And a second server cannot steal a live socket.
+  r = RunProcess({dedupd, "--volume", tv.vol, "--host-id", "4", "--socket", tv.sock}, 30);
+  INFO(r.err);
+  REQUIRE(r.exit_code == 1);
+  REQUIRE(r.err.find("another server") != std::string::npos);
+  RunOk({RequireProgram("qemu-io"), "-f", "raw", "-c", "write -P 0x61 0 4096", d.Uri("vm")});
+  REQUIRE(d.Stop() == 0);
+}
+
+}  // namespace
+}  // namespace dede
