@@ -71,11 +71,19 @@ Export::Export(std::string name, std::unique_ptr<File> file, const FileInfo& inf
 
 Status Export::Read(uint64_t offset, void* buf, size_t len) { return file_->Read(offset, buf, len); }
 
-Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua) {
+Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua,
+                     const std::function<void(const Status&)>& written) {
   Status st;
   {
     RangeGuard g(&ranges_, offset, len);
     st = file_->Write(offset, buf, len);
+    if (written) {
+      // Answer now: fingerprinting is off the client's latency path. FUA's
+      // flush point comes first, since the answer promises durability.
+      if (st.ok() && fua) st = vol_->Sync();
+      written(st);
+      fua = false;
+    }
     if (monitor_) {
       // A failed write leaves the blocks' content unknown: forget them.
       if (st.ok()) {
@@ -188,6 +196,9 @@ void ExportTable::Release(const std::shared_ptr<Export>& e) {
 }
 
 void ExportTable::Close(const std::shared_ptr<Export>& e) {
+  // Writes already answered may still be feeding the monitor: they hold
+  // their block ranges until it has their records. Wait for all of them.
+  e->ranges_.Lock(0, UINT64_MAX);
   if (flusher_) {
     Status st = flusher_->FlushFile(e->id());
     if (!st.ok()) LOG(kWarning) << "export '" << e->name() << "': " << st.ToString();
@@ -196,6 +207,7 @@ void ExportTable::Close(const std::shared_ptr<Export>& e) {
   // The next holder (maybe on another host) must find everything on disk.
   Status st = vol_->Sync();
   if (!st.ok()) LOG(kError) << "export '" << e->name() << "': flush on close: " << st.ToString();
+  e->ranges_.Unlock(0, UINT64_MAX);
   e->file_.reset();
   LOG(kInfo) << "export '" << e->name() << "' closed";
 }

@@ -17,6 +17,7 @@
 
 #include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -55,8 +56,13 @@ class Export {
   bool dedup() const { return dedup_; }
 
   Status Read(uint64_t offset, void* buf, size_t len);
-  // `fua`: durable (volume flush point) before returning.
-  Status Write(uint64_t offset, const void* buf, size_t len, bool fua);
+  // `fua`: durable (volume flush point) before returning. `written`, if
+  // given, is called as soon as the data is on the volume (and durable with
+  // fua) with the outcome, so the client can be answered before the write
+  // monitor fingerprints the blocks; the blocks stay range-locked until the
+  // monitor has them. Returns the same status.
+  Status Write(uint64_t offset, const void* buf, size_t len, bool fua,
+               const std::function<void(const Status&)>& written = nullptr);
   Status Trim(uint64_t offset, uint64_t len, bool fua);
   // no_hole: allocate and write zeros; else blocks become holes (read as 0).
   Status WriteZeroes(uint64_t offset, uint64_t len, bool fua, bool no_hole);

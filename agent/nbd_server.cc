@@ -232,16 +232,40 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     server_->c_requests_++;
     server_->RunBlocking([self = shared_from_this(), e = export_, req = std::move(req)]() mutable {
       IoBytes data;  // READ reply data, aligned so O_DIRECT needs no bounce
+      bool replied = false;
+      // Posts the reply to the connection's strand (once).
+      auto reply = [&](const Status& st) {
+        if (replied) return;
+        replied = true;
+        uint32_t err = st.ok() ? 0 : NbdErrorFor(st);
+        if (!st.ok()) {
+          LOG(kWarning) << "export '" << e->name() << "': command " << req.type << " at "
+                        << req.offset << "+" << req.length << ": " << st.ToString();
+          data = IoBytes();
+        }
+        OutMessage out{nbd::EncodeSimpleReplyHeader(req.cookie, err), std::move(data)};
+        asio::post(self->strand_, [self, out = std::move(out), len = req.length, type = req.type,
+                                   err]() mutable {
+          self->inflight_--;
+          self->inflight_bytes_ -= len;
+          if (err) self->server_->c_request_errors_++;
+          if (type == nbd::kCmdRead && !err) self->server_->c_bytes_read_ += len;
+          if (type == nbd::kCmdWrite && !err) self->server_->c_bytes_written_ += len;
+          self->Send(std::move(out));
+          self->Pump();
+        });
+      };
       Status st;
       bool fua = req.flags & nbd::kCmdFlagFua;
       switch (req.type) {
         case nbd::kCmdRead:
           data.resize(req.length);
           st = e->Read(req.offset, data.data(), req.length);
-          if (!st.ok()) data = IoBytes();
           break;
         case nbd::kCmdWrite:
-          st = e->Write(req.offset, req.payload.data(), req.payload.size(), fua);
+          // Answered as soon as the data is on the volume; the write monitor
+          // fingerprints it afterwards (still on this worker).
+          st = e->Write(req.offset, req.payload.data(), req.payload.size(), fua, reply);
           break;
         case nbd::kCmdFlush:
           st = e->Flush();
@@ -255,24 +279,9 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
         default:
           st = Status::Invalid("unexpected command");
       }
-      uint32_t err = st.ok() ? 0 : NbdErrorFor(st);
-      if (!st.ok()) {
-        LOG(kWarning) << "export '" << e->name() << "': command " << req.type << " at "
-                      << req.offset << "+" << req.length << ": " << st.ToString();
-      }
+      reply(st);
       // The payload buffer goes back to the pool here, on the worker.
       req.payload = IoBytes();
-      OutMessage reply{nbd::EncodeSimpleReplyHeader(req.cookie, err), std::move(data)};
-      asio::post(self->strand_, [self, reply = std::move(reply), len = req.length, type = req.type,
-                                 err]() mutable {
-        self->inflight_--;
-        self->inflight_bytes_ -= len;
-        if (err) self->server_->c_request_errors_++;
-        if (type == nbd::kCmdRead && !err) self->server_->c_bytes_read_ += len;
-        if (type == nbd::kCmdWrite && !err) self->server_->c_bytes_written_ += len;
-        self->Send(std::move(reply));
-        self->Pump();
-      });
     });
   }
 
