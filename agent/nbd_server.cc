@@ -74,12 +74,12 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   void Pump() {
     // A reply to the session (list, export) may leave it with something to
     // say without any new input (EXPORT_NAME failure closes): feed it once
-    // even when nothing is buffered.
-    bool feed_empty = recheck_session_;
-    recheck_session_ = false;
+    // even when nothing is buffered. The same after a payload was read
+    // straight into the request. The flag stays set until a Feed happens
+    // (back-pressure may postpone it to the next completion).
     while (!finished_ && !stop_reading_ && !waiting_backend_ && !Backpressured() &&
-           (rstart_ < rend_ || feed_empty)) {
-      feed_empty = false;
+           (rstart_ < rend_ || recheck_session_)) {
+      recheck_session_ = false;
       size_t consumed = 0;
       nbd::Action a = session_.Feed(rbuf_.data() + rstart_, rend_ - rstart_, &consumed);
       rstart_ += consumed;
