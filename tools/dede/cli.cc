@@ -1,6 +1,9 @@
 #include "tools/dede/cli.h"
 
+#include <linux/fs.h>
 #include <signal.h>
+#include <sys/ioctl.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cctype>
@@ -290,5 +293,20 @@ InterruptGuard::~InterruptGuard() {
 bool InterruptGuard::interrupted() const {
   return g_interrupted != 0;
 }
+
+Result<uint64_t> SizeOfFd(int fd, const std::string& path) {
+  struct stat st {};
+  if (::fstat(fd, &st) != 0) return Status::FromErrno("cannot stat " + path, errno);
+  if (S_ISREG(st.st_mode)) return static_cast<uint64_t>(st.st_size);
+  if (S_ISBLK(st.st_mode)) {
+    uint64_t size = 0;
+    if (::ioctl(fd, BLKGETSIZE64, &size) != 0) {
+      return Status::FromErrno("cannot get the size of " + path, errno);
+    }
+    return size;
+  }
+  return Status::Invalid(path + " is neither a regular file nor a block device");
+}
+
 
 }  // namespace dede::cli

@@ -9,6 +9,8 @@
 // usage line and a hint, on stderr).
 #pragma once
 
+#include <unistd.h>
+
 #include <boost/program_options.hpp>
 #include <chrono>
 #include <cstdint>
@@ -173,5 +175,32 @@ class InterruptGuard {
   InterruptGuard& operator=(const InterruptGuard&) = delete;
   bool interrupted() const;
 };
+
+// Closes a descriptor on every path out of a command.
+class FdCloser {
+ public:
+  explicit FdCloser(int fd) : fd_(fd) {}
+  ~FdCloser() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  FdCloser(FdCloser&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
+  FdCloser(const FdCloser&) = delete;
+  FdCloser& operator=(FdCloser&&) = delete;
+  FdCloser& operator=(const FdCloser&) = delete;
+  int get() const { return fd_; }
+  // Closes now, reporting the error a deferred write-back may surface.
+  Status Close(const std::string& path) {
+    int fd = fd_;
+    fd_ = -1;
+    if (::close(fd) != 0) return Status::FromErrno(path + ": close", errno);
+    return Status::Ok();
+  }
+
+ private:
+  int fd_;
+};
+
+// Size of an open regular file or block device.
+Result<uint64_t> SizeOfFd(int fd, const std::string& path);
 
 }  // namespace dede::cli

@@ -5,9 +5,6 @@
 // analyze.h; this file reads the images (all in lockstep, window by window)
 // and prints the figures.
 #include <fcntl.h>
-#include <linux/fs.h>
-#include <sys/ioctl.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -65,45 +62,14 @@ constexpr const char* kDetails =
     "per distinct content, plus a 4 MiB read buffer; nothing else grows with the\n"
     "image size. On a terminal, progress (bytes, rate, ETA) goes to stderr.";
 
-// Closes a descriptor on every path out.
-class Fd {
- public:
-  explicit Fd(int fd) : fd_(fd) {}
-  ~Fd() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  Fd(Fd&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
-  Fd(const Fd&) = delete;
-  Fd& operator=(const Fd&) = delete;
-  Fd& operator=(Fd&&) = delete;
-  int get() const { return fd_; }
-
- private:
-  int fd_;
-};
-
 struct Image {
   std::string path;
-  Fd fd;
+  FdCloser fd;
   uint64_t size = 0;
 };
 
-Result<uint64_t> SizeOfFd(int fd, const std::string& path) {
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return Status::FromErrno("cannot stat " + path, errno);
-  if (S_ISREG(st.st_mode)) return static_cast<uint64_t>(st.st_size);
-  if (S_ISBLK(st.st_mode)) {
-    uint64_t size = 0;
-    if (::ioctl(fd, BLKGETSIZE64, &size) != 0) {
-      return Status::FromErrno("cannot get the size of " + path, errno);
-    }
-    return size;
-  }
-  return Status::Invalid(path + " is neither a regular file nor a block device");
-}
-
 Result<Image> OpenImage(const std::string& path) {
-  Fd fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  FdCloser fd(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
   if (fd.get() < 0) return Status::FromErrno("cannot open " + path, errno);
   ASSIGN_OR_RETURN(uint64_t size, SizeOfFd(fd.get(), path));
   (void)::posix_fadvise(fd.get(), 0, 0, POSIX_FADV_SEQUENTIAL);

@@ -1,8 +1,6 @@
 // Raw image transfer: import (raw file -> new volume file, thin) and export
 // (volume file -> raw file).
 #include <fcntl.h>
-#include <linux/fs.h>
-#include <sys/ioctl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -27,43 +25,6 @@ constexpr size_t kChunkBytes = 1 << 20;  // copy unit; a multiple of kBlockSize
 
 uint64_t RoundUpToBlock(uint64_t n) {
   return (n + kBlockSize - 1) / kBlockSize * kBlockSize;
-}
-
-// Closes a descriptor on every path out of a command.
-class FdCloser {
- public:
-  explicit FdCloser(int fd) : fd_(fd) {}
-  ~FdCloser() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FdCloser(const FdCloser&) = delete;
-  FdCloser& operator=(const FdCloser&) = delete;
-  int get() const { return fd_; }
-  // Closes now, reporting the error a deferred write-back may surface.
-  Status Close(const std::string& path) {
-    int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) return Status::FromErrno(path + ": close", errno);
-    return Status::Ok();
-  }
-
- private:
-  int fd_;
-};
-
-// Size of an open regular file or block device.
-Result<uint64_t> SizeOfFd(int fd, const std::string& path) {
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) return Status::FromErrno("cannot stat " + path, errno);
-  if (S_ISREG(st.st_mode)) return static_cast<uint64_t>(st.st_size);
-  if (S_ISBLK(st.st_mode)) {
-    uint64_t size = 0;
-    if (::ioctl(fd, BLKGETSIZE64, &size) != 0) {
-      return Status::FromErrno("cannot get the size of " + path, errno);
-    }
-    return size;
-  }
-  return Status::Invalid(path + " is neither a regular file nor a block device");
 }
 
 // Reads up to len bytes at offset; returns how many (short only at EOF).
