@@ -30,6 +30,8 @@
 
 #include "util/fingerprint.h"
 
+#include "tools/bench/bench_util.h"
+
 namespace dede::bench {
 namespace {
 
@@ -39,24 +41,9 @@ using json = nlohmann::json;
 constexpr size_t kBlock = 4096;
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-double CpuSeconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
-}
+double CpuSeconds() { return ClockSeconds(CLOCK_PROCESS_CPUTIME_ID); }
 
-double WallSeconds() {
-  timespec ts{};
-  clock_gettime(CLOCK_MONOTONIC, &ts);
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
-}
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
+double WallSeconds() { return ClockSeconds(CLOCK_MONOTONIC); }
 
 struct FreeDeleter {
   void operator()(void* p) const { std::free(p); }

@@ -45,6 +45,8 @@
 #include "volume/mem_device.h"
 #include "volume/volume.h"
 
+#include "tools/bench/bench_util.h"
+
 namespace dede::bench {
 namespace {
 
@@ -53,18 +55,7 @@ namespace po = boost::program_options;
 constexpr size_t kBlock = 4096;
 constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
 
-double ThreadCpu() {
-  timespec ts{};
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<double>(ts.tv_sec) + static_cast<double>(ts.tv_nsec) / 1e9;
-}
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
+double ThreadCpu() { return ClockSeconds(CLOCK_THREAD_CPUTIME_ID); }
 
 uint64_t SplitMix(uint64_t* x) {
   uint64_t z = (*x += 0x9e3779b97f4a7c15ull);

@@ -41,6 +41,8 @@
 #include "volume/format.h"
 #include "volume/volume.h"
 
+#include "tools/bench/bench_util.h"
+
 namespace dede::bench {
 namespace {
 
@@ -415,13 +417,6 @@ class Runner {
   uint64_t tag_ = 0;
   std::vector<int64_t> lat_;
 };
-
-double Median(std::vector<double> v) {
-  if (v.empty()) return 0;
-  std::sort(v.begin(), v.end());
-  size_t n = v.size();
-  return n % 2 ? v[n / 2] : (v[n / 2 - 1] + v[n / 2]) / 2;
-}
 
 struct Row {
   const Workload* w;
