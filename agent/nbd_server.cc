@@ -133,13 +133,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
             asio::buffer(direct, space),
             asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec,
                                                                      size_t n) {
-              self->read_pending_ = false;
-              if (ec || n == 0) {
-                if (!self->stop_reading_) self->client_gone_ = true;
-                self->stop_reading_ = true;
-                self->MaybeFinish();
-                return;
-              }
+              if (!self->ReadCompleted(ec, n)) return;
               self->session_.PayloadFilled(n);
               self->recheck_session_ = true;
               self->Pump();
@@ -151,18 +145,22 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     sock_.async_read_some(
         asio::buffer(rbuf_.data() + rend_, rbuf_.size() - rend_),
         asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
-          self->read_pending_ = false;
-          if (ec || n == 0) {
-            // End of file or error: the client is gone, unless we asked
-            // for it by shutting down our receive side.
-            if (!self->stop_reading_) self->client_gone_ = true;
-            self->stop_reading_ = true;
-            self->MaybeFinish();
-            return;
-          }
+          if (!self->ReadCompleted(ec, n)) return;
           self->rend_ += n;
           self->Pump();
         }));
+  }
+
+  // Bookkeeping of a finished socket read. False when the read ended the
+  // input (end of file or error): the client is gone, unless we asked for
+  // that by shutting down our receive side.
+  bool ReadCompleted(const boost::system::error_code& ec, size_t n) {
+    read_pending_ = false;
+    if (!ec && n > 0) return true;
+    if (!stop_reading_) client_gone_ = true;
+    stop_reading_ = true;
+    MaybeFinish();
+    return false;
   }
 
   void ListExports() {
