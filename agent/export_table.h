@@ -69,6 +69,8 @@ class Export {
   Status Flush();
 
   File* file() { return file_.get(); }
+  // Held by anything that reads-then-acts on blocks (the dedup pass).
+  BlockRangeLock* ranges() { return &ranges_; }
 
  private:
   friend class ExportTable;

@@ -17,6 +17,7 @@ std::string LockId::ToString() const {
     case LockKind::kInode: return "inode " + std::to_string(id);
     case LockKind::kGroup: return "allocation group " + std::to_string(id);
     case LockKind::kRecovery: return "recovery of host slot " + std::to_string(id);
+    case LockKind::kIndexShard: return "index shard " + std::to_string(id);
     case LockKind::kWanted:
       return "waiters for " +
              LockId{static_cast<LockKind>(id >> 40), id & ((1ull << 40) - 1)}.ToString();

@@ -31,6 +31,7 @@ enum class LockKind : uint16_t {
   kGroup = 5,      // id = allocation group; its refcount blocks
   kRecovery = 6,   // id = host slot; held while that slot's journal is replayed
   kWanted = 7,     // id = kind << 40 | id of another lock; held shared by its waiters
+  kIndexShard = 8, // id = shard lo >> 16; an index shard range, its pending file and arena
 };
 
 struct LockId {

@@ -142,6 +142,9 @@ class Volume {
 
   virtual const Superblock& superblock() const = 0;
   virtual uint32_t host_id() const = 0;
+  // The lock backend this volume coordinates through; layers above lock
+  // their own resources (index shards, merge requests) with it.
+  virtual LockManager* lock_manager() const = 0;
 
   // Namespace. Names are 1..255 bytes, no '/' and no NUL.
   // `owner_ino` names the file an internal file belongs to (a write log's

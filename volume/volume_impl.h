@@ -44,6 +44,7 @@ class VolumeImpl : public Volume {
 
   const Superblock& superblock() const override { return sb_; }
   uint32_t host_id() const override { return host_; }
+  LockManager* lock_manager() const override { return locks_.get(); }
   Result<FileId> Create(const std::string& name, uint64_t size, FileKind kind,
                         uint64_t owner_ino) EXCLUDES(mu_) override;
   Result<FileInfo> Lookup(const std::string& name) EXCLUDES(mu_) override;

@@ -482,6 +482,7 @@ Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid,
   while (true) {
     ASSIGN_OR_RETURN(bool more, reader.Next(&f));
     if (!more) break;
+    state.invalidated.insert(state.invalidated.end(), f.invalidated.begin(), f.invalidated.end());
     for (const InvalidRange& r : f.invalidated) {
       // Only the records present are visited: a whole-disk TRIM is cheap.
       auto it = state.records.lower_bound(r.first);

@@ -129,6 +129,9 @@ class WriteLogReader {
 // earlier one). `records` is keyed by block.
 struct WriteLogState {
   std::map<uint64_t, BlockRecord> records;
+  // Every invalidated range seen, in log order (not coalesced): together
+  // with `records`, the blocks whose content the log says changed.
+  std::vector<InvalidRange> invalidated;
   WriteLogScanStats stats;
 };
 Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid, FileId owner);

@@ -53,6 +53,7 @@ int RunSet(const Command& cmd, const std::vector<std::string>& args);
 int RunImport(const Command& cmd, const std::vector<std::string>& args);
 int RunExport(const Command& cmd, const std::vector<std::string>& args);
 int RunAnalyze(const Command& cmd, const std::vector<std::string>& args);
+int RunDedup(const Command& cmd, const std::vector<std::string>& args);
 
 // ---------------------------------------------------------------- errors
 

@@ -1,0 +1,803 @@
+#include "agent/dedup_pass.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <optional>
+#include <thread>
+#include <unordered_map>
+
+#include "index/shard_io.h"
+#include "index/shard_map.h"
+#include "kmod/writemon/write_log.h"
+#include "util/clock.h"
+#include "util/log.h"
+
+namespace dede {
+
+// ---------------------------------------------------------------- access
+
+Result<FileAccess::Handle> VolumeFileAccess::Get(const FileInfo& info) {
+  auto it = open_.find(info.id.ino);
+  if (it != open_.end()) {
+    if (!(it->second->id() == info.id)) return Status::NotFound("file changed");
+    return Handle{it->second.get(), nullptr};
+  }
+  ASSIGN_OR_RETURN(std::unique_ptr<File> f, vol_->OpenFileById(info.id));
+  File* raw = f.get();
+  open_[info.id.ino] = std::move(f);
+  return Handle{raw, nullptr};
+}
+
+ExportFileAccess::~ExportFileAccess() {
+  for (auto& [ino, e] : held_) table_->Release(e);
+}
+
+Result<FileAccess::Handle> ExportFileAccess::Get(const FileInfo& info) {
+  auto it = held_.find(info.id.ino);
+  if (it == held_.end()) {
+    ASSIGN_OR_RETURN(std::shared_ptr<Export> e, table_->Acquire(info.name));
+    it = held_.emplace(info.id.ino, std::move(e)).first;
+  }
+  if (!(it->second->id() == info.id)) return Status::NotFound("file changed");
+  return Handle{it->second->file(), it->second->ranges()};
+}
+
+namespace {
+
+constexpr uint32_t kNoFile = ~0u;
+
+struct PassRecord {
+  FpKey fp{};
+  uint64_t block = 0;
+  uint32_t file = kNoFile;  // index into Pass::files_
+  bool from_pending = false;
+};
+
+bool RecordLess(const PassRecord& a, const PassRecord& b) {
+  if (a.fp != b.fp) return a.fp < b.fp;
+  if (a.file != b.file) return a.file < b.file;
+  return a.block < b.block;
+}
+
+struct PassFile {
+  FileInfo info;
+  bool tried = false;
+  Status open_status;
+  FileAccess::Handle h;
+  std::vector<std::pair<uint64_t, uint64_t>> touched;  // coalesced [first, last]
+
+  bool Touched(uint64_t block) const {
+    auto it = std::upper_bound(touched.begin(), touched.end(), block,
+                               [](uint64_t b, const auto& r) { return b < r.first; });
+    return it != touched.begin() && (it - 1)->second >= block;
+  }
+  uint64_t WholeBlocks() const { return info.size / kBlockSize; }
+};
+
+void Coalesce(std::vector<std::pair<uint64_t, uint64_t>>* v) {
+  std::sort(v->begin(), v->end());
+  std::vector<std::pair<uint64_t, uint64_t>> out;
+  for (const auto& r : *v) {
+    if (!out.empty() && r.first <= out.back().second + 1) {
+      out.back().second = std::max(out.back().second, r.second);
+    } else {
+      out.push_back(r);
+    }
+  }
+  *v = std::move(out);
+}
+
+class RangeGuard {
+ public:
+  RangeGuard(BlockRangeLock* l, uint64_t b) : l_(l), b_(b) {
+    if (l_) l_->Lock(b_, b_);
+  }
+  ~RangeGuard() {
+    if (l_) l_->Unlock(b_, b_);
+  }
+  RangeGuard(const RangeGuard&) = delete;
+  RangeGuard& operator=(const RangeGuard&) = delete;
+
+ private:
+  BlockRangeLock* l_;
+  uint64_t b_;
+};
+
+// The arena of one shard: a file made only of COW references to shared
+// blocks. Indexes are handed out upward from the shard header's arena_next;
+// dropped blocks become holes (no data, no refcount).
+struct ArenaFile {
+  std::unique_ptr<File> f;
+  uint64_t next = 0;
+  std::vector<uint64_t> to_punch;  // after the new shard version is durable
+
+  Result<uint64_t> Allocate() {
+    const uint64_t idx = next++;
+    const uint64_t need = (idx + 1) * kBlockSize;
+    if (f->size() < need) {
+      RETURN_IF_ERROR(f->Truncate(std::max<uint64_t>({need, f->size() * 2, 1u << 20})));
+    }
+    return idx;
+  }
+  // Gives back the last index if it was just taken (a failed share).
+  void Unallocate(uint64_t idx) {
+    if (idx + 1 == next) next--;
+  }
+};
+
+enum class ShareOutcome { kShared, kRecordStale, kEntryStale, kBusy };
+
+class Pass {
+ public:
+  Pass(Volume* vol, FileAccess* access, const DedupOptions& opts)
+      : vol_(vol),
+        access_(access),
+        opts_(opts),
+        clock_(Clock::Real()),
+        uuid_(vol->superblock().uuid),
+        algo_(vol->superblock().hash_algo) {
+    std::vector<uint8_t> zero(kBlockSize, 0);
+    zero_key_ = KeyOf(ComputeFingerprint(algo_, zero.data(), zero.size()));
+  }
+
+  Result<DedupStats> Run() {
+    const uint64_t t0 = clock_->MonotonicNanos();
+    if (opts_.verify == VerifyMode::kHashWitness && algo_ != HashAlgo::kSha256) {
+      return Status::Invalid("hash-witness verification needs a volume formatted with --hash "
+                             "sha256");
+    }
+    RETURN_IF_ERROR(Gather());
+    const uint64_t t1 = clock_->MonotonicNanos();
+    stats_.gather_ns = t1 - t0;
+    RETURN_IF_ERROR(MergeAll());
+    // Everything the logs held is now in durable shard versions or pending
+    // files (ShardWriter::Finish syncs; pending appends sync here).
+    RETURN_IF_ERROR(vol_->Sync());
+    for (auto& log : logs_) {
+      RETURN_IF_ERROR(log->Truncate(0));
+      stats_.logs_consumed++;
+    }
+    logs_.clear();
+    RETURN_IF_ERROR(vol_->Sync());
+    const uint64_t t2 = clock_->MonotonicNanos();
+    stats_.merge_ns = t2 - t1;
+    stats_.total_ns = t2 - t0;
+    return stats_;
+  }
+
+ private:
+  void Progress(const std::string& s) {
+    if (opts_.progress) opts_.progress(s);
+  }
+
+  // ------------------------------------------------------------ files
+
+  uint32_t FileIndex(const FileInfo& info) {
+    auto it = file_index_.find(info.id.ino);
+    if (it != file_index_.end()) return it->second;
+    PassFile pf;
+    pf.info = info;
+    files_.push_back(std::move(pf));
+    file_index_[info.id.ino] = uint32_t(files_.size() - 1);
+    return uint32_t(files_.size() - 1);
+  }
+
+  // A file named by a record or an entry, if it still is that file.
+  uint32_t FileIndexOf(FileId id) {
+    auto it = by_ino_.find(id.ino);
+    if (it == by_ino_.end() || !(it->second.id == id)) return kNoFile;
+    return FileIndex(it->second);
+  }
+
+  Result<FileAccess::Handle> Open(PassFile* pf) {
+    if (!pf->tried) {
+      pf->tried = true;
+      Result<FileAccess::Handle> h = access_->Get(pf->info);
+      if (h.ok()) {
+        pf->h = *h;
+      } else {
+        pf->open_status = h.status();
+      }
+    }
+    if (!pf->open_status.ok()) return pf->open_status;
+    return pf->h;
+  }
+
+  // Is a Unique hint for (file, block), older than this pass's logs, still
+  // worth keeping?
+  bool UniqueStillValid(const IndexEntry& e) {
+    auto it = by_ino_.find(e.file.ino);
+    if (it == by_ino_.end()) return false;
+    const FileInfo& fi = it->second;
+    if (!(fi.id == e.file) || fi.kind != FileKind::kRegular || !fi.dedup) return false;
+    if ((e.block + 1) * kBlockSize > fi.size) return false;
+    auto pi = file_index_.find(e.file.ino);
+    if (pi != file_index_.end() && files_[pi->second].Touched(e.block)) return false;
+    return true;
+  }
+
+  // ------------------------------------------------------------ gather
+
+  Status Gather() {
+    ASSIGN_OR_RETURN(std::vector<FileInfo> all, vol_->List());
+    for (const FileInfo& fi : all) by_ino_[fi.id.ino] = fi;
+    Progress("gathering write logs");
+    for (const FileInfo& li : all) {
+      if (li.kind != FileKind::kWriteLog) continue;
+      std::optional<FileId> owner = ParseWriteLogName(li.name);
+      if (!owner) continue;
+      auto oi = by_ino_.find(owner->ino);
+      if (oi == by_ino_.end() || !(oi->second.id == *owner) ||
+          oi->second.kind != FileKind::kRegular) {
+        // The file is gone (or recreated): its log describes nothing.
+        Status s = vol_->Remove(li.name);
+        if (s.ok()) stats_.orphan_logs_removed++;
+        continue;
+      }
+      const FileInfo& owner_info = oi->second;
+      const uint32_t fidx = FileIndex(owner_info);
+      PassFile* pf = &files_[fidx];
+      Result<FileAccess::Handle> h = Open(pf);
+      if (!h.ok()) {
+        if (h.status().code() == Status::Code::kLocked) {
+          stats_.files_busy++;
+          continue;
+        }
+        if (h.status().code() == Status::Code::kNotFound) continue;
+        return h.status();
+      }
+      Result<std::unique_ptr<File>> log = OpenWriteLog(vol_, owner_info.id);
+      if (!log.ok()) {
+        if (log.status().code() == Status::Code::kLocked ||
+            log.status().code() == Status::Code::kNotFound) {
+          stats_.files_busy++;
+          continue;
+        }
+        return log.status();
+      }
+      ASSIGN_OR_RETURN(WriteLogState st,
+                       ReplayWriteLog(log->get(), algo_, uuid_, owner_info.id));
+      stats_.log_corrupt_frames += st.stats.corrupt_frames;
+      stats_.log_dropped_records += st.stats.dropped_records;
+      logs_.push_back(std::move(*log));
+      for (const InvalidRange& r : st.invalidated) {
+        if (r.count > 0) pf->touched.emplace_back(r.first, r.first + r.count - 1);
+      }
+      if (!owner_info.dedup) {
+        stats_.files_dedup_off++;
+        continue;
+      }
+      const uint64_t whole = pf->WholeBlocks();
+      for (const auto& [block, rec] : st.records) {
+        pf->touched.emplace_back(block, block);
+        stats_.log_records++;
+        if (block >= whole) continue;
+        PassRecord r;
+        r.fp = KeyOf(rec.fp);
+        r.block = block;
+        r.file = fidx;
+        if (r.fp == zero_key_) {
+          RETURN_IF_ERROR(FreeZeroBlock(pf, block));
+          continue;
+        }
+        records_.push_back(r);
+      }
+      // Blocks changed without a fingerprint (partial writes, zeroing,
+      // discards) are read and hashed here, so what the monitor could not
+      // see is deduplicated too.
+      for (const InvalidRange& ir : st.invalidated) {
+        for (uint64_t blk = ir.first; blk < ir.first + ir.count && blk < whole; blk++) {
+          if (st.records.count(blk)) continue;
+          if (rehashed_ >= opts_.rehash_limit) break;
+          RETURN_IF_ERROR(Rehash(pf, fidx, blk));
+        }
+      }
+      Coalesce(&pf->touched);
+    }
+    std::sort(records_.begin(), records_.end(), RecordLess);
+    return Status::Ok();
+  }
+
+  Status Rehash(PassFile* pf, uint32_t fidx, uint64_t block) {
+    ASSIGN_OR_RETURN(uint32_t refs, pf->h.file->BlockRefCount(block));
+    if (refs == 0) return Status::Ok();  // a hole: nothing to share
+    rehashed_++;
+    stats_.blocks_rehashed++;
+    PassRecord r;
+    {
+      RangeGuard g(pf->h.ranges, block);
+      buf_.resize(kBlockSize);
+      RETURN_IF_ERROR(pf->h.file->Read(block * kBlockSize, buf_.data(), kBlockSize));
+      r.fp = KeyOf(ComputeFingerprint(algo_, buf_.data(), kBlockSize));
+    }
+    r.block = block;
+    r.file = fidx;
+    if (r.fp == zero_key_) return FreeZeroBlock(pf, block);
+    records_.push_back(r);
+    return Status::Ok();
+  }
+
+  // A block recorded as all zeros becomes a hole (reads the same, costs no
+  // block) once it is checked, under the block's range lock, to be zeros.
+  Status FreeZeroBlock(PassFile* pf, uint64_t block) {
+    RangeGuard g(pf->h.ranges, block);
+    std::vector<uint8_t> buf(kBlockSize);
+    RETURN_IF_ERROR(pf->h.file->Read(block * kBlockSize, buf.data(), kBlockSize));
+    if (std::any_of(buf.begin(), buf.end(), [](uint8_t b) { return b != 0; })) {
+      stats_.stale_records++;
+      return Status::Ok();
+    }
+    ASSIGN_OR_RETURN(uint32_t refs, pf->h.file->BlockRefCount(block));
+    if (refs == 0) return Status::Ok();
+    RETURN_IF_ERROR(pf->h.file->Punch(block));
+    stats_.zero_blocks_freed++;
+    return Status::Ok();
+  }
+
+  // ------------------------------------------------------------ shards
+
+  Status LockShard(uint64_t id) {
+    LockManager* lm = vol_->lock_manager();
+    const LockId lock{LockKind::kIndexShard, id};
+    bool told = false;
+    while (true) {
+      Status s = lm->Acquire(lock, LockMode::kExclusive, false);
+      if (s.code() != Status::Code::kLocked) return s;
+      if (!told) Progress("waiting for " + lock.ToString());
+      told = true;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+
+  void UnlockShard(uint64_t id) {
+    (void)vol_->lock_manager()->Release(LockId{LockKind::kIndexShard, id});
+  }
+
+  Status MergeAll() {
+    size_t i = 0;    // next unprocessed record
+    uint64_t p = 0;  // next prefix to look at
+    uint64_t retries = 0;
+    while (true) {
+      if (opts_.force) {
+        if (swept_all_) break;
+      } else {
+        if (i >= records_.size()) break;
+        p = std::max(p, KeyPrefix(records_[i].fp));
+      }
+      ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
+      const ShardRange guess = map.SlotFor(p).range;
+      RETURN_IF_ERROR(LockShard(ShardLockId(guess)));
+      Result<bool> done = ProcessUnderLock(&p, guess, &i);
+      UnlockShard(ShardLockId(guess));
+      if (!done.ok()) return done.status();
+      if (!*done) {
+        // The map changed under us, or a broken version was removed.
+        if (++retries > 1000) return Status::Corruption("index shard map keeps changing");
+        continue;
+      }
+      retries = 0;
+    }
+    return Status::Ok();
+  }
+
+  // Processes the live slot covering prefix *p if its lock is the one held
+  // (`guess`), advancing *p and *i past it; false: call again with a fresh
+  // map.
+  Result<bool> ProcessUnderLock(uint64_t* p, const ShardRange& guess, size_t* i) {
+    ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
+    const ShardSlot slot = map.SlotFor(*p);
+    if (slot.range.lo != guess.lo) return false;
+    // Our lock covers every file whose range starts at slot.lo: clear out
+    // what is stale there first.
+    for (const IndexFile& f : map.stale_shards) {
+      if (f.range.lo == slot.range.lo && vol_->Remove(f.name).ok()) stats_.stale_files_removed++;
+    }
+    for (const IndexFile& f : map.pending) {
+      if (f.range.lo == slot.range.lo && !map.IsLivePending(f.range) && vol_->Remove(f.name).ok()) {
+        stats_.stale_files_removed++;
+      }
+    }
+    size_t end = *i;
+    while (end < records_.size() && KeyPrefix(records_[end].fp) <= slot.range.last()) end++;
+    if (end > *i || opts_.force) {
+      Result<bool> r = ProcessSlot(slot, *i, end);
+      if (!r.ok() || !*r) return r;
+    }
+    *i = end;
+    if (slot.range.last() == ~0ull) {
+      swept_all_ = true;
+    } else {
+      *p = slot.range.last() + 1;
+    }
+    return true;
+  }
+
+  Result<std::unique_ptr<File>> OpenOrCreate(const std::string& name, FileKind kind) {
+    Result<std::unique_ptr<File>> f = vol_->OpenFile(name);
+    if (f.ok() || f.status().code() != Status::Code::kNotFound) return f;
+    RETURN_IF_ERROR(vol_->Create(name, 0, kind).status());
+    return vol_->OpenFile(name);
+  }
+
+  // One shard update (or deferral) with the shard's lock held. False: the
+  // current version turned out incomplete and was removed; look again.
+  Result<bool> ProcessSlot(const ShardSlot& slot, size_t b, size_t e) {
+    const uint64_t t0 = clock_->MonotonicNanos();
+    const std::string what = "index shard " + slot.range.ToString();
+    std::unique_ptr<File> cur;
+    std::unique_ptr<ShardReader> reader;
+    if (slot.version != 0) {
+      ASSIGN_OR_RETURN(cur, vol_->OpenFile(slot.name));
+      Result<std::unique_ptr<ShardReader>> r = ShardReader::Open(cur.get(), uuid_, what);
+      if (!r.ok()) {
+        if (r.status().code() != Status::Code::kCorruption) return r.status();
+        // An update that died before its header, or a damaged header: the
+        // version is not usable. Its entries are hints; dropping them loses
+        // dedup opportunities, never data (its arena blocks stay shared by
+        // their files and are swept below when the range is rebuilt).
+        LOG(kWarning) << what << ": " << r.status().message() << "; removing '" << slot.name
+                      << "'";
+        cur.reset();
+        RETURN_IF_ERROR(vol_->Remove(slot.name));
+        stats_.incomplete_versions_removed++;
+        return false;
+      }
+      reader = std::move(*r);
+    }
+    // Pending records from passes that deferred this shard.
+    std::unique_ptr<File> pending_file;
+    std::vector<PendingRecord> pending;
+    {
+      Result<std::unique_ptr<File>> pf = vol_->OpenFile(PendingFileName(slot.range));
+      if (pf.ok()) {
+        pending_file = std::move(*pf);
+        PendingScanStats ps;
+        ASSIGN_OR_RETURN(pending, ReadPendingFile(pending_file.get(), algo_, uuid_, &ps,
+                                                  "pending file of " + what));
+        if (ps.corrupt_frames) LOG(kWarning) << what << ": pending file has a bad frame";
+      } else if (pf.status().code() != Status::Code::kNotFound) {
+        return pf.status();
+      }
+    }
+    const uint64_t entries = reader ? reader->header().entry_count : 0;
+    const uint64_t fresh = e - b;
+    if (!opts_.force && entries > 0 &&
+        double(pending.size() + fresh) <= opts_.rewrite_fraction * double(entries)) {
+      // Batching: not worth a rewrite yet. Park the records.
+      if (fresh > 0) {
+        std::vector<PendingRecord> park;
+        park.reserve(fresh);
+        for (size_t k = b; k < e; k++) {
+          park.push_back(PendingRecord{records_[k].fp, files_[records_[k].file].info.id,
+                                       records_[k].block});
+        }
+        if (!pending_file) {
+          const std::string pname = PendingFileName(slot.range);
+          ASSIGN_OR_RETURN(pending_file, OpenOrCreate(pname, FileKind::kIndexShard));
+        }
+        RETURN_IF_ERROR(AppendPendingFrame(pending_file.get(), park, algo_, uuid_));
+        stats_.pending_records_written += fresh;
+      }
+      stats_.shards_deferred++;
+      return true;
+    }
+
+    // The records to apply: this pass's, then the parked ones that this
+    // pass's logs did not supersede.
+    std::vector<PassRecord> recs(records_.begin() + long(b), records_.begin() + long(e));
+    for (const PendingRecord& pr : pending) {
+      const uint32_t fi = FileIndexOf(pr.file);
+      if (fi == kNoFile || files_[fi].Touched(pr.block)) continue;
+      if (!slot.range.Contains(KeyPrefix(pr.fp))) continue;
+      recs.push_back(PassRecord{pr.fp, pr.block, fi, true});
+      stats_.pending_records_applied++;
+    }
+    std::sort(recs.begin(), recs.end(), RecordLess);
+    recs.erase(std::unique(recs.begin(), recs.end(),
+                           [](const PassRecord& x, const PassRecord& y) {
+                             return x.fp == y.fp && x.file == y.file && x.block == y.block;
+                           }),
+               recs.end());
+
+    const bool split = reader && slot.range.depth < kMaxShardDepth &&
+                       reader->header().update_ns > opts_.split_threshold_ms * 1'000'000ull &&
+                       entries >= opts_.split_min_entries;
+    const uint64_t new_version = slot.version + 1;
+    std::vector<ShardRange> outs;
+    if (split) {
+      outs = {slot.range.Lower(), slot.range.Upper()};
+      RETURN_IF_ERROR(LockShard(ShardLockId(outs[1])));
+    } else {
+      outs = {slot.range};
+    }
+    Status st = RewriteSlot(slot, std::move(reader), std::move(recs), outs, new_version, t0);
+    if (split) UnlockShard(ShardLockId(outs[1]));
+    RETURN_IF_ERROR(st);
+    if (split) stats_.shards_split++;
+    stats_.shards_rewritten++;
+    // The new version is durable: retire the old one and the parked records.
+    if (cur) {
+      cur.reset();
+      RETURN_IF_ERROR(vol_->Remove(slot.name));
+    }
+    if (pending_file) {
+      pending_file.reset();
+      RETURN_IF_ERROR(vol_->Remove(PendingFileName(slot.range)));
+    }
+    return true;
+  }
+
+  Status RewriteSlot(const ShardSlot& slot, std::unique_ptr<ShardReader> reader, std::vector<PassRecord> recs,
+                     const std::vector<ShardRange>& outs, uint64_t version, uint64_t t0) {
+    // Arenas: the slot's own (inherited by the lower half of a split) and,
+    // for a split, a fresh one for the upper half.
+    std::vector<ArenaFile> arenas(outs.size());
+    ASSIGN_OR_RETURN(arenas[0].f, OpenOrCreate(ArenaFileName(slot.range.lo), FileKind::kArena));
+    arenas[0].next = reader ? reader->header().arena_next : 0;
+    if (!reader) {
+      // No usable version: whatever the arena holds is referenced by no
+      // entry. Start it afresh (files keep their data; only the arena's
+      // references go).
+      arenas[0].f.reset();
+      Status rm = vol_->Remove(ArenaFileName(slot.range.lo));
+      if (!rm.ok() && rm.code() != Status::Code::kNotFound) return rm;
+      ASSIGN_OR_RETURN(arenas[0].f, OpenOrCreate(ArenaFileName(slot.range.lo), FileKind::kArena));
+    }
+    if (outs.size() == 2) {
+      const std::string upper = ArenaFileName(outs[1].lo);
+      Status rm = vol_->Remove(upper);  // a leftover of a split that died
+      if (!rm.ok() && rm.code() != Status::Code::kNotFound) return rm;
+      ASSIGN_OR_RETURN(arenas[1].f, OpenOrCreate(upper, FileKind::kArena));
+    }
+    std::vector<std::unique_ptr<File>> out_files;
+    std::vector<std::unique_ptr<ShardWriter>> writers;
+    for (const ShardRange& r : outs) {
+      const std::string name = ShardFileName(r, version);
+      Status rm = vol_->Remove(name);  // an incomplete leftover of the same name
+      if (!rm.ok() && rm.code() != Status::Code::kNotFound) return rm;
+      ASSIGN_OR_RETURN(FileId id, vol_->Create(name, 0, FileKind::kIndexShard));
+      (void)id;
+      ASSIGN_OR_RETURN(std::unique_ptr<File> f, vol_->OpenFile(name));
+      ShardHeader proto;
+      proto.range = r;
+      proto.version = version;
+      proto.algo = algo_;
+      proto.created_ns = clock_->NowNanos();
+      proto.host_id = vol_->host_id();
+      writers.push_back(std::make_unique<ShardWriter>(vol_, f.get(), proto));
+      out_files.push_back(std::move(f));
+    }
+
+    auto emit = [&](IndexEntry& en) -> Status {
+      const size_t w = outs.size() == 2 && outs[1].Contains(KeyPrefix(en.fp)) ? 1 : 0;
+      if (en.kind == EntryKind::kShared && w == 1) {
+        // The upper half gets its own arena: move the reference.
+        ASSIGN_OR_RETURN(uint64_t idx, arenas[1].Allocate());
+        RETURN_IF_ERROR(vol_->CloneBlock(arenas[0].f.get(), en.arena, arenas[1].f.get(), idx));
+        arenas[0].to_punch.push_back(en.arena);
+        en.arena = idx;
+      }
+      stats_.entries_written++;
+      return writers[w]->Add(en);
+    };
+
+    // Merge-scan: old entries and records, both in fingerprint order.
+    IndexEntry old;
+    bool have_old = false;
+    auto advance = [&]() -> Status {
+      if (!reader) {
+        have_old = false;
+        return Status::Ok();
+      }
+      ASSIGN_OR_RETURN(have_old, reader->Next(&old));
+      if (have_old) stats_.entries_scanned++;
+      return Status::Ok();
+    };
+    RETURN_IF_ERROR(advance());
+    size_t k = 0;
+    uint64_t groups = 0;
+    while (have_old || k < recs.size()) {
+      FpKey key;
+      if (have_old && (k >= recs.size() || !(recs[k].fp < old.fp))) {
+        key = old.fp;
+      } else {
+        key = recs[k].fp;
+      }
+      std::optional<IndexEntry> state;
+      if (have_old && old.fp == key) {
+        state = old;
+        RETURN_IF_ERROR(advance());
+        if (state->kind == EntryKind::kUnique && !UniqueStillValid(*state)) {
+          state.reset();
+          stats_.gc_unique_entries++;
+        }
+      }
+      size_t kend = k;
+      while (kend < recs.size() && recs[kend].fp == key) kend++;
+      for (; k < kend; k++) RETURN_IF_ERROR(Apply(&state, recs[k], &arenas[0]));
+      if (state && state->kind == EntryKind::kShared) {
+        // Garbage: an arena block no file refers to any more.
+        ASSIGN_OR_RETURN(uint32_t refs, arenas[0].f->BlockRefCount(state->arena));
+        if (refs <= 1) {
+          if (refs == 1) arenas[0].to_punch.push_back(state->arena);
+          stats_.gc_arena_blocks++;
+          state.reset();
+        }
+      }
+      if (state) RETURN_IF_ERROR(emit(*state));
+      if (++groups % 65536 == 0) {
+        Progress(slot.range.ToString() + ": " + std::to_string(stats_.entries_scanned) +
+                 " entries scanned");
+      }
+    }
+    if (reader) {
+      const ShardScanStats& ss = reader->stats();
+      stats_.corrupt_shard_blocks += ss.corrupt_blocks;
+      stats_.index_bytes_read += (1 + reader->header().entry_blocks +
+                                  reader->header().file_blocks) * kBlockSize;
+      if (ss.corrupt_blocks || ss.file_table_corrupt) {
+        LOG(kWarning) << "index shard " << slot.range.ToString() << ": "
+                      << ss.corrupt_blocks << " corrupt entry blocks skipped"
+                      << (ss.file_table_corrupt ? ", file table corrupt" : "");
+      }
+    }
+    const uint64_t took = clock_->MonotonicNanos() - t0;
+    for (size_t w = 0; w < writers.size(); w++) {
+      RETURN_IF_ERROR(writers[w]->Finish(arenas[w].next, took));
+      stats_.index_bytes_written += writers[w]->bytes_written();
+    }
+    // The new versions are durable: drop the arena references they no
+    // longer name.
+    for (ArenaFile& a : arenas) {
+      for (uint64_t idx : a.to_punch) RETURN_IF_ERROR(a.f->Punch(idx));
+    }
+    return Status::Ok();
+  }
+
+  // One record meets the entry for its fingerprint.
+  Status Apply(std::optional<IndexEntry>* state, const PassRecord& r, ArenaFile* arena) {
+    PassFile* pf = &files_[r.file];
+    if (!*state) {
+      IndexEntry en;
+      en.fp = r.fp;
+      en.kind = EntryKind::kUnique;
+      en.file = pf->info.id;
+      en.block = r.block;
+      *state = en;
+      stats_.unique_added++;
+      return Status::Ok();
+    }
+    IndexEntry& en = **state;
+    if (en.kind == EntryKind::kUnique) {
+      if (en.file == pf->info.id && en.block == r.block) return Status::Ok();
+      const uint32_t gi = FileIndexOf(en.file);
+      ShareOutcome out = ShareOutcome::kEntryStale;
+      uint64_t idx = 0;
+      if (gi != kNoFile) {
+        ASSIGN_OR_RETURN(out, ShareUnique(pf, r, &files_[gi], en.block, arena, &idx));
+      }
+      switch (out) {
+        case ShareOutcome::kShared:
+          en.kind = EntryKind::kShared;
+          en.arena = idx;
+          stats_.shared_new++;
+          break;
+        case ShareOutcome::kEntryStale:
+          en.file = pf->info.id;
+          en.block = r.block;
+          stats_.stale_entries++;
+          break;
+        case ShareOutcome::kRecordStale:
+          stats_.stale_records++;
+          break;
+        case ShareOutcome::kBusy:
+          stats_.busy_targets++;
+          break;
+      }
+      return Status::Ok();
+    }
+    // Shared: the arena block's content is the fingerprint's.
+    Result<FileAccess::Handle> h = Open(pf);
+    if (!h.ok()) {
+      // A parked record of a file now held elsewhere.
+      if (h.status().code() == Status::Code::kLocked) stats_.busy_targets++;
+      else stats_.stale_records++;
+      return Status::Ok();
+    }
+    const Fingerprint witness = FingerprintOf(r.fp, algo_);
+    Status s = vol_->CompareAndShare(arena->f.get(), en.arena, h->file, r.block, opts_.verify,
+                                     &witness);
+    if (s.ok()) {
+      stats_.shared_hits++;
+      return Status::Ok();
+    }
+    if (s.code() != Status::Code::kMismatch) return s;
+    ASSIGN_OR_RETURN(uint32_t refs, arena->f->BlockRefCount(en.arena));
+    if (refs == 0) {
+      // The arena block is gone (a damaged or lost index version): the
+      // entry names nothing. The record becomes the hint.
+      en.kind = EntryKind::kUnique;
+      en.file = pf->info.id;
+      en.block = r.block;
+      stats_.stale_entries++;
+    } else {
+      stats_.stale_records++;
+    }
+    return Status::Ok();
+  }
+
+  // Unique(G, c) meets record (F, b): share both through a new arena block.
+  Result<ShareOutcome> ShareUnique(PassFile* f, const PassRecord& r, PassFile* g, uint64_t c,
+                                   ArenaFile* arena, uint64_t* idx_out) {
+    if ((c + 1) * kBlockSize > g->info.size) return ShareOutcome::kEntryStale;
+    Result<FileAccess::Handle> fr = Open(f);
+    if (!fr.ok()) {
+      if (fr.status().code() == Status::Code::kLocked) return ShareOutcome::kBusy;
+      if (fr.status().code() == Status::Code::kNotFound) return ShareOutcome::kRecordStale;
+      return fr.status();
+    }
+    const FileAccess::Handle fh = *fr;
+    Result<FileAccess::Handle> gh = Open(g);
+    if (!gh.ok()) {
+      if (gh.status().code() == Status::Code::kLocked) return ShareOutcome::kBusy;
+      if (gh.status().code() == Status::Code::kNotFound) return ShareOutcome::kEntryStale;
+      return gh.status();
+    }
+    uint64_t idx;
+    {
+      // F:b must still hold the fingerprint's content when it becomes the
+      // arena block: the arena block's content is what its entry says.
+      RangeGuard guard(fh.ranges, r.block);
+      buf_.resize(kBlockSize);
+      RETURN_IF_ERROR(fh.file->Read(r.block * kBlockSize, buf_.data(), kBlockSize));
+      if (KeyOf(ComputeFingerprint(algo_, buf_.data(), kBlockSize)) != r.fp) {
+        return ShareOutcome::kRecordStale;
+      }
+      ASSIGN_OR_RETURN(idx, arena->Allocate());
+      Status cl = vol_->CloneBlock(fh.file, r.block, arena->f.get(), idx);
+      if (!cl.ok()) {
+        arena->Unallocate(idx);
+        return cl;
+      }
+    }
+    const Fingerprint witness = FingerprintOf(r.fp, algo_);
+    Status s = vol_->CompareAndShare(arena->f.get(), idx, gh->file, c, opts_.verify, &witness);
+    if (s.ok()) {
+      *idx_out = idx;
+      return ShareOutcome::kShared;
+    }
+    if (s.code() != Status::Code::kMismatch) return s;
+    // G:c changed since it was indexed: the hint is stale. Take the arena
+    // reference back so F:b is not left shared with nobody.
+    RETURN_IF_ERROR(arena->f->Punch(idx));
+    arena->Unallocate(idx);
+    return ShareOutcome::kEntryStale;
+  }
+
+  Volume* vol_;
+  FileAccess* access_;
+  DedupOptions opts_;
+  Clock* clock_;
+  const Uuid uuid_;
+  const HashAlgo algo_;
+  FpKey zero_key_{};
+  std::unordered_map<uint64_t, FileInfo> by_ino_;
+  std::vector<PassFile> files_;
+  std::unordered_map<uint64_t, uint32_t> file_index_;
+  std::vector<PassRecord> records_;
+  std::vector<std::unique_ptr<File>> logs_;
+  std::vector<uint8_t> buf_;
+  bool swept_all_ = false;
+  uint64_t rehashed_ = 0;
+  DedupStats stats_;
+};
+
+}  // namespace
+
+Result<DedupStats> RunDedupPass(Volume* vol, FileAccess* access, const DedupOptions& opts) {
+  Pass pass(vol, access, opts);
+  return pass.Run();
+}
+
+}  // namespace dede

@@ -1,0 +1,139 @@
+// DedupPass: one out-of-band deduplication pass of this host (DeDe section
+// 3.2-3.3): gather the write logs of files this process holds or can lock,
+// sort their records by fingerprint, merge them shard by shard with the
+// index, and apply the transitions
+//
+//   absent          -> Unique(F, b)          add the hint
+//   Unique(G, c)    -> Shared(arena a)       verify both blocks, share them
+//                                            through arena block a
+//   Shared(a)       -> Shared(a)             verify F:b, make it a COW
+//                                            reference to arena block a
+//   garbage         -> gone                  arena blocks only the arena
+//                                            references; Unique hints of
+//                                            deleted, recreated, truncated,
+//                                            rewritten or dedup=off files
+//
+// Correctness never rests on a record or an entry: every share is the
+// volume's compare_and_share (byte comparison, or a SHA-256 witness by
+// policy) under the files' locks, and a block's fingerprint is re-checked
+// (under the export's block-range lock inside dedupd) before it becomes an
+// arena block, so an arena block's content always matches its entry.
+//
+// A consumed write log is truncated only after every index version and
+// pending file holding its records is durable.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "agent/export_table.h"
+#include "util/status.h"
+#include "volume/volume.h"
+
+namespace dede {
+
+struct DedupOptions {
+  // Rewrite every shard that has pending work or stale entries to collect,
+  // ignoring the batching fraction.
+  bool force = false;
+  // A shard is rewritten when its pending records exceed this fraction of
+  // its entries (DeDe: past it, a sequential rewrite beats random updates).
+  double rewrite_fraction = 0.05;
+  // An update of a shard that took longer than this splits the shard's
+  // range in two at its next update.
+  uint64_t split_threshold_ms = 30000;
+  // Shards with fewer entries than this are never split.
+  uint64_t split_min_entries = 4096;
+  // Blocks the logs say changed without a fingerprint (partial writes)
+  // are read and hashed by the pass, at most this many per pass.
+  uint64_t rehash_limit = 1u << 20;
+  // kHashWitness only on SHA-256 volumes.
+  VerifyMode verify = VerifyMode::kByteCompare;
+  // Called now and then with a one-line status (progress on a terminal).
+  std::function<void(const std::string&)> progress;
+};
+
+struct DedupStats {
+  // Gathering.
+  uint64_t logs_consumed = 0;
+  uint64_t files_busy = 0;          // file or its log held elsewhere: skipped
+  uint64_t files_dedup_off = 0;     // records dropped, entries collected
+  uint64_t orphan_logs_removed = 0;
+  uint64_t log_records = 0;
+  uint64_t log_corrupt_frames = 0;
+  uint64_t log_dropped_records = 0;  // the monitor shed these: not in the log
+  uint64_t blocks_rehashed = 0;      // changed without a record: read and hashed
+  // Transitions.
+  uint64_t zero_blocks_freed = 0;
+  uint64_t unique_added = 0;         // absent -> unique
+  uint64_t shared_new = 0;           // unique -> shared
+  uint64_t shared_hits = 0;          // shared -> shared
+  uint64_t already_shared = 0;       // records whose block already was the arena's
+  uint64_t stale_records = 0;        // record's block changed since: dropped
+  uint64_t stale_entries = 0;        // Unique hint no longer true: replaced
+  uint64_t busy_targets = 0;         // indexed block in a file held elsewhere
+  uint64_t gc_arena_blocks = 0;      // arena blocks dropped (no one else refers)
+  uint64_t gc_unique_entries = 0;    // stale Unique hints removed
+  // Index.
+  uint64_t shards_rewritten = 0;
+  uint64_t shards_deferred = 0;      // below the batching fraction
+  uint64_t shards_split = 0;
+  uint64_t pending_records_written = 0;
+  uint64_t pending_records_applied = 0;
+  uint64_t entries_scanned = 0;      // old entries merge-scanned
+  uint64_t entries_written = 0;
+  uint64_t index_bytes_read = 0;
+  uint64_t index_bytes_written = 0;
+  uint64_t corrupt_shard_blocks = 0;
+  uint64_t incomplete_versions_removed = 0;
+  uint64_t stale_files_removed = 0;
+  // Time.
+  uint64_t gather_ns = 0;
+  uint64_t merge_ns = 0;
+  uint64_t total_ns = 0;
+};
+
+// How the pass reaches files: dedupd lends its open exports (with their
+// block-range locks, so checks and shares do not race its NBD writers);
+// the command line opens files on the volume (taking their locks).
+class FileAccess {
+ public:
+  struct Handle {
+    File* file = nullptr;
+    BlockRangeLock* ranges = nullptr;  // nullptr: no concurrent writers here
+  };
+  virtual ~FileAccess() = default;
+  // kLocked: held by another process or host. kNotFound: gone (or another
+  // generation). The handle stays valid until the access object dies.
+  virtual Result<Handle> Get(const FileInfo& info) = 0;
+};
+
+// Opens files on the volume and keeps them open (locked) until destroyed.
+class VolumeFileAccess : public FileAccess {
+ public:
+  explicit VolumeFileAccess(Volume* vol) : vol_(vol) {}
+  Result<Handle> Get(const FileInfo& info) override;
+
+ private:
+  Volume* vol_;
+  std::map<uint64_t, std::unique_ptr<File>> open_;  // by inode
+};
+
+// Borrows (or opens as exports) dedupd's files; releases them when destroyed.
+class ExportFileAccess : public FileAccess {
+ public:
+  explicit ExportFileAccess(ExportTable* table) : table_(table) {}
+  ~ExportFileAccess() override;
+  Result<Handle> Get(const FileInfo& info) override;
+
+ private:
+  ExportTable* table_;
+  std::map<uint64_t, std::shared_ptr<Export>> held_;  // by inode
+};
+
+Result<DedupStats> RunDedupPass(Volume* vol, FileAccess* access, const DedupOptions& opts);
+
+}  // namespace dede

@@ -1,0 +1,108 @@
+#include "index/shard_map.h"
+
+#include <algorithm>
+#include <map>
+
+namespace dede {
+
+namespace {
+
+struct Resolver {
+  // Newest version per exact range.
+  std::map<ShardRange, const IndexFile*> newest;
+
+  bool AnyInside(const ShardRange& r, uint64_t newer_than) const {
+    for (const auto& [range, f] : newest) {
+      if (range.depth > r.depth && r.Contains(range.lo) && f->version > newer_than) return true;
+    }
+    return false;
+  }
+
+  void Resolve(const ShardRange& r, uint64_t newer_than, std::vector<ShardSlot>* out) const {
+    const IndexFile* f = nullptr;
+    auto it = newest.find(r);
+    if (it != newest.end() && it->second->version > newer_than) f = it->second;
+    const uint64_t fv = f ? f->version : newer_than;
+    if (r.depth < kMaxShardDepth && AnyInside(r, fv)) {
+      std::vector<ShardSlot> halves;
+      Resolve(r.Lower(), fv, &halves);
+      Resolve(r.Upper(), fv, &halves);
+      const bool complete = std::all_of(halves.begin(), halves.end(),
+                                        [](const ShardSlot& s) { return s.version != 0; });
+      if (f == nullptr || complete) {
+        out->insert(out->end(), halves.begin(), halves.end());
+        return;
+      }
+    }
+    ShardSlot s;
+    s.range = r;
+    if (f) {
+      s.version = f->version;
+      s.name = f->name;
+      s.id = f->id;
+    }
+    out->push_back(s);
+  }
+};
+
+}  // namespace
+
+const ShardSlot& ShardMap::SlotFor(uint64_t prefix) const {
+  // live is sorted by lo and covers everything: the last slot with lo <= p.
+  auto it = std::upper_bound(live.begin(), live.end(), prefix,
+                             [](uint64_t p, const ShardSlot& s) { return p < s.range.lo; });
+  return *(it - 1);
+}
+
+bool ShardMap::IsLivePending(const ShardRange& r) const {
+  for (const ShardSlot& s : live) {
+    if (s.range == r) return true;
+  }
+  return false;
+}
+
+bool ShardMap::IsLiveArena(uint64_t lo) const {
+  for (const ShardSlot& s : live) {
+    if (s.range.lo == lo) return true;
+  }
+  return false;
+}
+
+ShardMap ResolveShardMap(const std::vector<FileInfo>& files) {
+  ShardMap m;
+  for (const FileInfo& fi : files) {
+    IndexFile f;
+    f.name = fi.name;
+    f.id = fi.id;
+    f.size = fi.size;
+    f.mapped_blocks = fi.mapped_blocks;
+    uint64_t lo;
+    if (fi.kind == FileKind::kIndexShard && ParseShardFileName(fi.name, &f.range, &f.version)) {
+      m.shard_files.push_back(f);
+    } else if (fi.kind == FileKind::kIndexShard && ParsePendingFileName(fi.name, &f.range)) {
+      m.pending.push_back(f);
+    } else if (fi.kind == FileKind::kArena && ParseArenaFileName(fi.name, &lo)) {
+      f.range = ShardRange{0, lo};
+      m.arenas.push_back(f);
+    }
+  }
+  Resolver r;
+  for (const IndexFile& f : m.shard_files) {
+    auto [it, fresh] = r.newest.try_emplace(f.range, &f);
+    if (!fresh && it->second->version < f.version) it->second = &f;
+  }
+  r.Resolve(ShardRange{0, 0}, 0, &m.live);
+  for (const IndexFile& f : m.shard_files) {
+    bool live = false;
+    for (const ShardSlot& s : m.live) live |= (s.version != 0 && s.name == f.name);
+    if (!live) m.stale_shards.push_back(f);
+  }
+  return m;
+}
+
+Result<ShardMap> LoadShardMap(Volume* vol) {
+  ASSIGN_OR_RETURN(std::vector<FileInfo> files, vol->List());
+  return ResolveShardMap(files);
+}
+
+}  // namespace dede

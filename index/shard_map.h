@@ -1,0 +1,69 @@
+// ShardMap: which shard versions make up the index right now.
+//
+// The index has no directory of its own: the volume's namespace is the
+// directory. Shard versions are named by (depth, lo, version); the live
+// partition of the fingerprint space is resolved from the names alone:
+//
+//   Resolve(R): the newest version at exactly R, unless both halves of R
+//   resolve to real versions all newer than it (a completed split), in
+//   which case the halves. A range with no version at all is an empty
+//   "virtual" shard (version 0): the index has nothing there yet.
+//
+// A new version always gets a higher number than the one it replaces, and
+// a split's halves start above their parent, so a half-finished split
+// (one half missing) leaves the parent live, and a finished one hides the
+// parent even before the parent's file is removed. Whether a version is
+// complete is decided by its header (written last); the lock holder of a
+// range checks that and removes an incomplete version (see
+// agent/dedup_pass.cc, and docs/ARCHITECTURE.md "The index").
+//
+// Files not in the live partition are stale: superseded shard versions,
+// pending files of ranges that are no longer shards (their records were
+// applied before the range changed), arenas whose lo starts no live shard.
+// They are removed by whoever holds the lock of their range's lo.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "index/shard_format.h"
+#include "util/status.h"
+#include "volume/volume.h"
+
+namespace dede {
+
+struct ShardSlot {
+  ShardRange range;
+  uint64_t version = 0;   // 0: virtual (no file yet)
+  std::string name;       // empty when virtual
+  FileId id;
+};
+
+struct IndexFile {
+  std::string name;
+  FileId id;
+  ShardRange range;       // shard/pending: its range; arena: {0, lo}
+  uint64_t version = 0;   // shard versions only
+  uint64_t size = 0;
+  uint64_t mapped_blocks = 0;
+};
+
+struct ShardMap {
+  std::vector<ShardSlot> live;         // sorted by lo; covers every prefix
+  std::vector<IndexFile> shard_files;  // every shard version file
+  std::vector<IndexFile> stale_shards; // shard versions not live
+  std::vector<IndexFile> pending;      // every pending file
+  std::vector<IndexFile> arenas;       // every arena file
+
+  // The live slot covering `prefix`.
+  const ShardSlot& SlotFor(uint64_t prefix) const;
+  bool IsLivePending(const ShardRange& r) const;
+  bool IsLiveArena(uint64_t lo) const;
+};
+
+// Builds the map from a list of the volume's files.
+ShardMap ResolveShardMap(const std::vector<FileInfo>& files);
+Result<ShardMap> LoadShardMap(Volume* vol);
+
+}  // namespace dede

@@ -1,0 +1,145 @@
+// `dede dedup VOL`: one deduplication pass of this host, in the foreground.
+#include <unistd.h>
+
+#include <cstdio>
+#include <memory>
+#include <optional>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "agent/dedup_pass.h"
+#include "tools/dede/cli.h"
+
+namespace po = boost::program_options;
+using json = nlohmann::json;
+
+namespace dede::cli {
+
+namespace {
+
+std::optional<double> ParseNonNegative(const std::string& s) {
+  try {
+    size_t used = 0;
+    double d = std::stod(s, &used);
+    if (used != s.size() || !(d >= 0) || d > 1e12) return std::nullopt;
+    return d;
+  } catch (const std::exception&) {
+    return std::nullopt;
+  }
+}
+
+json StatsJson(const DedupStats& s) {
+  json j;
+  j["logs_consumed"] = s.logs_consumed;
+  j["files_busy"] = s.files_busy;
+  j["files_dedup_off"] = s.files_dedup_off;
+  j["orphan_logs_removed"] = s.orphan_logs_removed;
+  j["log_records"] = s.log_records;
+  j["log_corrupt_frames"] = s.log_corrupt_frames;
+  j["log_dropped_records"] = s.log_dropped_records;
+  j["blocks_rehashed"] = s.blocks_rehashed;
+  j["zero_blocks_freed"] = s.zero_blocks_freed;
+  j["unique_added"] = s.unique_added;
+  j["shared_new"] = s.shared_new;
+  j["shared_hits"] = s.shared_hits;
+  j["stale_records"] = s.stale_records;
+  j["stale_entries"] = s.stale_entries;
+  j["busy_targets"] = s.busy_targets;
+  j["gc_arena_blocks"] = s.gc_arena_blocks;
+  j["gc_unique_entries"] = s.gc_unique_entries;
+  j["shards_rewritten"] = s.shards_rewritten;
+  j["shards_deferred"] = s.shards_deferred;
+  j["shards_split"] = s.shards_split;
+  j["pending_records_written"] = s.pending_records_written;
+  j["pending_records_applied"] = s.pending_records_applied;
+  j["entries_scanned"] = s.entries_scanned;
+  j["entries_written"] = s.entries_written;
+  j["index_bytes_read"] = s.index_bytes_read;
+  j["index_bytes_written"] = s.index_bytes_written;
+  j["corrupt_shard_blocks"] = s.corrupt_shard_blocks;
+  j["incomplete_versions_removed"] = s.incomplete_versions_removed;
+  j["stale_files_removed"] = s.stale_files_removed;
+  j["gather_seconds"] = double(s.gather_ns) / 1e9;
+  j["merge_seconds"] = double(s.merge_ns) / 1e9;
+  j["seconds"] = double(s.total_ns) / 1e9;
+  return j;
+}
+
+}  // namespace
+
+int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
+  ArgParser parser(cmd);
+  parser.AddPositional("VOL", "volume: a path (file or block device) or iscsi:// URL");
+  parser.options()("force", "rewrite every index shard now (collect all garbage, apply all "
+                            "parked records), ignoring the batching fraction")(
+      "fraction", po::value<std::string>()->value_name("F"),
+      "rewrite a shard only when its new records exceed F times its entries (default 0.05)")(
+      "split-after", po::value<std::string>()->value_name("SECONDS"),
+      "a shard whose last update took longer than this is split at its next update (default 30)")(
+      "verify", po::value<std::string>()->value_name("bytes|witness"),
+      "how shares are verified: byte comparison (default), or a SHA-256 witness (sha256 volumes only)")(
+      "json", "print the pass's figures as JSON");
+  parser.SetDetails(
+      "Takes the write logs of the files this process can lock (files served by a\n"
+      "running dedupd are skipped and counted as busy), merges their fingerprints\n"
+      "into the volume's index and shares duplicate blocks copy-on-write. Every\n"
+      "share is verified by the volume under both files' locks.");
+  if (auto rc = parser.Parse(args)) return *rc;
+  DedupOptions opts;
+  opts.force = parser.flag("force");
+  if (auto v = parser.value("fraction")) {
+    std::optional<double> f = ParseNonNegative(*v);
+    if (!f) return UsageError(cmd, "--fraction must be a number >= 0, not '" + *v + "'");
+    opts.rewrite_fraction = *f;
+  }
+  if (auto v = parser.value("split-after")) {
+    std::optional<double> f = ParseNonNegative(*v);
+    if (!f) return UsageError(cmd, "--split-after must be a number of seconds, not '" + *v + "'");
+    opts.split_threshold_ms = uint64_t(*f * 1000);
+  }
+  const std::string verify = parser.value("verify").value_or("bytes");
+  if (verify == "bytes") {
+    opts.verify = VerifyMode::kByteCompare;
+  } else if (verify == "witness") {
+    opts.verify = VerifyMode::kHashWitness;
+  } else {
+    return UsageError(cmd, "--verify must be 'bytes' or 'witness'");
+  }
+  const bool as_json = parser.flag("json");
+  const bool tty = ::isatty(STDERR_FILENO) == 1;
+  if (tty && !as_json) {
+    opts.progress = [](const std::string& line) {
+      std::fprintf(stderr, "\r\033[Kdedup: %s", line.c_str());
+      std::fflush(stderr);
+    };
+  }
+
+  auto opened = OpenVolume(parser.positional(0), /*read_only=*/false);
+  if (!opened.ok()) return Fail(cmd, opened.status());
+  Volume* vol = opened->volume.get();
+  auto access = std::make_unique<VolumeFileAccess>(vol);
+  Result<DedupStats> st = RunDedupPass(vol, access.get(), opts);
+  access.reset();  // close (unlock) the files
+  if (tty && !as_json) std::fprintf(stderr, "\r\033[K");
+  if (!st.ok()) return Fail(cmd, st.status());
+  const DedupStats& s = *st;
+  if (as_json) {
+    PrintJson(StatsJson(s));
+    return kExitOk;
+  }
+  std::cout << "dedup pass: " << s.logs_consumed << " logs, " << s.log_records << " records";
+  if (s.files_busy) std::cout << " (" << s.files_busy << " files busy elsewhere, skipped)";
+  std::cout << "\n  new shared blocks   " << s.shared_new << "\n  shared again        "
+            << s.shared_hits << "\n  zero blocks freed   " << s.zero_blocks_freed
+            << "\n  new unique entries  " << s.unique_added << "\n  stale (skipped)     "
+            << s.stale_records + s.stale_entries << "\n  garbage collected   "
+            << s.gc_arena_blocks << " arena blocks, " << s.gc_unique_entries << " entries"
+            << "\n  shards              " << s.shards_rewritten << " rewritten, "
+            << s.shards_deferred << " deferred, " << s.shards_split << " split"
+            << "\n  time                " << HumanDuration(double(s.total_ns) / 1e9) << std::endl;
+  return kExitOk;
+}
+
+}  // namespace dede::cli
