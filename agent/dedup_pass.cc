@@ -401,7 +401,7 @@ class Pass {
     size_t end = *i;
     while (end < records_.size() && KeyPrefix(records_[end].fp) <= slot.range.last()) end++;
     if (end > *i || opts_.force) {
-      Result<bool> r = ProcessSlot(slot, *i, end);
+      Result<bool> r = ProcessSlot(slot, map.IsPendingListed(slot.range), *i, end);
       if (!r.ok() || !*r) return r;
     }
     *i = end;
@@ -422,13 +422,13 @@ class Pass {
 
   // One shard update (or deferral) with the shard's lock held. False: the
   // current version turned out incomplete and was removed; look again.
-  Result<bool> ProcessSlot(const ShardSlot& slot, size_t b, size_t e) {
+  Result<bool> ProcessSlot(const ShardSlot& slot, bool has_pending, size_t b, size_t e) {
     const uint64_t t0 = clock_->MonotonicNanos();
     const std::string what = "index shard " + slot.range.ToString();
     std::unique_ptr<File> cur;
     std::unique_ptr<ShardReader> reader;
     if (slot.version != 0) {
-      ASSIGN_OR_RETURN(cur, vol_->OpenFile(slot.name));
+      ASSIGN_OR_RETURN(cur, vol_->OpenFileById(slot.id));
       Result<std::unique_ptr<ShardReader>> r = ShardReader::Open(cur.get(), uuid_, what);
       if (!r.ok()) {
         if (r.status().code() != Status::Code::kCorruption) return r.status();
@@ -448,7 +448,7 @@ class Pass {
     // Pending records from passes that deferred this shard.
     std::unique_ptr<File> pending_file;
     std::vector<PendingRecord> pending;
-    {
+    if (has_pending) {
       Result<std::unique_ptr<File>> pf = vol_->OpenFile(PendingFileName(slot.range));
       if (pf.ok()) {
         pending_file = std::move(*pf);

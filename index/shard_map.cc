@@ -61,6 +61,13 @@ bool ShardMap::IsLivePending(const ShardRange& r) const {
   return false;
 }
 
+bool ShardMap::IsPendingListed(const ShardRange& r) const {
+  for (const IndexFile& f : pending) {
+    if (f.range == r) return true;
+  }
+  return false;
+}
+
 bool ShardMap::IsLiveArena(uint64_t lo) const {
   for (const ShardSlot& s : live) {
     if (s.range.lo == lo) return true;

@@ -59,6 +59,8 @@ struct ShardMap {
   // The live slot covering `prefix`.
   const ShardSlot& SlotFor(uint64_t prefix) const;
   bool IsLivePending(const ShardRange& r) const;
+  // A pending file of exactly this range exists.
+  bool IsPendingListed(const ShardRange& r) const;
   bool IsLiveArena(uint64_t lo) const;
 };
 

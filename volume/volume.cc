@@ -832,6 +832,7 @@ Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKi
   DropCache(InodeLock(free_ino));
   (void)locks_->Release(InodeLock(free_ino));
   RETURN_IF_ERROR(st);
+  name_hint_[name] = free_ino;
   // Namespace changes are rare; do not make other processes wait for ours.
   RETURN_IF_ERROR(ReleaseCachedLock(kNamespaceLock));
   return FileId{free_ino, generation};
@@ -856,19 +857,56 @@ Status VolumeImpl::CreateInode(uint64_t ino, const std::string& name, uint64_t s
   return Checkpoint();
 }
 
-Result<FileInfo> VolumeImpl::Lookup(const std::string& name) {
-  ASSIGN_OR_RETURN(std::vector<Inode> inodes, ScanInodes());
-  for (const Inode& in : inodes) {
-    if (in.in_use() && in.name == name) return InfoFrom(in);
+Result<Inode> VolumeImpl::ReadInodeFresh(uint64_t ino) {
+  {
+    MutexLock l(&mu_);
+    if (cache_.count(sb_.InodeBlock(ino))) return GetInode(ino);
   }
+  BlockBuf buf = NewBlockBuf(1);
+  RETURN_IF_ERROR(dev_->Read(sb_.InodeBlock(ino) * kBlockSize, buf.get(), kBlockSize));
+  if (AllZero(buf.get(), kBlockSize)) {
+    Inode in;
+    in.ino = ino;
+    return in;
+  }
+  return DecodeInode(buf.get(), sb_.uuid, sb_.InodeBlock(ino));
+}
+
+Result<FileInfo> VolumeImpl::Lookup(const std::string& name) {
+  uint64_t hint = 0;
+  {
+    MutexLock l(&mu_);
+    auto it = name_hint_.find(name);
+    if (it != name_hint_.end()) hint = it->second;
+  }
+  if (hint != 0) {
+    // Names are unique (the namespace lock): if the hinted inode is in use
+    // under this name, it is the file.
+    Result<Inode> in = ReadInodeFresh(hint);
+    if (in.ok() && in->in_use() && in->name == name) return InfoFrom(*in);
+  }
+  ASSIGN_OR_RETURN(std::vector<Inode> inodes, ScanInodes());
+  std::optional<FileInfo> found;
+  MutexLock l(&mu_);
+  name_hint_.clear();
+  for (const Inode& in : inodes) {
+    if (!in.in_use()) continue;
+    name_hint_[in.name] = in.ino;
+    if (in.name == name) found = InfoFrom(in);
+  }
+  if (found) return *found;
   return Status::NotFound("no file named '" + name + "'");
 }
 
 Result<std::vector<FileInfo>> VolumeImpl::List() {
   ASSIGN_OR_RETURN(std::vector<Inode> inodes, ScanInodes());
   std::vector<FileInfo> out;
+  MutexLock l(&mu_);
+  name_hint_.clear();
   for (const Inode& in : inodes) {
-    if (in.in_use()) out.push_back(InfoFrom(in));
+    if (!in.in_use()) continue;
+    out.push_back(InfoFrom(in));
+    name_hint_[in.name] = in.ino;
   }
   return out;
 }

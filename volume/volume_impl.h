@@ -137,6 +137,8 @@ class VolumeImpl : public Volume {
                      uint64_t owner_ino, uint64_t* generation) REQUIRES(mu_);
   Result<Inode> ReadInodeUncached(uint64_t ino) EXCLUDES(mu_);
   Result<std::vector<Inode>> ScanInodes() EXCLUDES(mu_);
+  // The inode as it is now: from the cache, else read from the device.
+  Result<Inode> ReadInodeFresh(uint64_t ino) EXCLUDES(mu_);
   Result<std::unique_ptr<File>> OpenInode(uint64_t ino, uint64_t generation,
                                           const std::string& name) EXCLUDES(mu_);
   bool OwnsInode(uint64_t ino) REQUIRES(mu_);
@@ -175,6 +177,10 @@ class VolumeImpl : public Volume {
   // Groups a scan found full; cleared when freed blocks become reusable.
   std::set<uint32_t> full_groups_ GUARDED_BY(mu_);
   Status poisoned_ GUARDED_BY(mu_);
+  // Where a name was last seen (a hint: Lookup re-reads that inode and
+  // falls back to a full scan when it no longer carries the name), so a
+  // lookup costs one inode read instead of a scan of the inode table.
+  std::unordered_map<std::string, uint64_t> name_hint_ GUARDED_BY(mu_);
 };
 
 }  // namespace dede
