@@ -359,6 +359,9 @@ class Pass {
     uint64_t p = 0;  // next prefix to look at
     uint64_t retries = 0;
     while (true) {
+      if (opts_.cancel != nullptr && opts_.cancel->load()) {
+        return Status::Unavailable("dedup pass cancelled");
+      }
       if (opts_.force) {
         if (swept_all_) break;
       } else {

@@ -23,6 +23,7 @@
 // pending file holding its records is durable.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <map>
@@ -52,6 +53,10 @@ struct DedupOptions {
   uint64_t rehash_limit = 1u << 20;
   // kHashWitness only on SHA-256 volumes.
   VerifyMode verify = VerifyMode::kByteCompare;
+  // Checked between shards: when it becomes true the pass stops early with
+  // kUnavailable (everything done so far is durable and consistent; the
+  // logs are kept and consumed by a later pass).
+  const std::atomic<bool>* cancel = nullptr;
   // Called now and then with a one-line status (progress on a terminal).
   std::function<void(const std::string&)> progress;
 };

@@ -8,8 +8,12 @@
 #include <boost/program_options.hpp>
 #include <cstdio>
 #include <iostream>
+#include <atomic>
+#include <functional>
 #include <memory>
+#include <mutex>
 
+#include "agent/dedup_pass.h"
 #include "agent/export_table.h"
 #include "agent/log_flusher.h"
 #include "agent/nbd_server.h"
@@ -51,6 +55,8 @@ struct Config {
   uint64_t log_flush_bytes = 1 << 20;
   uint64_t monitor_memory = uint64_t{64} << 20;
   bool write_monitor = true;
+  double dedup_interval = 0;  // 0: only on SIGUSR1
+  double dedup_fraction = 0.05;
   LogLevel log_level = LogLevel::kInfo;
 };
 
@@ -77,6 +83,8 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("log-flush-bytes", po::value(&flush_bytes)->value_name("SIZE"), "flush a file's records once they fill SIZE of log (default 1M)")
       ("monitor-memory", po::value(&memory)->value_name("SIZE"), "memory cap of the write monitor's buffers (default 64M)")
       ("no-write-monitor", "serve without fingerprinting writes (benchmarks)")
+      ("dedup-interval", po::value(&cfg->dedup_interval)->value_name("SEC"), "run a dedup pass every SEC seconds (default 0: only when sent SIGUSR1)")
+      ("dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"), "rewrite an index shard when its new records exceed F times its entries (default 0.05)")
       ("log-level", po::value(&log_level)->value_name("LEVEL"), "debug, info, warning or error (default info)");
   po::variables_map vm;
   try {
@@ -123,6 +131,8 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   if (cfg->threads < 1 || cfg->threads > 256) return UsageError("--threads: 1..256");
   if (!(cfg->sync_interval > 0) || !(cfg->log_flush_interval > 0)) {
     return UsageError("intervals must be positive");
+  if (cfg->dedup_interval < 0) return UsageError("--dedup-interval: must be >= 0");
+  if (!(cfg->dedup_fraction >= 0)) return UsageError("--dedup-fraction: must be >= 0");
   }
   cfg->write_monitor = vm.count("no-write-monitor") == 0;
   return -1;
@@ -198,6 +208,48 @@ int Run(const Config& cfg) {
     if (cfg.write_monitor) (void)flusher.FlushAll();
   });
 
+  // Dedup passes run on a worker, one at a time; shutdown cancels the one
+  // running and waits for it (it holds exports) before closing files.
+  std::atomic<bool> cancel_pass{false};
+  std::mutex pass_mu;
+  uint64_t passes = 0;
+  auto run_pass = [&] {
+    std::unique_lock<std::mutex> running(pass_mu, std::try_to_lock);
+    if (!running.owns_lock() || cancel_pass) return;
+    // What is buffered goes to the logs first, so the pass sees it.
+    if (cfg.write_monitor) (void)flusher.FlushAll();
+    DedupOptions po;
+    po.rewrite_fraction = cfg.dedup_fraction;
+    po.cancel = &cancel_pass;
+    auto access = std::make_unique<ExportFileAccess>(&table);
+    Result<DedupStats> st = RunDedupPass(vol, access.get(), po);
+    access.reset();  // hands the exports back (closing those without clients)
+    passes++;
+    if (!st.ok()) {
+      if (st.status().code() == Status::Code::kUnavailable) {
+        LOG(kInfo) << "dedup pass " << passes << ": " << st.status().ToString();
+      } else {
+        LOG(kError) << "dedup pass " << passes << ": " << st.status().ToString();
+      }
+      return;
+    }
+    LOG(kInfo) << "dedup pass " << passes << ": " << st->log_records << " records from "
+               << st->logs_consumed << " logs, " << st->shared_new << " new shared, "
+               << st->shared_hits << " shared again, " << st->zero_blocks_freed
+               << " zero blocks freed, " << st->files_busy << " files busy, "
+               << st->shards_rewritten << " shards rewritten in "
+               << double(st->total_ns) / 1e9 << " s";
+  };
+  PeriodicJob dedup_job(io, &server, cfg.dedup_interval > 0 ? cfg.dedup_interval : 1e9, run_pass);
+  asio::signal_set usr1(io, SIGUSR1);
+  std::function<void(boost::system::error_code, int)> on_usr1 =
+      [&](boost::system::error_code ec, int) {
+        if (ec) return;
+        server.RunBlocking(run_pass);
+        usr1.async_wait(on_usr1);
+      };
+  usr1.async_wait(on_usr1);
+
   int exit_code = kExitOk;
   asio::signal_set signals(io, SIGTERM, SIGINT);
   signals.async_wait([&](boost::system::error_code ec, int sig) {
@@ -205,8 +257,12 @@ int Run(const Config& cfg) {
     LOG(kInfo) << "signal " << sig << ": draining requests and shutting down";
     sync_job.Stop();
     flush_job.Stop();
+    dedup_job.Stop();
+    usr1.cancel();
+    cancel_pass = true;
     server.Shutdown([&] {
       server.RunBlocking([&] {
+        { std::lock_guard<std::mutex> wait_for_pass(pass_mu); }
         if (cfg.write_monitor) {
           if (Status st = flusher.FlushAll(); !st.ok()) {
             LOG(kError) << "flushing write logs: " << st.ToString();
@@ -226,6 +282,7 @@ int Run(const Config& cfg) {
   server.Start();
   sync_job.Start();
   flush_job.Start();
+  if (cfg.dedup_interval > 0) dedup_job.Start();
   {
     auto names = table.List();
     std::string where = cfg.socket.empty() ? "" : cfg.socket;
