@@ -21,12 +21,12 @@ Result<FileAccess::Handle> VolumeFileAccess::Get(const FileInfo& info) {
   auto it = open_.find(info.id.ino);
   if (it != open_.end()) {
     if (!(it->second->id() == info.id)) return Status::NotFound("file changed");
-    return Handle{it->second.get(), nullptr};
+    return Handle{it->second.get()};
   }
   ASSIGN_OR_RETURN(std::unique_ptr<File> f, vol_->OpenFileById(info.id));
   File* raw = f.get();
   open_[info.id.ino] = std::move(f);
-  return Handle{raw, nullptr};
+  return Handle{raw};
 }
 
 ExportFileAccess::~ExportFileAccess() {
@@ -40,7 +40,7 @@ Result<FileAccess::Handle> ExportFileAccess::Get(const FileInfo& info) {
     it = held_.emplace(info.id.ino, std::move(e)).first;
   }
   if (!(it->second->id() == info.id)) return Status::NotFound("file changed");
-  return Handle{it->second->file(), it->second->ranges()};
+  return Handle{it->second->file()};
 }
 
 namespace {
@@ -88,21 +88,6 @@ void Coalesce(std::vector<std::pair<uint64_t, uint64_t>>* v) {
   *v = std::move(out);
 }
 
-class RangeGuard {
- public:
-  RangeGuard(BlockRangeLock* l, uint64_t b) : l_(l), b_(b) {
-    if (l_) l_->Lock(b_, b_);
-  }
-  ~RangeGuard() {
-    if (l_) l_->Unlock(b_, b_);
-  }
-  RangeGuard(const RangeGuard&) = delete;
-  RangeGuard& operator=(const RangeGuard&) = delete;
-
- private:
-  BlockRangeLock* l_;
-  uint64_t b_;
-};
 
 // The arena of one shard: a file made only of COW references to shared
 // blocks. Indexes are handed out upward from the shard header's arena_next;
@@ -126,7 +111,16 @@ struct ArenaFile {
   }
 };
 
-enum class ShareOutcome { kShared, kRecordStale, kEntryStale, kBusy };
+constexpr uint64_t kNoArena = ~0ull;
+
+// One fingerprint of a shard update: its index entry (if any) and the
+// records [next, end) not applied to it yet.
+struct Group {
+  std::optional<IndexEntry> state;
+  size_t next = 0;
+  size_t end = 0;
+  uint64_t anchor_arena = kNoArena;  // arena block planned this round
+};
 
 class Pass {
  public:
@@ -278,7 +272,7 @@ class Pass {
         r.block = block;
         r.file = fidx;
         if (r.fp == zero_key_) {
-          RETURN_IF_ERROR(FreeZeroBlock(pf, block));
+          RETURN_IF_ERROR(QueueZeroBlock(pf, block));
           continue;
         }
         records_.push_back(r);
@@ -287,51 +281,68 @@ class Pass {
       // discards) are read and hashed here, so what the monitor could not
       // see is deduplicated too.
       for (const InvalidRange& ir : st.invalidated) {
-        for (uint64_t blk = ir.first; blk < ir.first + ir.count && blk < whole; blk++) {
-          if (st.records.count(blk)) continue;
-          if (rehashed_ >= opts_.rehash_limit) break;
-          RETURN_IF_ERROR(Rehash(pf, fidx, blk));
+        const uint64_t end = std::min(ir.first + ir.count, whole);
+        for (uint64_t blk = ir.first; blk < end && rehashed_ < opts_.rehash_limit;) {
+          const uint64_t n = std::min<uint64_t>({end - blk, 64, opts_.rehash_limit - rehashed_});
+          RETURN_IF_ERROR(Rehash(pf, fidx, blk, n, st.records));
+          blk += n;
         }
       }
+      RETURN_IF_ERROR(FlushZeroBlocks());
       Coalesce(&pf->touched);
     }
     std::sort(records_.begin(), records_.end(), RecordLess);
     return Status::Ok();
   }
 
-  Status Rehash(PassFile* pf, uint32_t fidx, uint64_t block) {
-    ASSIGN_OR_RETURN(uint32_t refs, pf->h.file->BlockRefCount(block));
-    if (refs == 0) return Status::Ok();  // a hole: nothing to share
-    rehashed_++;
-    stats_.blocks_rehashed++;
-    PassRecord r;
-    {
-      RangeGuard g(pf->h.ranges, block);
-      buf_.resize(kBlockSize);
-      RETURN_IF_ERROR(pf->h.file->Read(block * kBlockSize, buf_.data(), kBlockSize));
-      r.fp = KeyOf(ComputeFingerprint(algo_, buf_.data(), kBlockSize));
+  // Reads and hashes blocks [first, first + n) of a file; a record for each
+  // (those the log has a record for are skipped).
+  Status Rehash(PassFile* pf, uint32_t fidx, uint64_t first, uint64_t n,
+                const std::map<uint64_t, BlockRecord>& logged) {
+    buf_.resize(n * kBlockSize);
+    RETURN_IF_ERROR(pf->h.file->Read(first * kBlockSize, buf_.data(), n * kBlockSize));
+    for (uint64_t i = 0; i < n; i++) {
+      if (logged.count(first + i)) continue;
+      rehashed_++;
+      stats_.blocks_rehashed++;
+      PassRecord r;
+      r.fp = KeyOf(ComputeFingerprint(algo_, buf_.data() + i * kBlockSize, kBlockSize));
+      r.block = first + i;
+      r.file = fidx;
+      if (r.fp == zero_key_) {
+        RETURN_IF_ERROR(QueueZeroBlock(pf, first + i));
+      } else {
+        records_.push_back(r);
+      }
     }
-    r.block = block;
-    r.file = fidx;
-    if (r.fp == zero_key_) return FreeZeroBlock(pf, block);
-    records_.push_back(r);
     return Status::Ok();
   }
 
-  // A block recorded as all zeros becomes a hole (reads the same, costs no
-  // block) once it is checked, under the block's range lock, to be zeros.
-  Status FreeZeroBlock(PassFile* pf, uint64_t block) {
-    RangeGuard g(pf->h.ranges, block);
-    std::vector<uint8_t> buf(kBlockSize);
-    RETURN_IF_ERROR(pf->h.file->Read(block * kBlockSize, buf.data(), kBlockSize));
-    if (std::any_of(buf.begin(), buf.end(), [](uint8_t b) { return b != 0; })) {
-      stats_.stale_records++;
-      return Status::Ok();
+  // A block recorded (or read) as all zeros becomes a hole: it reads the
+  // same and costs no block. The volume checks it is zeros when it punches.
+  Status QueueZeroBlock(PassFile* pf, uint64_t block) {
+    Volume::BlockOp op;
+    op.kind = Volume::BlockOp::Kind::kPunchIfZero;
+    op.dst = pf->h.file;
+    op.dst_index = block;
+    zero_ops_.push_back(op);
+    if (zero_ops_.size() >= opts_.batch_ops) return FlushZeroBlocks();
+    return Status::Ok();
+  }
+
+  Status FlushZeroBlocks() {
+    if (zero_ops_.empty()) return Status::Ok();
+    RETURN_IF_ERROR(vol_->ApplyBlockOps(&zero_ops_, opts_.verify));
+    for (const Volume::BlockOp& op : zero_ops_) {
+      if (op.result.ok()) {
+        stats_.zero_blocks_freed++;
+      } else if (op.result.code() == Status::Code::kMismatch) {
+        stats_.stale_records++;
+      } else {
+        return op.result;
+      }
     }
-    ASSIGN_OR_RETURN(uint32_t refs, pf->h.file->BlockRefCount(block));
-    if (refs == 0) return Status::Ok();
-    RETURN_IF_ERROR(pf->h.file->Punch(block));
-    stats_.zero_blocks_freed++;
+    zero_ops_.clear();
     return Status::Ok();
   }
 
@@ -586,6 +597,9 @@ class Pass {
     };
 
     // Merge-scan: old entries and records, both in fingerprint order.
+    // Groups (one fingerprint: its entry and its records) are collected in
+    // a window; the window's block operations go to the volume as batches,
+    // then its entries are written in order.
     IndexEntry old;
     bool have_old = false;
     auto advance = [&]() -> Status {
@@ -598,42 +612,58 @@ class Pass {
       return Status::Ok();
     };
     RETURN_IF_ERROR(advance());
+    std::vector<Group> window;
+    size_t window_records = 0;
+    auto flush_window = [&]() -> Status {
+      RETURN_IF_ERROR(ResolveWindow(&window, recs, &arenas[0]));
+      for (Group& g : window) {
+        if (g.state && g.state->kind == EntryKind::kShared) {
+          // Garbage: an arena block no file refers to any more.
+          ASSIGN_OR_RETURN(uint32_t refs, arenas[0].f->BlockRefCount(g.state->arena));
+          if (refs <= 1) {
+            if (refs == 1) arenas[0].to_punch.push_back(g.state->arena);
+            stats_.gc_arena_blocks++;
+            g.state.reset();
+          }
+        }
+        if (g.state) RETURN_IF_ERROR(emit(*g.state));
+      }
+      window.clear();
+      window_records = 0;
+      return Status::Ok();
+    };
     size_t k = 0;
     uint64_t groups = 0;
     while (have_old || k < recs.size()) {
+      Group g;
       FpKey key;
       if (have_old && (k >= recs.size() || !(recs[k].fp < old.fp))) {
         key = old.fp;
       } else {
         key = recs[k].fp;
       }
-      std::optional<IndexEntry> state;
       if (have_old && old.fp == key) {
-        state = old;
+        g.state = old;
         RETURN_IF_ERROR(advance());
-        if (state->kind == EntryKind::kUnique && !UniqueStillValid(*state)) {
-          state.reset();
+        if (g.state->kind == EntryKind::kUnique && !UniqueStillValid(*g.state)) {
+          g.state.reset();
           stats_.gc_unique_entries++;
         }
       }
-      size_t kend = k;
-      while (kend < recs.size() && recs[kend].fp == key) kend++;
-      for (; k < kend; k++) RETURN_IF_ERROR(Apply(&state, recs[k], &arenas[0]));
-      if (state && state->kind == EntryKind::kShared) {
-        // Garbage: an arena block no file refers to any more.
-        ASSIGN_OR_RETURN(uint32_t refs, arenas[0].f->BlockRefCount(state->arena));
-        if (refs <= 1) {
-          if (refs == 1) arenas[0].to_punch.push_back(state->arena);
-          stats_.gc_arena_blocks++;
-          state.reset();
-        }
+      g.next = k;
+      while (k < recs.size() && recs[k].fp == key) k++;
+      g.end = k;
+      window_records += g.end - g.next;
+      window.push_back(std::move(g));
+      if (window_records >= opts_.batch_ops || window.size() >= 8 * opts_.batch_ops) {
+        RETURN_IF_ERROR(flush_window());
       }
-      if (state) RETURN_IF_ERROR(emit(*state));
       if (++groups % 65536 == 0) {
         Progress(slot.range.ToString() + ": " + std::to_string(stats_.entries_scanned) +
                  " entries scanned");
       }
     }
+    RETURN_IF_ERROR(flush_window());
     if (reader) {
       const ShardScanStats& ss = reader->stats();
       stats_.corrupt_shard_blocks += ss.corrupt_blocks;
@@ -658,124 +688,175 @@ class Pass {
     return Status::Ok();
   }
 
-  // One record meets the entry for its fingerprint.
-  Status Apply(std::optional<IndexEntry>* state, const PassRecord& r, ArenaFile* arena) {
-    PassFile* pf = &files_[r.file];
-    if (!*state) {
-      IndexEntry en;
-      en.fp = r.fp;
-      en.kind = EntryKind::kUnique;
-      en.file = pf->info.id;
-      en.block = r.block;
-      *state = en;
-      stats_.unique_added++;
-      return Status::Ok();
-    }
-    IndexEntry& en = **state;
-    if (en.kind == EntryKind::kUnique) {
-      if (en.file == pf->info.id && en.block == r.block) return Status::Ok();
-      const uint32_t gi = FileIndexOf(en.file);
-      ShareOutcome out = ShareOutcome::kEntryStale;
-      uint64_t idx = 0;
-      if (gi != kNoFile) {
-        ASSIGN_OR_RETURN(out, ShareUnique(pf, r, &files_[gi], en.block, arena, &idx));
+  // Applies the records of a window's groups to their entries: the
+  // transitions, with every block operation of a round sent to the volume
+  // as one batch. A group whose anchor block turned out stale is retried
+  // with its next record in the following round.
+  Status ResolveWindow(std::vector<Group>* window, const std::vector<PassRecord>& recs,
+                       ArenaFile* arena) {
+    using Op = Volume::BlockOp;
+    struct Planned {
+      size_t group;
+      size_t record;  // index into recs; ~0 for the indexed block G:c
+      enum { kAnchor, kIndexed, kMember } role;
+    };
+    while (true) {
+      std::vector<Op> ops;
+      std::vector<Planned> plan;
+      for (size_t gi = 0; gi < window->size(); gi++) {
+        Group& g = (*window)[gi];
+        g.anchor_arena = kNoArena;
+        while (g.next < g.end) {
+          const PassRecord& r = recs[g.next];
+          PassFile* pf = &files_[r.file];
+          if (!g.state) {
+            g.state = IndexEntry{r.fp, EntryKind::kUnique, pf->info.id, r.block, 0};
+            stats_.unique_added++;
+            g.next++;
+            continue;
+          }
+          IndexEntry& en = *g.state;
+          Result<FileAccess::Handle> fh = Open(pf);
+          if (!fh.ok()) {
+            // A parked record of a file now held elsewhere (or gone).
+            if (fh.status().code() == Status::Code::kLocked) {
+              stats_.busy_targets++;
+            } else if (fh.status().code() == Status::Code::kNotFound) {
+              stats_.stale_records++;
+            } else {
+              return fh.status();
+            }
+            g.next++;
+            continue;
+          }
+          if (en.kind == EntryKind::kShared) {
+            // Shared: every record becomes a reference to the arena block.
+            for (size_t j = g.next; j < g.end; j++) {
+              Result<FileAccess::Handle> h = Open(&files_[recs[j].file]);
+              if (!h.ok()) {
+                stats_.busy_targets++;
+                continue;
+              }
+              ops.push_back(Op{Op::Kind::kShare, arena->f.get(), en.arena, h->file,
+                               recs[j].block, FingerprintOf(recs[j].fp, algo_), Status()});
+              plan.push_back({gi, j, Planned::kMember});
+            }
+            g.next = g.end;
+            break;
+          }
+          // Unique(G, c): a new arena block from this record's block (if it
+          // still holds the fingerprint's content), shared with G:c and
+          // with the other records.
+          if (en.file == pf->info.id && en.block == r.block) {
+            g.next++;
+            continue;
+          }
+          const uint32_t gfi = FileIndexOf(en.file);
+          Result<FileAccess::Handle> gh = gfi == kNoFile
+                                              ? Result<FileAccess::Handle>(Status::NotFound("gone"))
+                                              : Open(&files_[gfi]);
+          if (!gh.ok() && gh.status().code() == Status::Code::kLocked) {
+            stats_.busy_targets++;
+            g.next++;
+            continue;
+          }
+          if (!gh.ok() || (en.block + 1) * kBlockSize > files_[gfi].info.size) {
+            if (!gh.ok() && gh.status().code() != Status::Code::kNotFound) return gh.status();
+            // The indexed file is gone: the record is the hint now.
+            en = IndexEntry{r.fp, EntryKind::kUnique, pf->info.id, r.block, 0};
+            stats_.stale_entries++;
+            g.next++;
+            continue;
+          }
+          ASSIGN_OR_RETURN(uint64_t a, arena->Allocate());
+          g.anchor_arena = a;
+          const Fingerprint fp = FingerprintOf(r.fp, algo_);
+          ops.push_back(Op{Op::Kind::kCloneIfHash, fh->file, r.block, arena->f.get(), a, fp,
+                           Status()});
+          plan.push_back({gi, g.next, Planned::kAnchor});
+          ops.push_back(Op{Op::Kind::kShare, arena->f.get(), a, gh->file, en.block, fp, Status()});
+          plan.push_back({gi, ~size_t{0}, Planned::kIndexed});
+          for (size_t j = g.next + 1; j < g.end; j++) {
+            Result<FileAccess::Handle> h = Open(&files_[recs[j].file]);
+            if (!h.ok()) continue;  // counted when its turn comes
+            ops.push_back(Op{Op::Kind::kShare, arena->f.get(), a, h->file, recs[j].block, fp,
+                             Status()});
+            plan.push_back({gi, j, Planned::kMember});
+          }
+          break;
+        }
       }
-      switch (out) {
-        case ShareOutcome::kShared:
-          en.kind = EntryKind::kShared;
-          en.arena = idx;
-          stats_.shared_new++;
-          break;
-        case ShareOutcome::kEntryStale:
-          en.file = pf->info.id;
-          en.block = r.block;
-          stats_.stale_entries++;
-          break;
-        case ShareOutcome::kRecordStale:
+      if (ops.empty()) return Status::Ok();
+      RETURN_IF_ERROR(vol_->ApplyBlockOps(&ops, opts_.verify));
+      for (const Op& op : ops) {
+        if (!op.result.ok() && op.result.code() != Status::Code::kMismatch) return op.result;
+      }
+      // Outcomes, group by group (a group's ops are consecutive).
+      for (size_t i = 0; i < ops.size();) {
+        const size_t gi = plan[i].group;
+        Group& g = (*window)[gi];
+        size_t e = i;
+        while (e < ops.size() && plan[e].group == gi) e++;
+        if (plan[i].role == Planned::kMember) {
+          // Members of a Shared entry.
+          for (size_t j = i; j < e; j++) {
+            if (ops[j].result.ok()) {
+              stats_.shared_hits++;
+            } else {
+              ASSIGN_OR_RETURN(uint32_t refs, arena->f->BlockRefCount(g.state->arena));
+              if (refs == 0 && g.state->kind == EntryKind::kShared) {
+                // The arena block is gone (a damaged or lost index version):
+                // the entry names nothing; the record becomes the hint.
+                const PassRecord& r = recs[plan[j].record];
+                g.state = IndexEntry{r.fp, EntryKind::kUnique, files_[r.file].info.id, r.block, 0};
+                stats_.stale_entries++;
+              } else {
+                stats_.stale_records++;
+              }
+            }
+          }
+          i = e;
+          continue;
+        }
+        // An anchor, the indexed block, then members.
+        const size_t anchor_rec = plan[i].record;
+        if (!ops[i].result.ok()) {
+          // The record's block changed since it was logged: try the next.
           stats_.stale_records++;
-          break;
-        case ShareOutcome::kBusy:
-          stats_.busy_targets++;
-          break;
-      }
-      return Status::Ok();
-    }
-    // Shared: the arena block's content is the fingerprint's.
-    Result<FileAccess::Handle> h = Open(pf);
-    if (!h.ok()) {
-      // A parked record of a file now held elsewhere.
-      if (h.status().code() == Status::Code::kLocked) stats_.busy_targets++;
-      else stats_.stale_records++;
-      return Status::Ok();
-    }
-    const Fingerprint witness = FingerprintOf(r.fp, algo_);
-    Status s = vol_->CompareAndShare(arena->f.get(), en.arena, h->file, r.block, opts_.verify,
-                                     &witness);
-    if (s.ok()) {
-      stats_.shared_hits++;
-      return Status::Ok();
-    }
-    if (s.code() != Status::Code::kMismatch) return s;
-    ASSIGN_OR_RETURN(uint32_t refs, arena->f->BlockRefCount(en.arena));
-    if (refs == 0) {
-      // The arena block is gone (a damaged or lost index version): the
-      // entry names nothing. The record becomes the hint.
-      en.kind = EntryKind::kUnique;
-      en.file = pf->info.id;
-      en.block = r.block;
-      stats_.stale_entries++;
-    } else {
-      stats_.stale_records++;
-    }
-    return Status::Ok();
-  }
-
-  // Unique(G, c) meets record (F, b): share both through a new arena block.
-  Result<ShareOutcome> ShareUnique(PassFile* f, const PassRecord& r, PassFile* g, uint64_t c,
-                                   ArenaFile* arena, uint64_t* idx_out) {
-    if ((c + 1) * kBlockSize > g->info.size) return ShareOutcome::kEntryStale;
-    Result<FileAccess::Handle> fr = Open(f);
-    if (!fr.ok()) {
-      if (fr.status().code() == Status::Code::kLocked) return ShareOutcome::kBusy;
-      if (fr.status().code() == Status::Code::kNotFound) return ShareOutcome::kRecordStale;
-      return fr.status();
-    }
-    const FileAccess::Handle fh = *fr;
-    Result<FileAccess::Handle> gh = Open(g);
-    if (!gh.ok()) {
-      if (gh.status().code() == Status::Code::kLocked) return ShareOutcome::kBusy;
-      if (gh.status().code() == Status::Code::kNotFound) return ShareOutcome::kEntryStale;
-      return gh.status();
-    }
-    uint64_t idx;
-    {
-      // F:b must still hold the fingerprint's content when it becomes the
-      // arena block: the arena block's content is what its entry says.
-      RangeGuard guard(fh.ranges, r.block);
-      buf_.resize(kBlockSize);
-      RETURN_IF_ERROR(fh.file->Read(r.block * kBlockSize, buf_.data(), kBlockSize));
-      if (KeyOf(ComputeFingerprint(algo_, buf_.data(), kBlockSize)) != r.fp) {
-        return ShareOutcome::kRecordStale;
-      }
-      ASSIGN_OR_RETURN(idx, arena->Allocate());
-      Status cl = vol_->CloneBlock(fh.file, r.block, arena->f.get(), idx);
-      if (!cl.ok()) {
-        arena->Unallocate(idx);
-        return cl;
+          arena->Unallocate(g.anchor_arena);
+          g.next = anchor_rec + 1;
+          i = e;
+          continue;
+        }
+        uint64_t shared = 0;
+        const bool indexed_ok = ops[i + 1].result.ok();
+        shared += indexed_ok;
+        for (size_t j = i + 2; j < e; j++) {
+          if (ops[j].result.ok()) {
+            shared++;
+            stats_.shared_hits++;
+          } else {
+            stats_.stale_records++;
+          }
+        }
+        const PassRecord& ar = recs[anchor_rec];
+        if (shared == 0) {
+          // Nothing else holds this content any more: the indexed block is
+          // stale, and the anchor becomes the hint (not shared with the
+          // arena, so it keeps being written in place).
+          RETURN_IF_ERROR(arena->f->Punch(g.anchor_arena));
+          arena->Unallocate(g.anchor_arena);
+          g.state = IndexEntry{ar.fp, EntryKind::kUnique, files_[ar.file].info.id, ar.block, 0};
+          stats_.stale_entries++;
+        } else {
+          if (!indexed_ok) stats_.stale_entries++;
+          g.state = IndexEntry{ar.fp, EntryKind::kShared, FileId{}, 0, g.anchor_arena};
+          stats_.shared_new++;
+        }
+        g.next = g.end;
+        i = e;
       }
     }
-    const Fingerprint witness = FingerprintOf(r.fp, algo_);
-    Status s = vol_->CompareAndShare(arena->f.get(), idx, gh->file, c, opts_.verify, &witness);
-    if (s.ok()) {
-      *idx_out = idx;
-      return ShareOutcome::kShared;
-    }
-    if (s.code() != Status::Code::kMismatch) return s;
-    // G:c changed since it was indexed: the hint is stale. Take the arena
-    // reference back so F:b is not left shared with nobody.
-    RETURN_IF_ERROR(arena->f->Punch(idx));
-    arena->Unallocate(idx);
-    return ShareOutcome::kEntryStale;
   }
 
   Volume* vol_;
@@ -785,6 +866,7 @@ class Pass {
   const Uuid uuid_;
   const HashAlgo algo_;
   FpKey zero_key_{};
+  std::vector<Volume::BlockOp> zero_ops_;  // punches of zero blocks, batched
   std::unordered_map<uint64_t, FileInfo> by_ino_;
   std::vector<PassFile> files_;
   std::unordered_map<uint64_t, uint32_t> file_index_;

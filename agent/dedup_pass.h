@@ -51,6 +51,9 @@ struct DedupOptions {
   // Blocks the logs say changed without a fingerprint (partial writes)
   // are read and hashed by the pass, at most this many per pass.
   uint64_t rehash_limit = 1u << 20;
+  // Block operations (shares, clones, punches) sent to the volume per batch:
+  // their reads are merged, and the files involved wait for the batch.
+  size_t batch_ops = 8192;
   // kHashWitness only on SHA-256 volumes.
   VerifyMode verify = VerifyMode::kByteCompare;
   // Checked between shards: when it becomes true the pass stops early with
@@ -101,14 +104,15 @@ struct DedupStats {
   uint64_t total_ns = 0;
 };
 
-// How the pass reaches files: dedupd lends its open exports (with their
-// block-range locks, so checks and shares do not race its NBD writers);
-// the command line opens files on the volume (taking their locks).
+// How the pass reaches files: dedupd lends its open exports; the command
+// line opens files on the volume (taking their locks). Every check and
+// change the pass makes to a file's blocks is a Volume::ApplyBlockOps
+// operation, atomic with respect to the file's writers, so the pass needs
+// no lock of dedupd's data path.
 class FileAccess {
  public:
   struct Handle {
     File* file = nullptr;
-    BlockRangeLock* ranges = nullptr;  // nullptr: no concurrent writers here
   };
   virtual ~FileAccess() = default;
   // kLocked: held by another process or host. kNotFound: gone (or another

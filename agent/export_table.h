@@ -69,8 +69,6 @@ class Export {
   Status Flush();
 
   File* file() { return file_.get(); }
-  // Held by anything that reads-then-acts on blocks (the dedup pass).
-  BlockRangeLock* ranges() { return &ranges_; }
 
  private:
   friend class ExportTable;

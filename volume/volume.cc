@@ -1597,6 +1597,174 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
   return Status::Ok();
 }
 
+Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
+  using Kind = BlockOp::Kind;
+  if (ops->empty()) return Status::Ok();
+  if (mode == VerifyMode::kHashWitness && sb_.hash_algo != HashAlgo::kSha256) {
+    return Status::Invalid("hash witnesses need a volume formatted with --hash sha256");
+  }
+  auto state = [](File* f) { return f ? static_cast<FileImpl*>(f)->state() : nullptr; };
+  // Every file of the batch, locked exclusively in inode order.
+  std::vector<OpenFileState*> files;
+  for (const BlockOp& op : *ops) {
+    if (op.src) files.push_back(state(op.src));
+    files.push_back(state(op.dst));
+  }
+  std::sort(files.begin(), files.end(),
+            [](OpenFileState* a, OpenFileState* b) { return a->id.ino < b->id.ino; });
+  files.erase(std::unique(files.begin(), files.end()), files.end());
+  std::vector<std::unique_ptr<WriterLock>> held;
+  for (OpenFileState* f : files) held.push_back(std::make_unique<WriterLock>(&f->rw));
+
+  // Plan: every position's pointer now; later operations see earlier ones
+  // through `after` (evaluated below, once the contents are known).
+  using Pos = std::pair<uint64_t, uint64_t>;  // (ino, index)
+  std::map<Pos, uint64_t> now;
+  std::vector<uint64_t> addrs;
+  {
+    MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckWritable());
+    for (BlockOp& op : *ops) {
+      op.result = Status::Ok();
+      const bool two = op.kind != Kind::kPunchIfZero;
+      if (two && op.src == nullptr) {
+        op.result = Status::Invalid("block op without a source");
+        continue;
+      }
+      ASSIGN_OR_RETURN(Inode din, GetInode(state(op.dst)->id.ino));
+      bool whole = (op.dst_index + 1) * kBlockSize <= din.size;
+      Inode sin;
+      if (two) {
+        ASSIGN_OR_RETURN(sin, GetInode(state(op.src)->id.ino));
+        whole = whole && (op.src_index + 1) * kBlockSize <= sin.size;
+      }
+      if (!whole) {
+        op.result = Status::Invalid("block ops work on whole blocks inside their files only");
+        continue;
+      }
+      Pos dpos{din.ino, op.dst_index};
+      if (!now.count(dpos)) {
+        ASSIGN_OR_RETURN(now[dpos], GetPtr(din, op.dst_index));
+        if (now[dpos]) addrs.push_back(PtrAddr(now[dpos]));
+      }
+      if (two) {
+        Pos spos{sin.ino, op.src_index};
+        if (!now.count(spos)) {
+          ASSIGN_OR_RETURN(now[spos], GetPtr(sin, op.src_index));
+          if (now[spos]) addrs.push_back(PtrAddr(now[spos]));
+        }
+      }
+    }
+  }
+
+  // Read every block involved once, merging neighbours into big reads.
+  std::sort(addrs.begin(), addrs.end());
+  addrs.erase(std::unique(addrs.begin(), addrs.end()), addrs.end());
+  constexpr uint64_t kMaxRun = 256;  // blocks per read
+  constexpr uint64_t kMaxGap = 8;    // unneeded blocks worth reading over
+  struct Run {
+    uint64_t first, count;
+    BlockBuf buf;
+  };
+  std::vector<Run> runs;
+  for (size_t i = 0; i < addrs.size();) {
+    size_t j = i + 1;
+    while (j < addrs.size() && addrs[j] - addrs[j - 1] <= kMaxGap + 1 &&
+           addrs[j] - addrs[i] < kMaxRun) {
+      j++;
+    }
+    Run r{addrs[i], addrs[j - 1] - addrs[i] + 1, nullptr};
+    r.buf = NewBlockBuf(r.count);
+    RETURN_IF_ERROR(dev_->Read(r.first * kBlockSize, r.buf.get(), r.count * kBlockSize));
+    runs.push_back(std::move(r));
+    i = j;
+  }
+  auto content = [&](uint64_t addr) -> const uint8_t* {
+    auto it = std::upper_bound(runs.begin(), runs.end(), addr,
+                               [](uint64_t a, const Run& r) { return a < r.first; });
+    const Run& r = *(it - 1);
+    return r.buf.get() + (addr - r.first) * kBlockSize;
+  };
+
+  // Decide, in order, on the pointers as the earlier decisions left them.
+  std::map<Pos, uint64_t> after = now;
+  std::vector<std::pair<uint64_t, uint64_t>> decided(ops->size(), {0, 0});  // (sp, dp) seen
+  for (size_t k = 0; k < ops->size(); k++) {
+    BlockOp& op = (*ops)[k];
+    if (!op.result.ok()) continue;
+    const Pos dpos{state(op.dst)->id.ino, op.dst_index};
+    const uint64_t dp = after.at(dpos);
+    if (op.kind == Kind::kPunchIfZero) {
+      if (dp == 0) continue;  // already a hole
+      if (!AllZero(content(PtrAddr(dp)), kBlockSize)) {
+        op.result = Status::Mismatch("punch_if_zero: block is not all zeros");
+        continue;
+      }
+      decided[k] = {0, dp};
+      after[dpos] = 0;
+      continue;
+    }
+    const Pos spos{state(op.src)->id.ino, op.src_index};
+    const uint64_t sp = after.at(spos);
+    if (sp == 0 || (op.kind == Kind::kShare && dp == 0)) {
+      op.result = Status::Mismatch("a block is a hole");
+      continue;
+    }
+    if (dp != 0 && PtrAddr(sp) == PtrAddr(dp)) continue;  // already shared
+    const uint8_t* a = content(PtrAddr(sp));
+    bool same;
+    if (op.kind == Kind::kCloneIfHash) {
+      same = ComputeFingerprint(sb_.hash_algo, a, kBlockSize) == op.witness;
+    } else if (mode == VerifyMode::kByteCompare) {
+      same = std::memcmp(a, content(PtrAddr(dp)), kBlockSize) == 0;
+    } else {
+      same = ComputeFingerprint(sb_.hash_algo, a, kBlockSize) == op.witness &&
+             ComputeFingerprint(sb_.hash_algo, content(PtrAddr(dp)), kBlockSize) == op.witness;
+    }
+    if (!same) {
+      op.result = Status::Mismatch(op.kind == Kind::kCloneIfHash
+                                       ? "clone_if_hash: content does not match"
+                                       : "compare_and_share: contents differ");
+      continue;
+    }
+    decided[k] = {sp, dp};
+    after[spos] = sp | kPtrCow;
+    after[dpos] = PtrAddr(sp) | kPtrCow;
+  }
+
+  // Apply the decisions. The file locks are still held, so the pointers
+  // are what the decisions saw.
+  for (size_t k = 0; k < ops->size(); k++) {
+    BlockOp& op = (*ops)[k];
+    const auto [sp, dp] = decided[k];
+    if (!op.result.ok() || (sp == 0 && dp == 0)) continue;
+    MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckWritable());
+    RETURN_IF_ERROR(EnsureRoom(32));
+    ASSIGN_OR_RETURN(Inode din, GetInode(state(op.dst)->id.ino));
+    ASSIGN_OR_RETURN(uint64_t cur_dp, GetPtr(din, op.dst_index));
+    if (cur_dp != dp) return Status::Corruption("block op: destination pointer changed under lock");
+    if (op.kind == Kind::kPunchIfZero) {
+      RETURN_IF_ERROR(ReplaceBlock(&din, op.dst_index, 0));
+      PutInode(din);
+      continue;
+    }
+    RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp), PtrAddr(dp)}));
+    ASSIGN_OR_RETURN(Inode sin, GetInode(state(op.src)->id.ino));
+    ASSIGN_OR_RETURN(uint64_t cur_sp, GetPtr(sin, op.src_index));
+    if (PtrAddr(cur_sp) != PtrAddr(sp)) {
+      return Status::Corruption("block op: source pointer changed under lock");
+    }
+    RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
+    if (!PtrCow(cur_sp)) RETURN_IF_ERROR(SetPtr(&sin, op.src_index, cur_sp | kPtrCow));
+    PutInode(sin);
+    ASSIGN_OR_RETURN(din, GetInode(state(op.dst)->id.ino));
+    RETURN_IF_ERROR(ReplaceBlock(&din, op.dst_index, PtrAddr(sp) | kPtrCow));
+    PutInode(din);
+  }
+  return Status::Ok();
+}
+
 // =================================================================== stats
 
 Result<VolumeStats> VolumeImpl::Stats() {

@@ -178,6 +178,31 @@ class Volume {
   // keeps the invariant that bytes past EOF in a last block read as zero.
   virtual Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) = 0;
 
+  // Many block operations at once, each with the semantics of the call it
+  // names, atomic with respect to writers of the files involved (their
+  // locks are all held for the batch), applied in order (an operation sees
+  // what earlier ones did). The blocks the batch compares or hashes are
+  // read once, sorted by address and merged into large device reads: this
+  // is what makes verification cheap when many blocks are shared at once.
+  // Each operation's outcome is in its `result` (kMismatch: not done); the
+  // call itself fails only on errors that stop the batch (I/O, journal).
+  struct BlockOp {
+    enum class Kind {
+      kShare,        // CompareAndShare(src, src_index, dst, dst_index, mode, &witness)
+      kCloneIfHash,  // CloneBlock(src -> dst) if src's content hashes to `witness`
+                     // (the volume's algorithm); kMismatch if not or a hole
+      kPunchIfZero,  // dst's block becomes a hole if it reads all zeros
+    };
+    Kind kind = Kind::kShare;
+    File* src = nullptr;
+    uint64_t src_index = 0;
+    File* dst = nullptr;
+    uint64_t dst_index = 0;
+    Fingerprint witness;
+    Status result;
+  };
+  virtual Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) = 0;
+
   // Flush point (see top of file).
   virtual Status Sync() = 0;
   virtual Result<VolumeStats> Stats() = 0;

@@ -55,6 +55,7 @@ class VolumeImpl : public Volume {
   Status CompareAndShare(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
                          VerifyMode mode, const Fingerprint* witness) override;
   Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) EXCLUDES(mu_) override;
+  Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) EXCLUDES(mu_) override;
   Status Sync() EXCLUDES(mu_) override;
   Result<VolumeStats> Stats() EXCLUDES(mu_) override;
 

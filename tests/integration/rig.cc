@@ -282,6 +282,20 @@ ProcessResult RunProcess(const std::vector<std::string>& argv, int timeout_s) {
   return RunProcessEnv(argv, {}, timeout_s);
 }
 
+std::string DescribeRun(const std::vector<std::string>& argv, const ProcessResult& r) {
+  std::string s;
+  for (const auto& a : argv) s += a + " ";
+  s += "\n  exit " + std::to_string(r.exit_code) + " signal " + std::to_string(r.signal) +
+       "\n  stdout: " + r.out.substr(0, 4000) + "\n  stderr: " + r.err.substr(0, 4000);
+  return s;
+}
+
+std::vector<uint8_t> ReadWholeFile(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::vector<uint8_t>((std::istreambuf_iterator<char>(in)),
+                              std::istreambuf_iterator<char>());
+}
+
 std::string BinaryPath(const std::string& name) {
   const std::string root = DEDE_BINARY_DIR;
   if (name == "dede") return root + "/tools/dede/dede";

@@ -34,6 +34,13 @@ struct ProcessResult {
 // exit_code -1).
 ProcessResult RunProcess(const std::vector<std::string>& argv, int timeout_s = 120);
 
+// "argv... / exit N signal S / stdout / stderr" (each stream cut at 4000
+// bytes) for test failure messages.
+std::string DescribeRun(const std::vector<std::string>& argv, const ProcessResult& r);
+
+// The whole content of a file (empty if it cannot be read).
+std::vector<uint8_t> ReadWholeFile(const std::string& path);
+
 // Path of a binary built by this project, e.g. BinaryPath("dede").
 std::string BinaryPath(const std::string& name);
 

@@ -89,7 +89,7 @@ class ModelAccess : public FileAccess {
     if (it == files_->end() || !(it->second.id == info.id)) {
       return Status::NotFound("not a live file of the model");
     }
-    return Handle{it->second.file.get(), nullptr};
+    return Handle{it->second.file.get()};
   }
 
  private:

@@ -72,7 +72,7 @@ json StatsJson(const DedupStats& s) {
 int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   ArgParser parser(cmd);
   parser.AddPositional("VOL", "volume: a path (file or block device) or iscsi:// URL");
-  parser.options()("force", "rewrite every index shard now (collect all garbage, apply all "
+  parser.options()("force", po::bool_switch(), "rewrite every index shard now (collect all garbage, apply all "
                             "parked records), ignoring the batching fraction")(
       "fraction", po::value<std::string>()->value_name("F"),
       "rewrite a shard only when its new records exceed F times its entries (default 0.05)")(
@@ -80,7 +80,7 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
       "a shard whose last update took longer than this is split at its next update (default 30)")(
       "verify", po::value<std::string>()->value_name("bytes|witness"),
       "how shares are verified: byte comparison (default), or a SHA-256 witness (sha256 volumes only)")(
-      "json", "print the pass's figures as JSON");
+      "json", po::bool_switch(), "print the pass's figures as JSON");
   parser.SetDetails(
       "Takes the write logs of the files this process can lock (files served by a\n"
       "running dedupd are skipped and counted as busy), merges their fingerprints\n"
