@@ -247,15 +247,26 @@ Result<ShardHeader> DecodeShardHeader(const uint8_t* blk, const Uuid& uuid, File
     return bad("unknown hash algorithm " + std::to_string(algo));
   }
   h.algo = HashAlgo(algo);
-  if (!ValidRange(h.range)) return bad("invalid range " + h.range.ToString());
+  // Not ToString(): last() of an invalid range shifts by >= 64 or wraps.
+  if (!ValidRange(h.range)) {
+    return bad("invalid range: depth " + std::to_string(h.range.depth) + " lo " +
+               Hex16(h.range.lo));
+  }
   if (fp_size != HashAlgoSize(h.algo) || elided != ElidedBytes(h.range) ||
       entry_size != EntrySize(h.algo, h.range)) {
     return bad("entry geometry does not match depth and hash");
   }
   h.entry_size = entry_size;
   const uint64_t per = EntriesPerBlock(entry_size);
-  if (h.entry_blocks != (h.entry_count + per - 1) / per) return bad("entry block count wrong");
-  if (h.unique_count + h.shared_count != h.entry_count) return bad("entry counts disagree");
+  // No count may wrap: a volume file holds fewer than 2^52 blocks (its
+  // byte size is a u64), which also keeps the shard's byte size in range.
+  if (h.entry_blocks >= (uint64_t{1} << 52) ||
+      h.entry_blocks != h.entry_count / per + (h.entry_count % per != 0)) {
+    return bad("entry block count wrong");
+  }
+  if (h.unique_count > h.entry_count || h.shared_count != h.entry_count - h.unique_count) {
+    return bad("entry counts disagree");
+  }
   if (h.file_count > kMaxEntryFileRef + 1 ||
       h.file_blocks != (h.file_count + kFilesPerBlock - 1) / kFilesPerBlock) {
     return bad("file table size wrong");

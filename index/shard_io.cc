@@ -250,6 +250,9 @@ Result<uint64_t> CountPendingRecords(File* f, HashAlgo algo, const Uuid& uuid) {
       break;
     }
     const uint64_t count = DecodeU64(hb.data() + 16);
+    // DecodePendingFrame's bound: a larger count is a corrupt frame (and
+    // would wrap the sums below).
+    if (count > (uint64_t{1} << 32)) break;
     const uint32_t per = PendingRecordsPerBlock(algo);
     total += count;
     b += 1 + (count + per - 1) / per;

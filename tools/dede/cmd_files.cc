@@ -112,15 +112,21 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
   ArgParser parser(cmd);
   parser.AddPositional("VOL", kVolHelp);
   parser.options()("long,l", po::bool_switch(),
-                   "per file: kind, size, allocated, shared, unique, saved, dedup, "
-                   "pending write-log records")(
+                   "per file: kind, size, allocated, saved, blocks (unique, shared), "
+                   "dedup, pending write-log records")(
       "all,a", po::bool_switch(), "also list dede's internal files (write logs...)")(
       "json", po::bool_switch(), "print a JSON array");
   parser.SetDetails(
-      "allocated: mapped blocks x 4 KiB. shared/unique: mapped blocks whose\n"
-      "physical block is / is not referenced elsewhere too. saved: what sharing\n"
-      "saves, each shared block's 4 KiB split among its references. A file open\n"
-      "elsewhere cannot be walked: it shows its inode figures and 'in use'.\n"
+      "allocated: mapped blocks x 4 KiB. saved: what sharing saves, each shared\n"
+      "block's 4 KiB split among its references (the dedup index's arena holds\n"
+      "one reference to each block it shares, so this is an upper bound; dede\n"
+      "stats gives the volume's exact savings).\n"
+      "BLOCKS, UNIQUE, SHARED are counts of 4 KiB blocks: BLOCKS = UNIQUE +\n"
+      "SHARED are the blocks holding data; UNIQUE ones only this file uses\n"
+      "(removing the file frees them); SHARED ones are also used elsewhere\n"
+      "(another file, another place in this file, or the dedup index).\n"
+      "A file open elsewhere cannot be walked: it shows its inode figures and\n"
+      "'in use'.\n"
       "logged: blocks whose fingerprint waits in the file's write log for the\n"
       "next dedup pass (a running dedupd also buffers some in memory); '!' after\n"
       "it: records were dropped under load, the next pass verifies everything.");
@@ -211,17 +217,19 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
     return kExitOk;
   }
   std::vector<std::vector<std::string>> rows;
-  rows.push_back({"KIND", "SIZE", "ALLOCATED", "SHARED", "UNIQUE", "SAVED", "DEDUP", "LOGGED", "NAME"});
+  rows.push_back({"KIND", "SIZE", "ALLOCATED", "SAVED", "BLOCKS", "UNIQUE", "SHARED", "DEDUP",
+                  "LOGGED", "NAME"});
   for (const Listing& l : listing) {
     const uint64_t mapped = l.have_usage ? l.usage.mapped_blocks : l.info.mapped_blocks;
     std::vector<std::string> row = {FileKindName(l.info.kind), HumanSize(l.info.size),
                                     HumanSize(mapped * kBlockSize)};
     if (l.have_usage) {
-      row.push_back(HumanSize(l.usage.shared_blocks * kBlockSize));
-      row.push_back(HumanSize(l.usage.unique_blocks * kBlockSize));
       row.push_back(HumanSize(l.usage.saved_bytes));
+      row.push_back(std::to_string(mapped));
+      row.push_back(std::to_string(l.usage.unique_blocks));
+      row.push_back(std::to_string(l.usage.shared_blocks));
     } else {
-      row.insert(row.end(), {"-", "-", "-"});
+      row.insert(row.end(), {"-", std::to_string(mapped), "-", "-"});
     }
     row.push_back(l.info.dedup ? "on" : "off");
     switch (l.log) {

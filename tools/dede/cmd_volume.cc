@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "index/index_check.h"
 #include "tools/dede/cli.h"
 #include "volume/block_device.h"
 #include "volume/format.h"
@@ -30,6 +31,8 @@ std::string Iso8601(uint64_t ns) {
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   return buf;
 }
+
+std::string Entries(uint64_t n) { return std::to_string(n) + (n == 1 ? " entry" : " entries"); }
 
 std::string Percent(double v) {
   char buf[32];
@@ -274,46 +277,119 @@ int RunStats(const Command& cmd, const std::vector<std::string>& args) {
   parser.AddPositional("VOL", kVolHelp);
   parser.options()("json", po::bool_switch(), "print a JSON object");
   parser.SetDetails(
-      "logical:  data blocks mapped by all files (what the files hold)\n"
-      "physical: data blocks in use on the device (shared blocks count once)\n"
+      "logical:  data blocks mapped by the VM files (what the files hold)\n"
+      "physical: distinct data blocks those files use on the device (a shared\n"
+      "          block counts once; dede's own files are not counted here)\n"
+      "savings:  logical - physical, as a % of logical\n"
+      "index:    fingerprint index entries (unique: one block known; shared: a\n"
+      "          block several places share) and the index files' size\n"
+      "arena:    references the index holds to shared blocks (no data of its own)\n"
+      "overhead: what deduplication costs in space: index files, the arenas'\n"
+      "          block maps and the write logs, as a % of logical\n"
       "metadata: fixed regions (superblocks, leases, journals, inodes, refcounts)\n"
-      "          plus the files' block maps");
+      "          plus every file's block map");
   if (auto rc = parser.Parse(args)) return *rc;
 
   auto opened = OpenVolume(parser.positional(0), /*read_only=*/true);
   if (!opened.ok()) return Fail(cmd, opened.status());
-  auto stats = opened->volume->Stats();
+  Volume* vol = opened->volume.get();
+  auto stats = vol->Stats();
   if (!stats.ok()) return Fail(cmd, stats.status());
   const VolumeStats& s = *stats;
+  auto files = vol->List();
+  if (!files.ok()) return Fail(cmd, files.status());
+  auto index = SummarizeIndex(vol);
+  if (!index.ok()) return Fail(cmd, index.status().WithContext("index"));
+  const IndexSummary& ix = *index;
 
-  const uint64_t logical = s.logical_blocks * kBlockSize;
+  // Mapped blocks per kind of file. Regular files are the VM disks; the
+  // rest are dede's own: index shards and pending files, arenas (whose
+  // blocks are references to blocks files share), write logs, others.
+  uint64_t regular_files = 0, logical_blocks = 0;
+  uint64_t internal_files = 0, index_mapped = 0, log_files = 0, log_blocks = 0;
+  uint64_t other_internal_blocks = 0;
+  for (const FileInfo& fi : *files) {
+    switch (fi.kind) {
+      case FileKind::kRegular:
+        regular_files++;
+        logical_blocks += fi.mapped_blocks;
+        continue;
+      case FileKind::kIndexShard: index_mapped += fi.mapped_blocks; break;
+      case FileKind::kArena: break;
+      case FileKind::kWriteLog:
+        log_files++;
+        log_blocks += fi.mapped_blocks;
+        break;
+      default: other_internal_blocks += fi.mapped_blocks; break;
+    }
+    internal_files++;
+  }
+  // Used blocks are distinct data blocks plus block-map blocks. Internal
+  // files other than arenas never share their blocks; an arena's blocks
+  // are the files' shared blocks, except the few only the arena still
+  // references (garbage until the shard's next rewrite).
+  auto minus = [](uint64_t a, uint64_t b) { return a >= b ? a - b : 0; };
+  const uint64_t data_used = minus(s.used_blocks, s.pointer_blocks);
   const uint64_t physical_blocks =
-      s.used_blocks >= s.pointer_blocks ? s.used_blocks - s.pointer_blocks : 0;
+      minus(data_used, index_mapped + log_blocks + other_internal_blocks + ix.arena_only_blocks);
+  const uint64_t logical = logical_blocks * kBlockSize;
   const uint64_t physical = physical_blocks * kBlockSize;
   const uint64_t saved = logical > physical ? logical - physical : 0;
   const double savings_pct =
       logical == 0 ? 0.0 : 100.0 * static_cast<double>(saved) / static_cast<double>(logical);
   const uint64_t metadata_blocks = s.fixed_metadata_blocks + s.pointer_blocks;
+  const uint64_t log_bytes = log_blocks * kBlockSize;
+  const uint64_t arena_map_bytes = ix.arena_pointer_blocks * kBlockSize;
+  const uint64_t overhead = ix.index_bytes() + arena_map_bytes + log_bytes;
+  const double overhead_pct =
+      logical == 0 ? 0.0 : 100.0 * static_cast<double>(overhead) / static_cast<double>(logical);
 
   if (parser.flag("json")) {
     json j;
     j["logical_bytes"] = logical;
-    j["logical_blocks"] = s.logical_blocks;
-    j["physical_bytes"] = physical;
+    j["logical_blocks"] = logical_blocks;
+    j["physical_bytes"] = physical;  // == physical_data_bytes
     j["physical_blocks"] = physical_blocks;
+    j["physical_data_bytes"] = physical;
+    j["physical_data_blocks"] = physical_blocks;
     j["saved_bytes"] = saved;
     j["savings_percent"] = savings_pct;
     j["shared_blocks"] = s.shared_blocks;
+    j["used_blocks"] = s.used_blocks;
     j["free_bytes"] = s.free_blocks * kBlockSize;
     j["free_blocks"] = s.free_blocks;
     j["data_capacity_bytes"] = s.data_blocks * kBlockSize;
     j["total_bytes"] = s.total_blocks * kBlockSize;
-    j["files"] = s.files;
+    j["files"] = regular_files;
+    j["internal_files"] = internal_files;
     j["inodes_total"] = s.inodes_total;
     j["metadata_bytes"] = metadata_blocks * kBlockSize;
     j["fixed_metadata_bytes"] = s.fixed_metadata_blocks * kBlockSize;
     j["pointer_blocks"] = s.pointer_blocks;
     j["pointer_bytes"] = s.pointer_blocks * kBlockSize;
+    j["index_shards"] = ix.shards;
+    j["index_empty_ranges"] = ix.empty_ranges;
+    j["index_busy_shards"] = ix.busy_shards;
+    j["index_unreadable_shards"] = ix.unreadable_shards;
+    j["index_entries"] = ix.entries;
+    j["index_unique_entries"] = ix.unique_entries;
+    j["index_shared_entries"] = ix.shared_entries;
+    j["index_shard_files"] = ix.shard_files;
+    j["index_pending_files"] = ix.pending_files;
+    j["index_pending_records"] = ix.pending_records;
+    j["index_stale_files"] = ix.stale_files;
+    j["index_blocks"] = ix.index_blocks();
+    j["index_bytes"] = ix.index_bytes();
+    j["arena_files"] = ix.arena_files;
+    j["arena_blocks"] = ix.arena_blocks;
+    j["arena_only_blocks"] = ix.arena_only_blocks;
+    j["arena_pointer_blocks"] = ix.arena_pointer_blocks;
+    j["arena_pointer_bytes"] = arena_map_bytes;
+    j["arena_busy_files"] = ix.busy_arenas;
+    j["write_log_files"] = log_files;
+    j["write_log_bytes"] = log_bytes;
+    j["metadata_overhead_bytes"] = overhead;
+    j["metadata_overhead_percent"] = overhead_pct;
     PrintJson(j);
     return kExitOk;
   }
@@ -327,7 +403,25 @@ int RunStats(const Command& cmd, const std::vector<std::string>& args) {
   line("savings", Percent(savings_pct) + " (" + HumanSize(saved) + ")");
   line("free",
        HumanSize(s.free_blocks * kBlockSize) + " of " + HumanSize(s.data_blocks * kBlockSize));
-  line("files", std::to_string(s.files) + " of " + std::to_string(s.inodes_total) + " inodes");
+  line("files", std::to_string(regular_files) + " (+ " + std::to_string(internal_files) +
+                    " internal) of " + std::to_string(s.inodes_total) + " inodes");
+  std::string shards = Count(ix.shards, "shard");
+  if (ix.busy_shards) shards += ", " + std::to_string(ix.busy_shards) + " busy (not counted)";
+  if (ix.unreadable_shards) shards += ", " + std::to_string(ix.unreadable_shards) + " unreadable";
+  line("index", Entries(ix.entries) + " (" +
+                    std::to_string(ix.unique_entries) + " unique, " +
+                    std::to_string(ix.shared_entries) + " shared) in " + shards + ", " +
+                    HumanSize(ix.index_bytes()) + "; " +
+                    Count(ix.pending_records, "pending record") +
+                    (ix.stale_files ? "; " + Count(ix.stale_files, "stale file") : ""));
+  line("arena", Count(ix.arena_blocks, "shared block reference") + " in " +
+                    Count(ix.arena_files, "arena") +
+                    (ix.arena_only_blocks
+                         ? " (" + std::to_string(ix.arena_only_blocks) + " no file uses any more)"
+                         : ""));
+  line("overhead", HumanSize(overhead) + " (" + Percent(overhead_pct) + " of logical: index " +
+                       HumanSize(ix.index_bytes()) + ", arena maps " + HumanSize(arena_map_bytes) +
+                       ", write logs " + HumanSize(log_bytes) + ")");
   line("metadata", HumanSize(metadata_blocks * kBlockSize) + " (fixed " +
                        HumanSize(s.fixed_metadata_blocks * kBlockSize) + ", block maps " +
                        HumanSize(s.pointer_blocks * kBlockSize) + ")");
@@ -342,6 +436,12 @@ int RunFsck(const Command& cmd, const std::vector<std::string>& args) {
   parser.options()("repair", po::bool_switch(), "fix what is safe to fix")(
       "json", po::bool_switch(), "print a JSON object");
   parser.SetDetails(
+      "Checks the volume's metadata, then the dedup index (every shard version,\n"
+      "pending file and write log; see dede stats). Index damage never touches\n"
+      "file data: --repair removes damaged or stale index files (their entries\n"
+      "are only hints); 'dede dedup --rescan' then rebuilds the index from the\n"
+      "files. Write logs are never changed by fsck: a dedup pass skips their\n"
+      "bad frames and consumes the rest.\n"
       "Exit status 0 when the volume is clean or every problem was repaired,\n"
       "1 when problems remain. Without --repair the volume is opened read-only.");
   if (auto rc = parser.Parse(args)) return *rc;
@@ -356,16 +456,37 @@ int RunFsck(const Command& cmd, const std::vector<std::string>& args) {
     Status st = opened->volume->Sync();
     if (!st.ok()) return Fail(cmd, st.WithContext("saving repairs"));
   }
+  // The index: a failure to check it (say, on a badly damaged volume) is
+  // one more problem, not the end of the report.
+  IndexCheckReport ix;
+  auto ix_report = CheckIndex(opened->volume.get(), repair);
+  if (ix_report.ok()) {
+    ix = std::move(*ix_report);
+  } else {
+    IndexProblem p;
+    p.where = "index";
+    p.what = "could not be checked: " + ix_report.status().message();
+    ix.problems.push_back(std::move(p));
+  }
+  if (repair) {
+    Status st = opened->volume->Sync();
+    if (!st.ok()) return Fail(cmd, st.WithContext("saving repairs"));
+  }
 
-  uint64_t repaired = 0;
+  uint64_t repaired = 0, found = report->problems.size() + ix.problems.size();
+  uint64_t log_remaining = 0;
   for (const auto& p : report->problems) repaired += p.repaired ? 1 : 0;
-  const uint64_t remaining = report->problems.size() - repaired;
+  for (const auto& p : ix.problems) {
+    repaired += p.repaired ? 1 : 0;
+    if (!p.repaired && p.kind == IndexProblem::Kind::kWriteLog) log_remaining++;
+  }
+  const uint64_t remaining = found - repaired;
 
   if (parser.flag("json")) {
     json j;
     j["volume"] = spec;
     j["clean"] = remaining == 0;
-    j["problems_found"] = report->problems.size();
+    j["problems_found"] = found;
     j["repaired"] = repaired;
     j["remaining"] = remaining;
     j["files"] = report->files;
@@ -373,27 +494,57 @@ int RunFsck(const Command& cmd, const std::vector<std::string>& args) {
     j["metadata_blocks"] = report->metadata_blocks;
     json problems = json::array();
     for (const auto& p : report->problems) {
-      problems.push_back({{"where", p.where}, {"what", p.what}, {"repaired", p.repaired}});
+      problems.push_back(
+          {{"part", "volume"}, {"where", p.where}, {"what", p.what}, {"repaired", p.repaired}});
+    }
+    for (const auto& p : ix.problems) {
+      problems.push_back({{"part", "index"},
+                          {"file", p.file},
+                          {"where", p.where},
+                          {"what", p.what},
+                          {"repaired", p.repaired}});
     }
     j["problems"] = problems;
+    j["index"] = {{"shards_checked", ix.shards_checked},
+                  {"entry_blocks_checked", ix.entry_blocks_checked},
+                  {"entries_checked", ix.entries_checked},
+                  {"pending_files_checked", ix.pending_files_checked},
+                  {"write_logs_checked", ix.logs_checked},
+                  {"write_log_frames_checked", ix.log_frames_checked},
+                  {"busy_files", ix.busy}};
     PrintJson(j);
   } else {
     for (const auto& p : report->problems) {
       std::cout << p.where << ": " << p.what << (p.repaired ? " [repaired]" : "") << '\n';
     }
+    for (const auto& p : ix.problems) {
+      std::cout << p.where << ": " << p.what << (p.repaired ? " [repaired]" : "") << '\n';
+    }
+    for (const auto& name : ix.busy) std::cout << name << ": in use, not checked\n";
     std::cout << spec << ": " << Count(report->files, "file") << ", "
               << Count(report->mapped_blocks, "mapped block") << ", "
-              << Count(report->metadata_blocks, "metadata block") << " checked: ";
-    if (report->problems.empty()) {
+              << Count(report->metadata_blocks, "metadata block") << ", "
+              << Count(ix.shards_checked, "index shard") << " ("
+              << Entries(ix.entries_checked) << "), "
+              << Count(ix.logs_checked, "write log") << " checked: ";
+    if (found == 0) {
       std::cout << "clean\n";
     } else {
-      std::cout << Count(report->problems.size(), "problem") << ", " << repaired << " repaired\n";
+      std::cout << Count(found, "problem") << ", " << repaired << " repaired\n";
     }
   }
   std::cout.flush();
   if (remaining > 0) {
+    std::string hint;
+    if (remaining > log_remaining) {
+      hint = repair ? "" : "run with --repair to fix what is safe to fix";
+    }
+    if (log_remaining > 0) {
+      hint += std::string(hint.empty() ? "" : "; ") +
+              "'dede dedup' consumes the damaged write logs";
+    }
     return Fail(cmd, Count(remaining, "problem") + " remain" + (remaining == 1 ? "s" : "") +
-                         (repair ? "" : " (run with --repair to fix what is safe to fix)"));
+                         (hint.empty() ? "" : " (" + hint + ")"));
   }
   return kExitOk;
 }
