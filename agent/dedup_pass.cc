@@ -142,9 +142,10 @@ class Pass {
                              "sha256");
     }
     RETURN_IF_ERROR(Gather());
+    if (opts_.rescan) RETURN_IF_ERROR(Rescan());
     const uint64_t t1 = clock_->MonotonicNanos();
     stats_.gather_ns = t1 - t0;
-    RETURN_IF_ERROR(MergeAll());
+    RETURN_IF_ERROR(MergeRound(opts_.force));
     // Everything the logs held is now in durable shard versions or pending
     // files (ShardWriter::Finish syncs; pending appends sync here).
     RETURN_IF_ERROR(vol_->Sync());
@@ -291,7 +292,60 @@ class Pass {
       RETURN_IF_ERROR(FlushZeroBlocks());
       Coalesce(&pf->touched);
     }
+    return Status::Ok();
+  }
+
+  // Sorts the records gathered so far and merges them into the index.
+  Status MergeRound(bool force) {
     std::sort(records_.begin(), records_.end(), RecordLess);
+    const bool saved = opts_.force;
+    opts_.force = force;
+    swept_all_ = false;
+    Status st = MergeAll();
+    opts_.force = saved;
+    records_.clear();
+    return st;
+  }
+
+  // --rescan: every block of every regular file this process can lock is
+  // read and fingerprinted, as if just written (rebuilds a lost or damaged
+  // index, or indexes data written before dedup ran). Bounded memory: the
+  // records are merged into the index whenever max_records accumulate.
+  Status Rescan() {
+    static const std::map<uint64_t, BlockRecord> kNone;
+    std::vector<FileInfo> regular;
+    for (const auto& [ino, fi] : by_ino_) {
+      if (fi.kind == FileKind::kRegular && fi.dedup) regular.push_back(fi);
+    }
+    std::sort(regular.begin(), regular.end(),
+              [](const FileInfo& a, const FileInfo& b) { return a.id.ino < b.id.ino; });
+    for (const FileInfo& fi : regular) {
+      const uint32_t fidx = FileIndex(fi);
+      PassFile* pf = &files_[fidx];
+      Result<FileAccess::Handle> h = Open(pf);
+      if (!h.ok()) {
+        if (h.status().code() == Status::Code::kLocked) {
+          stats_.files_busy++;
+          continue;
+        }
+        if (h.status().code() == Status::Code::kNotFound) continue;
+        return h.status();
+      }
+      const uint64_t whole = pf->WholeBlocks();
+      Progress("rescanning '" + fi.name + "'");
+      for (uint64_t b = 0; b < whole;) {
+        const uint64_t n = std::min<uint64_t>(whole - b, 256);
+        RETURN_IF_ERROR(Rehash(pf, fidx, b, n, kNone));
+        b += n;
+      }
+      if (whole > 0) {
+        pf->touched.emplace_back(0, whole - 1);
+        Coalesce(&pf->touched);
+      }
+      stats_.files_rescanned++;
+      RETURN_IF_ERROR(FlushZeroBlocks());
+      if (records_.size() >= opts_.max_records) RETURN_IF_ERROR(MergeRound(false));
+    }
     return Status::Ok();
   }
 
@@ -583,8 +637,15 @@ class Pass {
       out_files.push_back(std::move(f));
     }
 
+    // Arena blocks named by the entries written (the lower arena's).
+    std::vector<bool> arena_used;
+    auto mark_used = [&](uint64_t idx) {
+      if (idx >= arena_used.size()) arena_used.resize(idx + 1, false);
+      arena_used[idx] = true;
+    };
     auto emit = [&](IndexEntry& en) -> Status {
       const size_t w = outs.size() == 2 && outs[1].Contains(KeyPrefix(en.fp)) ? 1 : 0;
+      if (en.kind == EntryKind::kShared) mark_used(en.arena);
       if (en.kind == EntryKind::kShared && w == 1) {
         // The upper half gets its own arena: move the reference.
         ASSIGN_OR_RETURN(uint64_t idx, arenas[1].Allocate());
@@ -673,6 +734,23 @@ class Pass {
         LOG(kWarning) << "index shard " << slot.range.ToString() << ": "
                       << ss.corrupt_blocks << " corrupt entry blocks skipped"
                       << (ss.file_table_corrupt ? ", file table corrupt" : "");
+      }
+    }
+    const bool damaged = reader && (reader->stats().corrupt_blocks > 0 ||
+                                    reader->stats().file_table_corrupt ||
+                                    reader->stats().lost_entries > 0);
+    if (damaged || opts_.force) {
+      // Sweep: arena blocks no entry names (their entries were lost with
+      // a damaged block, or an update died before punching them) are only
+      // the arena's references; drop them.
+      for (uint64_t i = 0; i < arenas[0].next; i++) {
+        if (i < arena_used.size() && arena_used[i]) continue;
+        if ((i + 1) * kBlockSize > arenas[0].f->size()) break;
+        ASSIGN_OR_RETURN(uint32_t refs, arenas[0].f->BlockRefCount(i));
+        if (refs > 0) {
+          arenas[0].to_punch.push_back(i);
+          stats_.arena_blocks_swept++;
+        }
       }
     }
     const uint64_t took = clock_->MonotonicNanos() - t0;

@@ -48,6 +48,12 @@ struct DedupOptions {
   uint64_t split_threshold_ms = 30000;
   // Shards with fewer entries than this are never split.
   uint64_t split_min_entries = 4096;
+  // Read and fingerprint every block of every file (not only what the
+  // logs name): rebuilds a lost or damaged index.
+  bool rescan = false;
+  // Records held in memory before they are merged into the index (rescan
+  // merges in rounds of this many; ~48 bytes each).
+  size_t max_records = size_t{4} << 20;
   // Blocks the logs say changed without a fingerprint (partial writes)
   // are read and hashed by the pass, at most this many per pass.
   uint64_t rehash_limit = 1u << 20;
@@ -73,7 +79,8 @@ struct DedupStats {
   uint64_t log_records = 0;
   uint64_t log_corrupt_frames = 0;
   uint64_t log_dropped_records = 0;  // the monitor shed these: not in the log
-  uint64_t blocks_rehashed = 0;      // changed without a record: read and hashed
+  uint64_t blocks_rehashed = 0;      // changed without a record (or rescanned): read and hashed
+  uint64_t files_rescanned = 0;
   // Transitions.
   uint64_t zero_blocks_freed = 0;
   uint64_t unique_added = 0;         // absent -> unique
@@ -85,6 +92,7 @@ struct DedupStats {
   uint64_t busy_targets = 0;         // indexed block in a file held elsewhere
   uint64_t gc_arena_blocks = 0;      // arena blocks dropped (no one else refers)
   uint64_t gc_unique_entries = 0;    // stale Unique hints removed
+  uint64_t arena_blocks_swept = 0;   // arena blocks no entry named (damage, crashes)
   // Index.
   uint64_t shards_rewritten = 0;
   uint64_t shards_deferred = 0;      // below the batching fraction

@@ -40,6 +40,8 @@ json StatsJson(const DedupStats& s) {
   j["log_corrupt_frames"] = s.log_corrupt_frames;
   j["log_dropped_records"] = s.log_dropped_records;
   j["blocks_rehashed"] = s.blocks_rehashed;
+  j["files_rescanned"] = s.files_rescanned;
+  j["arena_blocks_swept"] = s.arena_blocks_swept;
   j["zero_blocks_freed"] = s.zero_blocks_freed;
   j["unique_added"] = s.unique_added;
   j["shared_new"] = s.shared_new;
@@ -80,6 +82,9 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
       "a shard whose last update took longer than this is split at its next update (default 30)")(
       "verify", po::value<std::string>()->value_name("bytes|witness"),
       "how shares are verified: byte comparison (default), or a SHA-256 witness (sha256 volumes only)")(
+      "rescan", po::bool_switch(),
+      "read and fingerprint every block of every file this process can lock (rebuilds a "
+      "lost or damaged index; reads all data)")(
       "json", po::bool_switch(), "print the pass's figures as JSON");
   parser.SetDetails(
       "Takes the write logs of the files this process can lock (files served by a\n"
@@ -89,6 +94,7 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   if (auto rc = parser.Parse(args)) return *rc;
   DedupOptions opts;
   opts.force = parser.flag("force");
+  opts.rescan = parser.flag("rescan");
   if (auto v = parser.value("fraction")) {
     std::optional<double> f = ParseNonNegative(*v);
     if (!f) return UsageError(cmd, "--fraction must be a number >= 0, not '" + *v + "'");

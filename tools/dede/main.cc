@@ -27,7 +27,7 @@ constexpr Command kCommands[] = {
     {"set", "VOL NAME dedup=on|off", "Change a file's properties.", RunSet},
     {"stats", "VOL [--json]", "Show space figures: logical, physical, savings, free, overhead.",
      RunStats},
-    {"dedup", "VOL [--force] [--fraction F] [--split-after SECONDS] [--verify bytes|witness] [--json]",
+    {"dedup", "VOL [--force] [--rescan] [--fraction F] [--split-after SECONDS] [--verify bytes|witness] [--json]",
      "Run one deduplication pass of this host now, in the foreground.", RunDedup},
     {"fsck", "VOL [--repair] [--json]", "Check the volume's consistency (and repair it).", RunFsck},
     {"analyze", "RAWFILE... [--json]",
