@@ -116,10 +116,12 @@ constexpr uint64_t kNoArena = ~0ull;
 // One fingerprint of a shard update: its index entry (if any) and the
 // records [next, end) not applied to it yet.
 struct Group {
+  FpKey key{};
   std::optional<IndexEntry> state;
   size_t next = 0;
   size_t end = 0;
   uint64_t anchor_arena = kNoArena;  // arena block planned this round
+  size_t anchor_record = 0;          // its record
 };
 
 class Pass {
@@ -579,7 +581,8 @@ class Pass {
     } else {
       outs = {slot.range};
     }
-    Status st = RewriteSlot(slot, std::move(reader), std::move(recs), outs, new_version, t0);
+    Status st = RewriteSlot(slot, cur.get(), std::move(reader), std::move(recs), outs,
+                            new_version, t0);
     if (split) UnlockShard(ShardLockId(outs[1]));
     RETURN_IF_ERROR(st);
     if (split) stats_.shards_split++;
@@ -596,8 +599,9 @@ class Pass {
     return true;
   }
 
-  Status RewriteSlot(const ShardSlot& slot, std::unique_ptr<ShardReader> reader, std::vector<PassRecord> recs,
-                     const std::vector<ShardRange>& outs, uint64_t version, uint64_t t0) {
+  Status RewriteSlot(const ShardSlot& slot, File* cur, std::unique_ptr<ShardReader> reader,
+                     std::vector<PassRecord> recs, const std::vector<ShardRange>& outs,
+                     uint64_t version, uint64_t t0) {
     // Arenas: the slot's own (inherited by the lower half of a split) and,
     // for a split, a fresh one for the upper half.
     std::vector<ArenaFile> arenas(outs.size());
@@ -657,10 +661,43 @@ class Pass {
       return writers[w]->Add(en);
     };
 
-    // Merge-scan: old entries and records, both in fingerprint order.
-    // Groups (one fingerprint: its entry and its records) are collected in
-    // a window; the window's block operations go to the volume as batches,
-    // then its entries are written in order.
+    // Phase 1: the entries of the fingerprints that have records (one
+    // merge-scan of the old version, nothing written).
+    std::vector<Group> groups;
+    {
+      IndexEntry old;
+      bool have_old = false;
+      if (reader) {
+        ASSIGN_OR_RETURN(have_old, reader->Next(&old));
+      }
+      for (size_t k = 0; k < recs.size();) {
+        Group g;
+        const FpKey key = recs[k].fp;
+        while (have_old && old.fp < key) {
+          ASSIGN_OR_RETURN(have_old, reader->Next(&old));
+        }
+        if (have_old && old.fp == key) {
+          g.state = old;
+          if (g.state->kind == EntryKind::kUnique && !UniqueStillValid(*g.state)) {
+            g.state.reset();
+            stats_.gc_unique_entries++;
+          }
+        }
+        g.key = key;
+        g.next = k;
+        while (k < recs.size() && recs[k].fp == key) k++;
+        g.end = k;
+        groups.push_back(std::move(g));
+      }
+    }
+    // Phase 2: the transitions, as batches of block operations in block
+    // order (so the volume reads runs of neighbouring blocks).
+    RETURN_IF_ERROR(ResolveGroups(&groups, recs, &arenas[0]));
+    // Phase 3: the new version: every old entry (garbage collected) with
+    // the resolved groups merged in, in fingerprint order.
+    if (reader) {
+      ASSIGN_OR_RETURN(reader, ShardReader::Open(cur, uuid_, "index shard " + slot.range.ToString()));
+    }
     IndexEntry old;
     bool have_old = false;
     auto advance = [&]() -> Status {
@@ -672,59 +709,42 @@ class Pass {
       if (have_old) stats_.entries_scanned++;
       return Status::Ok();
     };
-    RETURN_IF_ERROR(advance());
-    std::vector<Group> window;
-    size_t window_records = 0;
-    auto flush_window = [&]() -> Status {
-      RETURN_IF_ERROR(ResolveWindow(&window, recs, &arenas[0]));
-      for (Group& g : window) {
-        if (g.state && g.state->kind == EntryKind::kShared) {
-          // Garbage: an arena block no file refers to any more.
-          ASSIGN_OR_RETURN(uint32_t refs, arenas[0].f->BlockRefCount(g.state->arena));
-          if (refs <= 1) {
-            if (refs == 1) arenas[0].to_punch.push_back(g.state->arena);
-            stats_.gc_arena_blocks++;
-            g.state.reset();
-          }
+    auto finish = [&](std::optional<IndexEntry> st) -> Status {
+      if (st && st->kind == EntryKind::kShared) {
+        // Garbage: an arena block no file refers to any more.
+        ASSIGN_OR_RETURN(uint32_t refs, arenas[0].f->BlockRefCount(st->arena));
+        if (refs <= 1) {
+          if (refs == 1) arenas[0].to_punch.push_back(st->arena);
+          stats_.gc_arena_blocks++;
+          st.reset();
         }
-        if (g.state) RETURN_IF_ERROR(emit(*g.state));
       }
-      window.clear();
-      window_records = 0;
+      if (st) RETURN_IF_ERROR(emit(*st));
       return Status::Ok();
     };
-    size_t k = 0;
-    uint64_t groups = 0;
-    while (have_old || k < recs.size()) {
-      Group g;
-      FpKey key;
-      if (have_old && (k >= recs.size() || !(recs[k].fp < old.fp))) {
-        key = old.fp;
+    RETURN_IF_ERROR(advance());
+    size_t gi = 0;
+    uint64_t n = 0;
+    while (have_old || gi < groups.size()) {
+      if (gi < groups.size() && (!have_old || !(old.fp < groups[gi].key))) {
+        // A resolved group (it replaces the old entry of its fingerprint).
+        if (have_old && old.fp == groups[gi].key) RETURN_IF_ERROR(advance());
+        RETURN_IF_ERROR(finish(groups[gi].state));
+        gi++;
       } else {
-        key = recs[k].fp;
-      }
-      if (have_old && old.fp == key) {
-        g.state = old;
+        std::optional<IndexEntry> st = old;
         RETURN_IF_ERROR(advance());
-        if (g.state->kind == EntryKind::kUnique && !UniqueStillValid(*g.state)) {
-          g.state.reset();
+        if (st->kind == EntryKind::kUnique && !UniqueStillValid(*st)) {
+          st.reset();
           stats_.gc_unique_entries++;
         }
+        RETURN_IF_ERROR(finish(st));
       }
-      g.next = k;
-      while (k < recs.size() && recs[k].fp == key) k++;
-      g.end = k;
-      window_records += g.end - g.next;
-      window.push_back(std::move(g));
-      if (window_records >= opts_.batch_ops || window.size() >= 8 * opts_.batch_ops) {
-        RETURN_IF_ERROR(flush_window());
-      }
-      if (++groups % 65536 == 0) {
+      if (++n % 65536 == 0) {
         Progress(slot.range.ToString() + ": " + std::to_string(stats_.entries_scanned) +
                  " entries scanned");
       }
     }
-    RETURN_IF_ERROR(flush_window());
     if (reader) {
       const ShardScanStats& ss = reader->stats();
       stats_.corrupt_shard_blocks += ss.corrupt_blocks;
@@ -766,23 +786,26 @@ class Pass {
     return Status::Ok();
   }
 
-  // Applies the records of a window's groups to their entries: the
-  // transitions, with every block operation of a round sent to the volume
-  // as one batch. A group whose anchor block turned out stale is retried
-  // with its next record in the following round.
-  Status ResolveWindow(std::vector<Group>* window, const std::vector<PassRecord>& recs,
+  // Applies the records of the groups to their entries (the transitions).
+  // Each round plans at most one anchor per group, then runs every planned
+  // clone (sorted by source block) and then every share (sorted by
+  // destination block) through Volume::ApplyBlockOps in batches. A group
+  // whose anchor block turned out stale retries with its next record in
+  // the following round.
+  Status ResolveGroups(std::vector<Group>* groups, const std::vector<PassRecord>& recs,
                        ArenaFile* arena) {
     using Op = Volume::BlockOp;
     struct Planned {
+      Op op;
       size_t group;
-      size_t record;  // index into recs; ~0 for the indexed block G:c
-      enum { kAnchor, kIndexed, kMember } role;
+      size_t record;  // index into recs; kIndexed for the indexed block G:c
+      uint64_t order_ino, order_block;
     };
+    constexpr size_t kIndexed = ~size_t{0};
     while (true) {
-      std::vector<Op> ops;
-      std::vector<Planned> plan;
-      for (size_t gi = 0; gi < window->size(); gi++) {
-        Group& g = (*window)[gi];
+      std::vector<Planned> clones, shares;
+      for (size_t gi = 0; gi < groups->size(); gi++) {
+        Group& g = (*groups)[gi];
         g.anchor_arena = kNoArena;
         while (g.next < g.end) {
           const PassRecord& r = recs[g.next];
@@ -815,9 +838,9 @@ class Pass {
                 stats_.busy_targets++;
                 continue;
               }
-              ops.push_back(Op{Op::Kind::kShare, arena->f.get(), en.arena, h->file,
-                               recs[j].block, FingerprintOf(recs[j].fp, algo_), Status()});
-              plan.push_back({gi, j, Planned::kMember});
+              shares.push_back({Op{Op::Kind::kShare, arena->f.get(), en.arena, h->file,
+                                   recs[j].block, FingerprintOf(recs[j].fp, algo_), Status()},
+                                gi, j, files_[recs[j].file].info.id.ino, recs[j].block});
             }
             g.next = g.end;
             break;
@@ -848,77 +871,92 @@ class Pass {
           }
           ASSIGN_OR_RETURN(uint64_t a, arena->Allocate());
           g.anchor_arena = a;
+          g.anchor_record = g.next;
           const Fingerprint fp = FingerprintOf(r.fp, algo_);
-          ops.push_back(Op{Op::Kind::kCloneIfHash, fh->file, r.block, arena->f.get(), a, fp,
-                           Status()});
-          plan.push_back({gi, g.next, Planned::kAnchor});
-          ops.push_back(Op{Op::Kind::kShare, arena->f.get(), a, gh->file, en.block, fp, Status()});
-          plan.push_back({gi, ~size_t{0}, Planned::kIndexed});
+          clones.push_back({Op{Op::Kind::kCloneIfHash, fh->file, r.block, arena->f.get(), a, fp,
+                               Status()},
+                            gi, g.next, pf->info.id.ino, r.block});
+          shares.push_back({Op{Op::Kind::kShare, arena->f.get(), a, gh->file, en.block, fp,
+                               Status()},
+                            gi, kIndexed, en.file.ino, en.block});
           for (size_t j = g.next + 1; j < g.end; j++) {
             Result<FileAccess::Handle> h = Open(&files_[recs[j].file]);
             if (!h.ok()) continue;  // counted when its turn comes
-            ops.push_back(Op{Op::Kind::kShare, arena->f.get(), a, h->file, recs[j].block, fp,
-                             Status()});
-            plan.push_back({gi, j, Planned::kMember});
+            shares.push_back({Op{Op::Kind::kShare, arena->f.get(), a, h->file, recs[j].block, fp,
+                                 Status()},
+                              gi, j, files_[recs[j].file].info.id.ino, recs[j].block});
           }
           break;
         }
       }
-      if (ops.empty()) return Status::Ok();
-      RETURN_IF_ERROR(vol_->ApplyBlockOps(&ops, opts_.verify));
-      for (const Op& op : ops) {
-        if (!op.result.ok() && op.result.code() != Status::Code::kMismatch) return op.result;
-      }
-      // Outcomes, group by group (a group's ops are consecutive).
-      for (size_t i = 0; i < ops.size();) {
-        const size_t gi = plan[i].group;
-        Group& g = (*window)[gi];
-        size_t e = i;
-        while (e < ops.size() && plan[e].group == gi) e++;
-        if (plan[i].role == Planned::kMember) {
-          // Members of a Shared entry.
+      if (clones.empty() && shares.empty()) return Status::Ok();
+      auto run = [&](std::vector<Planned>* planned) -> Status {
+        std::sort(planned->begin(), planned->end(), [](const Planned& x, const Planned& y) {
+          return x.order_ino != y.order_ino ? x.order_ino < y.order_ino
+                                            : x.order_block < y.order_block;
+        });
+        std::vector<Op> batch;
+        for (size_t i = 0; i < planned->size(); i += opts_.batch_ops) {
+          const size_t e = std::min(planned->size(), i + opts_.batch_ops);
+          batch.clear();
+          for (size_t j = i; j < e; j++) batch.push_back((*planned)[j].op);
+          RETURN_IF_ERROR(vol_->ApplyBlockOps(&batch, opts_.verify));
           for (size_t j = i; j < e; j++) {
-            if (ops[j].result.ok()) {
-              stats_.shared_hits++;
-            } else {
-              ASSIGN_OR_RETURN(uint32_t refs, arena->f->BlockRefCount(g.state->arena));
-              if (refs == 0 && g.state->kind == EntryKind::kShared) {
-                // The arena block is gone (a damaged or lost index version):
-                // the entry names nothing; the record becomes the hint.
-                const PassRecord& r = recs[plan[j].record];
-                g.state = IndexEntry{r.fp, EntryKind::kUnique, files_[r.file].info.id, r.block, 0};
-                stats_.stale_entries++;
-              } else {
-                stats_.stale_records++;
-              }
-            }
+            const Status& r = batch[j - i].result;
+            if (!r.ok() && r.code() != Status::Code::kMismatch) return r;
+            (*planned)[j].op.result = r;
           }
-          i = e;
+        }
+        return Status::Ok();
+      };
+      RETURN_IF_ERROR(run(&clones));
+      // A share from a failed anchor would only find a hole: leave it out.
+      std::vector<bool> anchored(groups->size(), true);
+      for (const Planned& c : clones) anchored[c.group] = c.op.result.ok();
+      shares.erase(std::remove_if(shares.begin(), shares.end(),
+                                  [&](const Planned& p) { return !anchored[p.group]; }),
+                   shares.end());
+      RETURN_IF_ERROR(run(&shares));
+
+      // Outcomes.
+      std::vector<uint64_t> shared_with(groups->size(), 0);
+      std::vector<bool> indexed_ok(groups->size(), false);
+      for (const Planned& p : shares) {
+        Group& g = (*groups)[p.group];
+        if (p.record == kIndexed) {
+          indexed_ok[p.group] = p.op.result.ok();
+          shared_with[p.group] += p.op.result.ok();
           continue;
         }
-        // An anchor, the indexed block, then members.
-        const size_t anchor_rec = plan[i].record;
-        if (!ops[i].result.ok()) {
+        if (p.op.result.ok()) {
+          shared_with[p.group]++;
+          stats_.shared_hits++;
+          continue;
+        }
+        if (g.anchor_arena == kNoArena && g.state->kind == EntryKind::kShared) {
+          ASSIGN_OR_RETURN(uint32_t refs, arena->f->BlockRefCount(g.state->arena));
+          if (refs == 0) {
+            // The arena block is gone (a damaged or lost index version):
+            // the entry names nothing; the record becomes the hint.
+            const PassRecord& r = recs[p.record];
+            g.state = IndexEntry{r.fp, EntryKind::kUnique, files_[r.file].info.id, r.block, 0};
+            stats_.stale_entries++;
+            continue;
+          }
+        }
+        stats_.stale_records++;
+      }
+      for (const Planned& c : clones) {
+        Group& g = (*groups)[c.group];
+        if (!c.op.result.ok()) {
           // The record's block changed since it was logged: try the next.
           stats_.stale_records++;
           arena->Unallocate(g.anchor_arena);
-          g.next = anchor_rec + 1;
-          i = e;
+          g.next = g.anchor_record + 1;
           continue;
         }
-        uint64_t shared = 0;
-        const bool indexed_ok = ops[i + 1].result.ok();
-        shared += indexed_ok;
-        for (size_t j = i + 2; j < e; j++) {
-          if (ops[j].result.ok()) {
-            shared++;
-            stats_.shared_hits++;
-          } else {
-            stats_.stale_records++;
-          }
-        }
-        const PassRecord& ar = recs[anchor_rec];
-        if (shared == 0) {
+        const PassRecord& ar = recs[g.anchor_record];
+        if (shared_with[c.group] == 0) {
           // Nothing else holds this content any more: the indexed block is
           // stale, and the anchor becomes the hint (not shared with the
           // arena, so it keeps being written in place).
@@ -927,12 +965,11 @@ class Pass {
           g.state = IndexEntry{ar.fp, EntryKind::kUnique, files_[ar.file].info.id, ar.block, 0};
           stats_.stale_entries++;
         } else {
-          if (!indexed_ok) stats_.stale_entries++;
+          if (!indexed_ok[c.group]) stats_.stale_entries++;
           g.state = IndexEntry{ar.fp, EntryKind::kShared, FileId{}, 0, g.anchor_arena};
           stats_.shared_new++;
         }
         g.next = g.end;
-        i = e;
       }
     }
   }

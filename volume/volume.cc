@@ -1663,27 +1663,32 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
   constexpr uint64_t kMaxRun = 256;  // blocks per read
   constexpr uint64_t kMaxGap = 8;    // unneeded blocks worth reading over
   struct Run {
-    uint64_t first, count;
-    BlockBuf buf;
+    uint64_t first, count, at;  // at: block offset in `data`
   };
   std::vector<Run> runs;
+  uint64_t total = 0;
   for (size_t i = 0; i < addrs.size();) {
     size_t j = i + 1;
     while (j < addrs.size() && addrs[j] - addrs[j - 1] <= kMaxGap + 1 &&
            addrs[j] - addrs[i] < kMaxRun) {
       j++;
     }
-    Run r{addrs[i], addrs[j - 1] - addrs[i] + 1, nullptr};
-    r.buf = NewBlockBuf(r.count);
-    RETURN_IF_ERROR(dev_->Read(r.first * kBlockSize, r.buf.get(), r.count * kBlockSize));
-    runs.push_back(std::move(r));
+    runs.push_back(Run{addrs[i], addrs[j - 1] - addrs[i] + 1, total});
+    total += runs.back().count;
     i = j;
+  }
+  // One buffer for the batch: many differently sized buffers fragment the
+  // heap badly (and the process keeps the pages).
+  BlockBuf data = NewBlockBuf(std::max<uint64_t>(total, 1));
+  for (const Run& r : runs) {
+    RETURN_IF_ERROR(dev_->Read(r.first * kBlockSize, data.get() + r.at * kBlockSize,
+                               r.count * kBlockSize));
   }
   auto content = [&](uint64_t addr) -> const uint8_t* {
     auto it = std::upper_bound(runs.begin(), runs.end(), addr,
                                [](uint64_t a, const Run& r) { return a < r.first; });
     const Run& r = *(it - 1);
-    return r.buf.get() + (addr - r.first) * kBlockSize;
+    return data.get() + (r.at + addr - r.first) * kBlockSize;
   };
 
   // Decide, in order, on the pointers as the earlier decisions left them.
