@@ -391,7 +391,7 @@ class Pass {
     RETURN_IF_ERROR(vol_->ApplyBlockOps(&zero_ops_, opts_.verify));
     for (const Volume::BlockOp& op : zero_ops_) {
       if (op.result.ok()) {
-        stats_.zero_blocks_freed++;
+        stats_.zero_blocks_freed += op.changed;
       } else if (op.result.code() == Status::Code::kMismatch) {
         stats_.stale_records++;
       } else {
@@ -905,6 +905,7 @@ class Pass {
             const Status& r = batch[j - i].result;
             if (!r.ok() && r.code() != Status::Code::kMismatch) return r;
             (*planned)[j].op.result = r;
+            (*planned)[j].op.changed = batch[j - i].changed;
           }
         }
         return Status::Ok();
@@ -930,7 +931,11 @@ class Pass {
         }
         if (p.op.result.ok()) {
           shared_with[p.group]++;
-          stats_.shared_hits++;
+          if (p.op.changed) {
+            stats_.shared_hits++;
+          } else {
+            stats_.already_shared++;
+          }
           continue;
         }
         if (g.anchor_arena == kNoArena && g.state->kind == EntryKind::kShared) {

@@ -293,27 +293,43 @@ void EncodeEntryBlock(const EncodedEntry* entries, size_t n, const ShardHeader& 
   EncodeU32(blk + kBlkCrcAt, FileBlockCrc(blk, kBlkCrcAt, uuid, file, index));
 }
 
-Status DecodeEntryBlock(const uint8_t* blk, const ShardHeader& h, const Uuid& uuid, FileId file,
-                        uint64_t index, std::vector<EncodedEntry>* out, const std::string& what) {
+Result<uint32_t> CheckEntryBlock(const uint8_t* blk, const ShardHeader& h, const Uuid& uuid,
+                                 FileId file, uint64_t index, const std::string& what) {
   RETURN_IF_ERROR(
       CheckBlockMagicCrc(blk, kMagicShardEntries, kBlkCrcAt, uuid, file, index, what));
-  const uint32_t esz = EntrySize(h.algo, h.range);
   const uint32_t n = DecodeU16(blk + 8);
-  if (n == 0 || n > EntriesPerBlock(esz)) {
+  if (n == 0 || n > EntriesPerBlock(EntrySize(h.algo, h.range))) {
     return Status::Corruption(what + " block " + std::to_string(index) + ": entry count " +
                               std::to_string(n) + " out of range");
   }
+  return n;
+}
+
+FpKey EntryPrefix(const ShardHeader& h) {
+  FpKey prefix{};
+  for (uint32_t i = 0; i < ElidedBytes(h.range); i++) {
+    prefix[i] = uint8_t(h.range.lo >> (56 - 8 * i));
+  }
+  return prefix;
+}
+
+void DecodeEntry(const uint8_t* p, const ShardHeader& h, const FpKey& prefix, EncodedEntry* out) {
   const uint32_t elided = ElidedBytes(h.range);
   const uint32_t fp_bytes = uint32_t(HashAlgoSize(h.algo)) - elided;
-  // The elided bytes are the range's common prefix.
-  FpKey prefix{};
-  for (uint32_t i = 0; i < elided; i++) prefix[i] = uint8_t(h.range.lo >> (56 - 8 * i));
+  out->e.fp = prefix;
+  std::memcpy(out->e.fp.data() + elided, p, fp_bytes);
+  DecodeEntryMeta(p + fp_bytes, out);
+}
+
+Status DecodeEntryBlock(const uint8_t* blk, const ShardHeader& h, const Uuid& uuid, FileId file,
+                        uint64_t index, std::vector<EncodedEntry>* out, const std::string& what) {
+  ASSIGN_OR_RETURN(uint32_t n, CheckEntryBlock(blk, h, uuid, file, index, what));
+  const uint32_t esz = EntrySize(h.algo, h.range);
+  const FpKey prefix = EntryPrefix(h);
   const uint8_t* p = blk + kShardBlockHeader;
   for (uint32_t i = 0; i < n; i++, p += esz) {
     EncodedEntry ee;
-    ee.e.fp = prefix;
-    std::memcpy(ee.e.fp.data() + elided, p, fp_bytes);
-    DecodeEntryMeta(p + fp_bytes, &ee);
+    DecodeEntry(p, h, prefix, &ee);
     out->push_back(ee);
   }
   return Status::Ok();

@@ -148,6 +148,13 @@ struct EncodedEntry {
 // `n` entries (1..EntriesPerBlock) at block `index` of the shard file.
 void EncodeEntryBlock(const EncodedEntry* entries, size_t n, const ShardHeader& h,
                       const Uuid& uuid, FileId file, uint64_t index, uint8_t* blk);
+// Checks an entry block's magic, crc and count; returns the count.
+Result<uint32_t> CheckEntryBlock(const uint8_t* blk, const ShardHeader& h, const Uuid& uuid,
+                                 FileId file, uint64_t index, const std::string& what);
+// Decodes the entry at `p` (inside a checked block): `prefix` holds the
+// range's elided leading bytes (EntryPrefix).
+FpKey EntryPrefix(const ShardHeader& h);
+void DecodeEntry(const uint8_t* p, const ShardHeader& h, const FpKey& prefix, EncodedEntry* out);
 // Appends the block's entries to *out (file_ref filled, e.file unset).
 Status DecodeEntryBlock(const uint8_t* blk, const ShardHeader& h, const Uuid& uuid, FileId file,
                         uint64_t index, std::vector<EncodedEntry>* out, const std::string& what);

@@ -22,6 +22,7 @@ Result<std::unique_ptr<ShardReader>> ShardReader::Open(File* f, const Uuid& uuid
   if (f->size() < kBlockSize) return Status::Corruption(what + ": shorter than its header");
   RETURN_IF_ERROR(f->Read(0, blk.data(), kBlockSize));
   ASSIGN_OR_RETURN(r->header_, DecodeShardHeader(blk.data(), uuid, r->id_, what));
+  r->prefix_ = EntryPrefix(r->header_);
   const ShardHeader& h = r->header_;
   const uint64_t need = (1 + h.entry_blocks + h.file_blocks) * kBlockSize;
   if (f->size() < need) {
@@ -48,32 +49,63 @@ Result<std::unique_ptr<ShardReader>> ShardReader::Open(File* f, const Uuid& uuid
   return r;
 }
 
-Status ShardReader::FillChunk() {
+ShardReader::~ShardReader() {
+  if (ahead_done_.valid()) (void)ahead_done_.get();
+}
+
+void ShardReader::StartReadAhead() {
   const uint64_t end = 1 + header_.entry_blocks;
-  const uint64_t n = std::min(kChunkBlocks, end - next_block_);
-  chunk_.resize(n * kBlockSize);
-  RETURN_IF_ERROR(file_->Read(next_block_ * kBlockSize, chunk_.data(), chunk_.size()));
-  decoded_.clear();
-  pos_ = 0;
+  const uint64_t first = next_block_;
+  if (first >= end) return;
+  const uint64_t n = std::min(kChunkBlocks, end - first);
+  if (!ahead_) {
+    ahead_.reset(static_cast<uint8_t*>(std::aligned_alloc(kBlockSize, kChunkBlocks * kBlockSize)));
+  }
+  ahead_first_ = first;
+  ahead_blocks_ = n;
+  File* f = file_;
+  uint8_t* dst = ahead_.get();
+  ahead_done_ = std::async(std::launch::async, [f, dst, first, n] {
+    return f->Read(first * kBlockSize, dst, n * kBlockSize);
+  });
+}
+
+Status ShardReader::FillChunk() {
+  if (!ahead_done_.valid()) StartReadAhead();
+  RETURN_IF_ERROR(ahead_done_.get());
+  std::swap(chunk_, ahead_);
+  const uint64_t first = ahead_first_;
+  const uint64_t n = ahead_blocks_;
+  chunk_blocks_ = n;
+  next_block_ = first + n;
+  StartReadAhead();  // the next chunk, while this one is decoded
+  blocks_.clear();
+  block_ = 0;
+  in_block_ = 0;
   const uint64_t per = EntriesPerBlock(header_.entry_size);
   for (uint64_t i = 0; i < n; i++) {
-    const size_t before = decoded_.size();
-    Status s = DecodeEntryBlock(chunk_.data() + i * kBlockSize, header_, uuid_, id_,
-                                next_block_ + i, &decoded_, what_);
-    if (!s.ok()) {
+    const uint8_t* blk = chunk_.get() + i * kBlockSize;
+    Result<uint32_t> count = CheckEntryBlock(blk, header_, uuid_, id_, first + i, what_);
+    if (count.ok()) {
+      blocks_.emplace_back(blk + kShardBlockHeader, *count);
+    } else {
       stats_.corrupt_blocks++;
       stats_.lost_entries += per;
-      decoded_.resize(before);
     }
   }
-  next_block_ += n;
   return Status::Ok();
 }
 
 Result<bool> ShardReader::Next(IndexEntry* out) {
   while (true) {
-    while (pos_ < decoded_.size()) {
-      EncodedEntry& ee = decoded_[pos_++];
+    while (block_ < blocks_.size()) {
+      const auto [base, count] = blocks_[block_];
+      EncodedEntry ee;
+      DecodeEntry(base + size_t(in_block_) * header_.entry_size, header_, prefix_, &ee);
+      if (++in_block_ == count) {
+        block_++;
+        in_block_ = 0;
+      }
       // Keys must ascend and stay in the shard's range; anything else is
       // damage the block crc did not catch (or a bug): skip it.
       if ((have_last_ && !(last_ < ee.e.fp)) || !header_.range.Contains(KeyPrefix(ee.e.fp))) {
@@ -93,7 +125,7 @@ Result<bool> ShardReader::Next(IndexEntry* out) {
       stats_.entries++;
       return true;
     }
-    if (next_block_ >= 1 + header_.entry_blocks) return false;
+    if (next_block_ >= 1 + header_.entry_blocks && !ahead_done_.valid()) return false;
     RETURN_IF_ERROR(FillChunk());
   }
 }

@@ -1626,6 +1626,7 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
     RETURN_IF_ERROR(CheckWritable());
     for (BlockOp& op : *ops) {
       op.result = Status::Ok();
+      op.changed = false;
       const bool two = op.kind != Kind::kPunchIfZero;
       if (two && op.src == nullptr) {
         op.result = Status::Invalid("block op without a source");
@@ -1749,6 +1750,7 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
     ASSIGN_OR_RETURN(Inode din, GetInode(state(op.dst)->id.ino));
     ASSIGN_OR_RETURN(uint64_t cur_dp, GetPtr(din, op.dst_index));
     if (cur_dp != dp) return Status::Corruption("block op: destination pointer changed under lock");
+    op.changed = true;
     if (op.kind == Kind::kPunchIfZero) {
       RETURN_IF_ERROR(ReplaceBlock(&din, op.dst_index, 0));
       PutInode(din);

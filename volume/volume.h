@@ -200,6 +200,7 @@ class Volume {
     uint64_t dst_index = 0;
     Fingerprint witness;
     Status result;
+    bool changed = false;  // OK and something changed (not already shared / a hole)
   };
   virtual Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) = 0;
 

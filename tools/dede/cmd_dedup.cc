@@ -46,6 +46,7 @@ json StatsJson(const DedupStats& s) {
   j["unique_added"] = s.unique_added;
   j["shared_new"] = s.shared_new;
   j["shared_hits"] = s.shared_hits;
+  j["already_shared"] = s.already_shared;
   j["stale_records"] = s.stale_records;
   j["stale_entries"] = s.stale_entries;
   j["busy_targets"] = s.busy_targets;
