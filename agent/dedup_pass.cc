@@ -458,14 +458,38 @@ class Pass {
     ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
     const ShardSlot slot = map.SlotFor(*p);
     if (slot.range.lo != guess.lo) return false;
-    // Our lock covers every file whose range starts at slot.lo: clear out
-    // what is stale there first.
+    // Our lock covers every index file inside the slot's range (nobody can
+    // be splitting it: that takes this lock too): clear out what is stale
+    // there first (superseded and incomplete versions, pending files of
+    // ranges that are no longer shards, arenas of half-finished splits).
+    auto remove = [&](const IndexFile& f, uint64_t* counter) -> Status {
+      Status st = vol_->Remove(f.name);
+      if (st.ok()) {
+        (*counter)++;
+        return st;
+      }
+      // Held open by a reader (stats, fsck) or already gone: next time.
+      if (st.code() == Status::Code::kLocked || st.code() == Status::Code::kNotFound) {
+        return Status::Ok();
+      }
+      return st;
+    };
     for (const IndexFile& f : map.stale_shards) {
-      if (f.range.lo == slot.range.lo && vol_->Remove(f.name).ok()) stats_.stale_files_removed++;
+      if (slot.range.Contains(f.range.lo)) RETURN_IF_ERROR(remove(f, &stats_.stale_files_removed));
+    }
+    for (const IndexFile& f : map.incomplete) {
+      if (slot.range.Contains(f.range.lo)) {
+        RETURN_IF_ERROR(remove(f, &stats_.incomplete_versions_removed));
+      }
     }
     for (const IndexFile& f : map.pending) {
-      if (f.range.lo == slot.range.lo && !map.IsLivePending(f.range) && vol_->Remove(f.name).ok()) {
-        stats_.stale_files_removed++;
+      if (slot.range.Contains(f.range.lo) && !map.IsLivePending(f.range)) {
+        RETURN_IF_ERROR(remove(f, &stats_.stale_files_removed));
+      }
+    }
+    for (const IndexFile& f : map.arenas) {
+      if (slot.range.Contains(f.range.lo) && !map.IsLiveArena(f.range.lo)) {
+        RETURN_IF_ERROR(remove(f, &stats_.stale_files_removed));
       }
     }
     size_t end = *i;
@@ -763,9 +787,11 @@ class Pass {
       // Sweep: arena blocks no entry names (their entries were lost with
       // a damaged block, or an update died before punching them) are only
       // the arena's references; drop them.
-      for (uint64_t i = 0; i < arenas[0].next; i++) {
+      // Up to the arena's end, not arena_next: an update that died after
+      // cloning into new arena blocks left references past arena_next.
+      const uint64_t arena_blocks = arenas[0].f->size() / kBlockSize;
+      for (uint64_t i = 0; i < arena_blocks; i++) {
         if (i < arena_used.size() && arena_used[i]) continue;
-        if ((i + 1) * kBlockSize > arenas[0].f->size()) break;
         ASSIGN_OR_RETURN(uint32_t refs, arenas[0].f->BlockRefCount(i));
         if (refs > 0) {
           arenas[0].to_punch.push_back(i);

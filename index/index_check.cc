@@ -58,11 +58,16 @@ class Checker {
   Result<IndexCheckReport> Run() {
     ASSIGN_OR_RETURN(std::vector<FileInfo> files, vol_->List());
     for (const FileInfo& fi : files) by_ino_[fi.id.ino] = fi;
-    const ShardMap map = ResolveShardMap(files);
+    ASSIGN_OR_RETURN(const ShardMap map, LoadShardMap(vol_));
 
     for (const ShardSlot& s : map.live) {
       if (s.version == 0) continue;
       RETURN_IF_ERROR(CheckShard(s));
+    }
+    for (const IndexFile& f : map.incomplete) {
+      AddStale(f, "shard version " + std::to_string(f.version) + " of " + f.range.ToString() +
+                      " is incomplete or its header is damaged (an update that died, or "
+                      "damage); it hides nothing and the next pass or --repair removes it");
     }
     for (const IndexFile& f : map.stale_shards) {
       AddStale(f, "shard version " + std::to_string(f.version) + " of " + f.range.ToString() +

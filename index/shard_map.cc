@@ -75,7 +75,8 @@ bool ShardMap::IsLiveArena(uint64_t lo) const {
   return false;
 }
 
-ShardMap ResolveShardMap(const std::vector<FileInfo>& files) {
+ShardMap ResolveShardMap(const std::vector<FileInfo>& files,
+                         const std::set<std::string>& incomplete) {
   ShardMap m;
   for (const FileInfo& fi : files) {
     IndexFile f;
@@ -85,6 +86,10 @@ ShardMap ResolveShardMap(const std::vector<FileInfo>& files) {
     f.mapped_blocks = fi.mapped_blocks;
     uint64_t lo;
     if (fi.kind == FileKind::kIndexShard && ParseShardFileName(fi.name, &f.range, &f.version)) {
+      if (incomplete.count(fi.name)) {
+        m.incomplete.push_back(f);
+        continue;
+      }
       m.shard_files.push_back(f);
     } else if (fi.kind == FileKind::kIndexShard && ParsePendingFileName(fi.name, &f.range)) {
       m.pending.push_back(f);
@@ -109,7 +114,30 @@ ShardMap ResolveShardMap(const std::vector<FileInfo>& files) {
 
 Result<ShardMap> LoadShardMap(Volume* vol) {
   ASSIGN_OR_RETURN(std::vector<FileInfo> files, vol->List());
-  return ResolveShardMap(files);
+  std::set<std::string> incomplete;
+  std::vector<uint8_t> blk(kBlockSize);
+  for (const FileInfo& fi : files) {
+    ShardRange r;
+    uint64_t version;
+    if (fi.kind != FileKind::kIndexShard || !ParseShardFileName(fi.name, &r, &version)) continue;
+    if (fi.size < kBlockSize) {
+      incomplete.insert(fi.name);
+      continue;
+    }
+    Result<std::unique_ptr<File>> f = vol->OpenFileById(fi.id);
+    if (!f.ok()) {
+      if (f.status().code() == Status::Code::kLocked ||
+          f.status().code() == Status::Code::kNotFound) {
+        continue;
+      }
+      return f.status();
+    }
+    RETURN_IF_ERROR((*f)->Read(0, blk.data(), kBlockSize));
+    if (!DecodeShardHeader(blk.data(), vol->superblock().uuid, fi.id, fi.name).ok()) {
+      incomplete.insert(fi.name);
+    }
+  }
+  return ResolveShardMap(files, incomplete);
 }
 
 }  // namespace dede

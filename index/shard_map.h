@@ -24,6 +24,7 @@
 #pragma once
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -52,7 +53,11 @@ struct IndexFile {
 struct ShardMap {
   std::vector<ShardSlot> live;         // sorted by lo; covers every prefix
   std::vector<IndexFile> shard_files;  // every shard version file
-  std::vector<IndexFile> stale_shards; // shard versions not live
+  std::vector<IndexFile> stale_shards; // complete shard versions not live
+  // Shard versions whose header does not check (an update died before its
+  // header was durable, or the header is damaged): left out of the
+  // partition, so they hide nothing. Removed by the range's lock holder.
+  std::vector<IndexFile> incomplete;
   std::vector<IndexFile> pending;      // every pending file
   std::vector<IndexFile> arenas;       // every arena file
 
@@ -64,8 +69,14 @@ struct ShardMap {
   bool IsLiveArena(uint64_t lo) const;
 };
 
-// Builds the map from a list of the volume's files.
-ShardMap ResolveShardMap(const std::vector<FileInfo>& files);
+// Builds the map from a list of the volume's files, leaving out the shard
+// versions named in `incomplete`.
+ShardMap ResolveShardMap(const std::vector<FileInfo>& files,
+                         const std::set<std::string>& incomplete = {});
+// Lists the volume's files and reads every shard version's header: a
+// version that does not check is incomplete (one held open by someone is
+// taken as complete: its holder is reading it, or writing it under the
+// range's lock).
 Result<ShardMap> LoadShardMap(Volume* vol);
 
 }  // namespace dede

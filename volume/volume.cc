@@ -948,6 +948,9 @@ Result<std::unique_ptr<File>> VolumeImpl::OpenInode(uint64_t ino, uint64_t gener
                                                     const std::string& name) {
   MutexLock l(&mu_);
   if (ino == 0 || ino > sb_.inode_count) return Status::NotFound("no such file: " + name);
+  // A failed write or commit (maybe in a close, which cannot report it)
+  // poisoned the volume: say so, rather than trip over the locks it kept.
+  if (!poisoned_.ok()) return poisoned_;
   if (open_.count(ino)) return Status::Locked("file '" + name + "' is already open here");
   Status st = locks_->Acquire(InodeLock(ino),
                               read_only_ ? LockMode::kShared : LockMode::kExclusive, false);
@@ -1739,35 +1742,46 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
   }
 
   // Apply the decisions. The file locks are still held, so the pointers
-  // are what the decisions saw.
+  // are what the decisions saw. An operation that fails half-way (a
+  // metadata read error after its refcount changed) cannot be undone in
+  // the running transaction: the volume is poisoned, so that transaction
+  // never commits and a reopen (journal replay) sees none of it.
   for (size_t k = 0; k < ops->size(); k++) {
     BlockOp& op = (*ops)[k];
-    const auto [sp, dp] = decided[k];
+    const uint64_t sp = decided[k].first;
+    const uint64_t dp = decided[k].second;
     if (!op.result.ok() || (sp == 0 && dp == 0)) continue;
     MutexLock l(&mu_);
     RETURN_IF_ERROR(CheckWritable());
     RETURN_IF_ERROR(EnsureRoom(32));
-    ASSIGN_OR_RETURN(Inode din, GetInode(state(op.dst)->id.ino));
-    ASSIGN_OR_RETURN(uint64_t cur_dp, GetPtr(din, op.dst_index));
-    if (cur_dp != dp) return Status::Corruption("block op: destination pointer changed under lock");
-    op.changed = true;
-    if (op.kind == Kind::kPunchIfZero) {
-      RETURN_IF_ERROR(ReplaceBlock(&din, op.dst_index, 0));
+    auto apply = [&]() REQUIRES(mu_) -> Status {
+      ASSIGN_OR_RETURN(Inode din, GetInode(state(op.dst)->id.ino));
+      ASSIGN_OR_RETURN(uint64_t cur_dp, GetPtr(din, op.dst_index));
+      if (cur_dp != dp) {
+        return Status::Corruption("block op: destination pointer changed under lock");
+      }
+      if (op.kind == Kind::kPunchIfZero) {
+        RETURN_IF_ERROR(ReplaceBlock(&din, op.dst_index, 0));
+        PutInode(din);
+        return Status::Ok();
+      }
+      RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp), PtrAddr(dp)}));
+      ASSIGN_OR_RETURN(Inode sin, GetInode(state(op.src)->id.ino));
+      ASSIGN_OR_RETURN(uint64_t cur_sp, GetPtr(sin, op.src_index));
+      if (PtrAddr(cur_sp) != PtrAddr(sp)) {
+        return Status::Corruption("block op: source pointer changed under lock");
+      }
+      RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
+      if (!PtrCow(cur_sp)) RETURN_IF_ERROR(SetPtr(&sin, op.src_index, cur_sp | kPtrCow));
+      PutInode(sin);
+      ASSIGN_OR_RETURN(din, GetInode(state(op.dst)->id.ino));
+      RETURN_IF_ERROR(ReplaceBlock(&din, op.dst_index, PtrAddr(sp) | kPtrCow));
       PutInode(din);
-      continue;
-    }
-    RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp), PtrAddr(dp)}));
-    ASSIGN_OR_RETURN(Inode sin, GetInode(state(op.src)->id.ino));
-    ASSIGN_OR_RETURN(uint64_t cur_sp, GetPtr(sin, op.src_index));
-    if (PtrAddr(cur_sp) != PtrAddr(sp)) {
-      return Status::Corruption("block op: source pointer changed under lock");
-    }
-    RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
-    if (!PtrCow(cur_sp)) RETURN_IF_ERROR(SetPtr(&sin, op.src_index, cur_sp | kPtrCow));
-    PutInode(sin);
-    ASSIGN_OR_RETURN(din, GetInode(state(op.dst)->id.ino));
-    RETURN_IF_ERROR(ReplaceBlock(&din, op.dst_index, PtrAddr(sp) | kPtrCow));
-    PutInode(din);
+      return Status::Ok();
+    };
+    Status st = apply();
+    if (!st.ok()) return Poison(st.WithContext("applying block operation " + std::to_string(k)));
+    op.changed = true;
   }
   return Status::Ok();
 }
