@@ -186,6 +186,9 @@ class Volume {
   // is what makes verification cheap when many blocks are shared at once.
   // Each operation's outcome is in its `result` (kMismatch: not done); the
   // call itself fails only on errors that stop the batch (I/O, journal).
+  // An error before any change leaves everything as it was; an error
+  // half-way through applying an operation poisons the volume (like a
+  // failed commit), so none of the running transaction ever commits.
   struct BlockOp {
     enum class Kind {
       kShare,        // CompareAndShare(src, src_index, dst, dst_index, mode, &witness)
