@@ -51,7 +51,6 @@ struct PassRecord {
   FpKey fp{};
   uint64_t block = 0;
   uint32_t file = kNoFile;  // index into Pass::files_
-  bool from_pending = false;
 };
 
 bool RecordLess(const PassRecord& a, const PassRecord& b) {
@@ -522,7 +521,14 @@ class Pass {
     std::unique_ptr<File> cur;
     std::unique_ptr<ShardReader> reader;
     if (slot.version != 0) {
-      ASSIGN_OR_RETURN(cur, vol_->OpenFileById(slot.id));
+      Result<std::unique_ptr<File>> opened = vol_->OpenFileById(slot.id);
+      if (!opened.ok() && opened.status().code() == Status::Code::kLocked) {
+        // A reader (stats, fsck, another host's map) has it for a moment.
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+        return false;
+      }
+      if (!opened.ok()) return opened.status();
+      cur = std::move(*opened);
       Result<std::unique_ptr<ShardReader>> r = ShardReader::Open(cur.get(), uuid_, what);
       if (!r.ok()) {
         if (r.status().code() != Status::Code::kCorruption) return r.status();
@@ -584,7 +590,7 @@ class Pass {
       const uint32_t fi = FileIndexOf(pr.file);
       if (fi == kNoFile || files_[fi].Touched(pr.block)) continue;
       if (!slot.range.Contains(KeyPrefix(pr.fp))) continue;
-      recs.push_back(PassRecord{pr.fp, pr.block, fi, true});
+      recs.push_back(PassRecord{pr.fp, pr.block, fi});
       stats_.pending_records_applied++;
     }
     std::sort(recs.begin(), recs.end(), RecordLess);
@@ -611,14 +617,23 @@ class Pass {
     RETURN_IF_ERROR(st);
     if (split) stats_.shards_split++;
     stats_.shards_rewritten++;
-    // The new version is durable: retire the old one and the parked records.
+    // The new version is durable: retire the old one and the parked records
+    // (one a reader holds this moment stays stale until a later pass; the
+    // parked records are applied again then, which is harmless).
+    auto retire = [&](const std::string& name) -> Status {
+      Status st = vol_->Remove(name);
+      if (st.ok() || st.code() == Status::Code::kLocked || st.code() == Status::Code::kNotFound) {
+        return Status::Ok();
+      }
+      return st;
+    };
     if (cur) {
       cur.reset();
-      RETURN_IF_ERROR(vol_->Remove(slot.name));
+      RETURN_IF_ERROR(retire(slot.name));
     }
     if (pending_file) {
       pending_file.reset();
-      RETURN_IF_ERROR(vol_->Remove(PendingFileName(slot.range)));
+      RETURN_IF_ERROR(retire(PendingFileName(slot.range)));
     }
     return true;
   }
