@@ -1549,15 +1549,22 @@ Status VolumeImpl::CompareAndShare(File* src, uint64_t src_index, File* dst, uin
   }
   MutexLock l(&mu_);
   RETURN_IF_ERROR(EnsureRoom(32));
+  // Past this point a failure (a metadata read error) would leave the share
+  // half-done in the running transaction: poison instead (ApplyBlockOps).
+  // The group locks first: failing to get one (another host holds it)
+  // changes nothing.
   RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp), PtrAddr(dp)}));
-  ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
-  RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
-  if (!PtrCow(sp)) RETURN_IF_ERROR(SetPtr(&sin, src_index, sp | kPtrCow));
-  PutInode(sin);
-  ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
-  RETURN_IF_ERROR(ReplaceBlock(&din, dst_index, PtrAddr(sp) | kPtrCow));
-  PutInode(din);
-  return Status::Ok();
+  auto apply = [&]() REQUIRES(mu_) -> Status {
+    ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
+    RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
+    if (!PtrCow(sp)) RETURN_IF_ERROR(SetPtr(&sin, src_index, sp | kPtrCow));
+    PutInode(sin);
+    ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
+    RETURN_IF_ERROR(ReplaceBlock(&din, dst_index, PtrAddr(sp) | kPtrCow));
+    PutInode(din);
+    return Status::Ok();
+  };
+  return Poison(apply());
 }
 
 Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) {
@@ -1586,18 +1593,22 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
     ASSIGN_OR_RETURN(uint64_t dp, GetPtr(din, dst_index));
     if (sp != 0 && PtrAddr(dp) == PtrAddr(sp)) return Status::Ok();
   }
-  if (sp != 0) {
-    RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
-    RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
-    if (!PtrCow(sp)) {
-      RETURN_IF_ERROR(SetPtr(&sin, src_index, sp | kPtrCow));
-      PutInode(sin);
+  if (sp != 0) RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
+  // A failure past this point would leave the clone half-done: poison.
+  auto apply = [&]() REQUIRES(mu_) -> Status {
+    if (sp != 0) {
+      RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
+      if (!PtrCow(sp)) {
+        RETURN_IF_ERROR(SetPtr(&sin, src_index, sp | kPtrCow));
+        PutInode(sin);
+      }
     }
-  }
-  ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
-  RETURN_IF_ERROR(ReplaceBlock(&din, dst_index, sp == 0 ? 0 : (PtrAddr(sp) | kPtrCow)));
-  PutInode(din);
-  return Status::Ok();
+    ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
+    RETURN_IF_ERROR(ReplaceBlock(&din, dst_index, sp == 0 ? 0 : (PtrAddr(sp) | kPtrCow)));
+    PutInode(din);
+    return Status::Ok();
+  };
+  return Poison(apply());
 }
 
 Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
@@ -1754,6 +1765,12 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
     MutexLock l(&mu_);
     RETURN_IF_ERROR(CheckWritable());
     RETURN_IF_ERROR(EnsureRoom(32));
+    // Group locks before any change: not getting one changes nothing.
+    if (op.kind == Kind::kPunchIfZero) {
+      RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(dp)}));
+    } else {
+      RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp), PtrAddr(dp)}));
+    }
     auto apply = [&]() REQUIRES(mu_) -> Status {
       ASSIGN_OR_RETURN(Inode din, GetInode(state(op.dst)->id.ino));
       ASSIGN_OR_RETURN(uint64_t cur_dp, GetPtr(din, op.dst_index));
@@ -1765,7 +1782,6 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
         PutInode(din);
         return Status::Ok();
       }
-      RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp), PtrAddr(dp)}));
       ASSIGN_OR_RETURN(Inode sin, GetInode(state(op.src)->id.ino));
       ASSIGN_OR_RETURN(uint64_t cur_sp, GetPtr(sin, op.src_index));
       if (PtrAddr(cur_sp) != PtrAddr(sp)) {
