@@ -137,7 +137,11 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
     return kExitOk;
   }
   std::cout << "dedup pass: " << s.logs_consumed << " logs, " << s.log_records << " records";
-  if (s.files_busy) std::cout << " (" << s.files_busy << " files busy elsewhere, skipped)";
+  if (s.files_busy) {
+    std::cout << " (" << s.files_busy
+              << " files held by another process or host were skipped: a dedupd serving "
+                 "them dedups them itself, on --dedup-interval or SIGUSR1)";
+  }
   std::cout << "\n  new shared blocks   " << s.shared_new << "\n  shared again        "
             << s.shared_hits << "\n  zero blocks freed   " << s.zero_blocks_freed
             << "\n  new unique entries  " << s.unique_added << "\n  stale (skipped)     "
