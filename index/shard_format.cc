@@ -4,6 +4,8 @@
 #include <cstdio>
 #include <cstring>
 
+#include <boost/endian/conversion.hpp>
+
 #include "util/coding.h"
 #include "util/crc32c.h"
 
@@ -113,11 +115,7 @@ Fingerprint FingerprintOf(const FpKey& k, HashAlgo algo) {
   return fp;
 }
 
-uint64_t KeyPrefix(const FpKey& k) {
-  uint64_t v = 0;
-  for (int i = 0; i < 8; i++) v = v << 8 | k[size_t(i)];
-  return v;
-}
+uint64_t KeyPrefix(const FpKey& k) { return boost::endian::load_big_u64(k.data()); }
 
 std::string ShardRange::ToString() const {
   return "[" + Hex16(lo) + ".." + Hex16(last()) + "]/" + std::to_string(depth);

@@ -97,10 +97,12 @@ Status ShardReader::FillChunk() {
 }
 
 Result<bool> ShardReader::Next(IndexEntry* out) {
+  const size_t fp_size = HashAlgoSize(header_.algo);
   while (true) {
     while (block_ < blocks_.size()) {
       const auto [base, count] = blocks_[block_];
-      EncodedEntry ee;
+      // Decoded in place into *out (no temporaries: this loop is the scan).
+      EncodedEntry& ee = scratch_;
       DecodeEntry(base + size_t(in_block_) * header_.entry_size, header_, prefix_, &ee);
       if (++in_block_ == count) {
         block_++;
@@ -108,7 +110,8 @@ Result<bool> ShardReader::Next(IndexEntry* out) {
       }
       // Keys must ascend and stay in the shard's range; anything else is
       // damage the block crc did not catch (or a bug): skip it.
-      if ((have_last_ && !(last_ < ee.e.fp)) || !header_.range.Contains(KeyPrefix(ee.e.fp))) {
+      if ((have_last_ && std::memcmp(last_.data(), ee.e.fp.data(), fp_size) >= 0) ||
+          !header_.range.Contains(KeyPrefix(ee.e.fp))) {
         stats_.lost_entries++;
         continue;
       }
@@ -119,7 +122,7 @@ Result<bool> ShardReader::Next(IndexEntry* out) {
         }
         ee.e.file = files_[ee.file_ref];
       }
-      last_ = ee.e.fp;
+      std::memcpy(last_.data(), ee.e.fp.data(), fp_size);
       have_last_ = true;
       *out = ee.e;
       stats_.entries++;

@@ -70,6 +70,7 @@ class ShardReader {
   size_t block_ = 0;
   uint32_t in_block_ = 0;
   FpKey prefix_{};
+  EncodedEntry scratch_;
   FpKey last_{};
   bool have_last_ = false;
   ShardScanStats stats_;
