@@ -33,6 +33,8 @@ namespace {
 
 using test::BinaryPath;
 using test::CreateSparseFile;
+using test::DescribeRun;
+using test::ReadWholeFile;
 using test::DedupdProcess;
 using test::ProcessResult;
 using test::RequireProgram;
@@ -43,11 +45,7 @@ constexpr uint64_t kMiB = 1 << 20;
 constexpr uint64_t kBlk = 4096;
 
 std::string Describe(const std::vector<std::string>& argv, const ProcessResult& r) {
-  std::ostringstream s;
-  for (const auto& a : argv) s << a << ' ';
-  s << "\n  exit " << r.exit_code << " signal " << r.signal << "\n  stdout: "
-    << r.out.substr(0, 4000) << "\n  stderr: " << r.err.substr(0, 4000);
-  return s.str();
+  return DescribeRun(argv, r);
 }
 
 ProcessResult RunOk(const std::vector<std::string>& argv, int timeout_s = 300) {
@@ -63,10 +61,7 @@ void Dede(const std::vector<std::string>& args) {
   RunOk(argv);
 }
 
-std::vector<uint8_t> ReadFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  return std::vector<uint8_t>((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
-}
+std::vector<uint8_t> ReadFile(const std::string& path) { return ReadWholeFile(path); }
 
 void WriteFile(const std::string& path, const std::vector<uint8_t>& data) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
