@@ -45,6 +45,49 @@ Result<FileAccess::Handle> ExportFileAccess::Get(const FileInfo& info) {
 
 namespace {
 
+// The merge requests of the files `access` lends, given the volume's
+// listing (see ApplyMergeRequestsForHeldFiles).
+Result<MergeApplyStats> ApplyMergeRequestsIn(Volume* vol, FileAccess* access, VerifyMode verify,
+                                             const std::vector<FileInfo>& all,
+                                             const std::function<bool(const FileInfo&)>& wanted) {
+  std::unordered_map<uint64_t, const FileInfo*> by_ino;
+  for (const FileInfo& fi : all) by_ino[fi.id.ino] = &fi;
+  MergeApplyStats total;
+  for (const FileInfo& mi : all) {
+    if (mi.kind != FileKind::kMergeRequest) continue;
+    const std::optional<uint64_t> target_ino = ParseMergeRequestFileName(mi.name);
+    if (!target_ino || mi.owner_ino != *target_ino) continue;  // not one of ours
+    auto it = by_ino.find(*target_ino);
+    if (it == by_ino.end() || it->second->kind != FileKind::kRegular) {
+      // The target is gone: nobody will apply these. Removing the file
+      // drops its clone references (one a poster holds open this moment
+      // goes next time).
+      Status st = vol->Remove(mi.name);
+      if (st.ok()) {
+        total.request_files_removed++;
+      } else if (st.code() != Status::Code::kLocked && st.code() != Status::Code::kNotFound) {
+        return st;
+      }
+      continue;
+    }
+    const FileInfo& target = *it->second;
+    if (wanted && !wanted(target)) continue;
+    Result<FileAccess::Handle> h = access->Get(target);
+    if (!h.ok()) {
+      // Held elsewhere: its holder applies them. Gone since the listing:
+      // the next sweep removes the request file.
+      if (h.status().code() == Status::Code::kLocked ||
+          h.status().code() == Status::Code::kNotFound) {
+        continue;
+      }
+      return h.status();
+    }
+    ASSIGN_OR_RETURN(MergeApplyStats one, ApplyMergeRequests(vol, h->file, verify));
+    total.Add(one);
+  }
+  return total;
+}
+
 constexpr uint32_t kNoFile = ~0u;
 
 struct PassRecord {
@@ -122,6 +165,10 @@ struct Group {
   size_t end = 0;
   uint64_t anchor_arena = kNoArena;  // arena block planned this round
   size_t anchor_record = 0;          // its record
+  // Planned this round: the indexed block G:c is in a file held by another
+  // process or host, so it is not shared here; G's holder gets a merge
+  // request for it instead.
+  bool target_busy = false;
 };
 
 class Pass {
@@ -219,6 +266,15 @@ class Pass {
   Status Gather() {
     ASSIGN_OR_RETURN(std::vector<FileInfo> all, vol_->List());
     for (const FileInfo& fi : all) by_ino_[fi.id.ino] = fi;
+    // First the merge requests other hosts posted for the files this pass
+    // holds (DeDe 3.3.2), and the request files of deleted files.
+    Progress("applying merge requests");
+    ASSIGN_OR_RETURN(MergeApplyStats merged, ApplyMergeRequestsIn(vol_, access_, opts_.verify, all, nullptr));
+    stats_.merge_requests_applied += merged.applied;
+    stats_.merge_requests_failed_verification += merged.failed_verification;
+    stats_.merge_requests_stale += merged.stale;
+    stats_.merge_corrupt_groups += merged.corrupt_groups;
+    stats_.merge_files_removed += merged.request_files_removed;
     Progress("gathering write logs");
     for (const FileInfo& li : all) {
       if (li.kind != FileKind::kWriteLog) continue;
@@ -828,13 +884,46 @@ class Pass {
     return Status::Ok();
   }
 
-  // Applies the records of the groups to their entries (the transitions).
+  // Applies the records of the groups to their entries (the transitions),
+  // then posts the merge requests they left for files held elsewhere: one
+  // post per target file, before the shard's new version is written, so
+  // the version's flush makes them durable with it.
+  Status ResolveGroups(std::vector<Group>* groups, const std::vector<PassRecord>& recs,
+                       ArenaFile* arena) {
+    merge_posts_.clear();
+    RETURN_IF_ERROR(ResolveRounds(groups, recs, arena));
+    for (auto& [ino, post] : merge_posts_) {
+      // The request file is held only for a moment by another poster or by
+      // the target's holder applying it (every --merge-interval): retry for
+      // up to ~2 s, then give up rather than wait on another host.
+      Status st = PostMergeRequests(vol_, post.target, post.requests, arena->f.get());
+      for (int attempt = 0; attempt < 40 && st.code() == Status::Code::kLocked; attempt++) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        st = PostMergeRequests(vol_, post.target, post.requests, arena->f.get());
+      }
+      if (st.ok()) {
+        stats_.merge_requests_posted += post.requests.size();
+      } else if (st.code() == Status::Code::kLocked) {
+        // Still held: the opportunity is lost, not data (the entry is
+        // Shared; G:c keeps its own copy until a --rescan pass).
+        stats_.merge_posts_busy++;
+      } else if (st.code() == Status::Code::kCorruption) {
+        LOG(kWarning) << "merge requests for inode " << ino << " not posted: " << st.message();
+        stats_.merge_posts_busy++;
+      } else {
+        return st;
+      }
+    }
+    merge_posts_.clear();
+    return Status::Ok();
+  }
+
   // Each round plans at most one anchor per group, then runs every planned
   // clone (sorted by source block) and then every share (sorted by
   // destination block) through Volume::ApplyBlockOps in batches. A group
   // whose anchor block turned out stale retries with its next record in
   // the following round.
-  Status ResolveGroups(std::vector<Group>* groups, const std::vector<PassRecord>& recs,
+  Status ResolveRounds(std::vector<Group>* groups, const std::vector<PassRecord>& recs,
                        ArenaFile* arena) {
     using Op = Volume::BlockOp;
     struct Planned {
@@ -849,6 +938,7 @@ class Pass {
       for (size_t gi = 0; gi < groups->size(); gi++) {
         Group& g = (*groups)[gi];
         g.anchor_arena = kNoArena;
+        g.target_busy = false;
         while (g.next < g.end) {
           const PassRecord& r = recs[g.next];
           PassFile* pf = &files_[r.file];
@@ -889,7 +979,10 @@ class Pass {
           }
           // Unique(G, c): a new arena block from this record's block (if it
           // still holds the fingerprint's content), shared with G:c and
-          // with the other records.
+          // with the other records. When G is held by another process or
+          // host, G:c cannot be checked or repointed here: the arena block
+          // is made all the same (from the record's own, verified block)
+          // and G's holder gets a merge request for G:c (DeDe 3.3.2).
           if (en.file == pf->info.id && en.block == r.block) {
             g.next++;
             continue;
@@ -898,13 +991,15 @@ class Pass {
           Result<FileAccess::Handle> gh = gfi == kNoFile
                                               ? Result<FileAccess::Handle>(Status::NotFound("gone"))
                                               : Open(&files_[gfi]);
-          if (!gh.ok() && gh.status().code() == Status::Code::kLocked) {
-            stats_.busy_targets++;
-            g.next++;
-            continue;
-          }
-          if (!gh.ok() || (en.block + 1) * kBlockSize > files_[gfi].info.size) {
-            if (!gh.ok() && gh.status().code() != Status::Code::kNotFound) return gh.status();
+          const bool indexed_whole =
+              gfi != kNoFile && (en.block + 1) * kBlockSize <= files_[gfi].info.size;
+          const bool target_busy =
+              !gh.ok() && gh.status().code() == Status::Code::kLocked && indexed_whole;
+          if (!target_busy && (!gh.ok() || !indexed_whole)) {
+            if (!gh.ok() && gh.status().code() != Status::Code::kNotFound &&
+                gh.status().code() != Status::Code::kLocked) {
+              return gh.status();
+            }
             // The indexed file is gone: the record is the hint now.
             en = IndexEntry{r.fp, EntryKind::kUnique, pf->info.id, r.block, 0};
             stats_.stale_entries++;
@@ -914,13 +1009,16 @@ class Pass {
           ASSIGN_OR_RETURN(uint64_t a, arena->Allocate());
           g.anchor_arena = a;
           g.anchor_record = g.next;
+          g.target_busy = target_busy;
           const Fingerprint fp = FingerprintOf(r.fp, algo_);
           clones.push_back({Op{Op::Kind::kCloneIfHash, fh->file, r.block, arena->f.get(), a, fp,
                                Status()},
                             gi, g.next, pf->info.id.ino, r.block});
-          shares.push_back({Op{Op::Kind::kShare, arena->f.get(), a, gh->file, en.block, fp,
-                               Status()},
-                            gi, kIndexed, en.file.ino, en.block});
+          if (!target_busy) {
+            shares.push_back({Op{Op::Kind::kShare, arena->f.get(), a, gh->file, en.block, fp,
+                                 Status()},
+                              gi, kIndexed, en.file.ino, en.block});
+          }
           for (size_t j = g.next + 1; j < g.end; j++) {
             Result<FileAccess::Handle> h = Open(&files_[recs[j].file]);
             if (!h.ok()) continue;  // counted when its turn comes
@@ -1003,7 +1101,18 @@ class Pass {
           continue;
         }
         const PassRecord& ar = recs[g.anchor_record];
-        if (shared_with[c.group] == 0) {
+        if (g.target_busy) {
+          // The arena block holds the record's verified content: the entry
+          // is Shared now, whatever G:c turns out to hold. G's holder
+          // verifies G:c against the fingerprint when it applies the
+          // request; a stale G:c just fails there.
+          MergePost& post = merge_posts_[g.state->file.ino];
+          post.target = g.state->file;
+          post.requests.push_back(
+              MergeRequest{g.state->block, FingerprintOf(ar.fp, algo_), g.anchor_arena});
+          g.state = IndexEntry{ar.fp, EntryKind::kShared, FileId{}, 0, g.anchor_arena};
+          stats_.shared_new++;
+        } else if (shared_with[c.group] == 0) {
           // Nothing else holds this content any more: the indexed block is
           // stale, and the anchor becomes the hint (not shared with the
           // arena, so it keeps being written in place).
@@ -1035,6 +1144,12 @@ class Pass {
   std::vector<PassRecord> records_;
   std::vector<std::unique_ptr<File>> logs_;
   std::vector<uint8_t> buf_;
+  // Merge requests of the shard update in progress, by target inode.
+  struct MergePost {
+    FileId target;
+    std::vector<MergeRequest> requests;
+  };
+  std::map<uint64_t, MergePost> merge_posts_;
   bool swept_all_ = false;
   uint64_t rehashed_ = 0;
   DedupStats stats_;
@@ -1045,6 +1160,13 @@ class Pass {
 Result<DedupStats> RunDedupPass(Volume* vol, FileAccess* access, const DedupOptions& opts) {
   Pass pass(vol, access, opts);
   return pass.Run();
+}
+
+Result<MergeApplyStats> ApplyMergeRequestsForHeldFiles(
+    Volume* vol, FileAccess* access, VerifyMode verify,
+    const std::function<bool(const FileInfo&)>& wanted) {
+  ASSIGN_OR_RETURN(std::vector<FileInfo> all, vol->List());
+  return ApplyMergeRequestsIn(vol, access, verify, all, wanted);
 }
 
 }  // namespace dede

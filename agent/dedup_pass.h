@@ -5,7 +5,10 @@
 //
 //   absent          -> Unique(F, b)          add the hint
 //   Unique(G, c)    -> Shared(arena a)       verify both blocks, share them
-//                                            through arena block a
+//                                            through arena block a; if G is
+//                                            held elsewhere, verify F:b only
+//                                            and post a merge request for
+//                                            G:c to G's holder (merge/)
 //   Shared(a)       -> Shared(a)             verify F:b, make it a COW
 //                                            reference to arena block a
 //   garbage         -> gone                  arena blocks only the arena
@@ -31,6 +34,7 @@
 #include <string>
 
 #include "agent/export_table.h"
+#include "merge/merge_request.h"
 #include "util/status.h"
 #include "volume/volume.h"
 
@@ -89,7 +93,18 @@ struct DedupStats {
   uint64_t already_shared = 0;       // records whose block already was the arena's
   uint64_t stale_records = 0;        // record's block changed since: dropped
   uint64_t stale_entries = 0;        // Unique hint no longer true: replaced
-  uint64_t busy_targets = 0;         // indexed block in a file held elsewhere
+  uint64_t busy_targets = 0;         // a record's file held elsewhere: skipped
+  // Merge requests (DeDe 3.3.2): Unique(G, c) with G held elsewhere. The
+  // record's block still becomes the arena block; G:c is left to G's
+  // holder through a request in G's request file.
+  uint64_t merge_requests_posted = 0;  // records posted (one post per target per shard update)
+  uint64_t merge_posts_busy = 0;       // posts dropped: the request file was locked
+  // Requests for the files this pass holds, applied at its start.
+  uint64_t merge_requests_applied = 0;
+  uint64_t merge_requests_failed_verification = 0;  // target block changed: dropped
+  uint64_t merge_requests_stale = 0;   // target recreated, truncated or dedup=off: dropped
+  uint64_t merge_corrupt_groups = 0;   // skipped runs of bad request blocks
+  uint64_t merge_files_removed = 0;    // request files whose target inode is gone
   uint64_t gc_arena_blocks = 0;      // arena blocks dropped (no one else refers)
   uint64_t gc_unique_entries = 0;    // stale Unique hints removed
   uint64_t arena_blocks_swept = 0;   // arena blocks no entry named (damage, crashes)
@@ -152,5 +167,18 @@ class ExportFileAccess : public FileAccess {
 };
 
 Result<DedupStats> RunDedupPass(Volume* vol, FileAccess* access, const DedupOptions& opts);
+
+// Applies the merge requests posted for files `access` can lend (DeDe:
+// "hosts periodically check for merge requests to the files they have
+// exclusive locks on"): for every request file on the volume whose target
+// `wanted` accepts (all when empty), the target is taken through `access`
+// (kLocked, kNotFound: skipped, its holder applies them) and
+// ApplyMergeRequests runs on it. Request files whose target inode no
+// longer holds a regular file are removed. A pass does this at its start;
+// dedupd also on a timer, for the exports it has open. Never waits for a
+// lock held elsewhere.
+Result<MergeApplyStats> ApplyMergeRequestsForHeldFiles(
+    Volume* vol, FileAccess* access, VerifyMode verify,
+    const std::function<bool(const FileInfo&)>& wanted = nullptr);
 
 }  // namespace dede

@@ -14,6 +14,7 @@
 #include <mutex>
 
 #include "agent/dedup_pass.h"
+#include "agent/lockspace_guard.h"
 #include "agent/export_table.h"
 #include "agent/log_flusher.h"
 #include "agent/nbd_server.h"
@@ -57,6 +58,10 @@ struct Config {
   bool write_monitor = true;
   double dedup_interval = 0;  // 0: only on SIGUSR1
   double dedup_fraction = 0.05;
+  std::string lease_path;   // sanlock volumes: the LUN as a path
+  uint32_t lease_io_timeout = 0;  // sanlock io_timeout (s); 0: daemon default
+  double fence_after = 0;   // sanlock volumes: exit when the lockspace cannot be confirmed for SEC
+  double merge_interval = 10;  // apply merge requests for served files; 0: only at passes
   LogLevel log_level = LogLevel::kInfo;
 };
 
@@ -74,6 +79,9 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("version", "print the version")
       ("volume", po::value(&cfg->volume)->value_name("VOL"), "volume: path or iscsi://host[:port]/iqn/lun")
       ("host-id", po::value(&cfg->host_id)->value_name("N"), "this host's slot on the volume (1..max-hosts)")
+      ("lease-path", po::value(&cfg->lease_path)->value_name("PATH"), "sanlock volumes: the LUN as a path for sanlock (block device; in tests the file backing the LUN); default VOL when VOL is a path")
+      ("lease-io-timeout", po::value(&cfg->lease_io_timeout)->value_name("SEC"), "sanlock volumes: io_timeout of this host's lockspace membership (default: the daemon's, 10)")
+      ("fence-after", po::value(&cfg->fence_after)->value_name("SEC"), "sanlock volumes: stop (exit) when the lockspace could not be confirmed live for SEC seconds (default 8 x io_timeout + 30, before other hosts may call this one dead at 8 x io_timeout + 60)")
       ("socket", po::value(&cfg->socket)->value_name("PATH"), "Unix socket to serve NBD on")
       ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port)")
       ("config", po::value(&config_file)->value_name("FILE"), "read options from FILE (lines: name = value)")
@@ -85,6 +93,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("no-write-monitor", "serve without fingerprinting writes (benchmarks)")
       ("dedup-interval", po::value(&cfg->dedup_interval)->value_name("SEC"), "run a dedup pass every SEC seconds (default 0: only when sent SIGUSR1)")
       ("dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"), "rewrite an index shard when its new records exceed F times its entries (default 0.05)")
+      ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("log-level", po::value(&log_level)->value_name("LEVEL"), "debug, info, warning or error (default info)");
   po::variables_map vm;
   try {
@@ -131,9 +140,11 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   if (cfg->threads < 1 || cfg->threads > 256) return UsageError("--threads: 1..256");
   if (!(cfg->sync_interval > 0) || !(cfg->log_flush_interval > 0)) {
     return UsageError("intervals must be positive");
+  }
   if (cfg->dedup_interval < 0) return UsageError("--dedup-interval: must be >= 0");
   if (!(cfg->dedup_fraction >= 0)) return UsageError("--dedup-fraction: must be >= 0");
-  }
+  if (cfg->fence_after < 0) return UsageError("--fence-after: must be >= 0");
+  if (!(cfg->merge_interval >= 0)) return UsageError("--merge-interval: must be >= 0");
   cfg->write_monitor = vm.count("no-write-monitor") == 0;
   return -1;
 }
@@ -171,12 +182,32 @@ class PeriodicJob {
 int Run(const Config& cfg) {
   OpenOptions oo;
   oo.host_id = cfg.host_id;
+  // Used when the volume was formatted with --locks sanlock: the volume
+  // slot and the lockspace host id are the same number.
+  oo.sanlock.host_id = cfg.host_id;
+  oo.sanlock.lease_path = cfg.lease_path;
+  oo.sanlock.io_timeout_s = cfg.lease_io_timeout;
   Result<OpenedVolume> ov = OpenVolumeSpec(cfg.volume, oo);
   if (!ov.ok()) {
     LOG(kError) << "cannot open volume " << cfg.volume << ": " << ov.status().ToString();
     return kExitError;
   }
   Volume* vol = ov->volume.get();
+  // Hosts sharing a LUN: fence ourselves when our lockspace membership
+  // cannot be confirmed (lockspace_guard.h).
+  std::unique_ptr<LockspaceGuard> guard;
+  if (auto* sl = dynamic_cast<SanlockLockManager*>(vol->lock_manager())) {
+    double io = cfg.lease_io_timeout ? cfg.lease_io_timeout : 10;
+    // Others may call us dead 8 io_timeouts + 60 s (sanlock's compiled-in
+    // watchdog fire timeout) after our last renewal; sanlock itself kills
+    // us at 8 io_timeouts. The guard is the backstop for a daemon that
+    // cannot: it must fire before 8T + 60 s, with room for I/O in flight.
+    double fence = cfg.fence_after > 0 ? cfg.fence_after : 8 * io + 30;
+    guard = std::make_unique<LockspaceGuard>(
+        sl, std::chrono::milliseconds(static_cast<int64_t>(fence * 1000)));
+    LOG(kInfo) << "sanlock host " << sl->sanlock_host_id() << " generation " << sl->generation()
+               << ", fencing after " << fence << " s without a live lockspace";
+  }
 
   WriteMonitorOptions mo;
   mo.algo = vol->superblock().hash_algo;
@@ -235,7 +266,10 @@ int Run(const Config& cfg) {
     }
     LOG(kInfo) << "dedup pass " << passes << ": " << st->log_records << " records from "
                << st->logs_consumed << " logs, " << st->shared_new << " new shared, "
-               << st->shared_hits << " shared again, " << st->zero_blocks_freed
+               << st->shared_hits << " shared again, " << st->merge_requests_posted
+               << " merge requests posted (" << st->merge_posts_busy << " posts busy), "
+               << st->merge_requests_applied << " applied, "
+               << st->zero_blocks_freed
                << " zero blocks freed, " << st->files_busy << " files busy, "
                << st->shards_rewritten << " shards rewritten in "
                << double(st->total_ns) / 1e9 << " s";
@@ -250,6 +284,36 @@ int Run(const Config& cfg) {
       };
   usr1.async_wait(on_usr1);
 
+  // Merge requests (DeDe 3.3.2) other hosts posted for the files served
+  // here, applied every --merge-interval (a pass applies them too). Only
+  // exports open now: an idle file is not opened for it. It holds exports
+  // like a pass, so it runs under pass_mu (try-lock: a running pass
+  // applies them itself; shutdown waits there).
+  auto apply_merges = [&] {
+    std::unique_lock<std::mutex> running(pass_mu, std::try_to_lock);
+    if (!running.owns_lock() || cancel_pass) return;
+    std::vector<FileId> served;
+    for (const auto& e : table.Snapshot()) served.push_back(e->id());
+    if (served.empty()) return;
+    auto access = std::make_unique<ExportFileAccess>(&table);
+    Result<MergeApplyStats> st = ApplyMergeRequestsForHeldFiles(
+        vol, access.get(), VerifyMode::kByteCompare, [&](const FileInfo& fi) {
+          for (const FileId& id : served) {
+            if (id == fi.id) return true;
+          }
+          return false;
+        });
+    access.reset();
+    if (!st.ok()) {
+      LOG(kError) << "applying merge requests: " << st.status().ToString();
+    } else if (st->records > 0) {
+      LOG(kInfo) << "merge requests: " << st->applied << " applied, " << st->failed_verification
+                 << " failed verification, " << st->stale << " stale";
+    }
+  };
+  PeriodicJob merge_job(io, &server, cfg.merge_interval > 0 ? cfg.merge_interval : 1e9,
+                        apply_merges);
+
   int exit_code = kExitOk;
   asio::signal_set signals(io, SIGTERM, SIGINT);
   signals.async_wait([&](boost::system::error_code ec, int sig) {
@@ -258,6 +322,7 @@ int Run(const Config& cfg) {
     sync_job.Stop();
     flush_job.Stop();
     dedup_job.Stop();
+    merge_job.Stop();
     usr1.cancel();
     cancel_pass = true;
     server.Shutdown([&] {
@@ -283,6 +348,7 @@ int Run(const Config& cfg) {
   sync_job.Start();
   flush_job.Start();
   if (cfg.dedup_interval > 0) dedup_job.Start();
+  if (cfg.merge_interval > 0) merge_job.Start();
   {
     auto names = table.List();
     std::string where = cfg.socket.empty() ? "" : cfg.socket;

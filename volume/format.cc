@@ -201,7 +201,7 @@ Result<Superblock> DecodeSuperblock(const uint8_t* blk, uint64_t addr) {
     return Status::Unsupported(where + ": unknown hash algorithm " + std::to_string(algo));
   }
   sb.hash_algo = static_cast<HashAlgo>(algo);
-  if (sb.incompat_features != 0) {
+  if ((sb.incompat_features & ~kKnownIncompatFeatures) != 0) {
     return Status::Unsupported(where + ": unknown incompatible features");
   }
   // Structural sanity: regions in order, inside the device. Every count is
@@ -445,6 +445,80 @@ Result<RefcountBlock> DecodeRefcountBlock(const uint8_t* blk, const Uuid& uuid, 
   RefcountBlock rb;
   for (uint32_t i = 0; i < kRefsPerBlock; i++) rb.refs[i] = GetRef(blk, i);
   return rb;
+}
+
+}  // namespace dede
+
+namespace dede {
+
+// ============================================================== lock table
+
+LeaseLayout LeaseLayoutOf(const Superblock& sb) {
+  LeaseLayout l;
+  l.lockspace_offset = sb.lease_start * kBlockSize;
+  if (sb.lease_slots >= 3) {
+    l.partitions = std::min<uint32_t>(sb.lease_slots - 2, kMaxLockTablePartitions);
+    // The last slot holds the table.
+    l.table_block = sb.lease_start + uint64_t{sb.lease_slots} * kLeaseBlocks;
+  }
+  return l;
+}
+
+void EncodeLockTableBlock(const std::vector<LockRecord>& recs, uint64_t seq, uint64_t addr,
+                          const Uuid& uuid, uint8_t* blk) {
+  std::memset(blk, 0, kBlockSize);
+  Encoder e(blk + kHeaderSize, kBlockSize - kHeaderSize);
+  const size_t n = std::min<size_t>(recs.size(), kLockRecordsPerBlock);
+  e.u32(static_cast<uint32_t>(n));
+  e.u32(0);
+  for (size_t i = 0; i < n; i++) {
+    const LockRecord& r = recs[i];
+    e.u16(r.kind);
+    e.u8(r.mode);
+    e.u8(0);
+    e.u32(r.host);
+    e.u64(r.id);
+    e.u64(r.generation);
+    e.u64(r.since_ns);
+  }
+  BlockHeader h;
+  h.magic = kMagicLockTable;
+  h.seq = seq;
+  h.addr = addr;
+  SealBlock(blk, h, uuid);
+}
+
+Result<std::vector<LockRecord>> DecodeLockTableBlock(const uint8_t* blk, uint64_t addr,
+                                                     const Uuid& uuid) {
+  std::vector<LockRecord> recs;
+  bool zero = true;
+  for (uint32_t i = 0; i < kBlockSize && zero; i++) zero = blk[i] == 0;
+  if (zero) return recs;
+  std::string what = "lock table block " + std::to_string(addr);
+  RETURN_IF_ERROR(CheckBlock(blk, kMagicLockTable, addr, uuid, what));
+  Decoder d(blk + kHeaderSize, kBlockSize - kHeaderSize);
+  uint32_t n = d.u32();
+  d.u32();
+  if (n > kLockRecordsPerBlock) {
+    return Status::Corruption(what + ": " + std::to_string(n) + " records (at most " +
+                              std::to_string(kLockRecordsPerBlock) + ")");
+  }
+  recs.resize(n);
+  for (uint32_t i = 0; i < n; i++) {
+    LockRecord& r = recs[i];
+    r.kind = d.u16();
+    r.mode = d.u8();
+    d.u8();
+    r.host = d.u32();
+    r.id = d.u64();
+    r.generation = d.u64();
+    r.since_ns = d.u64();
+    if (r.mode != 1 && r.mode != 2) {
+      return Status::Corruption(what + ": record " + std::to_string(i) + " has mode " +
+                                std::to_string(r.mode));
+    }
+  }
+  return recs;
 }
 
 }  // namespace dede

@@ -28,6 +28,7 @@ inline constexpr uint32_t kMagicJournalTxn = 0x544a4444;  // "DDJT"
 inline constexpr uint32_t kMagicInode = 0x4e494444;  // "DDIN"
 inline constexpr uint32_t kMagicPointerBlock = 0x50504444;  // "DDPP"
 inline constexpr uint32_t kMagicRefcountBlock = 0x43524444;  // "DDRC"
+inline constexpr uint32_t kMagicLockTable = 0x544c4444;  // "DDLT"
 
 // Format version this code writes. A block with a larger major is refused;
 // a larger minor is read (minor bumps only add fields in reserved space).
@@ -65,6 +66,13 @@ inline constexpr uint32_t kPointersPerBlock = (kBlockSize - kHeaderSize) / 8;  /
 inline constexpr uint32_t kMaxNameLen = 255;
 inline constexpr uint32_t kMaxHosts = 250;  // sanlock: 1 MiB leases with 4K sectors
 
+// incompat_features bits. Never renumber.
+// kIncompatSanlock: the lease area holds an initialised sanlock lockspace
+// and lease table; every opener must coordinate through the sanlock
+// backend (local locks alone would let another host in).
+inline constexpr uint64_t kIncompatSanlock = 1;
+inline constexpr uint64_t kKnownIncompatFeatures = kIncompatSanlock;
+
 struct Superblock {
   Uuid uuid{};
   uint32_t block_size = kBlockSize;
@@ -84,6 +92,8 @@ struct Superblock {
   uint64_t created_ns = 0;
   uint64_t compat_features = 0;
   uint64_t incompat_features = 0;  // any unknown bit: refuse to open
+
+  bool UsesSanlock() const { return (incompat_features & kIncompatSanlock) != 0; }
 
   // Derived layout of group g.
   uint64_t GroupStart(uint32_t g) const;
@@ -118,6 +128,49 @@ struct FormatParams {
 };
 // Lays out a volume on a device; kNoSpace with the minimum size if too small.
 Result<Superblock> PlanLayout(const FormatParams& p);
+
+// ------------------------------------------------------------- lock table
+//
+// With the sanlock backend (volume/sanlock_lock_manager.h) the lease area's
+// slots are: slot 0 the "volume" resource lease; slots 1..P the leases that
+// guard the P lock-table partitions; the last slot stores the partitions,
+// kLockTableBlocksPerPartition blocks each. A block lists lock records.
+struct LockRecord {
+  uint16_t kind = 0;        // LockKind
+  uint8_t mode = 0;         // 1 shared, 2 exclusive
+  uint32_t host = 0;        // sanlock host id of the holder
+  uint64_t id = 0;          // LockId::id
+  uint64_t generation = 0;  // the holder's sanlock host generation
+  uint64_t since_ns = 0;    // when it was taken (diagnostics only)
+  bool operator==(const LockRecord& o) const {
+    return kind == o.kind && mode == o.mode && host == o.host && id == o.id &&
+           generation == o.generation && since_ns == o.since_ns;
+  }
+};
+inline constexpr uint32_t kLockRecordSize = 32;
+inline constexpr uint32_t kLockRecordsPerBlock =
+    (kBlockSize - kHeaderSize - 8) / kLockRecordSize;  // 126
+inline constexpr uint32_t kLockTableBlocksPerPartition = 4;
+inline constexpr uint32_t kMaxLockTablePartitions = 62;
+
+struct LeaseLayout {
+  uint32_t partitions = 0;  // 0: the volume has too few lease slots for sanlock
+  uint64_t lockspace_offset = 0;  // bytes
+  uint64_t SlotOffset(uint32_t slot) const {  // bytes; resource lease slot
+    return lockspace_offset + (uint64_t{slot} + 1) * kLeaseBlocks * kBlockSize;
+  }
+  uint64_t table_block = 0;  // block of partition 0, block 0
+  uint64_t PartitionBlock(uint32_t p, uint32_t k) const {
+    return table_block + uint64_t{p} * kLockTableBlocksPerPartition + k;
+  }
+};
+LeaseLayout LeaseLayoutOf(const Superblock& sb);
+
+// An all-zero block decodes as an empty block (format zeroes the area).
+void EncodeLockTableBlock(const std::vector<LockRecord>& recs, uint64_t seq, uint64_t addr,
+                          const Uuid& uuid, uint8_t* blk);
+Result<std::vector<LockRecord>> DecodeLockTableBlock(const uint8_t* blk, uint64_t addr,
+                                                     const Uuid& uuid);
 
 // ---------------------------------------------------------------- journal
 

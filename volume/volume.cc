@@ -180,6 +180,14 @@ Status FormatVolume(BlockDevice* dev, const FormatOptions& opts, bool force) {
   }
   for (uint32_t h = 1; h <= sb.max_hosts; h++) RETURN_IF_ERROR(Journal::Initialize(dev, sb, h));
   RETURN_IF_ERROR(dev->Flush());
+  if (opts.sanlock) {
+    std::string lease_path = opts.lease_path.empty() ? dev->local_lock_path() : opts.lease_path;
+    if (lease_path.empty()) {
+      return Status::Invalid("sanlock needs the LUN as a path (--lease-path) for " + dev->name());
+    }
+    RETURN_IF_ERROR(InitSanlockLeases(sb, lease_path, opts.lease_io_timeout_s));
+    sb.incompat_features |= kIncompatSanlock;
+  }
   // Superblocks last: until they land the device is not a volume.
   for (uint64_t a : kSuperblockAddrs) {
     EncodeSuperblock(sb, a, buf.get());
@@ -217,6 +225,10 @@ Result<std::unique_ptr<Volume>> Volume::Open(BlockDevice* dev, const OpenOptions
                               std::to_string(dev->size_bytes()) + " bytes)");
   }
   std::shared_ptr<LockManager> locks = opts.locks;
+  if (!locks && sb->UsesSanlock()) {
+    ASSIGN_OR_RETURN(auto sl, SanlockLockManager::Open(dev, sb.value(), opts.sanlock));
+    locks = std::move(sl);
+  }
   if (!locks) {
     std::string path = dev->local_lock_path();
     if (path.empty()) {
@@ -499,6 +511,7 @@ Status VolumeImpl::WaitLock(LockId id) {
   bool announced = locks_->Acquire(want, LockMode::kShared, false).ok();
   const auto deadline = std::chrono::steady_clock::now() + lock_wait_;
   Status st;
+  int poll_ms = 2;
   while (true) {
     st = locks_->Acquire(id, LockMode::kExclusive, false);
     if (st.code() != Status::Code::kLocked) break;
@@ -507,7 +520,10 @@ Status VolumeImpl::WaitLock(LockId id) {
                           std::to_string(lock_wait_.count()) + " s");
       break;
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+    // Back off from 2 ms to 50 ms: with the sanlock backend every attempt
+    // is a paxos round on the LUN.
+    std::this_thread::sleep_for(std::chrono::milliseconds(poll_ms));
+    poll_ms = std::min(poll_ms * 2, 50);
   }
   if (announced) (void)locks_->Release(want);
   return st;

@@ -29,6 +29,7 @@
 #include "volume/block_device.h"
 #include "volume/format.h"
 #include "volume/lock_manager.h"
+#include "volume/sanlock_lock_manager.h"
 
 namespace dede {
 
@@ -40,6 +41,11 @@ struct FormatOptions {
   uint64_t journal_blocks = 0;  // 0 = automatic
   uint32_t group_refblocks = 32;
   Clock* clock = nullptr;       // nullptr = real clock
+  // Initialise a sanlock lockspace and lease table in the lease area; every
+  // opener must then use the sanlock backend (hosts sharing a LUN).
+  bool sanlock = false;
+  std::string lease_path;  // sanlock's path to the device; empty = the device's path
+  uint32_t lease_io_timeout_s = 0;  // recorded in the lockspace; 0 = sanlock's default
 };
 
 // Writes a fresh, empty volume. Refuses (kExists) a device that already
@@ -50,8 +56,10 @@ struct OpenOptions {
   // Host slot (1..max_hosts) whose journal this process writes. 0 picks the
   // first free slot.
   uint32_t host_id = 0;
-  // Lock backend; nullptr = local OFD locks (see OpenLocalLockManager).
+  // Lock backend; nullptr = local OFD locks (see OpenLocalLockManager), or
+  // the sanlock backend with `sanlock` when the volume was formatted for it.
   std::shared_ptr<LockManager> locks;
+  SanlockOptions sanlock;
   Clock* clock = nullptr;
   bool read_only = false;  // no journal, no writes (info, export, fsck w/o repair)
 };

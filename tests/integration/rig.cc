@@ -282,6 +282,26 @@ ProcessResult RunProcess(const std::vector<std::string>& argv, int timeout_s) {
   return RunProcessEnv(argv, {}, timeout_s);
 }
 
+ProcessResult RunProcess(const std::vector<std::string>& argv,
+                         const std::vector<std::string>& extra_env, int timeout_s) {
+  return RunProcessEnv(argv, extra_env, timeout_s);
+}
+
+int StartProcess(const std::vector<std::string>& argv, const std::vector<std::string>& extra_env,
+                 const std::string& log_path) {
+  int fd = ::open(log_path.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
+  if (fd < 0) throw std::runtime_error(ErrnoText("cannot create " + log_path, errno));
+  pid_t pid;
+  try {
+    pid = Spawn(argv, extra_env, fd, fd);
+  } catch (...) {
+    ::close(fd);
+    throw;
+  }
+  ::close(fd);
+  return pid;
+}
+
 std::string DescribeRun(const std::vector<std::string>& argv, const ProcessResult& r) {
   std::string s;
   for (const auto& a : argv) s += a + " ";
@@ -490,8 +510,9 @@ bool CanConnectUnix(const std::string& path) {
 }
 }  // namespace
 
-DedupdProcess::DedupdProcess(const std::string& volume, uint32_t host_id,
-                             const std::string& socket, const std::vector<std::string>& extra_args)
+DedupdProcess::DedupdProcess(const std::string& volume, uint32_t host_id, const std::string& socket,
+                             const std::vector<std::string>& extra_args,
+                             const std::vector<std::string>& env)
     : socket_(socket), log_(socket + ".log") {
   std::vector<std::string> argv = {BinaryPath("dedupd"), "--volume", volume, "--host-id",
                                    std::to_string(host_id), "--socket", socket};
@@ -499,7 +520,7 @@ DedupdProcess::DedupdProcess(const std::string& volume, uint32_t host_id,
   int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (fd < 0) throw std::runtime_error(ErrnoText("cannot create " + log_, errno));
   try {
-    pid_ = Spawn(argv, {}, fd, fd);
+    pid_ = Spawn(argv, env, fd, fd);
   } catch (...) {
     ::close(fd);
     throw;

@@ -33,6 +33,18 @@ struct ProcessResult {
 // stdout and stderr, waits up to `timeout_s` seconds (then SIGKILL and
 // exit_code -1).
 ProcessResult RunProcess(const std::vector<std::string>& argv, int timeout_s = 120);
+// The same with extra "NAME=value" entries in the child's environment
+// (overriding this process's variables of the same name), e.g.
+// {"SANLOCK_RUN_DIR=/tmp/..."}.
+ProcessResult RunProcess(const std::vector<std::string>& argv,
+                         const std::vector<std::string>& extra_env, int timeout_s = 120);
+
+// Starts argv as a background child with stdin from /dev/null and stdout
+// and stderr appended to `log_path`, with `extra_env` added to its
+// environment; returns its pid (the caller waits for it). Like every child
+// of the rig it gets SIGKILL when the thread that started it exits.
+int StartProcess(const std::vector<std::string>& argv, const std::vector<std::string>& extra_env,
+                 const std::string& log_path);
 
 // "argv... / exit N signal S / stdout / stderr" (each stream cut at 4000
 // bytes) for test failure messages.
@@ -97,10 +109,13 @@ class TgtdRig {
 // stderr goes to a log file. The constructor waits until the socket
 // accepts connections (throws with the log's tail if dedupd exits or does
 // not come up in 30 s). The destructor SIGKILLs a dedupd still running.
+// `env`: extra "NAME=value" entries for dedupd's environment (e.g. a
+// simulated host's SANLOCK_RUN_DIR, see cluster_rig.h).
 class DedupdProcess {
  public:
   DedupdProcess(const std::string& volume, uint32_t host_id, const std::string& socket,
-                const std::vector<std::string>& extra_args = {});
+                const std::vector<std::string>& extra_args = {},
+                const std::vector<std::string>& env = {});
   ~DedupdProcess();
   DedupdProcess(const DedupdProcess&) = delete;
   DedupdProcess& operator=(const DedupdProcess&) = delete;

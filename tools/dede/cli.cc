@@ -185,9 +185,21 @@ void PrintJson(const nlohmann::json& j) {
 
 // ---------------------------------------------------------------- volumes
 
+SanlockOptions SanlockOptionsFromEnv() {
+  SanlockOptions o;
+  if (const char* v = std::getenv("DEDE_HOST_ID")) o.host_id = static_cast<uint32_t>(std::atoi(v));
+  if (const char* v = std::getenv("DEDE_LEASE_PATH")) o.lease_path = v;
+  if (const char* v = std::getenv("DEDE_LEASE_IO_TIMEOUT")) {
+    o.io_timeout_s = static_cast<uint32_t>(std::atoi(v));
+  }
+  return o;
+}
+
 Result<OpenedVolume> OpenVolume(const std::string& spec, bool read_only) {
   OpenOptions opts;
   opts.read_only = read_only;
+  // Used only when the volume was formatted with --locks sanlock.
+  opts.sanlock = SanlockOptionsFromEnv();
   return OpenVolumeSpec(spec, opts);
 }
 

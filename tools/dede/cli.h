@@ -114,7 +114,11 @@ void PrintJson(const nlohmann::json& j);
 // ---------------------------------------------------------------- volumes
 
 // Opens VOL (a path or iscsi:// URL) and its volume.
+// Opens VOL. A volume formatted with --locks sanlock is opened through the
+// sanlock backend with this host's id and lease path from the environment
+// (DEDE_HOST_ID, DEDE_LEASE_PATH, DEDE_LEASE_IO_TIMEOUT).
 Result<OpenedVolume> OpenVolume(const std::string& spec, bool read_only);
+SanlockOptions SanlockOptionsFromEnv();
 
 // ---------------------------------------------------------------- progress
 

@@ -50,6 +50,13 @@ json StatsJson(const DedupStats& s) {
   j["stale_records"] = s.stale_records;
   j["stale_entries"] = s.stale_entries;
   j["busy_targets"] = s.busy_targets;
+  j["merge_requests_posted"] = s.merge_requests_posted;
+  j["merge_posts_busy"] = s.merge_posts_busy;
+  j["merge_requests_applied"] = s.merge_requests_applied;
+  j["merge_requests_failed_verification"] = s.merge_requests_failed_verification;
+  j["merge_requests_stale"] = s.merge_requests_stale;
+  j["merge_corrupt_groups"] = s.merge_corrupt_groups;
+  j["merge_files_removed"] = s.merge_files_removed;
   j["gc_arena_blocks"] = s.gc_arena_blocks;
   j["gc_unique_entries"] = s.gc_unique_entries;
   j["shards_rewritten"] = s.shards_rewritten;
@@ -91,7 +98,9 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
       "Takes the write logs of the files this process can lock (files served by a\n"
       "running dedupd are skipped and counted as busy), merges their fingerprints\n"
       "into the volume's index and shares duplicate blocks copy-on-write. Every\n"
-      "share is verified by the volume under both files' locks.");
+      "share is verified by the volume under both files' locks. A duplicate of a\n"
+      "block in a file held elsewhere becomes a merge request that the holder\n"
+      "applies; requests posted for files this process can lock are applied first.");
   if (auto rc = parser.Parse(args)) return *rc;
   DedupOptions opts;
   opts.force = parser.flag("force");
@@ -147,6 +156,10 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
             << "\n  new unique entries  " << s.unique_added << "\n  stale (skipped)     "
             << s.stale_records + s.stale_entries << "\n  garbage collected   "
             << s.gc_arena_blocks << " arena blocks, " << s.gc_unique_entries << " entries"
+            << "\n  merge requests      " << s.merge_requests_posted << " posted, "
+            << s.merge_posts_busy << " posts busy; " << s.merge_requests_applied << " applied, "
+            << s.merge_requests_failed_verification << " failed verification, "
+            << s.merge_requests_stale << " stale"
             << "\n  shards              " << s.shards_rewritten << " rewritten, "
             << s.shards_deferred << " deferred, " << s.shards_split << " split"
             << "\n  time                " << HumanDuration(double(s.total_ns) / 1e9) << std::endl;

@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "kmod/writemon/write_log.h"
+#include "merge/merge_request.h"
 #include "tools/dede/cli.h"
 #include "volume/format.h"
 #include "volume/volume.h"
@@ -270,6 +271,18 @@ int RunRm(const Command& cmd, const std::vector<std::string>& args) {
     if (!log_st.ok() && log_st.code() != Status::Code::kNotFound) {
       std::cerr << "dede rm: warning: write log of '" << name << "' left behind: "
                 << log_st.message() << "\n";
+    }
+    // So do the merge requests posted for it (one left behind is removed
+    // by the next dedup pass: its target inode holds no file).
+    const std::string mr_name = MergeRequestFileName(info->id.ino);
+    auto mr_info = opened->volume->Lookup(mr_name);
+    Status mr_st = mr_info.ok() && mr_info->kind == FileKind::kMergeRequest &&
+                           mr_info->owner_ino == info->id.ino
+                       ? opened->volume->Remove(mr_name)
+                       : Status::Ok();
+    if (!mr_st.ok() && mr_st.code() != Status::Code::kNotFound) {
+      std::cerr << "dede rm: warning: merge requests of '" << name << "' left behind: "
+                << mr_st.message() << "\n";
     }
   }
   st = opened->volume->Sync();

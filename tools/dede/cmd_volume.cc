@@ -2,6 +2,7 @@
 #include <time.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <ctime>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -107,10 +108,19 @@ int RunFormat(const Command& cmd, const std::vector<std::string>& args) {
                    "hosts that may use the volume at once (1..250, default 8)")(
       "hash", po::value<std::string>()->value_name("ALGO"),
       "block fingerprint: xxh128 (default) or sha256")(
-      "force", po::bool_switch(), "overwrite a device that already holds a dede volume");
+      "force", po::bool_switch(), "overwrite a device that already holds a dede volume")(
+      "locks", po::value<std::string>()->value_name("BACKEND"),
+      "local (default: processes of one machine) or sanlock (hosts sharing a LUN)")(
+      "lease-path", po::value<std::string>()->value_name("PATH"),
+      "with --locks sanlock: the LUN as a path for sanlock (block device or backing file; "
+      "default: VOL when VOL is a path; also DEDE_LEASE_PATH)");
   parser.SetDetails(
       "Nothing is written when the device is too small or already holds a dede\n"
-      "volume (unless --force).");
+      "volume (unless --force).\n\n"
+      "--locks sanlock writes a sanlock lockspace and the lease table into the\n"
+      "volume's lease area. Every host then runs a sanlock daemon and opens the\n"
+      "volume with its host id (dedupd --host-id N, or DEDE_HOST_ID=N for dede)\n"
+      "and the LUN's path (--lease-path, or DEDE_LEASE_PATH).");
   if (auto rc = parser.Parse(args)) return *rc;
   const std::string& spec = parser.positional(0);
 
@@ -128,6 +138,21 @@ int RunFormat(const Command& cmd, const std::vector<std::string>& args) {
     if (!algo) return UsageError(cmd, "--hash must be xxh128 or sha256, not '" + *v + "'");
     opts.hash_algo = *algo;
   }
+
+  if (auto v = parser.value("locks")) {
+    if (*v == "sanlock") {
+      opts.sanlock = true;
+    } else if (*v != "local") {
+      return UsageError(cmd, "--locks must be local or sanlock, not '" + *v + "'");
+    }
+  }
+  if (auto v = parser.value("lease-path")) {
+    if (!opts.sanlock) return UsageError(cmd, "--lease-path needs --locks sanlock");
+    opts.lease_path = *v;
+  } else if (const char* env = std::getenv("DEDE_LEASE_PATH"); env && opts.sanlock) {
+    opts.lease_path = env;
+  }
+  opts.lease_io_timeout_s = SanlockOptionsFromEnv().io_timeout_s;
 
   auto dev = OpenBlockDevice(spec);
   if (!dev.ok()) return Fail(cmd, dev.status());
@@ -166,7 +191,7 @@ int RunFormat(const Command& cmd, const std::vector<std::string>& args) {
   std::cout << "formatted " << spec << ": " << HumanSize(sb->total_blocks * kBlockSize) << ", "
             << HumanSize(sb->DataBlocks() * kBlockSize) << " for data, up to " << sb->max_hosts
             << " hosts, " << HashAlgoName(sb->hash_algo) << " fingerprints, uuid "
-            << UuidToString(sb->uuid) << '\n';
+            << UuidToString(sb->uuid) << (sb->UsesSanlock() ? ", sanlock leases" : "") << '\n';
   return kExitOk;
 }
 
@@ -315,7 +340,10 @@ int RunStats(const Command& cmd, const std::vector<std::string>& args) {
         logical_blocks += fi.mapped_blocks;
         continue;
       case FileKind::kIndexShard: index_mapped += fi.mapped_blocks; break;
-      case FileKind::kArena: break;
+      // A merge-request file's blocks are clones of shared blocks (and one
+      // header block per group): like an arena's, not data of their own.
+      case FileKind::kArena:
+      case FileKind::kMergeRequest: break;
       case FileKind::kWriteLog:
         log_files++;
         log_blocks += fi.mapped_blocks;

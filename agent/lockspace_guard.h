@@ -1,0 +1,54 @@
+// LockspaceGuard: dedupd's fence on a sanlock volume (docs/LOCKING.md,
+// "Fencing").
+//
+// sanlock SIGKILLs a registered process when its host can no longer renew
+// the lockspace, well before other hosts may treat the host as dead. That
+// needs a working daemon. If the daemon itself hangs or dies (or cannot
+// answer), nobody would stop us, so the guard asks the daemon every
+// second whether this host is still LIVE in the lockspace and, once that
+// has not been confirmed for `fence_after`, ends the process at once
+// (std::_Exit: no flush, no further volume I/O). Acknowledged writes are
+// safe: flushed data and committed journal transactions are on the LUN,
+// and whoever takes the host's locks next replays its journal.
+//
+// It also clears this host's stale lock records now and then
+// (SanlockLockManager::CollectStaleRecords: records of processes of this
+// host that died).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <mutex>
+#include <thread>
+
+#include "volume/sanlock_lock_manager.h"
+
+namespace dede {
+
+class LockspaceGuard {
+ public:
+  static constexpr int kExitFenced = 75;
+
+  LockspaceGuard(SanlockLockManager* locks, std::chrono::milliseconds fence_after,
+                 std::chrono::milliseconds collect_every = std::chrono::seconds(10));
+  ~LockspaceGuard();
+  LockspaceGuard(const LockspaceGuard&) = delete;
+  LockspaceGuard& operator=(const LockspaceGuard&) = delete;
+
+ private:
+  void CheckLoop();
+  void WatchLoop();
+
+  SanlockLockManager* locks_;
+  const std::chrono::milliseconds fence_after_;
+  const std::chrono::milliseconds collect_every_;
+  // Steady-clock nanoseconds of the last confirmation; read by WatchLoop.
+  std::atomic<int64_t> last_ok_ns_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool stop_ = false;  // guarded by mu_
+  std::thread checker_, watchdog_;
+};
+
+}  // namespace dede

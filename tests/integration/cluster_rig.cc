@@ -1,0 +1,322 @@
+#include "tests/integration/cluster_rig.h"
+
+#include <dirent.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <vector>
+
+#ifndef DEDE_SANLOCK_SHIM
+#error "DEDE_SANLOCK_SHIM (path of the sanlock LD_PRELOAD shim) must be defined by the build"
+#endif
+
+namespace dede::test {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+std::string ReadFileText(const std::string& path) {
+  std::ifstream in(path);
+  std::stringstream ss;
+  ss << in.rdbuf();
+  return ss.str();
+}
+
+void WriteFileText(const std::string& path, const std::string& text) {
+  std::ofstream out(path, std::ios::trunc);
+  out << text;
+  if (!out) throw std::runtime_error("cannot write " + path);
+}
+
+bool CanConnectUnix(const std::string& path) {
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return false;
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+  bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// Fields of /proc/PID/stat after the command name: state, ppid, ...
+std::vector<std::string> StatFields(int pid) {
+  std::string stat = ReadFileText("/proc/" + std::to_string(pid) + "/stat");
+  std::vector<std::string> fields;
+  size_t close_paren = stat.rfind(')');
+  if (close_paren == std::string::npos) return fields;
+  std::istringstream in(stat.substr(close_paren + 1));
+  std::string f;
+  while (in >> f) fields.push_back(f);
+  return fields;
+}
+
+// Children of `pid` (the daemon's helper), by scanning /proc: these
+// kernels lack /proc/PID/task/TID/children.
+std::vector<int> ChildrenOf(int pid) {
+  std::vector<int> out;
+  DIR* d = ::opendir("/proc");
+  if (d == nullptr) return out;
+  const std::string parent = std::to_string(pid);
+  while (dirent* e = ::readdir(d)) {
+    if (e->d_name[0] < '1' || e->d_name[0] > '9') continue;
+    int candidate = std::atoi(e->d_name);
+    std::vector<std::string> fields = StatFields(candidate);
+    if (fields.size() > 1 && fields[1] == parent) out.push_back(candidate);
+  }
+  ::closedir(d);
+  return out;
+}
+
+// False once the process is gone or a zombie.
+bool ProcessExists(int pid) {
+  std::vector<std::string> fields = StatFields(pid);
+  return !fields.empty() && fields[0] != "Z";
+}
+
+std::string Tail(const std::string& s, size_t max) {
+  return s.size() > max ? "..." + s.substr(s.size() - max) : s;
+}
+
+std::string Shim() {
+  const std::string shim = DEDE_SANLOCK_SHIM;
+  if (::access(shim.c_str(), R_OK) != 0) {
+    throw std::runtime_error("sanlock LD_PRELOAD shim not found at " + shim +
+                             " (built by tests/CMakeLists.txt as dede_sanlock_shim)");
+  }
+  return shim;
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------- daemon
+
+SanlockDaemon::SanlockDaemon(const std::string& run_dir, const std::string& host_name,
+                             const std::vector<std::string>& extra_args, const std::string& config)
+    : run_dir_(run_dir), host_name_(host_name), log_(run_dir + "/daemon.log") {
+  const std::string sanlock = RequireProgram("sanlock");
+  const std::string shim = Shim();
+  sockaddr_un probe{};
+  if (socket_path().size() >= sizeof(probe.sun_path)) {
+    throw std::runtime_error("SanlockDaemon: run dir too long for a Unix socket: " + run_dir_);
+  }
+  std::error_code ec;
+  std::filesystem::create_directories(run_dir_, ec);
+  if (ec)
+    throw std::runtime_error("SanlockDaemon: cannot create " + run_dir_ + ": " + ec.message());
+  const std::string conf = run_dir_ + "/sanlock.conf";
+  WriteFileText(conf, config);
+
+  std::vector<std::string> argv = {sanlock, "daemon", "-D",   "-w", "0",    "-l", "0",       "-h",
+                                   "0",     "-U",     "root", "-G", "root", "-e", host_name_};
+  argv.insert(argv.end(), extra_args.begin(), extra_args.end());
+  std::vector<std::string> env = {"SANLOCK_RUN_DIR=" + run_dir_, "LD_PRELOAD=" + shim,
+                                  "DEDE_SANLOCK_CONF=" + conf,
+                                  "DEDE_SANLOCK_LOG=" + run_dir_ + "/sanlock.log"};
+  pid_ = StartProcess(argv, env, log_);
+}
+
+SanlockDaemon::~SanlockDaemon() {
+  Kill();
+}
+
+void SanlockDaemon::WaitReady(int timeout_s) {
+  const auto deadline = Clock::now() + std::chrono::seconds(timeout_s);
+  for (;;) {
+    if (!Running()) {
+      throw std::runtime_error("sanlock daemon " + host_name_ + " exited during start-up; log:\n" +
+                               LogTail());
+    }
+    if (CanConnectUnix(socket_path())) return;
+    if (Clock::now() > deadline) {
+      std::string tail = LogTail();
+      Kill();
+      throw std::runtime_error("sanlock daemon " + host_name_ + " did not listen on " +
+                               socket_path() + " within " + std::to_string(timeout_s) +
+                               " s; log:\n" + tail);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+}
+
+std::vector<std::string> SanlockDaemon::Env() const {
+  return {"SANLOCK_RUN_DIR=" + run_dir_};
+}
+
+bool SanlockDaemon::Running() {
+  if (pid_ <= 0) return false;
+  int status = 0;
+  pid_t r = ::waitpid(pid_, &status, WNOHANG);
+  if (r == pid_ || (r < 0 && errno == ECHILD)) {
+    pid_ = -1;
+    return false;
+  }
+  return true;
+}
+
+void SanlockDaemon::Kill() {
+  if (pid_ <= 0) return;
+  // The helper is the daemon's child (it runs kill/killpath requests); it
+  // exits by itself once the daemon is gone, but do not leave that to
+  // chance. Its pid cannot be reused before the daemon reaps it.
+  std::vector<int> helpers = ChildrenOf(pid_);
+  for (int h : helpers) ::kill(h, SIGKILL);
+  ::kill(pid_, SIGKILL);
+  int status = 0;
+  while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+  }
+  pid_ = -1;
+  // Orphaned helpers are reaped by init; wait for that (briefly).
+  const auto deadline = Clock::now() + std::chrono::seconds(2);
+  for (int h : helpers) {
+    while (ProcessExists(h) && Clock::now() < deadline) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+  }
+}
+
+void SanlockDaemon::Stop() {
+  if (pid_ > 0) ::kill(pid_, SIGSTOP);
+}
+
+void SanlockDaemon::Continue() {
+  if (pid_ > 0) ::kill(pid_, SIGCONT);
+}
+
+ProcessResult SanlockDaemon::Sanlock(const std::vector<std::string>& args, int timeout_s) const {
+  std::vector<std::string> argv = {RequireProgram("sanlock")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunProcess(argv, Env(), timeout_s);
+}
+
+std::string SanlockDaemon::Log() const {
+  return ReadFileText(log_);
+}
+
+std::string SanlockDaemon::LogTail(size_t max) const {
+  return Tail(Log(), max);
+}
+
+std::map<uint64_t, std::string> HostStates(const SanlockDaemon& host,
+                                           const std::string& lockspace) {
+  const std::vector<std::string> args = {"client", "gets", "-h", "1"};
+  ProcessResult r = host.Sanlock(args, 30);
+  if (r.exit_code != 0) {
+    throw std::runtime_error("sanlock client gets -h 1 (" + host.host_name() + ") failed: exit " +
+                             std::to_string(r.exit_code) + " " + r.out + r.err);
+  }
+  // s NAME:ID:PATH:OFFSET
+  // h ID gen G timestamp T STATE
+  std::map<uint64_t, std::string> states;
+  std::istringstream in(r.out);
+  std::string line;
+  bool ours = false;
+  while (std::getline(in, line)) {
+    std::istringstream words(line);
+    std::string kind;
+    words >> kind;
+    if (kind == "s") {
+      std::string spec;
+      words >> spec;
+      ours = spec.compare(0, lockspace.size() + 1, lockspace + ":") == 0;
+    } else if (kind == "h" && ours) {
+      uint64_t id = 0;
+      std::string gen_word, gen, ts_word, ts, state;
+      words >> id >> gen_word >> gen >> ts_word >> ts >> state;
+      if (!state.empty()) states[id] = state;
+    }
+  }
+  return states;
+}
+
+// ------------------------------------------------------------------ cluster
+
+ClusterRig::ClusterRig(int hosts, uint64_t lun_size, const std::vector<std::string>& daemon_args,
+                       const std::string& daemon_config) {
+  if (hosts < 1) throw std::invalid_argument("ClusterRig: needs at least one host");
+  RequireProgram("sanlock");
+  lun_ = dir_.file("lun");
+  CreateSparseFile(lun_, lun_size);
+  tgtd_ = std::make_unique<TgtdRig>(lun_);
+
+  // Run dirs hold the daemons' Unix sockets: keep their paths short.
+  std::string root = dir_.path();
+  if (root.size() > 70) {
+    char templ[] = "/tmp/dede-slk-XXXXXX";
+    if (::mkdtemp(templ) == nullptr) {
+      throw std::runtime_error(std::string("mkdtemp /tmp/dede-slk-: ") + std::strerror(errno));
+    }
+    sock_root_ = templ;
+    root = sock_root_;
+  }
+  try {
+    // Start every daemon, then wait for all: they come up in parallel.
+    for (int i = 1; i <= hosts; ++i) {
+      hosts_.push_back(std::make_unique<SanlockDaemon>(
+          root + "/h" + std::to_string(i), "host" + std::to_string(i), daemon_args, daemon_config));
+    }
+    for (auto& h : hosts_) h->WaitReady();
+  } catch (...) {
+    hosts_.clear();
+    if (!sock_root_.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(sock_root_, ec);
+    }
+    throw;
+  }
+}
+
+ClusterRig::~ClusterRig() {
+  hosts_.clear();  // daemons first: they hold the LUN open
+  tgtd_.reset();
+  if (!sock_root_.empty()) {
+    std::error_code ec;
+    std::filesystem::remove_all(sock_root_, ec);
+  }
+}
+
+SanlockDaemon& ClusterRig::host(int i) {
+  if (i < 1 || i > size()) {
+    throw std::out_of_range("ClusterRig::host(" + std::to_string(i) + "): hosts are 1.." +
+                            std::to_string(size()));
+  }
+  return *hosts_[static_cast<size_t>(i - 1)];
+}
+
+ProcessResult ClusterRig::RunAsHost(int i, const std::vector<std::string>& argv, int timeout_s) {
+  return RunProcess(argv, host(i).Env(), timeout_s);
+}
+
+ProcessResult ClusterRig::SanlockClient(int i, const std::vector<std::string>& args,
+                                        int timeout_s) {
+  std::vector<std::string> full = {"client"};
+  full.insert(full.end(), args.begin(), args.end());
+  return host(i).Sanlock(full, timeout_s);
+}
+
+std::string ClusterRig::LockspaceSpec(const std::string& name, uint64_t host_id,
+                                      uint64_t offset) const {
+  return name + ":" + std::to_string(host_id) + ":" + lun_ + ":" + std::to_string(offset);
+}
+
+std::string ClusterRig::ResourceSpec(const std::string& lockspace, const std::string& resource,
+                                     uint64_t offset, bool shared) const {
+  return lockspace + ":" + resource + ":" + lun_ + ":" + std::to_string(offset) +
+         (shared ? ":SH" : "");
+}
+
+}  // namespace dede::test

@@ -1,0 +1,689 @@
+#include "volume/sanlock_lock_manager.h"
+
+extern "C" {  // some of sanlock's headers lack their own extern "C"
+#include <sanlock.h>
+#include <sanlock_admin.h>
+#include <sanlock_direct.h>
+#include <sanlock_resource.h>
+#include <sanlock_rv.h>
+}
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "util/mutex.h"
+#include "volume/volume_impl.h"
+
+namespace dede {
+
+namespace {
+
+constexpr uint32_t kLockspaceFlags = SANLK_LSF_ALIGN1M | SANLK_LSF_SECTOR4K;
+constexpr uint32_t kResourceFlags = SANLK_RES_ALIGN1M | SANLK_RES_SECTOR4K;
+constexpr uint8_t kModeShared = 1;
+constexpr uint8_t kModeExclusive = 2;
+
+std::string SanlockError(int rv) {
+  const char* s = sanlock_strerror(rv);
+  return std::string(s ? s : "error") + " (" + std::to_string(rv) + ")";
+}
+
+void CopyName(char* dst, const std::string& src) {
+  std::memset(dst, 0, SANLK_NAME_LEN);
+  std::memcpy(dst, src.data(), std::min<size_t>(src.size(), SANLK_NAME_LEN));
+}
+
+void CopyPath(char* dst, const std::string& src) {
+  std::memset(dst, 0, SANLK_PATH_LEN);
+  std::memcpy(dst, src.data(), std::min<size_t>(src.size(), SANLK_PATH_LEN - 1));
+}
+
+// A sanlk_resource with its one disk (the struct ends in a flexible array).
+struct ResourceBuf {
+  alignas(sanlk_resource) uint8_t bytes[sizeof(sanlk_resource) + sizeof(sanlk_disk)] = {};
+  sanlk_resource* res() { return reinterpret_cast<sanlk_resource*>(bytes); }
+};
+
+ResourceBuf MakeResource(const std::string& ls_name, const std::string& name,
+                         const std::string& path, uint64_t offset, bool shared) {
+  ResourceBuf b;
+  sanlk_resource* r = b.res();
+  CopyName(r->lockspace_name, ls_name);
+  CopyName(r->name, name);
+  r->flags = kResourceFlags | (shared ? SANLK_RES_SHARED : 0);
+  r->num_disks = 1;
+  CopyPath(r->disks[0].path, path);
+  r->disks[0].offset = offset;
+  return b;
+}
+
+sanlk_lockspace MakeLockspace(const std::string& name, uint32_t host_id, const std::string& path,
+                              uint64_t offset) {
+  sanlk_lockspace ls;
+  std::memset(&ls, 0, sizeof(ls));
+  CopyName(ls.name, name);
+  ls.host_id = host_id;
+  ls.flags = kLockspaceFlags;
+  CopyPath(ls.host_id_disk.path, path);
+  ls.host_id_disk.offset = offset;
+  return ls;
+}
+
+// The daemon opens the path itself, from its own working directory.
+std::string AbsolutePath(const std::string& path) {
+  char* real = ::realpath(path.c_str(), nullptr);
+  if (!real) return path;
+  std::string s(real);
+  std::free(real);
+  return s;
+}
+
+std::string PartitionLeaseName(uint32_t p) { return "lt-" + std::to_string(p); }
+constexpr const char* kVolumeLeaseName = "volume";
+
+// Errors of sanlock_acquire that mean "someone else holds it right now".
+bool IsBusy(int rv) {
+  switch (rv) {
+    case SANLK_ACQUIRE_IDLIVE:
+    case SANLK_ACQUIRE_OWNED:
+    case SANLK_ACQUIRE_OTHER:
+    case SANLK_ACQUIRE_SHRETRY:
+    case SANLK_ACQUIRE_OWNED_RETRY:
+    case SANLK_DBLOCK_MBAL:
+    case SANLK_DBLOCK_LVER:
+    case -EEXIST:
+    case -EBUSY:
+    case -EAGAIN:
+    case -EINPROGRESS:
+      return true;
+    default:
+      return false;
+  }
+}
+
+uint64_t Mix(uint64_t x) {
+  x += 0x9e3779b97f4a7c15ull;
+  x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
+  x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
+uint64_t NowNs() {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                   std::chrono::system_clock::now().time_since_epoch())
+                                   .count());
+}
+
+// One registration per process: the daemon ties resource leases to the
+// registered connection, and SIGKILLs the process if the lockspace fails.
+Mutex g_register_mu;
+int g_register_fd GUARDED_BY(g_register_mu) = -1;
+
+Result<int> RegisterProcess() {
+  MutexLock l(&g_register_mu);
+  if (g_register_fd >= 0) return g_register_fd;
+  int fd = sanlock_register();
+  if (fd < 0) {
+    return Status::Unavailable("cannot register with the sanlock daemon (is it running? "
+                               "SANLOCK_RUN_DIR=" +
+                               std::string(std::getenv("SANLOCK_RUN_DIR")
+                                               ? std::getenv("SANLOCK_RUN_DIR")
+                                               : "default") +
+                               "): " + SanlockError(fd));
+  }
+  // The fence: if this host's lockspace fails, die at once (SIGKILL),
+  // never run a SIGTERM handler that would still write to the volume.
+  int rv = sanlock_restrict(fd, SANLK_RESTRICT_SIGTERM);
+  if (rv < 0) {
+    ::close(fd);
+    return Status::IoError("sanlock_restrict: " + SanlockError(rv));
+  }
+  g_register_fd = fd;
+  return fd;
+}
+
+class SanlockImpl : public SanlockLockManager {
+ public:
+  SanlockImpl(BlockDevice* dev, const Superblock& sb, const SanlockOptions& opts,
+              std::unique_ptr<LockManager> local, std::string lease_path)
+      : dev_(dev),
+        sb_(sb),
+        opts_(opts),
+        layout_(LeaseLayoutOf(sb)),
+        ls_name_(SanlockLockspaceName(sb.uuid)),
+        lease_path_(std::move(lease_path)),
+        local_(std::move(local)),
+        part_mu_(layout_.partitions) {}
+
+  ~SanlockImpl() override {
+    std::vector<LockId> held;
+    {
+      MutexLock l(&mu_);
+      for (auto& [id, mode] : held_) held.push_back(id);
+    }
+    for (const LockId& id : held) (void)Release(id);
+  }
+
+  Status Init() {
+    sanlk_lockspace ls =
+        MakeLockspace(ls_name_, opts_.host_id, lease_path_, layout_.lockspace_offset);
+    int rv = sanlock_add_lockspace_timeout(&ls, 0, opts_.io_timeout_s);
+    if (rv == -EINPROGRESS) {
+      // Another process of this host is joining: wait for it.
+      for (int i = 0; i < 600 && rv != 0; i++) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        rv = sanlock_inq_lockspace(&ls, 0);
+      }
+    } else if (rv == -EEXIST) {
+      rv = sanlock_inq_lockspace(&ls, 0);
+    }
+    if (rv != 0) {
+      return Status::Unavailable("cannot join lockspace " + ls_name_ + " as host " +
+                                 std::to_string(opts_.host_id) + " on " + lease_path_ + ": " +
+                                 SanlockError(rv));
+    }
+    ASSIGN_OR_RETURN(sanlk_host me, HostInfo(opts_.host_id));
+    generation_ = me.generation;
+    ASSIGN_OR_RETURN(reg_fd_, RegisterProcess());
+    return Status::Ok();
+  }
+
+  Status Acquire(LockId id, LockMode mode, bool wait) override {
+    {
+      MutexLock l(&mu_);
+      if (held_.count(id)) return Status::Invalid(id.ToString() + " is already held here");
+    }
+    RETURN_IF_ERROR(local_->Acquire(id, mode, wait));
+    Status st = id.kind == LockKind::kVolume ? AcquireVolumeLease(mode, wait)
+                                             : AcquireRecord(id, mode, wait);
+    if (!st.ok()) {
+      (void)local_->Release(id);
+      return st;
+    }
+    MutexLock l(&mu_);
+    held_[id] = mode;
+    return Status::Ok();
+  }
+
+  Status Release(LockId id) override {
+    LockMode mode;
+    {
+      MutexLock l(&mu_);
+      auto it = held_.find(id);
+      if (it == held_.end()) return Status::Invalid(id.ToString() + " is not held here");
+      mode = it->second;
+      held_.erase(it);
+    }
+    if (id.kind == LockKind::kVolume) {
+      ResourceBuf r = MakeResource(ls_name_, kVolumeLeaseName, lease_path_,
+                                   layout_.SlotOffset(0), mode == LockMode::kShared);
+      sanlk_resource* rp = r.res();
+      int rv = sanlock_release(reg_fd_, -1, 0, 1, &rp);
+      Status ls = local_->Release(id);
+      if (rv < 0) return Status::IoError("releasing the volume lease: " + SanlockError(rv));
+      return ls;
+    }
+    const uint32_t p = PartitionOf(id);
+    if (mode == LockMode::kExclusive) {
+      // Table first, local lock second: while we hold the local lock no
+      // other process of this host can have put its own record there.
+      Status st = UpdatePartition(p, [&](std::vector<LockRecord>* recs) {
+        return EraseRecords(recs, id, [&](const LockRecord& r) {
+          return r.host == opts_.host_id;
+        });
+      });
+      Status ls = local_->Release(id);
+      return st.ok() ? ls : st;
+    }
+    // Shared: other processes of this host may still hold it. Drop our
+    // local lock, then, under the partition lease, remove the host's record
+    // only if nobody here holds the lock any more (an exclusive local probe
+    // succeeds). Releases and acquires of this host are serialised by the
+    // partition lease, so the last one out removes the record.
+    RETURN_IF_ERROR(local_->Release(id));
+    return UpdatePartition(p, [&](std::vector<LockRecord>* recs) {
+      bool has = false;
+      for (const LockRecord& r : *recs) has |= Matches(r, id) && r.host == opts_.host_id;
+      if (!has) return false;
+      if (!local_->Acquire(id, LockMode::kExclusive, false).ok()) return false;
+      (void)local_->Release(id);
+      return EraseRecords(recs, id, [&](const LockRecord& r) { return r.host == opts_.host_id; });
+    });
+  }
+
+  Result<bool> IsHeldElsewhere(LockId id) override {
+    ASSIGN_OR_RETURN(bool local_held, local_->IsHeldElsewhere(id));
+    if (local_held) return true;
+    if (id.kind == LockKind::kVolume) {
+      return Status::Invalid("IsHeldElsewhere is not supported for the volume lease");
+    }
+    ASSIGN_OR_RETURN(std::vector<LockRecord> recs, ReadPartition(PartitionOf(id)));
+    for (const LockRecord& r : recs) {
+      if (!Matches(r, id) || r.host == opts_.host_id) continue;
+      ASSIGN_OR_RETURN(bool live, HolderLive(r));
+      if (live) return true;
+    }
+    return false;
+  }
+
+  Result<uint64_t> CollectStaleRecords() override {
+    uint64_t removed = 0;
+    for (uint32_t p = 0; p < layout_.partitions; p++) {
+      RETURN_IF_ERROR(UpdatePartition(p, [&](std::vector<LockRecord>* recs) {
+        size_t before = recs->size();
+        std::vector<LockRecord> keep;
+        for (const LockRecord& r : *recs) {
+          LockId id{static_cast<LockKind>(r.kind), r.id};
+          bool stale = false;
+          if (r.host == opts_.host_id) {
+            bool mine;
+            {
+              MutexLock l(&mu_);
+              mine = held_.count(id) != 0;
+            }
+            if (r.generation != generation_) {
+              stale = true;
+            } else if (!mine && local_->Acquire(id, LockMode::kExclusive, false).ok()) {
+              (void)local_->Release(id);
+              stale = true;
+            }
+          }
+          if (!stale) keep.push_back(r);
+        }
+        removed += before - keep.size();
+        *recs = std::move(keep);
+        return before != recs->size();
+      }));
+    }
+    return removed;
+  }
+
+  Result<std::vector<LockRecord>> ListRecords() override {
+    std::vector<LockRecord> all;
+    for (uint32_t p = 0; p < layout_.partitions; p++) {
+      ASSIGN_OR_RETURN(std::vector<LockRecord> recs, ReadPartition(p));
+      all.insert(all.end(), recs.begin(), recs.end());
+    }
+    return all;
+  }
+
+  Status CheckLockspace() override {
+    sanlk_lockspace ls =
+        MakeLockspace(ls_name_, opts_.host_id, lease_path_, layout_.lockspace_offset);
+    int rv = sanlock_inq_lockspace(&ls, 0);
+    if (rv != 0) {
+      return Status::Unavailable("lockspace " + ls_name_ + " is not held by this host: " +
+                                 SanlockError(rv));
+    }
+    ASSIGN_OR_RETURN(sanlk_host me, HostInfo(opts_.host_id));
+    uint32_t state = me.flags & SANLK_HOST_MASK;
+    if (me.generation != generation_ || state != SANLK_HOST_LIVE) {
+      return Status::Unavailable("this host's lockspace membership is not live (state " +
+                                 std::to_string(state) + ", generation " +
+                                 std::to_string(me.generation) + ")");
+    }
+    return Status::Ok();
+  }
+
+  uint32_t sanlock_host_id() const override { return opts_.host_id; }
+  uint64_t generation() const override { return generation_; }
+  Counters counters() const override {
+    MutexLock l(&mu_);
+    return counters_;
+  }
+
+ private:
+  static bool Matches(const LockRecord& r, LockId id) {
+    return r.kind == static_cast<uint16_t>(id.kind) && r.id == id.id;
+  }
+
+  template <typename Pred>
+  static bool EraseRecords(std::vector<LockRecord>* recs, LockId id, Pred pred) {
+    size_t before = recs->size();
+    recs->erase(std::remove_if(recs->begin(), recs->end(),
+                               [&](const LockRecord& r) { return Matches(r, id) && pred(r); }),
+                recs->end());
+    return recs->size() != before;
+  }
+
+  uint32_t PartitionOf(LockId id) const {
+    return static_cast<uint32_t>(
+        Mix((uint64_t{static_cast<uint16_t>(id.kind)} << 56) ^ id.id) % layout_.partitions);
+  }
+
+  Result<sanlk_host> HostInfo(uint64_t host_id) {
+    sanlk_host* hss = nullptr;
+    int count = 0;
+    int rv = sanlock_get_hosts(ls_name_.c_str(), host_id, &hss, &count, 0);
+    // -EAGAIN: the daemon has not read the lockspace's hosts yet (just joined).
+    for (int i = 0; rv == -EAGAIN && i < 100; i++) {
+      std::free(hss);
+      hss = nullptr;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      rv = sanlock_get_hosts(ls_name_.c_str(), host_id, &hss, &count, 0);
+    }
+    if (rv < 0) {
+      std::free(hss);
+      return Status::Unavailable("sanlock_get_hosts(" + ls_name_ + ", host " +
+                                 std::to_string(host_id) + "): " + SanlockError(rv));
+    }
+    sanlk_host h{};
+    bool found = false;
+    for (int i = 0; i < count; i++) {
+      if (hss[i].host_id == host_id) {
+        h = hss[i];
+        found = true;
+      }
+    }
+    std::free(hss);
+    if (!found) {
+      // Never seen alive by our daemon: its delta lease is free.
+      h.host_id = host_id;
+      h.flags = SANLK_HOST_FREE;
+    }
+    return h;
+  }
+
+  // A record's holder still holds it unless its host is dead, left the
+  // lockspace, or has re-joined since (new generation).
+  Result<bool> HolderLive(const LockRecord& r) {
+    ASSIGN_OR_RETURN(sanlk_host h, HostInfo(r.host));
+    uint32_t state = h.flags & SANLK_HOST_MASK;
+    if (state == SANLK_HOST_FREE || state == SANLK_HOST_DEAD) return false;
+    if (h.generation > r.generation) return false;
+    return true;  // LIVE, FAIL (may still be writing), UNKNOWN (not watched long enough)
+  }
+
+  Status AcquireVolumeLease(LockMode mode, bool wait) {
+    ResourceBuf r = MakeResource(ls_name_, kVolumeLeaseName, lease_path_, layout_.SlotOffset(0),
+                                 mode == LockMode::kShared);
+    sanlk_resource* rp = r.res();
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(wait ? 600 : 5);
+    while (true) {
+      int rv = sanlock_acquire(reg_fd_, -1, 0, 1, &rp, nullptr);
+      if (rv == 0) return Status::Ok();
+      if (!IsBusy(rv)) return Status::IoError("acquiring the volume lease: " + SanlockError(rv));
+      if (std::chrono::steady_clock::now() > deadline) {
+        return Status::Locked("the volume lease is held elsewhere (being formatted?): " +
+                              SanlockError(rv));
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+
+  Status AcquireRecord(LockId id, LockMode mode, bool wait) {
+    const uint32_t p = PartitionOf(id);
+    const uint8_t want = mode == LockMode::kExclusive ? kModeExclusive : kModeShared;
+    auto start = std::chrono::steady_clock::now();
+    while (true) {
+      std::string holder;
+      Status decide;
+      uint64_t taken_over = 0;
+      Status st = UpdatePartition(p, [&](std::vector<LockRecord>* recs) {
+        bool changed = false;
+        bool have_own = false;
+        std::vector<LockRecord> keep;
+        for (const LockRecord& r : *recs) {
+          if (!Matches(r, id)) {
+            keep.push_back(r);
+            continue;
+          }
+          if (r.host == opts_.host_id) {
+            // Ours: the local lock we hold in `mode` says what it can be.
+            // Same generation and both shared: another process here holds
+            // it too; keep it. Anything else is left by a dead process.
+            if (r.generation == generation_ && r.mode == kModeShared && want == kModeShared) {
+              have_own = true;
+              keep.push_back(r);
+            } else {
+              changed = true;
+              taken_over++;
+            }
+            continue;
+          }
+          Result<bool> live = HolderLive(r);
+          if (!live.ok()) {
+            decide = live.status();
+            return false;
+          }
+          if (!live.value()) {
+            changed = true;  // a dead host's record: ours to replace
+            taken_over++;
+            continue;
+          }
+          if (want == kModeExclusive || r.mode == kModeExclusive) {
+            holder = "host " + std::to_string(r.host);
+            decide = Status::Locked(id.ToString() + " is held by " + holder);
+            return false;
+          }
+          keep.push_back(r);
+        }
+        if (!have_own) {
+          LockRecord mine;
+          mine.kind = static_cast<uint16_t>(id.kind);
+          mine.mode = want;
+          mine.host = opts_.host_id;
+          mine.id = id.id;
+          mine.generation = generation_;
+          mine.since_ns = NowNs();
+          keep.push_back(mine);
+          changed = true;
+        }
+        if (keep.size() > uint64_t{kLockRecordsPerBlock} * kLockTableBlocksPerPartition) {
+          decide = Status::NoSpace("lock table partition " + std::to_string(p) +
+                                   " is full (" + std::to_string(recs->size()) + " records)");
+          return false;
+        }
+        *recs = std::move(keep);
+        return changed;
+      });
+      RETURN_IF_ERROR(st);
+      if (decide.ok()) {
+        MutexLock l(&mu_);
+        counters_.acquires++;
+        counters_.stale_taken_over += taken_over;
+        counters_.acquire_ns += static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::nanoseconds>(
+                std::chrono::steady_clock::now() - start)
+                .count());
+        return Status::Ok();
+      }
+      if (decide.code() != Status::Code::kLocked || !wait) return decide;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  }
+
+  // Reads a partition without its lease (IsHeldElsewhere, listings). A
+  // block being rewritten may read torn: retry a few times.
+  Result<std::vector<LockRecord>> ReadPartition(uint32_t p) {
+    Status last;
+    for (int attempt = 0; attempt < 5; attempt++) {
+      auto r = ReadPartitionOnce(p, nullptr);
+      if (r.ok() || r.status().code() != Status::Code::kCorruption) return r;
+      last = r.status();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return last;
+  }
+
+  Result<std::vector<LockRecord>> ReadPartitionOnce(uint32_t p, std::vector<uint64_t>* seqs) {
+    BlockBuf buf = NewBlockBuf(kLockTableBlocksPerPartition);
+    RETURN_IF_ERROR(dev_->Read(layout_.PartitionBlock(p, 0) * kBlockSize, buf.get(),
+                               kLockTableBlocksPerPartition * kBlockSize));
+    std::vector<LockRecord> all;
+    for (uint32_t k = 0; k < kLockTableBlocksPerPartition; k++) {
+      const uint8_t* blk = buf.get() + k * kBlockSize;
+      ASSIGN_OR_RETURN(std::vector<LockRecord> recs,
+                       DecodeLockTableBlock(blk, layout_.PartitionBlock(p, k), sb_.uuid));
+      if (seqs) seqs->push_back(PeekHeader(blk).seq);
+      all.insert(all.end(), recs.begin(), recs.end());
+    }
+    return all;
+  }
+
+  Status AcquirePartitionLease(uint32_t p, sanlk_resource* rp) {
+    static thread_local std::mt19937 rng(std::random_device{}());
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(600);
+    int delay_ms = 1;
+    while (true) {
+      int rv = sanlock_acquire(reg_fd_, -1, 0, 1, &rp, nullptr);
+      if (rv == 0) return Status::Ok();
+      if (!IsBusy(rv)) {
+        return Status::IoError("acquiring lock-table lease " + PartitionLeaseName(p) + ": " +
+                               SanlockError(rv));
+      }
+      {
+        MutexLock l(&mu_);
+        counters_.lease_retries++;
+      }
+      // A holder keeps a partition lease for milliseconds; one that died
+      // holding it is freed by sanlock when its host is declared dead.
+      if (std::chrono::steady_clock::now() > deadline) {
+        return Status::Locked("lock-table lease " + PartitionLeaseName(p) +
+                              " stayed busy for 600 s: " + SanlockError(rv));
+      }
+      std::uniform_int_distribution<int> jitter(delay_ms, 2 * delay_ms);
+      std::this_thread::sleep_for(std::chrono::milliseconds(jitter(rng)));
+      delay_ms = std::min(delay_ms * 2, 50);
+    }
+  }
+
+  // Under partition p's lease: read its records, let `fn` change them
+  // (returns true if it did), write back the blocks that changed, flush.
+  template <typename Fn>
+  Status UpdatePartition(uint32_t p, Fn fn) {
+    MutexLock pl(&part_mu_[p]);
+    ResourceBuf r = MakeResource(ls_name_, PartitionLeaseName(p), lease_path_,
+                                 layout_.SlotOffset(1 + p), false);
+    sanlk_resource* rp = r.res();
+    RETURN_IF_ERROR(AcquirePartitionLease(p, rp));
+    Status st = [&]() -> Status {
+      std::vector<uint64_t> seqs;
+      ASSIGN_OR_RETURN(std::vector<LockRecord> recs, ReadPartitionOnce(p, &seqs));
+      std::vector<LockRecord> before = recs;
+      if (!fn(&recs)) return Status::Ok();
+      BlockBuf buf = NewBlockBuf(1);
+      for (uint32_t k = 0; k < kLockTableBlocksPerPartition; k++) {
+        size_t from = std::min<size_t>(recs.size(), size_t{k} * kLockRecordsPerBlock);
+        size_t to = std::min<size_t>(recs.size(), from + kLockRecordsPerBlock);
+        std::vector<LockRecord> part(recs.begin() + from, recs.begin() + to);
+        size_t bfrom = std::min<size_t>(before.size(), size_t{k} * kLockRecordsPerBlock);
+        size_t bto = std::min<size_t>(before.size(), bfrom + kLockRecordsPerBlock);
+        if (std::equal(part.begin(), part.end(), before.begin() + bfrom, before.begin() + bto) &&
+            part.size() == bto - bfrom) {
+          continue;
+        }
+        const uint64_t addr = layout_.PartitionBlock(p, k);
+        EncodeLockTableBlock(part, seqs[k] + 1, addr, sb_.uuid, buf.get());
+        RETURN_IF_ERROR(dev_->Write(addr * kBlockSize, buf.get(), kBlockSize));
+      }
+      // Durable before the lease goes: the next holder reads it.
+      return dev_->Flush();
+    }();
+    int rv = sanlock_release(reg_fd_, -1, 0, 1, &rp);
+    if (st.ok() && rv < 0) {
+      st = Status::IoError("releasing lock-table lease " + PartitionLeaseName(p) + ": " +
+                           SanlockError(rv));
+    }
+    return st;
+  }
+
+  BlockDevice* dev_;
+  const Superblock sb_;
+  const SanlockOptions opts_;
+  const LeaseLayout layout_;
+  const std::string ls_name_;
+  const std::string lease_path_;
+  std::unique_ptr<LockManager> local_;  // thread-safe itself
+  int reg_fd_ = -1;                     // set once by Init
+  uint64_t generation_ = 0;             // set once by Init
+  // One per partition: threads of this process take a partition's lease
+  // one at a time (sanlock grants it once per host). Lock order: a
+  // partition mutex, then mu_ or local_'s own mutex; never two partitions.
+  std::vector<Mutex> part_mu_;
+  mutable Mutex mu_;
+  std::map<LockId, LockMode> held_ GUARDED_BY(mu_);
+  Counters counters_ GUARDED_BY(mu_);
+};
+
+}  // namespace
+
+std::string SanlockLockspaceName(const Uuid& uuid) {
+  static const char* kHex = "0123456789abcdef";
+  std::string s = "dede-";
+  for (uint8_t b : uuid) {
+    s += kHex[b >> 4];
+    s += kHex[b & 15];
+  }
+  return s;
+}
+
+Status InitSanlockLeases(const Superblock& sb, const std::string& path, uint32_t io_timeout_s) {
+  const std::string lease_path = AbsolutePath(path);
+  LeaseLayout layout = LeaseLayoutOf(sb);
+  if (layout.partitions == 0) {
+    return Status::Invalid("sanlock needs at least 3 lease slots (the volume has " +
+                           std::to_string(sb.lease_slots) + ")");
+  }
+  const std::string name = SanlockLockspaceName(sb.uuid);
+  sanlk_lockspace ls = MakeLockspace(name, 0, lease_path, layout.lockspace_offset);
+  int rv = sanlock_direct_write_lockspace(&ls, 0, 0, io_timeout_s);
+  if (rv < 0) {
+    return Status::IoError("writing the sanlock lockspace on " + lease_path + ": " +
+                           SanlockError(rv));
+  }
+  auto write_resource = [&](const std::string& rname, uint32_t slot) -> Status {
+    ResourceBuf r = MakeResource(name, rname, lease_path, layout.SlotOffset(slot), false);
+    int wrv = sanlock_direct_write_resource(r.res(), 0, static_cast<int>(sb.max_hosts), 0);
+    if (wrv < 0) {
+      return Status::IoError("writing sanlock lease " + rname + " on " + lease_path + ": " +
+                             SanlockError(wrv));
+    }
+    return Status::Ok();
+  };
+  RETURN_IF_ERROR(write_resource(kVolumeLeaseName, 0));
+  for (uint32_t p = 0; p < layout.partitions; p++) {
+    RETURN_IF_ERROR(write_resource(PartitionLeaseName(p), 1 + p));
+  }
+  return Status::Ok();
+}
+
+Result<std::unique_ptr<SanlockLockManager>> SanlockLockManager::Open(BlockDevice* dev,
+                                                                     const Superblock& sb,
+                                                                     const SanlockOptions& o) {
+  SanlockOptions opts = o;
+  LeaseLayout layout = LeaseLayoutOf(sb);
+  if (layout.partitions == 0) {
+    return Status::Invalid("the volume has too few lease slots for sanlock");
+  }
+  if (opts.host_id < 1 || opts.host_id > sb.max_hosts) {
+    return Status::Invalid("the volume uses sanlock leases: this host needs a host id in 1.." +
+                           std::to_string(sb.max_hosts) + " (--host-id or DEDE_HOST_ID)");
+  }
+  std::string lease_path =
+      AbsolutePath(opts.lease_path.empty() ? dev->local_lock_path() : opts.lease_path);
+  if (lease_path.empty()) {
+    return Status::Invalid("the volume uses sanlock leases: name the LUN as a path for sanlock "
+                           "(--lease-path or DEDE_LEASE_PATH)");
+  }
+  std::string dir = opts.local_lock_dir;
+  if (dir.empty()) {
+    const char* env = std::getenv("DEDE_LOCK_DIR");
+    dir = env ? env : "/run/dede";
+  }
+  ::mkdir(dir.c_str(), 0700);
+  ASSIGN_OR_RETURN(auto local, OpenLocalLockManager(dir + "/" + UuidToString(sb.uuid) + ".lock"));
+  auto m = std::make_unique<SanlockImpl>(dev, sb, opts, std::move(local), lease_path);
+  RETURN_IF_ERROR(m->Init());
+  return std::unique_ptr<SanlockLockManager>(std::move(m));
+}
+
+}  // namespace dede

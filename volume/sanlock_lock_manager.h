@@ -1,0 +1,103 @@
+// The sanlock lock backend: hosts sharing one LUN coordinate through the
+// volume's lease area only (docs/LOCKING.md, "The sanlock backend").
+//
+//  * Host liveness is sanlock's lockspace (delta leases): each host joins
+//    it with its host id; a host that stops renewing is declared dead by
+//    the others' sanlock daemons after host_dead_seconds, and a host that
+//    re-joins gets a new generation.
+//  * The "volume" resource lease (lease slot 0) is held shared by every
+//    process that opens the volume (kVolume). Holding a resource lease
+//    registers the process with sanlock: if this host's lockspace cannot be
+//    renewed, sanlock SIGKILLs the process (SIGTERM is restricted away)
+//    before other hosts can see the host as dead. That is the fence.
+//  * Every other lock (inodes, groups, host slots, shards, ...) is a record
+//    in an on-disk lock table: P partitions, each guarded by its own paxos
+//    resource lease that is held only while the partition is read and
+//    rewritten (milliseconds). A record names its holder's host id and
+//    host generation; a record whose host is dead (or has re-joined since)
+//    is stale and is replaced by the next acquirer, who first replays the
+//    dead host's journals (Volume, rule 2 of docs/LOCKING.md).
+//  * Processes of one host exclude each other with the local OFD backend
+//    first ($DEDE_LOCK_DIR/<uuid>.lock); the table holds at most one record
+//    per (lock, host). A record of this host whose local lock is free is
+//    left by a process that died: the next local acquirer takes it over,
+//    and CollectStaleRecords (dedupd runs it on a timer) clears such
+//    records so other hosts are not kept out.
+//
+// Nothing here ever waits for another host's reply: a conflict is kLocked
+// (wait=false) or a poll (wait=true) that ends when the holder releases or
+// its lease expires.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "util/status.h"
+#include "volume/block_device.h"
+#include "volume/format.h"
+#include "volume/lock_manager.h"
+
+namespace dede {
+
+struct SanlockOptions {
+  // Path through which sanlock reaches the lease area: the LUN's block
+  // device on a real host; the volume file for the path backend; in tests
+  // the file backing the tgtd LUN. Empty: the device's own path if it has
+  // one.
+  std::string lease_path;
+  // This host's id in the lockspace (1..max_hosts). Every process of one
+  // host uses the same id; the sanlock daemon holds the delta lease.
+  uint32_t host_id = 0;
+  // sanlock's io_timeout for this host's lockspace membership (seconds).
+  // A host is declared dead ~8 io_timeouts (+ the daemon's watchdog fire
+  // timeout) after its last renewal. 0 = the daemon's default (10 s).
+  uint32_t io_timeout_s = 0;
+  // Directory of this host's local lock files (default $DEDE_LOCK_DIR, else
+  // /run/dede).
+  std::string local_lock_dir;
+};
+
+// sanlock's lockspace name for a volume: "dede-" + the UUID's hex digits.
+std::string SanlockLockspaceName(const Uuid& uuid);
+
+// Writes the lockspace and the resource leases (volume + partition
+// leases) through `lease_path` with sanlock's direct I/O (no daemon
+// needed). The caller has zeroed the lease area (which empties the lock
+// table). kInvalid if the volume has fewer than 3 lease slots.
+// io_timeout_s is recorded in the lockspace (0: sanlock's default, 10 s).
+Status InitSanlockLeases(const Superblock& sb, const std::string& lease_path,
+                         uint32_t io_timeout_s);
+
+class SanlockLockManager : public LockManager {
+ public:
+  // Joins the lockspace (or finds it joined by another process of this
+  // host), registers this process with the daemon and learns this host's
+  // generation. The device is the volume's own (lock-table I/O goes
+  // through it, like all other metadata I/O).
+  static Result<std::unique_ptr<SanlockLockManager>> Open(BlockDevice* dev, const Superblock& sb,
+                                                          const SanlockOptions& opts);
+
+  // Removes this host's table records whose local lock is free (left by a
+  // process of this host that died). Returns how many it removed.
+  virtual Result<uint64_t> CollectStaleRecords() = 0;
+  // Every record in the lock table (diagnostics, `dede locks`, tests).
+  virtual Result<std::vector<LockRecord>> ListRecords() = 0;
+  // Asks the daemon whether this host's lockspace membership is alive.
+  // Fails if the daemon is gone or the host is not LIVE.
+  virtual Status CheckLockspace() = 0;
+  virtual uint32_t sanlock_host_id() const = 0;
+  virtual uint64_t generation() const = 0;
+  // Counters since Open (benchmarks): table acquisitions and the time they
+  // took, and partition-lease retries.
+  struct Counters {
+    uint64_t acquires = 0;
+    uint64_t acquire_ns = 0;
+    uint64_t lease_retries = 0;
+    uint64_t stale_taken_over = 0;
+  };
+  virtual Counters counters() const = 0;
+};
+
+}  // namespace dede
