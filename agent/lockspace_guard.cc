@@ -22,6 +22,7 @@ LockspaceGuard::LockspaceGuard(SanlockLockManager* locks, std::chrono::milliseco
       last_ok_ns_(SteadyNs()) {
   checker_ = std::thread([this] { CheckLoop(); });
   watchdog_ = std::thread([this] { WatchLoop(); });
+  collector_ = std::thread([this] { CollectLoop(); });
 }
 
 LockspaceGuard::~LockspaceGuard() {
@@ -33,11 +34,11 @@ LockspaceGuard::~LockspaceGuard() {
   // The watchdog keeps watching while the checker finishes a call that
   // may hang in a stuck daemon.
   checker_.join();
+  collector_.join();
   watchdog_.join();
 }
 
 void LockspaceGuard::CheckLoop() {
-  auto next_collect = std::chrono::steady_clock::now() + collect_every_;
   std::unique_lock<std::mutex> l(mu_);
   while (!stop_) {
     l.unlock();
@@ -47,17 +48,26 @@ void LockspaceGuard::CheckLoop() {
     } else {
       LOG(kWarning) << "lockspace check: " << st.ToString();
     }
-    if (st.ok() && std::chrono::steady_clock::now() >= next_collect) {
-      Result<uint64_t> n = locks_->CollectStaleRecords();
-      if (!n.ok()) {
-        LOG(kWarning) << "collecting stale lock records: " << n.status().ToString();
-      } else if (n.value() > 0) {
-        LOG(kInfo) << "removed " << n.value() << " stale lock records of this host";
-      }
-      next_collect = std::chrono::steady_clock::now() + collect_every_;
-    }
     l.lock();
     cv_.wait_for(l, std::chrono::seconds(1), [this] { return stop_; });
+  }
+}
+
+// On its own thread: collecting takes partition locks that lock operations
+// of this process may hold while they wait for a dead host's lease.
+void LockspaceGuard::CollectLoop() {
+  std::unique_lock<std::mutex> l(mu_);
+  while (!stop_) {
+    cv_.wait_for(l, collect_every_, [this] { return stop_; });
+    if (stop_) break;
+    l.unlock();
+    Result<uint64_t> n = locks_->CollectStaleRecords();
+    if (!n.ok()) {
+      LOG(kWarning) << "collecting stale lock records: " << n.status().ToString();
+    } else if (n.value() > 0) {
+      LOG(kInfo) << "removed " << n.value() << " stale lock records of this host";
+    }
+    l.lock();
   }
 }
 

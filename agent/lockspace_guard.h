@@ -3,10 +3,11 @@
 //
 // sanlock SIGKILLs a registered process when its host can no longer renew
 // the lockspace, well before other hosts may treat the host as dead. That
-// needs a working daemon. If the daemon itself hangs or dies (or cannot
-// answer), nobody would stop us, so the guard asks the daemon every
-// second whether this host is still LIVE in the lockspace and, once that
-// has not been confirmed for `fence_after`, ends the process at once
+// needs a working daemon. If the daemon itself hangs or dies, nobody would
+// stop us, so the guard checks every second, on the LUN itself, that this
+// host's delta lease is still ours and freshly renewed
+// (SanlockLockManager::CheckLockspace) and, once that has not been
+// confirmed for `fence_after`, ends the process at once
 // (std::_Exit: no flush, no further volume I/O). Acknowledged writes are
 // safe: flushed data and committed journal transactions are on the LUN,
 // and whoever takes the host's locks next replays its journal.
@@ -39,6 +40,7 @@ class LockspaceGuard {
  private:
   void CheckLoop();
   void WatchLoop();
+  void CollectLoop();
 
   SanlockLockManager* locks_;
   const std::chrono::milliseconds fence_after_;
@@ -48,7 +50,7 @@ class LockspaceGuard {
   std::mutex mu_;
   std::condition_variable cv_;
   bool stop_ = false;  // guarded by mu_
-  std::thread checker_, watchdog_;
+  std::thread checker_, watchdog_, collector_;
 };
 
 }  // namespace dede

@@ -8,6 +8,7 @@ extern "C" {  // some of sanlock's headers lack their own extern "C"
 #include <sanlock_rv.h>
 }
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@ extern "C" {  // some of sanlock's headers lack their own extern "C"
 #include <thread>
 #include <vector>
 
+#include "util/coding.h"
 #include "util/mutex.h"
 #include "volume/volume_impl.h"
 
@@ -277,7 +279,7 @@ class SanlockImpl : public SanlockLockManager {
   Result<uint64_t> CollectStaleRecords() override {
     uint64_t removed = 0;
     for (uint32_t p = 0; p < layout_.partitions; p++) {
-      RETURN_IF_ERROR(UpdatePartition(p, [&](std::vector<LockRecord>* recs) {
+      Status st = UpdatePartition(p, [&](std::vector<LockRecord>* recs) {
         size_t before = recs->size();
         std::vector<LockRecord> keep;
         for (const LockRecord& r : *recs) {
@@ -301,7 +303,9 @@ class SanlockImpl : public SanlockLockManager {
         removed += before - keep.size();
         *recs = std::move(keep);
         return before != recs->size();
-      }));
+      }, /*max_wait_s=*/1);
+      if (st.code() == Status::Code::kLocked) continue;  // busy: next round
+      RETURN_IF_ERROR(st);
     }
     return removed;
   }
@@ -315,20 +319,36 @@ class SanlockImpl : public SanlockLockManager {
     return all;
   }
 
+  // Reads this host's delta lease straight from the LUN through the
+  // volume's own device, not through the daemon: a daemon busy retrying
+  // acquisitions answers commands late, but keeps renewing. The delta
+  // lease is sanlock's leader record (sanlock's format, little-endian):
+  // magic u32 at 0 (0x12212010), owner_id u64 at 32, owner_generation u64
+  // at 40, timestamp u64 at 152 = the renewing host's CLOCK_MONOTONIC
+  // seconds, the same clock as ours (same host).
   Status CheckLockspace() override {
-    sanlk_lockspace ls =
-        MakeLockspace(ls_name_, opts_.host_id, lease_path_, layout_.lockspace_offset);
-    int rv = sanlock_inq_lockspace(&ls, 0);
-    if (rv != 0) {
-      return Status::Unavailable("lockspace " + ls_name_ + " is not held by this host: " +
-                                 SanlockError(rv));
+    BlockBuf buf = NewBlockBuf(1);
+    const uint64_t off = layout_.lockspace_offset + uint64_t{opts_.host_id - 1} * kBlockSize;
+    RETURN_IF_ERROR(dev_->Read(off, buf.get(), kBlockSize)
+                        .WithContext("reading this host's delta lease"));
+    const uint8_t* p = buf.get();
+    const uint32_t magic = DecodeU32(p);
+    const uint64_t owner = DecodeU64(p + 32);
+    const uint64_t gen = DecodeU64(p + 40);
+    const uint64_t stamp = DecodeU64(p + 152);
+    if (magic != 0x12212010u || owner != opts_.host_id || gen != generation_) {
+      return Status::Unavailable("this host's delta lease is not ours any more (owner " +
+                                 std::to_string(owner) + " generation " + std::to_string(gen) +
+                                 ")");
     }
-    ASSIGN_OR_RETURN(sanlk_host me, HostInfo(opts_.host_id));
-    uint32_t state = me.flags & SANLK_HOST_MASK;
-    if (me.generation != generation_ || state != SANLK_HOST_LIVE) {
-      return Status::Unavailable("this host's lockspace membership is not live (state " +
-                                 std::to_string(state) + ", generation " +
-                                 std::to_string(me.generation) + ")");
+    struct timespec ts;
+    ::clock_gettime(CLOCK_MONOTONIC, &ts);
+    const uint64_t now = static_cast<uint64_t>(ts.tv_sec);
+    const uint64_t io = opts_.io_timeout_s ? opts_.io_timeout_s : 10;
+    // Renewed every 2 io_timeouts; allow two renewals to be late.
+    if (now > stamp + 4 * io) {
+      return Status::Unavailable("this host's delta lease was last renewed " +
+                                 std::to_string(now - stamp) + " s ago");
     }
     return Status::Ok();
   }
@@ -529,9 +549,9 @@ class SanlockImpl : public SanlockLockManager {
     return all;
   }
 
-  Status AcquirePartitionLease(uint32_t p, sanlk_resource* rp) {
+  Status AcquirePartitionLease(uint32_t p, sanlk_resource* rp, int max_wait_s) {
     static thread_local std::mt19937 rng(std::random_device{}());
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(600);
+    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(max_wait_s);
     int delay_ms = 1;
     while (true) {
       int rv = sanlock_acquire(reg_fd_, -1, 0, 1, &rp, nullptr);
@@ -547,8 +567,8 @@ class SanlockImpl : public SanlockLockManager {
       // A holder keeps a partition lease for milliseconds; one that died
       // holding it is freed by sanlock when its host is declared dead.
       if (std::chrono::steady_clock::now() > deadline) {
-        return Status::Locked("lock-table lease " + PartitionLeaseName(p) +
-                              " stayed busy for 600 s: " + SanlockError(rv));
+        return Status::Locked("lock-table lease " + PartitionLeaseName(p) + " stayed busy for " +
+                              std::to_string(max_wait_s) + " s: " + SanlockError(rv));
       }
       std::uniform_int_distribution<int> jitter(delay_ms, 2 * delay_ms);
       std::this_thread::sleep_for(std::chrono::milliseconds(jitter(rng)));
@@ -558,13 +578,16 @@ class SanlockImpl : public SanlockLockManager {
 
   // Under partition p's lease: read its records, let `fn` change them
   // (returns true if it did), write back the blocks that changed, flush.
+  // A partition lease held by a host that died stays busy until sanlock
+  // declares that host dead (8 io_timeouts + 60 s): lock operations wait
+  // that long; background work (max_wait_s small) skips the partition.
   template <typename Fn>
-  Status UpdatePartition(uint32_t p, Fn fn) {
+  Status UpdatePartition(uint32_t p, Fn fn, int max_wait_s = 600) {
     MutexLock pl(&part_mu_[p]);
     ResourceBuf r = MakeResource(ls_name_, PartitionLeaseName(p), lease_path_,
                                  layout_.SlotOffset(1 + p), false);
     sanlk_resource* rp = r.res();
-    RETURN_IF_ERROR(AcquirePartitionLease(p, rp));
+    RETURN_IF_ERROR(AcquirePartitionLease(p, rp, max_wait_s));
     Status st = [&]() -> Status {
       std::vector<uint64_t> seqs;
       ASSIGN_OR_RETURN(std::vector<LockRecord> recs, ReadPartitionOnce(p, &seqs));

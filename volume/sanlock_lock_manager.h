@@ -84,8 +84,10 @@ class SanlockLockManager : public LockManager {
   virtual Result<uint64_t> CollectStaleRecords() = 0;
   // Every record in the lock table (diagnostics, `dede locks`, tests).
   virtual Result<std::vector<LockRecord>> ListRecords() = 0;
-  // Asks the daemon whether this host's lockspace membership is alive.
-  // Fails if the daemon is gone or the host is not LIVE.
+  // Whether this host's lockspace membership is alive: reads our delta
+  // lease from the LUN (through the volume's device) and checks it is ours
+  // (host id, generation) and was renewed within 4 io_timeouts. Fails if
+  // the daemon stopped renewing or our path to the LUN is gone.
   virtual Status CheckLockspace() = 0;
   virtual uint32_t sanlock_host_id() const = 0;
   virtual uint64_t generation() const = 0;

@@ -487,12 +487,14 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   const double last_ack3 = std::chrono::duration<double>(w3.last_ack - t_strike).count();
 
   // Host 1 takes over both hosts' VMs once sanlock declares them dead.
+  std::string last_try;
   auto take_over = [&](const std::string& name) {
     while (Since(t_strike) < 200) {
       ProcessResult r =
           RunProcess({RequireProgram("qemu-io"), "-f", "raw", "-c", "read 0 4096", c.Uri(1, name)},
                      30);
       if (r.exit_code == 0 && r.err.empty()) return Since(t_strike);
+      last_try = r.err;
       std::this_thread::sleep_for(std::chrono::seconds(1));
     }
     return -1.0;
@@ -502,6 +504,9 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   INFO("fenced after " << t_fenced << " s, last ack on host 3 at " << last_ack3
                        << " s, vm3 taken over at " << t_vm3 << " s, vm2 at " << t_vm2
                        << " s; host 2's pass " << (pass_finished ? "had finished" : "was running"));
+  INFO("last attempt: " << last_try);
+  INFO("host 1 log:\n" << c.dedupd(1).Log());
+  INFO("sanlock of host 1:\n" << c.rig().host(1).LogTail(4000));
   REQUIRE(t_vm3 > 0);
   REQUIRE(t_vm2 > 0);
   CHECK(t_fenced < t_vm3);
