@@ -63,7 +63,7 @@ double WaitForState(ClusterRig& rig, int observer, uint64_t target, const std::s
 }
 
 TEST_CASE("cluster rig: three sanlock hosts join a lockspace and see a killed host die",
-          "[cluster-rig]") {
+          "[.][cluster-rig-death]") {
   const auto test_start = Clock::now();
   const std::string sanlock = RequireProgram("sanlock");
   ClusterRig rig(3);

@@ -372,7 +372,7 @@ struct PatternWriter {
 
 }  // namespace
 
-TEST_CASE("all hosts write and dedup at once and no byte is wrong", "[multihost]") {
+TEST_CASE("all hosts write and dedup at once and no byte is wrong", "[.][multihost-soak]") {
   Cluster c;
   c.Format();
   c.StartAll({"--dedup-interval", "2"});
