@@ -245,7 +245,7 @@ uint64_t LogSum(const std::string& log, const char* pattern) {
 }  // namespace
 
 TEST_CASE("cross-host dedup reaches the exact figure through merge requests in any order",
-          "[multihost]") {
+          "[.][multihost-cross]") {
   // Contents overlap across hosts: host 1 has ids 1..256, host 2 ids
   // 129..384, host 3 ids 1..64 and 300..491; every 16th block of every VM
   // is one common block (id 7777).
