@@ -197,7 +197,7 @@ int Run(const Config& cfg) {
   // cannot be confirmed (lockspace_guard.h).
   std::unique_ptr<LockspaceGuard> guard;
   if (auto* sl = dynamic_cast<SanlockLockManager*>(vol->lock_manager())) {
-    double io = cfg.lease_io_timeout ? cfg.lease_io_timeout : 10;
+    double io = sl->io_timeout_s();
     // Others may call us dead 8 io_timeouts + 60 s (sanlock's compiled-in
     // watchdog fire timeout) after our last renewal; sanlock itself kills
     // us at 8 io_timeouts. The guard is the backstop for a daemon that

@@ -225,9 +225,8 @@ class SanlockImpl : public SanlockLockManager {
       held_.erase(it);
     }
     if (id.kind == LockKind::kVolume) {
-      ResourceBuf r = MakeResource(ls_name_, kVolumeLeaseName, lease_path_,
-                                   layout_.SlotOffset(0), mode == LockMode::kShared);
-      sanlk_resource* rp = r.res();
+      ResourceBuf r;
+      sanlk_resource* rp = VolumeLease(&r, mode);
       int rv = sanlock_release(reg_fd_, -1, 0, 1, &rp);
       Status ls = local_->Release(id);
       if (rv < 0) return Status::IoError("releasing the volume lease: " + SanlockError(rv));
@@ -344,7 +343,7 @@ class SanlockImpl : public SanlockLockManager {
     struct timespec ts;
     ::clock_gettime(CLOCK_MONOTONIC, &ts);
     const uint64_t now = static_cast<uint64_t>(ts.tv_sec);
-    const uint64_t io = opts_.io_timeout_s ? opts_.io_timeout_s : 10;
+    const uint64_t io = io_timeout_s();
     // Renewed every 2 io_timeouts; allow two renewals to be late.
     if (now > stamp + 4 * io) {
       return Status::Unavailable("this host's delta lease was last renewed " +
@@ -355,6 +354,7 @@ class SanlockImpl : public SanlockLockManager {
 
   uint32_t sanlock_host_id() const override { return opts_.host_id; }
   uint64_t generation() const override { return generation_; }
+  uint32_t io_timeout_s() const override { return opts_.io_timeout_s ? opts_.io_timeout_s : 10; }
   Counters counters() const override {
     MutexLock l(&mu_);
     return counters_;
@@ -422,21 +422,16 @@ class SanlockImpl : public SanlockLockManager {
     return true;  // LIVE, FAIL (may still be writing), UNKNOWN (not watched long enough)
   }
 
+  sanlk_resource* VolumeLease(ResourceBuf* buf, LockMode mode) const {
+    *buf = MakeResource(ls_name_, kVolumeLeaseName, lease_path_, layout_.SlotOffset(0),
+                        mode == LockMode::kShared);
+    return buf->res();
+  }
+
   Status AcquireVolumeLease(LockMode mode, bool wait) {
-    ResourceBuf r = MakeResource(ls_name_, kVolumeLeaseName, lease_path_, layout_.SlotOffset(0),
-                                 mode == LockMode::kShared);
-    sanlk_resource* rp = r.res();
-    auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(wait ? 600 : 5);
-    while (true) {
-      int rv = sanlock_acquire(reg_fd_, -1, 0, 1, &rp, nullptr);
-      if (rv == 0) return Status::Ok();
-      if (!IsBusy(rv)) return Status::IoError("acquiring the volume lease: " + SanlockError(rv));
-      if (std::chrono::steady_clock::now() > deadline) {
-        return Status::Locked("the volume lease is held elsewhere (being formatted?): " +
-                              SanlockError(rv));
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+    ResourceBuf r;
+    // Held exclusively only while the volume is being formatted.
+    return AcquireLease(VolumeLease(&r, mode), "the volume lease", wait ? 600 : 5);
   }
 
   Status AcquireRecord(LockId id, LockMode mode, bool wait) {
@@ -549,32 +544,31 @@ class SanlockImpl : public SanlockLockManager {
     return all;
   }
 
-  Status AcquirePartitionLease(uint32_t p, sanlk_resource* rp, int max_wait_s) {
+  // Retries while another holder has the lease: a partition lease is held
+  // for milliseconds, and one whose holder died is freed by sanlock when
+  // that host is declared dead.
+  Status AcquireLease(sanlk_resource* rp, const std::string& what, int max_wait_s) {
     static thread_local std::mt19937 rng(std::random_device{}());
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(max_wait_s);
     int delay_ms = 1;
     while (true) {
       int rv = sanlock_acquire(reg_fd_, -1, 0, 1, &rp, nullptr);
       if (rv == 0) return Status::Ok();
-      if (!IsBusy(rv)) {
-        return Status::IoError("acquiring lock-table lease " + PartitionLeaseName(p) + ": " +
-                               SanlockError(rv));
-      }
+      if (!IsBusy(rv)) return Status::IoError("acquiring " + what + ": " + SanlockError(rv));
       {
         MutexLock l(&mu_);
         counters_.lease_retries++;
       }
-      // A holder keeps a partition lease for milliseconds; one that died
-      // holding it is freed by sanlock when its host is declared dead.
       if (std::chrono::steady_clock::now() > deadline) {
-        return Status::Locked("lock-table lease " + PartitionLeaseName(p) + " stayed busy for " +
-                              std::to_string(max_wait_s) + " s: " + SanlockError(rv));
+        return Status::Locked(what + " stayed busy for " + std::to_string(max_wait_s) +
+                              " s: " + SanlockError(rv));
       }
       std::uniform_int_distribution<int> jitter(delay_ms, 2 * delay_ms);
       std::this_thread::sleep_for(std::chrono::milliseconds(jitter(rng)));
       delay_ms = std::min(delay_ms * 2, 50);
     }
   }
+
 
   // Under partition p's lease: read its records, let `fn` change them
   // (returns true if it did), write back the blocks that changed, flush.
@@ -587,7 +581,7 @@ class SanlockImpl : public SanlockLockManager {
     ResourceBuf r = MakeResource(ls_name_, PartitionLeaseName(p), lease_path_,
                                  layout_.SlotOffset(1 + p), false);
     sanlk_resource* rp = r.res();
-    RETURN_IF_ERROR(AcquirePartitionLease(p, rp, max_wait_s));
+    RETURN_IF_ERROR(AcquireLease(rp, "lock-table lease " + PartitionLeaseName(p), max_wait_s));
     Status st = [&]() -> Status {
       std::vector<uint64_t> seqs;
       ASSIGN_OR_RETURN(std::vector<LockRecord> recs, ReadPartitionOnce(p, &seqs));

@@ -91,12 +91,15 @@ class SanlockLockManager : public LockManager {
   virtual Status CheckLockspace() = 0;
   virtual uint32_t sanlock_host_id() const = 0;
   virtual uint64_t generation() const = 0;
+  // The io_timeout this host's lockspace membership runs with (seconds;
+  // sanlock's default 10 when none was given).
+  virtual uint32_t io_timeout_s() const = 0;
   // Counters since Open (benchmarks): table acquisitions and the time they
   // took, and partition-lease retries.
   struct Counters {
     uint64_t acquires = 0;
     uint64_t acquire_ns = 0;
-    uint64_t lease_retries = 0;
+    uint64_t lease_retries = 0;  // busy volume or lock-table leases
     uint64_t stale_taken_over = 0;
   };
   virtual Counters counters() const = 0;

@@ -48,13 +48,13 @@
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
+#include "tests/process_device.h"
 
 using namespace dede;
 
 namespace {
 
 constexpr uint64_t kB = kBlockSize;
-constexpr uint64_t kSec = kSectorSize;
 constexpr uint64_t kDevBytes = 48ull << 20;
 
 std::vector<uint64_t> CrashSeeds(std::vector<uint64_t> defaults) {
@@ -93,65 +93,7 @@ void FillContent(uint64_t id, uint8_t* out) {
   }
 }
 
-// What one process writes through. DieAfter(n): after n more writes the
-// process is dead as far as the disk is concerned: later writes land in a
-// private overlay (its own reads see them, so it runs on consistently) and
-// its flushes do nothing. Nothing of the overlay ever reaches the device.
-class ProcessDevice : public BlockDevice {
- public:
-  explicit ProcessDevice(BlockDevice* base) : base_(base) {}
-  void DieAfter(uint64_t n) {
-    std::lock_guard<std::mutex> l(mu_);
-    left_ = int64_t(n);
-  }
-  void DieNow() { DieAfter(0); }
-  bool dead() {
-    std::lock_guard<std::mutex> l(mu_);
-    return left_ == 0;
-  }
-  uint64_t writes() {
-    std::lock_guard<std::mutex> l(mu_);
-    return writes_;
-  }
-  uint64_t size_bytes() const override { return base_->size_bytes(); }
-  Status Read(uint64_t offset, void* buf, size_t len) override {
-    RETURN_IF_ERROR(base_->Read(offset, buf, len));
-    std::lock_guard<std::mutex> l(mu_);
-    auto* p = static_cast<uint8_t*>(buf);
-    for (auto it = overlay_.lower_bound(offset / kSec);
-         it != overlay_.end() && it->first * kSec < offset + len; ++it) {
-      std::memcpy(p + (it->first * kSec - offset), it->second.data(), kSec);
-    }
-    return Status::Ok();
-  }
-  Status Write(uint64_t offset, const void* buf, size_t len) override {
-    RETURN_IF_ERROR(CheckRange(offset, len));
-    std::unique_lock<std::mutex> l(mu_);
-    if (left_ != 0) {
-      if (left_ > 0) left_--;
-      writes_++;
-      l.unlock();
-      return base_->Write(offset, buf, len);
-    }
-    const auto* p = static_cast<const uint8_t*>(buf);
-    for (size_t o = 0; o < len; o += kSec) {
-      overlay_[(offset + o) / kSec].assign(p + o, p + o + kSec);
-    }
-    return Status::Ok();
-  }
-  Status Flush() override {
-    if (dead()) return Status::Ok();
-    return base_->Flush();
-  }
-  std::string name() const override { return "process(" + base_->name() + ")"; }
-
- private:
-  BlockDevice* base_;
-  std::mutex mu_;
-  int64_t left_ = -1;
-  uint64_t writes_ = 0;
-  std::map<uint64_t, std::vector<uint8_t>> overlay_;
-};
+using test::ProcessDevice;
 
 struct MFile {
   std::string name;

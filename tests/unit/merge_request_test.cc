@@ -28,6 +28,7 @@
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
+#include "tests/process_device.h"
 
 using namespace dede;
 
@@ -855,62 +856,7 @@ TEST_CASE("a pass posts a merge request for a file another host holds and the ho
 
 namespace {
 
-// A process's view of the device that can die: after `n` more writes its
-// writes reach only a private overlay (it runs on, consistently, without
-// noticing) and its flushes do nothing (tests/unit/dedup_crash_test.cc
-// has the same device for passes).
-class DyingProcessDevice : public BlockDevice {
- public:
-  explicit DyingProcessDevice(BlockDevice* base) : base_(base) {}
-  void DieAfter(uint64_t n) {
-    std::lock_guard<std::mutex> l(mu_);
-    left_ = int64_t(n);
-  }
-  uint64_t writes() {
-    std::lock_guard<std::mutex> l(mu_);
-    return writes_;
-  }
-  uint64_t size_bytes() const override { return base_->size_bytes(); }
-  Status Read(uint64_t offset, void* buf, size_t len) override {
-    RETURN_IF_ERROR(base_->Read(offset, buf, len));
-    std::lock_guard<std::mutex> l(mu_);
-    auto* p = static_cast<uint8_t*>(buf);
-    for (auto it = overlay_.lower_bound(offset / kSectorSize);
-         it != overlay_.end() && it->first * kSectorSize < offset + len; ++it) {
-      std::memcpy(p + (it->first * kSectorSize - offset), it->second.data(), kSectorSize);
-    }
-    return Status::Ok();
-  }
-  Status Write(uint64_t offset, const void* buf, size_t len) override {
-    std::unique_lock<std::mutex> l(mu_);
-    if (left_ != 0) {
-      if (left_ > 0) left_--;
-      writes_++;
-      l.unlock();
-      return base_->Write(offset, buf, len);
-    }
-    const auto* p = static_cast<const uint8_t*>(buf);
-    for (size_t o = 0; o < len; o += kSectorSize) {
-      overlay_[(offset + o) / kSectorSize].assign(p + o, p + o + kSectorSize);
-    }
-    return Status::Ok();
-  }
-  Status Flush() override {
-    {
-      std::lock_guard<std::mutex> l(mu_);
-      if (left_ == 0) return Status::Ok();
-    }
-    return base_->Flush();
-  }
-  std::string name() const override { return "process(" + base_->name() + ")"; }
-
- private:
-  BlockDevice* base_;
-  std::mutex mu_;
-  int64_t left_ = -1;
-  uint64_t writes_ = 0;
-  std::map<uint64_t, std::vector<uint8_t>> overlay_;
-};
+using DyingProcessDevice = test::ProcessDevice;  // tests/process_device.h
 
 std::shared_ptr<LockManager> ProcessLocks() {
   std::shared_ptr<LockManager> locks, unused;
