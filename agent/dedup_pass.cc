@@ -463,14 +463,12 @@ class Pass {
   Status LockShard(uint64_t id) {
     LockManager* lm = vol_->lock_manager();
     const LockId lock{LockKind::kIndexShard, id};
-    bool told = false;
-    while (true) {
-      Status s = lm->Acquire(lock, LockMode::kExclusive, false);
-      if (s.code() != Status::Code::kLocked) return s;
-      if (!told) Progress("waiting for " + lock.ToString());
-      told = true;
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
+    Status s = lm->Acquire(lock, LockMode::kExclusive, false);
+    if (s.code() != Status::Code::kLocked) return s;
+    // Another pass (here or on another host) merges into this shard; the
+    // lock manager waits for it without hammering the lock.
+    Progress("waiting for " + lock.ToString());
+    return lm->Acquire(lock, LockMode::kExclusive, true);
   }
 
   void UnlockShard(uint64_t id) {

@@ -15,6 +15,7 @@
 
 #include "agent/dedup_pass.h"
 #include "agent/lockspace_guard.h"
+#include "volume/sanlock_lock_manager.h"
 #include "agent/export_table.h"
 #include "agent/log_flusher.h"
 #include "agent/nbd_server.h"
@@ -62,6 +63,7 @@ struct Config {
   uint32_t lease_io_timeout = 0;  // sanlock io_timeout (s); 0: daemon default
   double fence_after = 0;   // sanlock volumes: exit when the lockspace cannot be confirmed for SEC
   double merge_interval = 10;  // apply merge requests for served files; 0: only at passes
+  double open_wait = 30;       // a client's export open waits this long for a busy file
   LogLevel log_level = LogLevel::kInfo;
 };
 
@@ -93,6 +95,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("no-write-monitor", "serve without fingerprinting writes (benchmarks)")
       ("dedup-interval", po::value(&cfg->dedup_interval)->value_name("SEC"), "run a dedup pass every SEC seconds (default 0: only when sent SIGUSR1)")
       ("dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"), "rewrite an index shard when its new records exceed F times its entries (default 0.05)")
+      ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("log-level", po::value(&log_level)->value_name("LEVEL"), "debug, info, warning or error (default info)");
   po::variables_map vm;
@@ -145,6 +148,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   if (!(cfg->dedup_fraction >= 0)) return UsageError("--dedup-fraction: must be >= 0");
   if (cfg->fence_after < 0) return UsageError("--fence-after: must be >= 0");
   if (!(cfg->merge_interval >= 0)) return UsageError("--merge-interval: must be >= 0");
+  if (!(cfg->open_wait >= 0)) return UsageError("--open-wait: must be >= 0");
   cfg->write_monitor = vm.count("no-write-monitor") == 0;
   return -1;
 }
@@ -223,6 +227,7 @@ int Run(const Config& cfg) {
   so.unix_socket = cfg.socket;
   so.tcp_port = cfg.tcp_port;
   so.worker_threads = cfg.threads;
+  so.open_wait_s = cfg.open_wait;
   NbdServer server(io, &table, so);
   if (Status st = server.Listen(); !st.ok()) {
     LOG(kError) << st.ToString();
@@ -252,6 +257,9 @@ int Run(const Config& cfg) {
     DedupOptions po;
     po.rewrite_fraction = cfg.dedup_fraction;
     po.cancel = &cancel_pass;
+    auto* sanlock_locks = dynamic_cast<SanlockLockManager*>(vol->lock_manager());
+    const SanlockLockManager::Counters locks_before =
+        sanlock_locks ? sanlock_locks->counters() : SanlockLockManager::Counters{};
     auto access = std::make_unique<ExportFileAccess>(&table);
     Result<DedupStats> st = RunDedupPass(vol, access.get(), po);
     access.reset();  // hands the exports back (closing those without clients)
@@ -273,6 +281,15 @@ int Run(const Config& cfg) {
                << " zero blocks freed, " << st->files_busy << " files busy, "
                << st->shards_rewritten << " shards rewritten in "
                << double(st->total_ns) / 1e9 << " s";
+    if (sanlock_locks) {
+      // Other threads (NBD opens, the collector) count here too.
+      const SanlockLockManager::Counters c = sanlock_locks->counters();
+      const uint64_t n = c.acquires - locks_before.acquires;
+      LOG(kInfo) << "dedup pass " << passes << " locks: " << n << " acquired, "
+                 << (n ? double(c.acquire_ns - locks_before.acquire_ns) / 1e6 / double(n) : 0.0)
+                 << " ms mean, " << c.lease_retries - locks_before.lease_retries
+                 << " lease retries";
+    }
   };
   PeriodicJob dedup_job(io, &server, cfg.dedup_interval > 0 ? cfg.dedup_interval : 1e9, run_pass);
   asio::signal_set usr1(io, SIGUSR1);

@@ -1,8 +1,10 @@
 #include "agent/export_table.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 #include <mutex>
+#include <thread>
 
 #include "util/log.h"
 #include "volume/format.h"
@@ -146,7 +148,22 @@ Result<std::vector<std::string>> ExportTable::List() {
   return names;
 }
 
-Result<std::shared_ptr<Export>> ExportTable::Acquire(const std::string& name) {
+Result<std::shared_ptr<Export>> ExportTable::Acquire(const std::string& name, double wait_s) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(std::max(0.0, wait_s)));
+  while (true) {
+    Result<std::shared_ptr<Export>> e = TryAcquire(name);
+    if (e.ok() || e.status().code() != Status::Code::kLocked ||
+        std::chrono::steady_clock::now() >= deadline) {
+      return e;
+    }
+    // Not under open_mu_: other exports open meanwhile.
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+}
+
+Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name) {
   MutexLock o(&open_mu_);
   {
     MutexLock l(&mu_);

@@ -92,10 +92,13 @@ class ExportTable {
   // The names clients may ask for: the volume's regular files.
   Result<std::vector<std::string>> List();
   // Enters the export for one more client; the first opens the file (and
-  // takes its lock): kLocked when another process or host holds it,
-  // kNotFound when there is no such regular file. Blocking (volume I/O):
-  // call from a worker thread.
-  Result<std::shared_ptr<Export>> Acquire(const std::string& name) EXCLUDES(mu_);
+  // takes its lock): kLocked when another process or host holds it for
+  // longer than `wait_s` seconds, kNotFound when there is no such regular
+  // file. A VM starting while another host's dedup pass holds its disk for
+  // a moment waits (wait_s > 0) instead of failing; the pass itself never
+  // waits (0). Blocking (volume I/O, sleeps): call from a worker thread.
+  Result<std::shared_ptr<Export>> Acquire(const std::string& name, double wait_s = 0)
+      EXCLUDES(mu_, open_mu_);
   // One client left; the last one flushes the file's records and closes it.
   void Release(const std::shared_ptr<Export>& e) EXCLUDES(mu_);
   // Closes every export (shutdown, after all clients are gone).
@@ -103,6 +106,7 @@ class ExportTable {
   std::vector<std::shared_ptr<Export>> Snapshot() EXCLUDES(mu_);
 
  private:
+  Result<std::shared_ptr<Export>> TryAcquire(const std::string& name) EXCLUDES(mu_, open_mu_);
   void Close(const std::shared_ptr<Export>& e);
   Volume* const vol_;
   WriteMonitor* const monitor_;

@@ -188,8 +188,9 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     ExportTable* table = server_->table_;
     std::string name = session_.export_name();
     bool info_only = session_.info_only();
-    server_->RunBlocking([self = shared_from_this(), table, name, info_only] {
-      Result<std::shared_ptr<Export>> e = table->Acquire(name);
+    const double wait_s = server_->opts_.open_wait_s;
+    server_->RunBlocking([self = shared_from_this(), table, name, info_only, wait_s] {
+      Result<std::shared_ptr<Export>> e = table->Acquire(name, wait_s);
       nbd::ExportInfo info;
       if (e.ok()) {
         info.size = (*e)->size();

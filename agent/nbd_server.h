@@ -29,6 +29,9 @@ struct NbdServerOptions {
   std::string unix_socket;  // "" = no Unix socket
   int tcp_port = -1;        // -1 = no TCP; 0 = pick a free port (tests)
   size_t worker_threads = 8;
+  // How long an export open waits for a file held elsewhere (see
+  // ExportTable::Acquire).
+  double open_wait_s = 30;
   size_t max_inflight_requests = 64;
   size_t max_inflight_bytes = size_t{64} << 20;
   nbd::SessionOptions session;

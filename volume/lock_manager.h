@@ -54,6 +54,18 @@ class LockManager {
   // True when some other holder has the lock in any mode. Used to learn
   // whether a host slot's owner is alive.
   virtual Result<bool> IsHeldElsewhere(LockId id) = 0;
+
+  // Whether this backend sees the locks a dead holder left (the sanlock
+  // lock table keeps their records until an acquirer replaces them) and
+  // counts, in dead_holders_replaced(), every acquisition that did so. A
+  // backend that does lets the volume skip its dead-host scan after an
+  // acquisition that replaced nobody: the previous holder released the
+  // lock properly, having checkpointed first (LOCKING.md rule 1). The
+  // local backend cannot tell (the kernel drops a dead process's locks
+  // without a trace), so the volume scans after every acquisition.
+  virtual bool ReportsDeadHolders() const { return false; }
+  // Monotonic, over all threads of this process.
+  virtual uint64_t dead_holders_replaced() const { return 0; }
 };
 
 // Local backend: OFD byte-range locks on `path` (the volume file itself for

@@ -21,6 +21,7 @@ extern "C" {  // some of sanlock's headers lack their own extern "C"
 #include <vector>
 
 #include "util/coding.h"
+#include "util/log.h"
 #include "util/mutex.h"
 #include "volume/volume_impl.h"
 
@@ -227,7 +228,7 @@ class SanlockImpl : public SanlockLockManager {
     if (id.kind == LockKind::kVolume) {
       ResourceBuf r;
       sanlk_resource* rp = VolumeLease(&r, mode);
-      int rv = sanlock_release(reg_fd_, -1, 0, 1, &rp);
+      int rv = ReleaseLease(rp);
       Status ls = local_->Release(id);
       if (rv < 0) return Status::IoError("releasing the volume lease: " + SanlockError(rv));
       return ls;
@@ -358,6 +359,11 @@ class SanlockImpl : public SanlockLockManager {
   Counters counters() const override {
     MutexLock l(&mu_);
     return counters_;
+  }
+  bool ReportsDeadHolders() const override { return true; }
+  uint64_t dead_holders_replaced() const override {
+    MutexLock l(&mu_);
+    return counters_.stale_taken_over;
   }
 
  private:
@@ -502,6 +508,8 @@ class SanlockImpl : public SanlockLockManager {
       });
       RETURN_IF_ERROR(st);
       if (decide.ok()) {
+        LOG(kDebug) << "sanlock: acquired " << id.ToString() << " in "
+                    << double((std::chrono::steady_clock::now() - start).count()) / 1e6 << " ms";
         MutexLock l(&mu_);
         counters_.acquires++;
         counters_.stale_taken_over += taken_over;
@@ -512,7 +520,30 @@ class SanlockImpl : public SanlockLockManager {
         return Status::Ok();
       }
       if (decide.code() != Status::Code::kLocked || !wait) return decide;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      RETURN_IF_ERROR(WaitUntilLooksFree(id, want));
+    }
+  }
+
+  // Waits for a conflicting record to go by reading the partition without
+  // its lease (one read of 4 blocks): polling with leased updates would
+  // run a paxos round per poll and slow the holder's own release. The
+  // answer is only a hint; the leased update decides.
+  Status WaitUntilLooksFree(LockId id, uint8_t want) {
+    const uint32_t p = PartitionOf(id);
+    int delay_ms = 20;
+    while (true) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
+      delay_ms = std::min(delay_ms * 2, 250);
+      Result<std::vector<LockRecord>> recs = ReadPartition(p);
+      if (!recs.ok()) return Status::Ok();  // let the leased update report it
+      bool conflict = false;
+      for (const LockRecord& r : *recs) {
+        if (!Matches(r, id) || r.host == opts_.host_id) continue;
+        if (want != kModeExclusive && r.mode != kModeExclusive) continue;
+        ASSIGN_OR_RETURN(bool live, HolderLive(r));
+        conflict |= live;
+      }
+      if (!conflict) return Status::Ok();
     }
   }
 
@@ -544,6 +575,22 @@ class SanlockImpl : public SanlockLockManager {
     return all;
   }
 
+  // A release fails only if the daemon cannot reach the lease (its I/O
+  // timed out); the lease stays ours then, so try again before giving up:
+  // a lease left held would block every host until this one dies.
+  int ReleaseLease(sanlk_resource* rp) {
+    int rv = 0;
+    for (int attempt = 0; attempt < 3; attempt++) {
+      {
+        MutexLock c(&cmd_mu_);
+        rv = sanlock_release(reg_fd_, -1, 0, 1, &rp);
+      }
+      if (rv == 0 || rv == -ENOENT) return rv;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    return rv;
+  }
+
   // Retries while another holder has the lease: a partition lease is held
   // for milliseconds, and one whose holder died is freed by sanlock when
   // that host is declared dead.
@@ -552,7 +599,11 @@ class SanlockImpl : public SanlockLockManager {
     auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(max_wait_s);
     int delay_ms = 1;
     while (true) {
-      int rv = sanlock_acquire(reg_fd_, -1, 0, 1, &rp, nullptr);
+      int rv;
+      {
+        MutexLock c(&cmd_mu_);
+        rv = sanlock_acquire(reg_fd_, -1, 0, 1, &rp, nullptr);
+      }
       if (rv == 0) return Status::Ok();
       if (!IsBusy(rv)) return Status::IoError("acquiring " + what + ": " + SanlockError(rv));
       {
@@ -605,7 +656,7 @@ class SanlockImpl : public SanlockLockManager {
       // Durable before the lease goes: the next holder reads it.
       return dev_->Flush();
     }();
-    int rv = sanlock_release(reg_fd_, -1, 0, 1, &rp);
+    int rv = ReleaseLease(rp);
     if (st.ok() && rv < 0) {
       st = Status::IoError("releasing lock-table lease " + PartitionLeaseName(p) + ": " +
                            SanlockError(rv));
@@ -626,6 +677,15 @@ class SanlockImpl : public SanlockLockManager {
   // one at a time (sanlock grants it once per host). Lock order: a
   // partition mutex, then mu_ or local_'s own mutex; never two partitions.
   std::vector<Mutex> part_mu_;
+  // sanlock serves one command at a time per registered process and
+  // answers on the registration socket in order: two threads talking on
+  // reg_fd_ at once read each other's replies (seen under load as a
+  // release "failing" with an acquire's -243 while the lease stayed held,
+  // wedging its partition). Every command on reg_fd_ holds cmd_mu_; it is
+  // taken last (after a partition mutex) and nothing is taken under it.
+  // The daemon would refuse a second concurrent command (-EBUSY) anyway,
+  // so this costs no parallelism.
+  Mutex cmd_mu_;
   mutable Mutex mu_;
   std::map<LockId, LockMode> held_ GUARDED_BY(mu_);
   Counters counters_ GUARDED_BY(mu_);

@@ -312,10 +312,35 @@ VolumeImpl::~VolumeImpl() {
 }
 
 Status VolumeImpl::RecoverDeadHosts() {
+  // A backend that reports dead holders tells us whether anything was
+  // taken from a dead host since the last scan; if not, there is nothing
+  // new to recover (the scan costs a lock-table read per slot and, with
+  // sanlock, paxos rounds).
+  const bool reports = locks_->ReportsDeadHolders();
+  const uint64_t replaced = locks_->dead_holders_replaced();
+  if (reports && scanned_dead_hosts_ && replaced == dead_holders_seen_) return Status::Ok();
+  RETURN_IF_ERROR(ScanDeadHosts());
+  scanned_dead_hosts_ = true;
+  dead_holders_seen_ = replaced;
+  return Status::Ok();
+}
+
+Status VolumeImpl::ScanDeadHosts() {
   for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
     if (h == host_) continue;
     ASSIGN_OR_RETURN(bool alive, locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}));
     LockId rec{LockKind::kRecovery, h};
+    if (!alive) {
+      // Most slots are unused or were left cleanly: look without the lock
+      // first. A dead slot's journal no longer changes except by a
+      // replayer, who empties it only after writing every home block; an
+      // unclean or unreadable look takes the locked path.
+      auto peek = Journal::Open(dev_, sb_, h);
+      if (peek.ok()) {
+        Result<bool> pending = peek.value()->HasTransactions();
+        if (pending.ok() && !pending.value()) continue;
+      }
+    }
     if (alive) {
       // A live owner may be replaying its own journal right now: wait for it.
       ASSIGN_OR_RETURN(bool replaying, locks_->IsHeldElsewhere(rec));
@@ -520,10 +545,15 @@ Status VolumeImpl::WaitLock(LockId id) {
                           std::to_string(lock_wait_.count()) + " s");
       break;
     }
-    // Back off from 2 ms to 50 ms: with the sanlock backend every attempt
-    // is a paxos round on the LUN.
-    std::this_thread::sleep_for(std::chrono::milliseconds(poll_ms));
-    poll_ms = std::min(poll_ms * 2, 50);
+    // Watch without taking: with the sanlock backend an attempt is a paxos
+    // round on the LUN (and slows the holder's own release), a look is one
+    // read. Back off from 2 ms to 50 ms.
+    do {
+      std::this_thread::sleep_for(std::chrono::milliseconds(poll_ms));
+      poll_ms = std::min(poll_ms * 2, 50);
+      Result<bool> held = locks_->IsHeldElsewhere(id);
+      if (!held.ok() || !*held) break;
+    } while (std::chrono::steady_clock::now() < deadline);
   }
   if (announced) (void)locks_->Release(want);
   return st;

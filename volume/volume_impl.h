@@ -104,6 +104,7 @@ class VolumeImpl : public Volume {
   Status ReleaseCachedLock(LockId id) REQUIRES(mu_);
   void NoteCached(LockId id) REQUIRES(mu_);
   Status RecoverDeadHosts() REQUIRES(mu_);
+  Status ScanDeadHosts() REQUIRES(mu_);
   void DropCache(LockId owner) REQUIRES(mu_);
 
   // Inodes and block maps (mu_ held; caller holds the inode's lock).
@@ -157,6 +158,9 @@ class VolumeImpl : public Volume {
   // done without mu_; metadata block I/O (cache misses, commits) under it.
   Mutex mu_;
   std::unique_ptr<Journal> journal_ GUARDED_BY(mu_);
+  // RecoverDeadHosts' memo (backends that report dead holders only).
+  bool scanned_dead_hosts_ GUARDED_BY(mu_) = false;
+  uint64_t dead_holders_seen_ GUARDED_BY(mu_) = 0;
   std::unordered_map<uint64_t, Cached> cache_ GUARDED_BY(mu_);
   std::set<uint64_t> txn_ GUARDED_BY(mu_);      // modified since the last commit
   std::set<uint64_t> dirty_ GUARDED_BY(mu_);    // committed, not yet written home

@@ -623,7 +623,8 @@ TEST_CASE("two dedupd processes never serve the same file at once", "[nbd]") {
   TestVolume tv({{"vm", 4 * kMiB}, {"other", 4 * kMiB}});
   std::string sock2 = tv.dir.file("nbd2.sock");
   DedupdProcess a(tv.vol, 1, tv.sock);
-  DedupdProcess b(tv.vol, 2, sock2);
+  // b gives up on a busy disk after 0.5 s (not the default 30).
+  DedupdProcess b(tv.vol, 2, sock2, {"--open-wait", "0.5"});
   std::string qemu_io = RequireProgram("qemu-io");
 
   {
