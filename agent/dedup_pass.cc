@@ -468,6 +468,7 @@ class Pass {
     // Another pass (here or on another host) merges into this shard; the
     // lock manager waits for it without hammering the lock.
     Progress("waiting for " + lock.ToString());
+    stats_.shard_waits++;
     return lm->Acquire(lock, LockMode::kExclusive, true);
   }
 

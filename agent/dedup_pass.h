@@ -112,6 +112,7 @@ struct DedupStats {
   uint64_t shards_rewritten = 0;
   uint64_t shards_deferred = 0;      // below the batching fraction
   uint64_t shards_split = 0;
+  uint64_t shard_waits = 0;          // a shard was being updated elsewhere: waited
   uint64_t pending_records_written = 0;
   uint64_t pending_records_applied = 0;
   uint64_t entries_scanned = 0;      // old entries merge-scanned

@@ -64,6 +64,7 @@ struct Config {
   double fence_after = 0;   // sanlock volumes: exit when the lockspace cannot be confirmed for SEC
   double merge_interval = 10;  // apply merge requests for served files; 0: only at passes
   double open_wait = 30;       // a client's export open waits this long for a busy file
+  double split_after = 30;     // split a shard whose last update took longer (seconds)
   LogLevel log_level = LogLevel::kInfo;
 };
 
@@ -95,6 +96,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("no-write-monitor", "serve without fingerprinting writes (benchmarks)")
       ("dedup-interval", po::value(&cfg->dedup_interval)->value_name("SEC"), "run a dedup pass every SEC seconds (default 0: only when sent SIGUSR1)")
       ("dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"), "rewrite an index shard when its new records exceed F times its entries (default 0.05)")
+      ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
       ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("log-level", po::value(&log_level)->value_name("LEVEL"), "debug, info, warning or error (default info)");
@@ -149,6 +151,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   if (cfg->fence_after < 0) return UsageError("--fence-after: must be >= 0");
   if (!(cfg->merge_interval >= 0)) return UsageError("--merge-interval: must be >= 0");
   if (!(cfg->open_wait >= 0)) return UsageError("--open-wait: must be >= 0");
+  if (!(cfg->split_after > 0)) return UsageError("--split-after: must be > 0");
   cfg->write_monitor = vm.count("no-write-monitor") == 0;
   return -1;
 }
@@ -256,6 +259,7 @@ int Run(const Config& cfg) {
     if (cfg.write_monitor) (void)flusher.FlushAll();
     DedupOptions po;
     po.rewrite_fraction = cfg.dedup_fraction;
+    po.split_threshold_ms = static_cast<uint64_t>(cfg.split_after * 1000);
     po.cancel = &cancel_pass;
     auto* sanlock_locks = dynamic_cast<SanlockLockManager*>(vol->lock_manager());
     const SanlockLockManager::Counters locks_before =
@@ -279,7 +283,8 @@ int Run(const Config& cfg) {
                << st->merge_requests_applied << " applied, "
                << st->zero_blocks_freed
                << " zero blocks freed, " << st->files_busy << " files busy, "
-               << st->shards_rewritten << " shards rewritten in "
+               << st->shards_rewritten << " shards rewritten (" << st->shards_split
+               << " split, " << st->shard_waits << " waits) in "
                << double(st->total_ns) / 1e9 << " s";
     if (sanlock_locks) {
       // Other threads (NBD opens, the collector) count here too.

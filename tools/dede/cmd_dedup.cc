@@ -62,6 +62,7 @@ json StatsJson(const DedupStats& s) {
   j["shards_rewritten"] = s.shards_rewritten;
   j["shards_deferred"] = s.shards_deferred;
   j["shards_split"] = s.shards_split;
+  j["shard_waits"] = s.shard_waits;
   j["pending_records_written"] = s.pending_records_written;
   j["pending_records_applied"] = s.pending_records_applied;
   j["entries_scanned"] = s.entries_scanned;

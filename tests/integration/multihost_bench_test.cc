@@ -1,0 +1,330 @@
+// Multi-host benchmarks (issue 5; docs/BENCHMARKS.md "Many hosts on one
+// LUN"), hidden from the suite ([.]) and run by tools/bench/run-multihost-bench.
+// They use the test cluster (multihost_cluster.h): a real tgtd, a sanlock
+// daemon and a dedupd per simulated host, all on one 2-core machine, so
+// only ratios inside one run mean anything. Each result is printed as one
+// line "BENCH-JSON {...}" for the script to collect.
+//
+//   1. A dedup pass over iSCSI with 1, 2 and 3 hosts passing at once: the
+//      same VMs (written by all three hosts, overlapping contents) on a
+//      fresh volume per run; wall time until physical usage reaches the
+//      exact-dedup figure; the lock statistics the passes logged (lease
+//      acquire latency) and the index's shards before and after (splits
+//      under contention: the hosts' dedupds run with --split-after).
+//   2. VM writes on host 1 (fio --ioengine=nbd, random 4 KiB, time-based)
+//      while hosts 2 and 3 run passes, against the same with hosts 2 and 3
+//      idle, alternating.
+//
+// Environment: DEDE_BENCH_VM_MIB (size of each VM, default 16),
+// DEDE_BENCH_REPS (alternations of part 2 and runs of part 1 per host
+// count, default 2), DEDE_BENCH_SECONDS (fio runtime per phase, default 8),
+// DEDE_BENCH_SPLIT_AFTER (dedupd --split-after, default 1).
+#include <cstdio>
+#include <cstdlib>
+
+#include "tests/integration/multihost_cluster.h"
+
+using namespace dede;
+using namespace dede::test;
+using namespace dede::test::multihost;
+
+namespace {
+
+double EnvNumber(const char* name, double dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atof(v) : dflt;
+}
+
+void Emit(const nlohmann::json& j) {
+  std::printf("BENCH-JSON %s\n", j.dump().c_str());
+  std::fflush(stdout);
+}
+
+// The lock statistics of the passes logged since `from` (dedupd's
+// "dedup pass N locks: A acquired, M ms mean, R lease retries").
+struct LockTotals {
+  uint64_t acquired = 0;
+  double acquire_ms = 0;  // sum
+  uint64_t retries = 0;
+  uint64_t splits = 0;
+  uint64_t waits = 0;
+};
+
+void AddLockStats(const std::string& log, LockTotals* t) {
+  static const std::regex locks(
+      R"(locks: (\d+) acquired, ([0-9.e+-]+) ms mean, (\d+) lease\s+retries)");
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), locks);
+       it != std::sregex_iterator(); ++it) {
+    const uint64_t n = std::stoull((*it)[1]);
+    t->acquired += n;
+    t->acquire_ms += double(n) * std::stod((*it)[2]);
+    t->retries += std::stoull((*it)[3]);
+  }
+  t->splits += LogSum(log, R"(\((\d+) split,)");
+  t->waits += LogSum(log, R"(split, (\d+) waits\))");
+}
+
+std::vector<uint64_t> VmIds(int h, int v, uint64_t blocks) {
+  // Three quarters of every VM come from one pool shared by all (the OS
+  // image), the rest is the VM's own.
+  std::vector<uint64_t> ids(blocks);
+  const uint64_t pool = blocks;
+  for (uint64_t i = 0; i < blocks; i++) {
+    ids[i] = (i % 4 != 3) ? 1 + (i * 7 + uint64_t(h) * 131 + uint64_t(v) * 17) % pool
+                          : 1000000 * uint64_t(h) + 1000 * uint64_t(v) + i;
+  }
+  return ids;
+}
+
+}  // namespace
+
+TEST_CASE("bench: dedup pass over iSCSI with 1, 2 and 3 hosts", "[.][bench-multihost]") {
+  const uint64_t vm_blocks = uint64_t(EnvNumber("DEDE_BENCH_VM_MIB", 16) * 256);
+  const int reps = int(EnvNumber("DEDE_BENCH_REPS", 2));
+  const std::string split_after = std::to_string(EnvNumber("DEDE_BENCH_SPLIT_AFTER", 1));
+  std::set<uint64_t> distinct;
+  std::vector<std::vector<uint8_t>> images;
+  for (int h = 1; h <= kHosts; h++) {
+    for (int v = 0; v < 2; v++) {
+      std::vector<uint64_t> ids = VmIds(h, v, vm_blocks);
+      distinct.insert(ids.begin(), ids.end());
+      images.push_back(Image(ids));
+    }
+  }
+  const uint64_t exact = distinct.size();
+  const double logical_mib = double(images.size() * vm_blocks) / 256;
+
+  for (int rep = 0; rep < reps; rep++) {
+    // 1, 2, 3 then 3, 2, 1: drift in the machine's load hits both ends.
+    std::vector<int> counts = rep % 2 ? std::vector<int>{3, 2, 1} : std::vector<int>{1, 2, 3};
+    for (int k : counts) {
+      Cluster c(1ull << 30);
+      c.Format();
+      c.StartAll({"--split-after", split_after, "--log-flush-interval", "3600"});
+      for (int h = 1; h <= kHosts; h++) {
+        for (int v = 0; v < 2; v++) {
+          c.CreateAndWrite(h, "vm" + std::to_string(h) + "-" + std::to_string(v),
+                           images[size_t((h - 1) * 2 + v)]);
+        }
+      }
+      const uint64_t shards_before = c.Stats(1)["index_shards"].get<uint64_t>();
+      std::vector<size_t> log_from(kHosts + 1);
+      for (int h = 1; h <= kHosts; h++) log_from[h] = c.dedupd(h).Log().size();
+
+      // Rounds of k simultaneous passes until the exact figure.
+      auto t0 = Clock::now();
+      int rounds = 0;
+      uint64_t physical = 0;
+      while (rounds < 10) {
+        rounds++;
+        std::vector<uint64_t> before(kHosts + 1);
+        for (int h = 1; h <= k; h++) {
+          before[h] = Cluster::PassesDone(c.dedupd(h).Log());
+          REQUIRE(::kill(c.dedupd(h).pid(), SIGUSR1) == 0);
+        }
+        for (int h = 1; h <= k; h++) {
+          while (Cluster::PassesDone(c.dedupd(h).Log()) <= before[h]) {
+            REQUIRE(c.dedupd(h).Running());
+            REQUIRE(Since(t0) < 900);
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          }
+        }
+        physical = c.Stats(1)["physical_data_blocks"].get<uint64_t>();
+        if (physical == exact) break;
+      }
+      const double seconds = Since(t0);
+      LockTotals locks;
+      std::string logs;
+      for (int h = 1; h <= kHosts; h++) {
+        const std::string log = c.dedupd(h).Log().substr(log_from[h]);
+        AddLockStats(log, &locks);
+        logs += log;
+      }
+      INFO(logs);
+      CHECK(physical == exact);
+      CHECK(LogSum(logs, R"(dedup pass \d+: [^\n]*error)") == 0);
+      const uint64_t shards_after = c.Stats(1)["index_shards"].get<uint64_t>();
+      Emit({{"bench", "multihost_pass"},
+            {"hosts_passing", k},
+            {"rep", rep},
+            {"logical_mib", logical_mib},
+            {"seconds", seconds},
+            {"mib_per_s", logical_mib / seconds},
+            {"rounds", rounds},
+            {"physical_blocks", physical},
+            {"exact_blocks", exact},
+            {"lock_acquires", locks.acquired},
+            {"lock_acquire_mean_ms", locks.acquired ? locks.acquire_ms / double(locks.acquired) : 0},
+            {"lease_retries", locks.retries},
+            {"shards_before", shards_before},
+            {"shards_after", shards_after},
+            {"shards_split", locks.splits},
+            {"shard_waits", locks.waits}});
+      for (int h = 1; h <= kHosts; h++) c.Stop(h);
+    }
+  }
+}
+
+TEST_CASE("bench: VM writes on one host while the others run dedup passes",
+          "[.][bench-multihost]") {
+  const uint64_t vm_blocks = uint64_t(EnvNumber("DEDE_BENCH_VM_MIB", 16) * 256);
+  const int reps = int(EnvNumber("DEDE_BENCH_REPS", 2));
+  const int seconds = int(EnvNumber("DEDE_BENCH_SECONDS", 8));
+  const uint64_t target_mib = 64;
+  Cluster c(1ull << 30);
+  c.Format();
+  c.StartAll({"--log-flush-interval", "3600"});
+  // Host 1's VM, allocated once and held open like a running VM.
+  c.CreateAndWrite(1, "target", Image(std::vector<uint64_t>(target_mib * 256, 5)));
+  c.PowerOn(1, "target");
+  const std::string fio = RequireProgram("fio");
+
+  uint64_t generation = 0;
+  for (int rep = 0; rep < reps; rep++) {
+    for (bool passes : {false, true}) {
+      std::vector<uint64_t> passes_before(kHosts + 1);
+      if (passes) {
+        // Fresh data on hosts 2 and 3 so their passes have work, then passes
+        // back to back for the whole phase.
+        for (int h = 2; h <= kHosts; h++) {
+          generation++;
+          const std::string name = "load" + std::to_string(h) + "-" + std::to_string(generation);
+          std::vector<uint64_t> ids = VmIds(h, int(generation), vm_blocks);
+          for (uint64_t& id : ids) id += generation * 10000000;
+          c.CreateAndWrite(h, name, Image(ids));
+          passes_before[h] = Cluster::PassesDone(c.dedupd(h).Log());
+        }
+      }
+      std::atomic<bool> stop{false};
+      std::atomic<int> passes_run{0};
+      // Passes each host was asked for (a pass finishes before the next ask).
+      std::vector<uint64_t> expect(kHosts + 1, 0);
+      std::thread driver;
+      if (passes) {
+        // Not from a thread that starts children (they die with it): this
+        // thread only signals.
+        driver = std::thread([&] {
+          std::vector<uint64_t> seen = passes_before;
+          for (int h = 2; h <= kHosts; h++) {
+            expect[h] = seen[h] + 1;
+            ::kill(c.dedupd(h).pid(), SIGUSR1);
+          }
+          while (!stop) {
+            for (int h = 2; h <= kHosts; h++) {
+              const uint64_t now = Cluster::PassesDone(c.dedupd(h).Log());
+              if (now > seen[h]) {
+                passes_run += int(now - seen[h]);
+                seen[h] = now;
+                expect[h] = now + 1;
+                ::kill(c.dedupd(h).pid(), SIGUSR1);
+              }
+            }
+            std::this_thread::sleep_for(std::chrono::milliseconds(50));
+          }
+        });
+      }
+      const std::string out = c.rig().dir().file("fio-" + std::to_string(rep) +
+                                                 (passes ? "-passes" : "-idle") + ".json");
+      std::vector<std::string> argv = {fio, "--name=vmwrite", "--ioengine=nbd",
+                                       "--uri=" + c.Uri(1, "target"), "--rw=randwrite",
+                                       "--bs=4k", "--iodepth=16", "--size=" +
+                                       std::to_string(target_mib) + "M",
+                                       "--time_based", "--runtime=" + std::to_string(seconds),
+                                       "--randseed=" + std::to_string(rep + 1),
+                                       "--output-format=json", "--output=" + out};
+      ProcessResult r = RunProcess(argv, seconds + 120);
+      stop = true;
+      if (driver.joinable()) driver.join();
+      // The last passes asked for finish before the next phase starts.
+      for (int h = 2; h <= kHosts && passes; h++) {
+        auto t0 = Clock::now();
+        while (Cluster::PassesDone(c.dedupd(h).Log()) < expect[h]) {
+          REQUIRE(Since(t0) < 600);
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        }
+      }
+      INFO(DescribeRun(argv, r));
+      REQUIRE(r.exit_code == 0);
+      std::vector<uint8_t> raw = ReadWholeFile(out);
+      nlohmann::json j = nlohmann::json::parse(std::string(raw.begin(), raw.end()));
+      const double bw_kib = j["jobs"][0]["write"]["bw"].get<double>();
+      const double iops = j["jobs"][0]["write"]["iops"].get<double>();
+      if (passes) CHECK(passes_run > 0);
+      Emit({{"bench", "multihost_vm_writes"},
+            {"rep", rep},
+            {"others_passing", passes},
+            {"passes_finished_during", passes_run.load()},
+            {"seconds", seconds},
+            {"write_mib_per_s", bw_kib / 1024},
+            {"write_iops", iops}});
+    }
+  }
+  c.PowerOff("target");
+  for (int h = 1; h <= kHosts; h++) c.Stop(h);
+  c.FsckClean(1);
+}
+
+TEST_CASE("bench: index shards split as hosts update the index at once", "[.][bench-multihost]") {
+  const uint64_t vm_blocks = uint64_t(EnvNumber("DEDE_BENCH_VM_MIB", 16) * 256);
+  const int rounds = int(EnvNumber("DEDE_BENCH_SPLIT_ROUNDS", 6));
+  const std::string split_after = std::to_string(EnvNumber("DEDE_BENCH_SPLIT_AFTER", 1));
+  Cluster c(2ull << 30);
+  c.Format();
+  c.StartAll({"--split-after", split_after, "--log-flush-interval", "3600"});
+  std::set<uint64_t> distinct;
+  for (int round = 1; round <= rounds; round++) {
+    // Every host brings a new VM (its own blocks plus the shared pool),
+    // then all three pass at once.
+    for (int h = 1; h <= kHosts; h++) {
+      std::vector<uint64_t> ids = VmIds(h, 100 + round, vm_blocks);
+      distinct.insert(ids.begin(), ids.end());
+      c.CreateAndWrite(h, "r" + std::to_string(round) + "-" + std::to_string(h), Image(ids));
+    }
+    std::vector<size_t> from(kHosts + 1);
+    std::vector<uint64_t> before(kHosts + 1);
+    for (int h = 1; h <= kHosts; h++) {
+      from[h] = c.dedupd(h).Log().size();
+      before[h] = Cluster::PassesDone(c.dedupd(h).Log());
+    }
+    const uint64_t shards_before = c.Stats(1)["index_shards"].get<uint64_t>();
+    auto t0 = Clock::now();
+    for (int h = 1; h <= kHosts; h++) REQUIRE(::kill(c.dedupd(h).pid(), SIGUSR1) == 0);
+    for (int h = 1; h <= kHosts; h++) {
+      while (Cluster::PassesDone(c.dedupd(h).Log()) <= before[h]) {
+        REQUIRE(c.dedupd(h).Running());
+        REQUIRE(Since(t0) < 900);
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
+    }
+    const double wall = Since(t0);
+    LockTotals locks;
+    double pass_seconds = 0;
+    std::string logs;
+    for (int h = 1; h <= kHosts; h++) {
+      const std::string log = c.dedupd(h).Log().substr(from[h]);
+      AddLockStats(log, &locks);
+      static const std::regex took(R"(waits\) in ([0-9.e+-]+) s)");
+      for (auto it = std::sregex_iterator(log.begin(), log.end(), took);
+           it != std::sregex_iterator(); ++it) {
+        pass_seconds += std::stod((*it)[1]);
+      }
+      logs += log;
+    }
+    INFO(logs);
+    CHECK(LogSum(logs, R"(dedup pass \d+: [^\n]*error)") == 0);
+    Emit({{"bench", "multihost_split"},
+          {"round", round},
+          {"shards_before", shards_before},
+          {"shards_after", c.Stats(1)["index_shards"].get<uint64_t>()},
+          {"shards_split", locks.splits},
+          {"shard_waits", locks.waits},
+          {"wall_seconds", wall},
+          {"pass_seconds_sum", pass_seconds},
+          // Passes in progress at once, on average over the round.
+          {"pass_overlap", pass_seconds / wall},
+          {"lock_acquire_mean_ms", locks.acquired ? locks.acquire_ms / double(locks.acquired) : 0},
+          {"lease_retries", locks.retries}});
+  }
+  for (int h = 1; h <= kHosts; h++) c.Stop(h);
+  c.FsckClean(1);
+}
