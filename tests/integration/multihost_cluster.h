@@ -5,6 +5,7 @@
 // multihost_test.cc and the multi-host benchmarks (multihost_bench_test.cc).
 #pragma once
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
