@@ -1,6 +1,7 @@
 #include "agent/dedup_pass.h"
 
 #include <algorithm>
+#include <cmath>
 #include <chrono>
 #include <cstring>
 #include <optional>
@@ -276,8 +277,20 @@ class Pass {
     stats_.merge_corrupt_groups += merged.corrupt_groups;
     stats_.merge_files_removed += merged.request_files_removed;
     Progress("gathering write logs");
-    for (const FileInfo& li : all) {
-      if (li.kind != FileKind::kWriteLog) continue;
+    // Hosts passing at once would all reach for the same logs first, find
+    // them taken and pay a lock round for each: start each host's walk
+    // elsewhere (golden-ratio spacing keeps any few host ids apart).
+    std::vector<const FileInfo*> walk;
+    for (const FileInfo& fi : all) {
+      if (fi.kind == FileKind::kWriteLog) walk.push_back(&fi);
+    }
+    if (!walk.empty()) {
+      const double frac = std::fmod(0.6180339887498949 * vol_->host_id(), 1.0);
+      const size_t start = std::min(walk.size() - 1, static_cast<size_t>(frac * walk.size()));
+      std::rotate(walk.begin(), walk.begin() + static_cast<ptrdiff_t>(start), walk.end());
+    }
+    for (const FileInfo* walked : walk) {
+      const FileInfo& li = *walked;
       std::optional<FileId> owner = ParseWriteLogName(li.name);
       if (!owner) continue;
       auto oi = by_ino_.find(owner->ino);
