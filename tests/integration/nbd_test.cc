@@ -663,6 +663,34 @@ TEST_CASE("two dedupd processes never serve the same file at once", "[nbd]") {
   RequireFsckClean(tv.vol);
 }
 
+TEST_CASE("a client waits --open-wait for a file that another dedupd holds for a moment", "[nbd]") {
+  TestVolume tv({{"vm", 4 * kMiB}});
+  std::string sock2 = tv.dir.file("nbd2.sock");
+  DedupdProcess a(tv.vol, 1, tv.sock);
+  DedupdProcess b(tv.vol, 2, sock2, {"--open-wait", "30"});
+  std::string qemu_io = RequireProgram("qemu-io");
+  auto holder = std::make_unique<RawClient>(tv.sock);  // like another host's pass
+  REQUIRE(holder->Hello());
+  REQUIRE(holder->Go("vm") == int64_t(4 * kMiB));
+  ProcessResult r;
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread client([&] {
+    r = RunProcess({qemu_io, "-f", "raw", "-c", "write -P 0x44 0 4096", "-c", "read -P 0x44 0 4096",
+                    b.Uri("vm")});
+  });
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  holder.reset();  // a lets go: b's waiting open gets the file
+  client.join();
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO("qemu-io: " << r.out << r.err << "\nb's log:\n" << b.Log());
+  CHECK(r.exit_code == 0);
+  CHECK(r.out.find("failed") == std::string::npos);
+  CHECK(waited >= 2.0);  // it did wait, and did not fail at once
+  REQUIRE(a.Stop() == 0);
+  REQUIRE(b.Stop() == 0);
+  RequireFsckClean(tv.vol);
+}
+
 TEST_CASE("malformed NBD traffic gets an error or a closed connection, never a crash", "[nbd]") {
   TestVolume tv({{"vm", 4 * kMiB}});
   DedupdProcess d(tv.vol, 1, tv.sock);
