@@ -1,8 +1,8 @@
 #include "agent/dedup_pass.h"
 
 #include <algorithm>
-#include <cmath>
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <optional>
 #include <thread>

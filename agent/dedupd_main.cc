@@ -15,13 +15,13 @@
 
 #include "agent/dedup_pass.h"
 #include "agent/lockspace_guard.h"
-#include "volume/sanlock_lock_manager.h"
 #include "agent/export_table.h"
 #include "agent/log_flusher.h"
 #include "agent/nbd_server.h"
 #include "kmod/writemon/write_monitor.h"
 #include "util/log.h"
 #include "util/units.h"
+#include "volume/sanlock_lock_manager.h"
 #include "volume/volume.h"
 
 namespace po = boost::program_options;

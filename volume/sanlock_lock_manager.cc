@@ -509,7 +509,10 @@ class SanlockImpl : public SanlockLockManager {
       RETURN_IF_ERROR(st);
       if (decide.ok()) {
         LOG(kDebug) << "sanlock: acquired " << id.ToString() << " in "
-                    << double((std::chrono::steady_clock::now() - start).count()) / 1e6 << " ms";
+                    << std::chrono::duration<double, std::milli>(
+                           std::chrono::steady_clock::now() - start)
+                           .count()
+                    << " ms";
         MutexLock l(&mu_);
         counters_.acquires++;
         counters_.stale_taken_over += taken_over;
