@@ -154,6 +154,10 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   PatternWriter w2("vm2", kBlocks, 2), w3("vm3", kBlocks, 3);
   REQUIRE(w2.Round(c.Uri(2, "vm2"), 50));
   REQUIRE(w3.Round(c.Uri(3, "vm3"), 50));
+  // The VMs run: their hosts hold the disks all along (the writers' rounds
+  // join the export), so nobody may take them before their host is dead.
+  c.PowerOn(2, "vm2");
+  c.PowerOn(3, "vm3");
 
   // Writers keep going on hosts 2 and 3 while we strike.
   std::atomic<bool> stop{false};
@@ -201,9 +205,10 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   std::string last_try;
   auto take_over = [&](const std::string& name) {
     while (Since(t_strike) < 200) {
+      // dedupd itself retries a busy open for --open-wait (30 s).
       ProcessResult r =
           RunProcess({RequireProgram("qemu-io"), "-f", "raw", "-c", "read 0 4096", c.Uri(1, name)},
-                     30);
+                     60);
       if (r.exit_code == 0 && r.err.empty()) return Since(t_strike);
       last_try = r.err;
       std::this_thread::sleep_for(std::chrono::seconds(1));
@@ -212,6 +217,8 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   };
   const double t_vm3 = take_over("vm3");
   const double t_vm2 = take_over("vm2");
+  // big2 was held by host 2's pass when it died.
+  const double t_big2 = take_over("big2");
   INFO("fenced after " << t_fenced << " s, last ack on host 3 at " << last_ack3
                        << " s, vm3 taken over at " << t_vm3 << " s, vm2 at " << t_vm2
                        << " s; host 2's pass " << (pass_finished ? "had finished" : "was running"));
@@ -220,6 +227,7 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   INFO("sanlock of host 1:\n" << c.rig().host(1).LogTail(4000));
   REQUIRE(t_vm3 > 0);
   REQUIRE(t_vm2 > 0);
+  REQUIRE(t_big2 > 0);
   CHECK(t_fenced < t_vm3);
   CHECK(last_ack3 < t_vm3);
   std::printf("multihost failure: host 3 fenced %.1f s after its daemon hung; vm3 taken over "
