@@ -2,7 +2,6 @@
 
 #include <dirent.h>
 #include <signal.h>
-#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -40,17 +39,6 @@ void WriteFileText(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::trunc);
   out << text;
   if (!out) throw std::runtime_error("cannot write " + path);
-}
-
-bool CanConnectUnix(const std::string& path) {
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return false;
-  sockaddr_un a{};
-  a.sun_family = AF_UNIX;
-  std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
-  bool ok = ::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0;
-  ::close(fd);
-  return ok;
 }
 
 // Fields of /proc/PID/stat after the command name: state, ppid, ...
@@ -157,16 +145,7 @@ std::vector<std::string> SanlockDaemon::Env() const {
   return {"SANLOCK_RUN_DIR=" + run_dir_};
 }
 
-bool SanlockDaemon::Running() {
-  if (pid_ <= 0) return false;
-  int status = 0;
-  pid_t r = ::waitpid(pid_, &status, WNOHANG);
-  if (r == pid_ || (r < 0 && errno == ECHILD)) {
-    pid_ = -1;
-    return false;
-  }
-  return true;
-}
+bool SanlockDaemon::Running() { return ChildRunning(&pid_); }
 
 void SanlockDaemon::Kill() {
   if (pid_ <= 0) return;

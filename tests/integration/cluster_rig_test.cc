@@ -48,6 +48,33 @@ bool AllLive(const std::map<uint64_t, std::string>& states, int hosts) {
   return true;
 }
 
+// Writes the lease area on the rig's LUN: the lockspace at 1 MiB and
+// resource lease "res0" at 2 MiB, 4 KiB sectors and 1 MiB alignment. `-o`
+// writes our io_timeout into the fresh delta leases; otherwise joining
+// waits 2 x 10 s.
+void InitLeaseArea(ClusterRig& rig) {
+  const std::string sanlock = RequireProgram("sanlock");
+  const std::vector<std::string> init_ls = {sanlock,
+                                            "direct",
+                                            "init",
+                                            "-s",
+                                            rig.LockspaceSpec(kLockspace, 0, kLockspaceOffset),
+                                            "-Z",
+                                            "4096",
+                                            "-A",
+                                            "1M",
+                                            "-o",
+                                            std::to_string(kIoTimeout)};
+  const std::vector<std::string> init_res = {
+      sanlock, "direct", "init", "-r", rig.ResourceSpec(kLockspace, "res0", kResourceOffset),
+      "-Z",    "4096",   "-A",   "1M"};
+  for (const auto& argv : {init_ls, init_res}) {
+    ProcessResult r = RunProcess(argv, 30);
+    INFO(DescribeRun(argv, r));
+    REQUIRE(r.exit_code == 0);
+  }
+}
+
 // Polls host `observer`'s view of `target` until it is `want`; returns the
 // seconds since t0, or -1 after `limit_s`.
 double WaitForState(ClusterRig& rig, int observer, uint64_t target, const std::string& want,
@@ -77,32 +104,10 @@ TEST_CASE("cluster rig: three sanlock hosts join a lockspace and see a killed ho
     REQUIRE(status.out.find("daemon host" + std::to_string(i)) != std::string::npos);
   }
 
-  // Lease area: lockspace at 1 MiB, one resource lease at 2 MiB, 4 KiB
-  // sectors and 1 MiB alignment. `-o` writes our io_timeout into the fresh
-  // delta leases; otherwise joining waits 2 x 10 s.
-  const std::vector<std::string> init_ls = {sanlock,
-                                            "direct",
-                                            "init",
-                                            "-s",
-                                            rig.LockspaceSpec(kLockspace, 0, kLockspaceOffset),
-                                            "-Z",
-                                            "4096",
-                                            "-A",
-                                            "1M",
-                                            "-o",
-                                            std::to_string(kIoTimeout)};
-  ProcessResult r = RunProcess(init_ls, 30);
-  INFO(DescribeRun(init_ls, r));
-  REQUIRE(r.exit_code == 0);
-  const std::vector<std::string> init_res = {
-      sanlock, "direct", "init", "-r", rig.ResourceSpec(kLockspace, "res0", kResourceOffset),
-      "-Z",    "4096",   "-A",   "1M"};
-  r = RunProcess(init_res, 30);
-  INFO(DescribeRun(init_res, r));
-  REQUIRE(r.exit_code == 0);
+  InitLeaseArea(rig);
   const std::vector<std::string> read_res = {sanlock, "direct", "read_leader", "-r",
                                              rig.ResourceSpec(kLockspace, "res0", kResourceOffset)};
-  r = RunProcess(read_res, 30);
+  ProcessResult r = RunProcess(read_res, 30);
   INFO(DescribeRun(read_res, r));
   REQUIRE(r.exit_code == 0);
   REQUIRE(r.out.find("resource_name res0") != std::string::npos);
@@ -235,25 +240,7 @@ TEST_CASE("cluster rig: sanlock fences the lease holders of a host that stops re
   // -g 0: no SIGTERM grace period, SIGKILL as soon as renewals have failed
   // for 8 io_timeouts.
   ClusterRig rig(1, 64ull << 20, {"-g", "0"});
-  const std::vector<std::string> init_ls = {sanlock,
-                                            "direct",
-                                            "init",
-                                            "-s",
-                                            rig.LockspaceSpec(kLockspace, 0, kLockspaceOffset),
-                                            "-Z",
-                                            "4096",
-                                            "-A",
-                                            "1M",
-                                            "-o",
-                                            std::to_string(kIoTimeout)};
-  const std::vector<std::string> init_res = {
-      sanlock, "direct", "init", "-r", rig.ResourceSpec(kLockspace, "res0", kResourceOffset),
-      "-Z",    "4096",   "-A",   "1M"};
-  for (const auto& argv : {init_ls, init_res}) {
-    ProcessResult r = RunProcess(argv, 30);
-    INFO(DescribeRun(argv, r));
-    REQUIRE(r.exit_code == 0);
-  }
+  InitLeaseArea(rig);
   const std::vector<std::string> join = {"add_lockspace", "-s",
                                          rig.LockspaceSpec(kLockspace, 1, kLockspaceOffset), "-o",
                                          std::to_string(kIoTimeout)};

@@ -117,18 +117,9 @@ TEST_CASE("bench: dedup pass over iSCSI with 1, 2 and 3 hosts", "[.][bench-multi
       uint64_t physical = 0;
       while (rounds < 10) {
         rounds++;
-        std::vector<uint64_t> before(kHosts + 1);
-        for (int h = 1; h <= k; h++) {
-          before[h] = Cluster::PassesDone(c.dedupd(h).Log());
-          REQUIRE(::kill(c.dedupd(h).pid(), SIGUSR1) == 0);
-        }
-        for (int h = 1; h <= k; h++) {
-          while (Cluster::PassesDone(c.dedupd(h).Log()) <= before[h]) {
-            REQUIRE(c.dedupd(h).Running());
-            REQUIRE(Since(t0) < 900);
-            std::this_thread::sleep_for(std::chrono::milliseconds(50));
-          }
-        }
+        std::vector<int> passing;
+        for (int h = 1; h <= k; h++) passing.push_back(h);
+        c.PassTogether(passing, 900 - Since(t0));
         physical = c.Stats(1)["physical_data_blocks"].get<uint64_t>();
         if (physical == exact) break;
       }
@@ -281,21 +272,10 @@ TEST_CASE("bench: index shards split as hosts update the index at once", "[.][be
       c.CreateAndWrite(h, "r" + std::to_string(round) + "-" + std::to_string(h), Image(ids));
     }
     std::vector<size_t> from(kHosts + 1);
-    std::vector<uint64_t> before(kHosts + 1);
-    for (int h = 1; h <= kHosts; h++) {
-      from[h] = c.dedupd(h).Log().size();
-      before[h] = Cluster::PassesDone(c.dedupd(h).Log());
-    }
+    for (int h = 1; h <= kHosts; h++) from[h] = c.dedupd(h).Log().size();
     const uint64_t shards_before = c.Stats(1)["index_shards"].get<uint64_t>();
     auto t0 = Clock::now();
-    for (int h = 1; h <= kHosts; h++) REQUIRE(::kill(c.dedupd(h).pid(), SIGUSR1) == 0);
-    for (int h = 1; h <= kHosts; h++) {
-      while (Cluster::PassesDone(c.dedupd(h).Log()) <= before[h]) {
-        REQUIRE(c.dedupd(h).Running());
-        REQUIRE(Since(t0) < 900);
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-      }
-    }
+    c.PassTogether({1, 2, 3}, 900);
     const double wall = Since(t0);
     LockTotals locks;
     double pass_seconds = 0;

@@ -146,16 +146,25 @@ class Cluster {
     return CountMatches(log, re);
   }
   // SIGUSR1, then waits until dedupd logged one more finished pass.
-  void Pass(int h) {
-    const uint64_t before = PassesDone(d_[h]->Log());
-    REQUIRE(::kill(d_[h]->pid(), SIGUSR1) == 0);
+  void Pass(int h) { PassTogether({h}); }
+  // SIGUSR1 to every host of `hosts` at the same instant, then waits until
+  // each has logged one more finished pass, within limit_s seconds.
+  void PassTogether(const std::vector<int>& hosts, double limit_s = 180) {
+    std::map<int, uint64_t> before;
+    for (int h : hosts) before[h] = PassesDone(d_[h]->Log());
+    for (int h : hosts) REQUIRE(::kill(d_[h]->pid(), SIGUSR1) == 0);
     auto t0 = Clock::now();
-    while (PassesDone(d_[h]->Log()) <= before) {
-      INFO("host " << h << " log:\n" << d_[h]->Log());
-      INFO("sanlock of host " << h << ":\n" << rig_.host(h).LogTail(6000));
-      REQUIRE(d_[h]->Running());
-      REQUIRE(Since(t0) < 180);
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    for (int h : hosts) {
+      while (PassesDone(d_[h]->Log()) <= before[h]) {
+        const bool running = d_[h]->Running();
+        if (!running || Since(t0) >= limit_s) {
+          INFO("host " << h << " log:\n" << d_[h]->Log());
+          INFO("sanlock of host " << h << ":\n" << rig_.host(h).LogTail(6000));
+          REQUIRE(running);
+          REQUIRE(Since(t0) < limit_s);
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      }
     }
   }
 

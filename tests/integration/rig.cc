@@ -497,7 +497,6 @@ std::string RequireProgram(const std::string& name) {
 
 // ------------------------------------------------------------------ dedupd
 
-namespace {
 bool CanConnectUnix(const std::string& path) {
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
   if (fd < 0) return false;
@@ -508,7 +507,6 @@ bool CanConnectUnix(const std::string& path) {
   ::close(fd);
   return ok;
 }
-}  // namespace
 
 DedupdProcess::DedupdProcess(const std::string& volume, uint32_t host_id, const std::string& socket,
                              const std::vector<std::string>& extra_args,
@@ -550,16 +548,18 @@ std::string DedupdProcess::Uri(const std::string& export_name) const {
   return "nbd+unix:///" + export_name + "?socket=" + socket_;
 }
 
-bool DedupdProcess::Running() {
-  if (pid_ <= 0) return false;
+bool ChildRunning(int* pid) {
+  if (*pid <= 0) return false;
   int status = 0;
-  pid_t r = ::waitpid(pid_, &status, WNOHANG);
-  if (r == pid_ || (r < 0 && errno == ECHILD)) {
-    pid_ = -1;
+  pid_t r = ::waitpid(*pid, &status, WNOHANG);
+  if (r == *pid || (r < 0 && errno == ECHILD)) {
+    *pid = -1;
     return false;
   }
   return true;
 }
+
+bool DedupdProcess::Running() { return ChildRunning(&pid_); }
 
 int DedupdProcess::Stop(int timeout_s) {
   if (pid_ <= 0) return -1;

@@ -60,6 +60,14 @@ std::string BinaryPath(const std::string& name);
 // (failing the test loudly) when the machine lacks it.
 std::string RequireProgram(const std::string& name);
 
+// True when something accepts connections on the Unix socket `path` (a
+// daemon is up).
+bool CanConnectUnix(const std::string& path);
+
+// Whether the child `*pid` (-1: none) still runs; reaps it and sets *pid to
+// -1 once it has exited.
+bool ChildRunning(int* pid);
+
 // Creates a file of `size` bytes (sparse).
 void CreateSparseFile(const std::string& path, uint64_t size);
 

@@ -48,6 +48,7 @@
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
+#include "tests/dedup_accounting.h"
 #include "tests/process_device.h"
 
 using namespace dede;
@@ -436,12 +437,6 @@ class DedupCrashScene {
     REQUIRE(stats.ok());
     auto list = vol->List();
     REQUIRE(list.ok());
-    uint64_t internal = 0;
-    for (const FileInfo& fi : *list) {
-      if (fi.kind == FileKind::kIndexShard || fi.kind == FileKind::kWriteLog) {
-        internal += fi.mapped_blocks;
-      }
-    }
     ShardMap map = ResolveShardMap(*list);
     for (const IndexFile& a : map.arenas) {
       auto af = vol->OpenFile(a.name);
@@ -452,7 +447,7 @@ class DedupCrashScene {
         if (*refs == 1) SFAIL(a.name << " block " << i << " is referenced by the arena only");
       }
     }
-    const uint64_t physical = stats->used_blocks - stats->pointer_blocks - internal;
+    const uint64_t physical = test::PhysicalDataBlocks(*stats, *list);
     if (physical != distinct.size() + tails) {
       if (std::getenv("DEDE_DEBUG")) Dump(vol.get(), *list);
       SFAIL("not exact after the forced pass: " << physical << " physical data blocks, "

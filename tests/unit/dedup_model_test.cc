@@ -35,6 +35,7 @@
 #include "index/shard_map.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
+#include "tests/dedup_accounting.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
@@ -331,12 +332,6 @@ class DedupModel {
     REQUIRE(stats.ok());
     auto list = vol_->List();
     REQUIRE(list.ok());
-    uint64_t internal = 0;
-    for (const FileInfo& fi : *list) {
-      if (fi.kind == FileKind::kIndexShard || fi.kind == FileKind::kWriteLog) {
-        internal += fi.mapped_blocks;
-      }
-    }
     // Every arena block is shared with some file after the forced pass.
     ShardMap map = ResolveShardMap(*list);
     for (const IndexFile& a : map.arenas) {
@@ -349,7 +344,7 @@ class DedupModel {
         REQUIRE(*refs != 1);
       }
     }
-    const uint64_t physical = stats->used_blocks - stats->pointer_blocks - internal;
+    const uint64_t physical = test::PhysicalDataBlocks(*stats, *list);
     INFO("distinct non-zero contents " << distinct.size() << ", blocks of dedup=off files and partial tails "
                                        << off_blocks << ", physical data blocks " << physical);
     REQUIRE(physical == distinct.size() + off_blocks);

@@ -28,6 +28,7 @@
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
+#include "tests/dedup_accounting.h"
 #include "tests/process_device.h"
 
 using namespace dede;
@@ -165,21 +166,13 @@ void FlushLog(Volume* vol, WriteMonitor* monitor, FileId id) {
   REQUIRE(AppendToWriteLog(vol, b).ok());
 }
 
-// Data blocks that hold file data: every used block but block maps, index
-// shards, write logs and merge-request headers (arena and request clones
-// are references to blocks the files hold, not blocks of their own).
+// See tests/dedup_accounting.h.
 uint64_t PhysicalDataBlocks(Volume* vol) {
   auto stats = vol->Stats();
   REQUIRE(stats.ok());
   auto list = vol->List();
   REQUIRE(list.ok());
-  uint64_t internal = 0;
-  for (const FileInfo& fi : *list) {
-    if (fi.kind == FileKind::kIndexShard || fi.kind == FileKind::kWriteLog) {
-      internal += fi.mapped_blocks;
-    }
-  }
-  return stats->used_blocks - stats->pointer_blocks - internal;
+  return test::PhysicalDataBlocks(*stats, *list);
 }
 
 void RequireFsckClean(Volume* vol) {
