@@ -164,6 +164,7 @@ void EncodeSuperblock(const Superblock& sb, uint64_t addr, uint8_t* blk) {
   e.u64(sb.created_ns);
   e.u64(sb.compat_features);
   e.u64(sb.incompat_features);
+  e.u32(sb.drop_blocks);
   BlockHeader h;
   h.magic = kMagicSuperblock;
   h.seq = 1;
@@ -193,6 +194,7 @@ Result<Superblock> DecodeSuperblock(const uint8_t* blk, uint64_t addr) {
   sb.created_ns = d.u64();
   sb.compat_features = d.u64();
   sb.incompat_features = d.u64();
+  sb.drop_blocks = d.u32();
   std::string where = "superblock at block " + std::to_string(addr);
   if (sb.block_size != kBlockSize) {
     return Status::Unsupported(where + ": block size " + std::to_string(sb.block_size));
@@ -215,6 +217,10 @@ Result<Superblock> DecodeSuperblock(const uint8_t* blk, uint64_t addr) {
               sb.inode_start == sb.journal_start + sb.max_hosts * sb.journal_blocks &&
               sb.group_start == sb.inode_start + sb.inode_count && sb.group_refblocks >= 1 &&
               sb.group_start < sb.total_blocks;
+  // The drop lists come with their feature bit, and leave a ring of at
+  // least 12 blocks (a few transactions).
+  sane = sane && (sb.drop_blocks > 0) == ((sb.incompat_features & kIncompatDropLists) != 0) &&
+         sb.drop_blocks + 2 + 12 <= sb.journal_blocks;
   // group_count must tile the rest of the device exactly: every group has
   // at least 2 blocks (a refcount block and a data block) and there is no
   // room for another one.
@@ -242,6 +248,13 @@ Result<Superblock> PlanLayout(const FormatParams& p) {
   const uint64_t kLimit = 1ull << 48;
   if (sb.journal_blocks >= kLimit) return Status::Invalid("journal size is out of range");
   if (p.inode_count >= kLimit) return Status::Invalid("inode count is out of range");
+  sb.drop_blocks = static_cast<uint32_t>(
+      p.drop_blocks >= 0 ? p.drop_blocks : std::max<uint64_t>(1, sb.journal_blocks / 32));
+  if (p.drop_blocks > 0xffff || sb.drop_blocks + 2 + 12 > sb.journal_blocks) {
+    return Status::Invalid("the drop list (" + std::to_string(sb.drop_blocks) +
+                           " blocks) leaves the journal ring fewer than 12 blocks");
+  }
+  if (sb.drop_blocks > 0) sb.incompat_features |= kIncompatDropLists;
   sb.journal_start = sb.lease_start + sb.lease_blocks;
   sb.inode_start = sb.journal_start + sb.max_hosts * sb.journal_blocks;
   sb.inode_count = p.inode_count
@@ -445,6 +458,55 @@ Result<RefcountBlock> DecodeRefcountBlock(const uint8_t* blk, const Uuid& uuid, 
   RefcountBlock rb;
   for (uint32_t i = 0; i < kRefsPerBlock; i++) rb.refs[i] = GetRef(blk, i);
   return rb;
+}
+
+// ============================================================== drop lists
+
+void EncodeDropListBlock(const std::vector<uint64_t>& drops, uint32_t host, uint64_t seq,
+                         const Uuid& uuid, uint64_t addr, uint8_t* blk) {
+  std::memset(blk, 0, kBlockSize);
+  Encoder e(blk + kHeaderSize, kBlockSize - kHeaderSize);
+  e.u32(static_cast<uint32_t>(drops.size()));
+  e.u32(host);
+  for (uint64_t a : drops) e.u64(a);
+  SealBlock(blk, BlockHeader{kMagicDropList, kFormatMajor, kFormatMinor, 0, seq, addr}, uuid);
+}
+
+Result<std::vector<uint64_t>> DecodeDropListBlock(const uint8_t* blk, const Superblock& sb,
+                                                  uint32_t host, uint64_t addr) {
+  std::vector<uint64_t> out;
+  bool zero = true;
+  for (uint32_t i = 0; i < kBlockSize && zero; i++) zero = blk[i] == 0;
+  if (zero) return out;
+  const std::string where = "drop list block " + std::to_string(addr);
+  RETURN_IF_ERROR(CheckBlock(blk, kMagicDropList, addr, sb.uuid, "drop list block"));
+  Decoder d(blk + kHeaderSize, kBlockSize - kHeaderSize);
+  uint32_t n = d.u32();
+  uint32_t owner = d.u32();
+  if (owner != host) {
+    return Status::Corruption(where + " belongs to host " + std::to_string(owner) +
+                              ", expected host " + std::to_string(host));
+  }
+  if (n > kDropsPerBlock) {
+    return Status::Corruption(where + " claims " + std::to_string(n) + " entries (at most " +
+                              std::to_string(kDropsPerBlock) + ")");
+  }
+  for (uint32_t i = 0; i < n; i++) {
+    uint64_t a = d.u64();
+    uint32_t g, slot;
+    uint64_t rb;
+    if (!sb.LocateData(a, &g, &rb, &slot)) {
+      return Status::Corruption(where + ": entry " + std::to_string(i) + " (" +
+                                std::to_string(a) + ") is not a data block");
+    }
+    out.push_back(a);
+  }
+  for (uint32_t i = kHeaderSize + 8 + n * 8; i < kBlockSize; i++) {
+    if (blk[i] != 0) {
+      return Status::Corruption(where + ": nonzero bytes after entry " + std::to_string(n));
+    }
+  }
+  return out;
 }
 
 }  // namespace dede

@@ -29,11 +29,12 @@ inline constexpr uint32_t kMagicInode = 0x4e494444;  // "DDIN"
 inline constexpr uint32_t kMagicPointerBlock = 0x50504444;  // "DDPP"
 inline constexpr uint32_t kMagicRefcountBlock = 0x43524444;  // "DDRC"
 inline constexpr uint32_t kMagicLockTable = 0x544c4444;  // "DDLT"
+inline constexpr uint32_t kMagicDropList = 0x4c444444;  // "DDDL"
 
 // Format version this code writes. A block with a larger major is refused;
 // a larger minor is read (minor bumps only add fields in reserved space).
 inline constexpr uint16_t kFormatMajor = 1;
-inline constexpr uint16_t kFormatMinor = 0;
+inline constexpr uint16_t kFormatMinor = 1;
 
 using Uuid = std::array<uint8_t, 16>;
 std::string UuidToString(const Uuid& u);
@@ -71,7 +72,11 @@ inline constexpr uint32_t kMaxHosts = 250;  // sanlock: 1 MiB leases with 4K sec
 // and lease table; every opener must coordinate through the sanlock
 // backend (local locks alone would let another host in).
 inline constexpr uint64_t kIncompatSanlock = 1;
-inline constexpr uint64_t kKnownIncompatFeatures = kIncompatSanlock;
+// kIncompatDropLists: the last `drop_blocks` blocks of every host's journal
+// region are its deferred-drop list (section 6.1 of FORMAT.md); a reader
+// that does not know would take them for journal ring.
+inline constexpr uint64_t kIncompatDropLists = 2;
+inline constexpr uint64_t kKnownIncompatFeatures = kIncompatSanlock | kIncompatDropLists;
 
 struct Superblock {
   Uuid uuid{};
@@ -92,6 +97,9 @@ struct Superblock {
   uint64_t created_ns = 0;
   uint64_t compat_features = 0;
   uint64_t incompat_features = 0;  // any unknown bit: refuse to open
+  // Per host: the tail of its journal region holding its deferred-drop
+  // list (0: none, the volume predates them; kIncompatDropLists iff > 0).
+  uint32_t drop_blocks = 0;
 
   bool UsesSanlock() const { return (incompat_features & kIncompatSanlock) != 0; }
 
@@ -107,6 +115,12 @@ struct Superblock {
   bool LocateData(uint64_t b, uint32_t* group, uint64_t* refblock, uint32_t* slot) const;
   uint64_t JournalStart(uint32_t host) const {
     return journal_start + uint64_t{host - 1} * journal_blocks;
+  }
+  // The journal ring of each host: its region less the two header slots
+  // and the drop list.
+  uint64_t JournalRingBlocks() const { return journal_blocks - 2 - drop_blocks; }
+  uint64_t DropListStart(uint32_t host) const {
+    return JournalStart(host) + journal_blocks - drop_blocks;
   }
   uint64_t InodeBlock(uint64_t ino) const { return inode_start + ino - 1; }
   uint64_t DataBlocks() const;
@@ -125,6 +139,7 @@ struct FormatParams {
   uint32_t lease_slots = 0;     // 0: 8 below 4 GiB, else 64
   uint64_t journal_blocks = 0;  // 0: 256 below 1 GiB, else 1024
   uint32_t group_refblocks = 32;
+  int64_t drop_blocks = -1;     // per host; -1: journal_blocks / 32 (at least 1)
 };
 // Lays out a volume on a device; kNoSpace with the minimum size if too small.
 Result<Superblock> PlanLayout(const FormatParams& p);
@@ -196,6 +211,26 @@ struct JournalTxn {
 };
 void EncodeJournalTxn(const JournalTxn& t, const Uuid& uuid, uint64_t addr, uint8_t* blk);
 Result<JournalTxn> DecodeJournalTxn(const uint8_t* blk, const Uuid& uuid, uint64_t addr);
+
+// ------------------------------------------------------------- drop lists
+//
+// A host's deferred reference drops (docs/LOCKING.md "Deferred drops"): each
+// entry is one reference to a data block that this host's block maps no
+// longer hold, whose refcount is not yet decremented because another host
+// had the block's group. Entries are written in the same journal
+// transaction as the pointer change that dropped the reference, and
+// removed in the one that decrements the count. The same address may appear
+// more than once (one entry per reference).
+inline constexpr uint32_t kDropsPerBlock = (kBlockSize - kHeaderSize - 8) / 8;  // 507
+// Decodes the drop-list block at `addr` of host slot `host`: kCorruption
+// naming the block on a bad magic/crc, another host, a count past
+// kDropsPerBlock, an entry that is not a data block of `sb`, or nonzero
+// bytes past the entries. An all-zero block (never written) is empty.
+Result<std::vector<uint64_t>> DecodeDropListBlock(const uint8_t* blk, const Superblock& sb,
+                                                  uint32_t host, uint64_t addr);
+// Encodes up to kDropsPerBlock entries (the caller checks the count).
+void EncodeDropListBlock(const std::vector<uint64_t>& drops, uint32_t host, uint64_t seq,
+                         const Uuid& uuid, uint64_t addr, uint8_t* blk);
 
 // ---------------------------------------------------------------- inodes
 

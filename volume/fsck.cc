@@ -66,6 +66,9 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
   RETURN_IF_ERROR(take(LockId{LockKind::kNamespace, 0}));
   for (uint32_t g = 0; g < sb_.group_count; g++) RETURN_IF_ERROR(take(LockId{LockKind::kGroup, g}));
   RETURN_IF_ERROR(RecoverDeadHosts());
+  // With every group held, this host's deferred drops all apply now.
+  next_drain_try_ns_ = 0;
+  RETURN_IF_ERROR(DrainDrops(/*wait=*/false));
   RETURN_IF_ERROR(Checkpoint());
   cache_.clear();  // everything is at home now; read the device afresh
 
@@ -318,6 +321,36 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
               "unshared (non-COW) pointer to block " + std::to_string(PtrAddr(p)) +
                   ", which has " + std::to_string(refs[PtrAddr(p)]) + " references",
               repair);
+    }
+  }
+
+  // ---- drop lists: each entry is a reference a block map gave up whose
+  // count its host has not decremented yet (LOCKING.md "Deferred drops").
+  if (sb_.drop_blocks > 0) {
+    for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
+      const uint64_t start = sb_.DropListStart(h);
+      for (uint32_t i = 0; i < sb_.drop_blocks; i++) {
+        const uint64_t addr = start + i;
+        RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, buf.get(), kBlockSize));
+        auto e = DecodeDropListBlock(buf.get(), sb_, h, addr);
+        if (e.ok()) {
+          for (uint64_t a : *e) refs[a]++;
+          continue;
+        }
+        // Cleared, its entries are lost: the recount below then finds
+        // their blocks' counts too high, and repair lowers them.
+        bool fixed = false;
+        if (repair && h != host_) {
+          ASSIGN_OR_RETURN(bool alive, locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}));
+          if (!alive) {
+            EncodeDropListBlock({}, h, PeekHeader(buf.get()).seq + 1, sb_.uuid, addr, buf.get());
+            RETURN_IF_ERROR(Poison(dev_->Write(addr * kBlockSize, buf.get(), kBlockSize)));
+            fixed = true;
+          }
+        }
+        problem("drop list of host " + std::to_string(h) + " block " + std::to_string(addr),
+                e.status().message() + (fixed ? " (cleared)" : ""), fixed);
+      }
     }
   }
 

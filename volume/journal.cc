@@ -20,7 +20,7 @@ Journal::Journal(BlockDevice* dev, const Superblock& sb, uint32_t host)
       uuid_(sb.uuid),
       host_(host),
       start_(sb.JournalStart(host)),
-      ring_(sb.journal_blocks - kJournalHeaderSlots) {}
+      ring_(sb.JournalRingBlocks()) {}
 
 Status Journal::Initialize(BlockDevice* dev, const Superblock& sb, uint32_t host) {
   AlignedBuf buf(2 * kBlockSize);

@@ -135,6 +135,7 @@ Status FormatVolume(BlockDevice* dev, const FormatOptions& opts, bool force) {
   p.lease_slots = opts.lease_slots;
   p.journal_blocks = opts.journal_blocks;
   p.group_refblocks = opts.group_refblocks;
+  p.drop_blocks = opts.drop_blocks;
   ASSIGN_OR_RETURN(Superblock sb, PlanLayout(p));
   BlockBuf buf = NewBlockBuf(256);
   if (!force) {
@@ -293,12 +294,21 @@ Status VolumeImpl::Start(uint32_t host_id) {
     (void)locks_->Release(rec);
     RETURN_IF_ERROR(st.WithContext("journal of host " + std::to_string(host_)));
     journal_ = std::move(j.value());
+    RETURN_IF_ERROR(LoadDropList());
   }
   return RecoverDeadHosts();
 }
 
 VolumeImpl::~VolumeImpl() {
   MutexLock l(&mu_);
+  if (!read_only_ && poisoned_.ok() && drop_count_ > 0) {
+    // Apply what can be applied now; the rest stays in this slot's list
+    // for its next owner (counted by fsck meanwhile).
+    next_drain_try_ns_ = 0;
+    (void)DrainDrops(/*wait=*/false);
+  }
+  for (uint32_t g : drop_wanted_) (void)locks_->Release(WantedLock(GroupLock(g)));
+  drop_wanted_.clear();
   Status st = (read_only_ || !poisoned_.ok()) ? poisoned_ : Checkpoint();
   if (!st.ok()) {
     // Same as CloseFile: locks stay held (the lock manager drops them when
@@ -392,7 +402,8 @@ Status VolumeImpl::Load(uint64_t addr, LockId owner, uint32_t magic, const char*
 }
 
 Status VolumeImpl::Admit(uint8_t* b, uint64_t addr, uint32_t magic, const char* what) const {
-  if ((magic == kMagicRefcountBlock || magic == kMagicInode) && AllZero(b, kBlockSize)) {
+  if ((magic == kMagicRefcountBlock || magic == kMagicInode || magic == kMagicDropList) &&
+      AllZero(b, kBlockSize)) {
     // Never written since format: an empty refcount block or a free inode.
     if (magic == kMagicInode) {
       Inode in;
@@ -422,13 +433,27 @@ uint8_t* VolumeImpl::Fresh(uint64_t addr, LockId owner, uint32_t magic, uint32_t
 }
 
 size_t VolumeImpl::MaxTxnBlocks() const {
-  return std::min<size_t>(kMaxTxnBlocks, (sb_.journal_blocks - kJournalHeaderSlots) / 2 - 1);
+  return std::min<size_t>(kMaxTxnBlocks, sb_.JournalRingBlocks() / 2 - 1);
 }
 
-Status VolumeImpl::EnsureRoom(size_t blocks) {
+Status VolumeImpl::EnsureJournalRoom(size_t blocks) {
   if (txn_.size() + blocks > MaxTxnBlocks()) RETURN_IF_ERROR(Commit(/*durable=*/false));
   if (journal_->free_blocks() < MaxTxnBlocks() + 1) RETURN_IF_ERROR(Checkpoint());
   return Status::Ok();
+}
+
+Status VolumeImpl::EnsureRoom(size_t blocks) {
+  RETURN_IF_ERROR(EnsureJournalRoom(blocks));
+  if (sb_.drop_blocks == 0 || DropRoom() >= blocks) return Status::Ok();
+  // The list is (nearly) full: apply what we can without waiting, then,
+  // as a last resort, wait for the groups (holding no cached lock).
+  next_drain_try_ns_ = 0;
+  RETURN_IF_ERROR(DrainDrops(/*wait=*/false));
+  if (DropRoom() < blocks) RETURN_IF_ERROR(DrainDrops(/*wait=*/true));
+  if (DropRoom() < blocks) {
+    return Status::NoSpace("the drop list of host " + std::to_string(host_) + " is full");
+  }
+  return EnsureJournalRoom(blocks);
 }
 
 // A commit that is not `durable` skips the flush after the journal write:
@@ -497,6 +522,8 @@ Status VolumeImpl::Sync() {
   MutexLock l(&mu_);
   if (read_only_) return Status::Ok();
   RETURN_IF_ERROR(poisoned_);
+  // Deferred drops are applied at flush points, in the same commit.
+  if (drop_count_ > 0) RETURN_IF_ERROR(DrainDrops(/*wait=*/false));
   if (txn_.empty()) {
     // In-place writes change no metadata but must be durable all the same
     // (and so must a commit EnsureRoom made without a flush).
@@ -676,6 +703,144 @@ Status VolumeImpl::AddRef(uint64_t addr, int delta) {
     decref_uncommitted_.insert(addr);
     if (r == 0) pending_free_.insert(addr);
   }
+  return Status::Ok();
+}
+
+// ============================================================ deferred drops
+
+size_t VolumeImpl::DropRoom() const {
+  return size_t{sb_.drop_blocks} * kDropsPerBlock - drop_count_;
+}
+
+Status VolumeImpl::LoadDropList() {
+  drop_list_.assign(sb_.drop_blocks, {});
+  drop_count_ = 0;
+  if (sb_.drop_blocks == 0) return Status::Ok();
+  const uint64_t start = sb_.DropListStart(host_);
+  BlockBuf all = NewBlockBuf(sb_.drop_blocks);
+  RETURN_IF_ERROR(dev_->Read(start * kBlockSize, all.get(), uint64_t{sb_.drop_blocks} * kBlockSize));
+  for (uint32_t i = 0; i < sb_.drop_blocks; i++) {
+    Result<std::vector<uint64_t>> e =
+        DecodeDropListBlock(all.get() + uint64_t{i} * kBlockSize, sb_, host_, start + i);
+    if (!e.ok()) {
+      return e.status().WithContext("the drop list of host " + std::to_string(host_) +
+                                    " (dede fsck --repair clears it)");
+    }
+    drop_count_ += e->size();
+    drop_list_[i] = std::move(e.value());
+    BlockBuf b = NewBlockBuf();
+    std::memcpy(b.get(), all.get() + uint64_t{i} * kBlockSize, kBlockSize);
+    RETURN_IF_ERROR(Admit(b.get(), start + i, kMagicDropList, "drop list block"));
+    cache_[start + i] = Cached{std::move(b), LockId{LockKind::kHostSlot, host_}};
+  }
+  return Status::Ok();
+}
+
+Status VolumeImpl::StoreDropBlock(size_t i) {
+  const uint64_t addr = sb_.DropListStart(host_) + i;
+  uint8_t* b;
+  RETURN_IF_ERROR(Load(addr, LockId{LockKind::kHostSlot, host_}, kMagicDropList,
+                       "drop list block", &b));
+  EncodeDropListBlock(drop_list_[i], host_, PeekHeader(b).seq, sb_.uuid, addr, Dirty(addr));
+  return Status::Ok();
+}
+
+bool VolumeImpl::GroupHeld(uint64_t addr) const {
+  uint32_t g, slot;
+  uint64_t rb;
+  return sb_.LocateData(addr, &g, &rb, &slot) && cached_locks_.count(GroupLock(g)) > 0;
+}
+
+Status VolumeImpl::PrepareDrops(const std::vector<uint64_t>& addrs) {
+  if (sb_.drop_blocks == 0) return AcquireGroupsFor(addrs);
+  std::set<uint32_t> tried;
+  bool took = false;
+  for (uint64_t a : addrs) {
+    uint32_t g, slot;
+    uint64_t rb;
+    if (a == 0 || !sb_.LocateData(a, &g, &rb, &slot)) continue;
+    if (cached_locks_.count(GroupLock(g)) || !tried.insert(g).second) continue;
+    Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
+    if (st.code() == Status::Code::kLocked) continue;  // DropRef defers
+    RETURN_IF_ERROR(st);
+    NoteCached(GroupLock(g));
+    took = true;
+  }
+  if (took) return RecoverDeadHosts();
+  return Status::Ok();
+}
+
+Status VolumeImpl::DropRef(uint64_t addr) {
+  uint32_t g, slot;
+  uint64_t rb;
+  if (!sb_.LocateData(addr, &g, &rb, &slot)) {
+    return Status::Corruption("block pointer " + std::to_string(addr) +
+                              " is outside the data area");
+  }
+  if (sb_.drop_blocks == 0 || cached_locks_.count(GroupLock(g))) return AddRef(addr, -1);
+  for (size_t i = 0; i < drop_list_.size(); i++) {
+    if (drop_list_[i].size() >= kDropsPerBlock) continue;
+    drop_list_[i].push_back(addr);
+    drop_count_++;
+    drops_deferred_++;
+    return Poison(StoreDropBlock(i));
+  }
+  // EnsureRoom keeps room for every drop an operation makes.
+  return Poison(Status::NoSpace("the drop list of host " + std::to_string(host_) +
+                                " is full (internal error)"));
+}
+
+Status VolumeImpl::DrainDrops(bool wait) {
+  if (drop_count_ == 0 || read_only_) return Status::Ok();
+  RETURN_IF_ERROR(poisoned_);
+  const uint64_t now = clock_->MonotonicNanos();
+  const bool try_elsewhere = wait || now >= next_drain_try_ns_;
+  // Rule 3: never wait holding cached locks.
+  if (wait) RETURN_IF_ERROR(ReleaseCached());
+  std::map<uint32_t, std::vector<uint64_t>> by_group;
+  for (const auto& blk : drop_list_) {
+    for (uint64_t a : blk) {
+      uint32_t g, slot;
+      uint64_t rb;
+      if (sb_.LocateData(a, &g, &rb, &slot)) by_group[g].push_back(a);
+    }
+  }
+  bool tried = false;
+  for (const auto& [g, addrs] : by_group) {
+    const LockId gl = GroupLock(g);
+    if (!cached_locks_.count(gl)) {
+      if (!try_elsewhere) continue;
+      tried = true;
+      Status st = wait ? WaitLock(gl) : locks_->Acquire(gl, LockMode::kExclusive, false);
+      if (st.code() == Status::Code::kLocked && !wait) {
+        // Ask the holder to hand it back at its next flush point; we look
+        // again at ours. Nobody waits.
+        if (!drop_wanted_.count(g) &&
+            locks_->Acquire(WantedLock(gl), LockMode::kShared, false).ok()) {
+          drop_wanted_.insert(g);
+        }
+        continue;
+      }
+      RETURN_IF_ERROR(st);
+      NoteCached(gl);
+      RETURN_IF_ERROR(RecoverDeadHosts());
+    }
+    for (uint64_t a : addrs) {
+      RETURN_IF_ERROR(EnsureJournalRoom(2));
+      RETURN_IF_ERROR(AddRef(a, -1));
+      for (size_t i = 0; i < drop_list_.size(); i++) {
+        auto it = std::find(drop_list_[i].begin(), drop_list_[i].end(), a);
+        if (it == drop_list_[i].end()) continue;
+        drop_list_[i].erase(it);
+        drop_count_--;
+        drops_applied_++;
+        RETURN_IF_ERROR(Poison(StoreDropBlock(i)));
+        break;
+      }
+    }
+    if (drop_wanted_.erase(g)) (void)locks_->Release(WantedLock(gl));
+  }
+  if (tried && !wait) next_drain_try_ns_ = now + 100'000'000;
   return Status::Ok();
 }
 
@@ -1127,9 +1292,11 @@ Status VolumeImpl::SetPtr(Inode* in, uint64_t index, uint64_t value) {
 Status VolumeImpl::ReplaceBlock(Inode* in, uint64_t index, uint64_t value) {
   ASSIGN_OR_RETURN(uint64_t old, GetPtr(*in, index));
   if (old == value) return Status::Ok();
-  RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(old), PtrAddr(value)}));
+  // The new block's count is the caller's business; only the old one's
+  // reference is dropped here (deferred if its group is held elsewhere).
+  if (old != 0) RETURN_IF_ERROR(PrepareDrops({PtrAddr(old)}));
   RETURN_IF_ERROR(SetPtr(in, index, value));
-  if (old != 0) RETURN_IF_ERROR(AddRef(PtrAddr(old), -1));
+  if (old != 0) RETURN_IF_ERROR(DropRef(PtrAddr(old)));
   if (old == 0 && value != 0) in->mapped_blocks++;
   if (old != 0 && value == 0) in->mapped_blocks--;
   return Status::Ok();
@@ -1158,9 +1325,9 @@ Status VolumeImpl::FreeSubtree(uint64_t addr, uint32_t level, uint64_t base, uin
                                 &child_empty));
     if (child_empty) {
       RETURN_IF_ERROR(EnsureRoom(8));
-      RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(p)}));
+      RETURN_IF_ERROR(PrepareDrops({PtrAddr(p)}));
       dede::SetPtr(Dirty(addr), s, 0);
-      RETURN_IF_ERROR(AddRef(PtrAddr(p), -1));
+      RETURN_IF_ERROR(DropRef(PtrAddr(p)));
     } else {
       empty = false;
     }
@@ -1175,8 +1342,8 @@ Status VolumeImpl::FreeTree(Inode* in, uint64_t keep_blocks) {
   RETURN_IF_ERROR(FreeSubtree(in->root, in->depth, 0, keep_blocks, InodeLock(in->ino), &empty));
   if (empty) {
     RETURN_IF_ERROR(EnsureRoom(8));
-    RETURN_IF_ERROR(AcquireGroupsFor({in->root}));
-    RETURN_IF_ERROR(AddRef(in->root, -1));
+    RETURN_IF_ERROR(PrepareDrops({in->root}));
+    RETURN_IF_ERROR(DropRef(in->root));
     in->root = 0;
     in->depth = 0;
   }
@@ -1286,6 +1453,7 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
     std::vector<uint64_t> old, target;
     std::vector<bool> fresh;
     size_t nblk;
+    size_t round_cost;
     {
       MutexLock l(&mu_);
       RETURN_IF_ERROR(CheckWritable());
@@ -1308,10 +1476,19 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
       old.resize(nblk);
       target.assign(nblk, 0);
       fresh.assign(nblk, false);
-      RETURN_IF_ERROR(EnsureRoom(cost(nblk)));
+      round_cost = cost(nblk);
+      RETURN_IF_ERROR(EnsureRoom(round_cost));
+      // The groups of the COW blocks: their counts tell whether a block is
+      // ours alone. A group held elsewhere is not waited for: its blocks
+      // are copied (a last reference merely costs a copy).
+      std::vector<uint64_t> cow;
+      for (size_t k = 0; k < nblk; k++) {
+        if (old[k] != 0 && PtrCow(old[k])) cow.push_back(PtrAddr(old[k]));
+      }
+      RETURN_IF_ERROR(PrepareDrops(cow));
       size_t need = 0;
       for (size_t k = 0; k < nblk; k++) {
-        if (old[k] != 0 && PtrCow(old[k])) {
+        if (old[k] != 0 && PtrCow(old[k]) && GroupHeld(PtrAddr(old[k]))) {
           ASSIGN_OR_RETURN(uint32_t refs, GetRef(PtrAddr(old[k])));
           if (refs == 1 && !decref_uncommitted_.count(PtrAddr(old[k]))) {
             // Last reference, durably: take the block back without a copy.
@@ -1373,6 +1550,15 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
     MutexLock l(&mu_);
     Status st = io;
     if (!io.ok()) (void)Poison(io);
+    // Other threads used the transaction and the drop list since phase 1.
+    if (st.ok()) st = EnsureRoom(round_cost);
+    if (st.ok()) {
+      std::vector<uint64_t> drops;
+      for (size_t k = 0; k < nblk; k++) {
+        if (fresh[k] && old[k] != 0) drops.push_back(PtrAddr(old[k]));
+      }
+      st = PrepareDrops(drops);
+    }
     Inode in;
     if (st.ok()) {
       auto got = GetInode(f->id.ino);
@@ -1386,7 +1572,7 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
     }
     if (!st.ok()) {
       for (size_t u = published; u < nblk; u++) {
-        if (fresh[u]) (void)AddRef(target[u], -1);
+        if (fresh[u]) (void)DropRef(target[u]);
       }
       if (published > 0) PutInode(in);
       return st;
@@ -1599,7 +1785,8 @@ Status VolumeImpl::CompareAndShare(File* src, uint64_t src_index, File* dst, uin
   // half-done in the running transaction: poison instead (ApplyBlockOps).
   // The group locks first: failing to get one (another host holds it)
   // changes nothing.
-  RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp), PtrAddr(dp)}));
+  RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
+  RETURN_IF_ERROR(PrepareDrops({PtrAddr(dp)}));
   auto apply = [&]() REQUIRES(mu_) -> Status {
     ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
     RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
@@ -1638,8 +1825,9 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
     }
     ASSIGN_OR_RETURN(uint64_t dp, GetPtr(din, dst_index));
     if (sp != 0 && PtrAddr(dp) == PtrAddr(sp)) return Status::Ok();
+    if (sp != 0) RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
+    RETURN_IF_ERROR(PrepareDrops({PtrAddr(dp)}));
   }
-  if (sp != 0) RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
   // A failure past this point would leave the clone half-done: poison.
   auto apply = [&]() REQUIRES(mu_) -> Status {
     if (sp != 0) {
@@ -1812,11 +2000,9 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
     RETURN_IF_ERROR(CheckWritable());
     RETURN_IF_ERROR(EnsureRoom(32));
     // Group locks before any change: not getting one changes nothing.
-    if (op.kind == Kind::kPunchIfZero) {
-      RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(dp)}));
-    } else {
-      RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp), PtrAddr(dp)}));
-    }
+    // (The destination's old block is only dropped: never waited for.)
+    if (op.kind != Kind::kPunchIfZero) RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
+    RETURN_IF_ERROR(PrepareDrops({PtrAddr(dp)}));
     auto apply = [&]() REQUIRES(mu_) -> Status {
       ASSIGN_OR_RETURN(Inode din, GetInode(state(op.dst)->id.ino));
       ASSIGN_OR_RETURN(uint64_t cur_dp, GetPtr(din, op.dst_index));
@@ -1881,6 +2067,25 @@ Result<VolumeStats> VolumeImpl::Stats() {
         if (refs == 0) st.free_blocks++;
         if (refs > 0) st.used_blocks++;
         if (refs > 1) st.shared_blocks++;
+      }
+    }
+  }
+  if (sb_.drop_blocks > 0) {
+    BlockBuf lists = NewBlockBuf(sb_.drop_blocks);
+    for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
+      if (h == host_ && !read_only_) {
+        MutexLock l(&mu_);
+        st.pending_drops += drop_count_;
+        continue;
+      }
+      const uint64_t start = sb_.DropListStart(h);
+      RETURN_IF_ERROR(dev_->Read(start * kBlockSize, lists.get(),
+                                 uint64_t{sb_.drop_blocks} * kBlockSize));
+      for (uint32_t i = 0; i < sb_.drop_blocks; i++) {
+        ASSIGN_OR_RETURN(std::vector<uint64_t> e,
+                         DecodeDropListBlock(lists.get() + uint64_t{i} * kBlockSize, sb_, h,
+                                             start + i));
+        st.pending_drops += e.size();
       }
     }
   }

@@ -40,6 +40,10 @@ struct FormatOptions {
   uint32_t lease_slots = 0;     // 0 = automatic
   uint64_t journal_blocks = 0;  // 0 = automatic
   uint32_t group_refblocks = 32;
+  // Blocks of each host's deferred-drop list; -1 = automatic (1/32 of the
+  // journal), 0 = none (every reference drop waits for its group, as on
+  // volumes formatted before drop lists).
+  int64_t drop_blocks = -1;
   Clock* clock = nullptr;       // nullptr = real clock
   // Initialise a sanlock lockspace and lease table in the lease area; every
   // opener must then use the sanlock backend (hosts sharing a LUN).
@@ -99,6 +103,10 @@ struct VolumeStats {
   uint64_t used_blocks = 0;      // refcount > 0 (data + pointer blocks)
   uint64_t pointer_blocks = 0;   // block-map blocks of all files
   uint64_t shared_blocks = 0;    // physical blocks with refcount > 1
+  // References dropped by a block map but not yet from the block's count
+  // (hosts' drop lists; docs/LOCKING.md "Deferred drops"): a block whose
+  // only references are pending drops is still in used_blocks.
+  uint64_t pending_drops = 0;
   uint64_t logical_blocks = 0;   // sum of mapped data pointers of all files
   uint64_t files = 0;
   uint64_t inodes_total = 0;

@@ -92,7 +92,12 @@ class VolumeImpl : public Volume {
   Status WaitLock(LockId id) REQUIRES(mu_);
   static LockId WantedLock(LockId id);
   Status Checkpoint() REQUIRES(mu_);
+  // Room for an operation that dirties up to `blocks` metadata blocks and
+  // drops up to `blocks` references: journal space (EnsureJournalRoom) and
+  // free drop-list entries (may drain the list, waiting as a last resort:
+  // call it before taking the groups the operation needs).
   Status EnsureRoom(size_t blocks) REQUIRES(mu_);
+  Status EnsureJournalRoom(size_t blocks) REQUIRES(mu_);
   size_t MaxTxnBlocks() const;
   Status Poison(Status s) REQUIRES(mu_);
   Status CheckWritable() REQUIRES(mu_);
@@ -124,6 +129,26 @@ class VolumeImpl : public Volume {
   // Reference counts and allocation (mu_ held).
   Result<uint32_t> GetRef(uint64_t addr) REQUIRES(mu_);
   Status AddRef(uint64_t addr, int delta) REQUIRES(mu_);
+
+  // Deferred drops (docs/LOCKING.md "Deferred drops"). Before an operation
+  // changes anything, PrepareDrops tries (never waits) to take the groups
+  // of the blocks it will drop references to; on a volume without drop
+  // lists it takes them the old way (waiting). DropRef then decrements the
+  // count if this process holds the group, else appends the block to this
+  // host's drop list in the running transaction (EnsureRoom made room).
+  Status PrepareDrops(const std::vector<uint64_t>& addrs) REQUIRES(mu_);
+  Status DropRef(uint64_t addr) REQUIRES(mu_);
+  // Applies the drop list's entries whose groups this process holds or can
+  // take without waiting (`wait`: waits for every group in ascending order,
+  // holding no cached lock). Groups still held elsewhere are announced
+  // with kWanted so their holder hands them back at its next flush point.
+  Status DrainDrops(bool wait) REQUIRES(mu_);
+  Status LoadDropList() REQUIRES(mu_);
+  size_t DropRoom() const REQUIRES(mu_);
+  // True if this process holds the group of data block `addr`.
+  bool GroupHeld(uint64_t addr) const REQUIRES(mu_);
+  // Re-encodes drop_list_[i] into its block in the running transaction.
+  Status StoreDropBlock(size_t i) REQUIRES(mu_);
   // Allocates n blocks (refcount 1), contiguous where possible. `meta`
   // blocks (block maps) come from the top of a group, data from the bottom.
   Status Allocate(size_t n, std::vector<uint64_t>* out, bool meta = false) REQUIRES(mu_);
@@ -172,6 +197,19 @@ class VolumeImpl : public Volume {
   // a crash, and then the block is still shared on disk).
   std::unordered_set<uint64_t> decref_uncommitted_ GUARDED_BY(mu_);
   std::set<LockId> cached_locks_ GUARDED_BY(mu_);  // namespace and groups
+  // This host's drop list: drop_list_[i] holds the entries of block
+  // sb_.DropListStart(host_) + i (cached, owned by the host-slot lock,
+  // which this process holds for the volume's lifetime: nobody else
+  // changes them). drop_count_ = all entries.
+  std::vector<std::vector<uint64_t>> drop_list_ GUARDED_BY(mu_);
+  size_t drop_count_ GUARDED_BY(mu_) = 0;
+  uint64_t drops_deferred_ GUARDED_BY(mu_) = 0;  // since open (diagnostics)
+  uint64_t drops_applied_ GUARDED_BY(mu_) = 0;
+  // kWanted(group) held for groups with deferred entries.
+  std::set<uint32_t> drop_wanted_ GUARDED_BY(mu_);
+  // Foreign groups are tried at most every 100 ms (each try is a paxos
+  // round with sanlock); groups held here are drained at every flush.
+  uint64_t next_drain_try_ns_ GUARDED_BY(mu_) = 0;
   std::chrono::seconds lock_wait_{60};  // bound on waiting for a volume lock
   std::map<uint64_t, OpenFileState*> open_ GUARDED_BY(mu_);  // by inode number
   struct GroupCursor {

@@ -384,6 +384,7 @@ int RunStats(const Command& cmd, const std::vector<std::string>& args) {
     j["savings_percent"] = savings_pct;
     j["shared_blocks"] = s.shared_blocks;
     j["used_blocks"] = s.used_blocks;
+    j["pending_drops"] = s.pending_drops;
     j["free_bytes"] = s.free_blocks * kBlockSize;
     j["free_blocks"] = s.free_blocks;
     j["data_capacity_bytes"] = s.data_blocks * kBlockSize;
@@ -429,6 +430,10 @@ int RunStats(const Command& cmd, const std::vector<std::string>& args) {
   line("physical",
        HumanSize(physical) + " (" + std::to_string(s.shared_blocks) + " blocks shared)");
   line("savings", Percent(savings_pct) + " (" + HumanSize(saved) + ")");
+  if (s.pending_drops > 0) {
+    line("pending", Count(s.pending_drops, "deferred reference drop") +
+                        " (counted in physical until their hosts apply them)");
+  }
   line("free",
        HumanSize(s.free_blocks * kBlockSize) + " of " + HumanSize(s.data_blocks * kBlockSize));
   line("files", std::to_string(regular_files) + " (+ " + std::to_string(internal_files) +
