@@ -220,7 +220,7 @@ Result<Superblock> DecodeSuperblock(const uint8_t* blk, uint64_t addr) {
   // The drop lists come with their feature bit, and leave a ring of at
   // least 12 blocks (a few transactions).
   sane = sane && (sb.drop_blocks > 0) == ((sb.incompat_features & kIncompatDropLists) != 0) &&
-         sb.drop_blocks + 2 + 12 <= sb.journal_blocks;
+         uint64_t{sb.drop_blocks} + 2 + 12 <= sb.journal_blocks;
   // group_count must tile the rest of the device exactly: every group has
   // at least 2 blocks (a refcount block and a data block) and there is no
   // room for another one.
@@ -248,12 +248,14 @@ Result<Superblock> PlanLayout(const FormatParams& p) {
   const uint64_t kLimit = 1ull << 48;
   if (sb.journal_blocks >= kLimit) return Status::Invalid("journal size is out of range");
   if (p.inode_count >= kLimit) return Status::Invalid("inode count is out of range");
-  sb.drop_blocks = static_cast<uint32_t>(
-      p.drop_blocks >= 0 ? p.drop_blocks : std::max<uint64_t>(1, sb.journal_blocks / 32));
-  if (p.drop_blocks > 0xffff || sb.drop_blocks + 2 + 12 > sb.journal_blocks) {
-    return Status::Invalid("the drop list (" + std::to_string(sb.drop_blocks) +
+  const uint64_t drop_blocks =
+      p.drop_blocks >= 0 ? static_cast<uint64_t>(p.drop_blocks)
+                         : std::clamp<uint64_t>(sb.journal_blocks / 32, 1, 0xffff);
+  if (drop_blocks > 0xffff || drop_blocks + 2 + 12 > sb.journal_blocks) {
+    return Status::Invalid("the drop list (" + std::to_string(drop_blocks) +
                            " blocks) leaves the journal ring fewer than 12 blocks");
   }
+  sb.drop_blocks = static_cast<uint32_t>(drop_blocks);
   if (sb.drop_blocks > 0) sb.incompat_features |= kIncompatDropLists;
   sb.journal_start = sb.lease_start + sb.lease_blocks;
   sb.inode_start = sb.journal_start + sb.max_hosts * sb.journal_blocks;
@@ -479,7 +481,7 @@ Result<std::vector<uint64_t>> DecodeDropListBlock(const uint8_t* blk, const Supe
   for (uint32_t i = 0; i < kBlockSize && zero; i++) zero = blk[i] == 0;
   if (zero) return out;
   const std::string where = "drop list block " + std::to_string(addr);
-  RETURN_IF_ERROR(CheckBlock(blk, kMagicDropList, addr, sb.uuid, "drop list block"));
+  RETURN_IF_ERROR(CheckBlock(blk, kMagicDropList, addr, sb.uuid, where));
   Decoder d(blk + kHeaderSize, kBlockSize - kHeaderSize);
   uint32_t n = d.u32();
   uint32_t owner = d.u32();

@@ -73,7 +73,7 @@ inline constexpr uint32_t kMaxHosts = 250;  // sanlock: 1 MiB leases with 4K sec
 // backend (local locks alone would let another host in).
 inline constexpr uint64_t kIncompatSanlock = 1;
 // kIncompatDropLists: the last `drop_blocks` blocks of every host's journal
-// region are its deferred-drop list (section 6.1 of FORMAT.md); a reader
+// region are its deferred-drop list (section 5.6 of FORMAT.md); a reader
 // that does not know would take them for journal ring.
 inline constexpr uint64_t kIncompatDropLists = 2;
 inline constexpr uint64_t kKnownIncompatFeatures = kIncompatSanlock | kIncompatDropLists;

@@ -72,6 +72,7 @@ void RequireSameSuperblock(const Superblock& a, const Superblock& b) {
   CHECK(a.group_refblocks == b.group_refblocks);
   CHECK(a.created_ns == b.created_ns);
   CHECK(a.compat_features == b.compat_features);
+  CHECK(a.drop_blocks == b.drop_blocks);
   REQUIRE(a.incompat_features == b.incompat_features);
 }
 
@@ -1517,4 +1518,636 @@ TEST_CASE("lock table: lease layout of a sanlock volume", "[format]") {
   Superblock tiny = sb;
   tiny.lease_slots = 2;
   CHECK(LeaseLayoutOf(tiny).partitions == 0);
+}
+
+// ============================================================ drop lists
+
+namespace {
+
+// The drop-list tests use the 64 MiB default layout: 8 hosts with 256
+// journal blocks each, the last 8 of them the host's drop list; one
+// partial group of 12 refcount blocks whose data runs to the device end.
+struct DropFixture {
+  Superblock sb = Plan(64 * kMiB);
+  uint64_t data_start = sb.GroupDataStart(0);
+  uint64_t data_end = data_start + sb.GroupDataBlocks(0);  // one past the last data block
+  uint32_t host = 2;
+  uint64_t addr = sb.DropListStart(2);
+};
+
+// `n` data-block addresses spread over the group (repeats allowed).
+std::vector<uint64_t> SampleDrops(const DropFixture& f, size_t n) {
+  std::vector<uint64_t> v;
+  const uint64_t span = f.data_end - f.data_start;
+  for (size_t i = 0; i < n; i++) v.push_back(f.data_start + (i * 7919) % span);
+  return v;
+}
+
+// The decoder's verdict on a bad drop-list block read at `addr` for `host`:
+// "" when it is a kCorruption whose message names the block ("drop list
+// block" and the address) and mentions `word` and `word2`.
+std::string DropCorrupt(const uint8_t* blk, const Superblock& sb, uint32_t host, uint64_t addr,
+                        const std::string& word, const std::string& word2 = "") {
+  Result<std::vector<uint64_t>> r = DecodeDropListBlock(blk, sb, host, addr);
+  if (r.ok()) return "decoded OK (" + std::to_string(r->size()) + " entries)";
+  const Status& s = r.status();
+  if (s.code() != Status::Code::kCorruption) return "code " + std::string(s.CodeName());
+  const std::string& m = s.message();
+  if (!Contains(m, "drop list block") || !Contains(m, "block " + std::to_string(addr)) ||
+      !Contains(m, word) || !Contains(m, word2)) {
+    return "message: " + m;
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST_CASE("drop list block: round trip and field layout", "[format]") {
+  DropFixture f;
+  REQUIRE(f.sb.drop_blocks == 8);
+  REQUIRE(f.addr == 3064);
+  REQUIRE(f.data_start == 4876);
+  REQUIRE(f.data_end == f.sb.total_blocks);
+  CHECK(kDropsPerBlock == 507);
+  CHECK(kHeaderSize + 8 + 8 * kDropsPerBlock == kBlockSize);
+  uint8_t m[4];
+  EncodeU32(m, kMagicDropList);
+  CHECK(std::string(reinterpret_cast<char*>(m), 4) == "DDDL");
+
+  const uint64_t last = f.data_end - 1;
+  const std::vector<std::vector<uint64_t>> cases = {
+      {},                              // empty
+      {f.data_start},                  // one entry
+      SampleDrops(f, kDropsPerBlock),  // a full block
+      // The same block more than once: one entry per reference.
+      {last, f.data_start + 5, f.data_start + 5, last, f.data_start + 5},
+  };
+  for (const std::vector<uint64_t>& drops : cases) {
+    for (uint32_t host : {1u, 2u, 8u}) {
+      for (uint32_t i : {0u, f.sb.drop_blocks - 1}) {
+        const uint64_t addr = f.sb.DropListStart(host) + i;
+        INFO(drops.size() << " entries, host " << host << ", block " << addr);
+        Block blk;
+        blk.fill(0xcc);  // the encoder must own every byte
+        EncodeDropListBlock(drops, host, 41, kUuid, addr, blk.data());
+        const BlockHeader h = PeekHeader(blk.data());
+        CHECK(h.magic == kMagicDropList);
+        CHECK(h.major == kFormatMajor);
+        CHECK(h.minor == kFormatMinor);
+        CHECK(h.flags == 0);
+        CHECK(h.seq == 41);
+        CHECK(h.addr == addr);
+        // Offset 32 count, 36 host, 40 the entries, then zeros.
+        CHECK(DecodeU32(&blk[32]) == drops.size());
+        CHECK(DecodeU32(&blk[36]) == host);
+        bool same = true;
+        for (size_t e = 0; e < drops.size(); e++) same &= DecodeU64(&blk[40 + 8 * e]) == drops[e];
+        CHECK(same);
+        CHECK(std::all_of(blk.begin() + 40 + 8 * drops.size(), blk.end(),
+                          [](uint8_t b) { return b == 0; }));
+        Result<std::vector<uint64_t>> r = DecodeDropListBlock(blk.data(), f.sb, host, addr);
+        INFO(r.status().ToString());
+        REQUIRE(r.ok());
+        REQUIRE(*r == drops);
+      }
+    }
+  }
+}
+
+TEST_CASE("drop list block: golden encoding pins the on-disk format", "[format]") {
+  // Cross-checked with an independent bitwise CRC-32C over the byte layout
+  // that docs/FORMAT.md describes (header DDDL 1.1 seq 7, count 3, host 2).
+  Block blk;
+  EncodeDropListBlock({4876, 4877, 4876}, 2, 7, kUuid, 3064, blk.data());
+  CHECK(PeekHeader(blk.data()).minor == 1);
+  REQUIRE(DecodeU32(&blk[8]) == 0x9aae5024u);
+}
+
+TEST_CASE("drop list block: the all-zero block decodes as empty", "[format]") {
+  DropFixture f;
+  Superblock foreign = f.sb;
+  foreign.uuid = kOtherUuid;
+  Block zero{};
+  for (uint32_t host : {1u, 2u, 8u}) {
+    for (uint64_t addr : {f.sb.DropListStart(host), f.sb.DropListStart(host) + 7}) {
+      INFO("host " << host << " block " << addr);
+      for (const Superblock* sb : {&f.sb, &foreign}) {
+        Result<std::vector<uint64_t>> r = DecodeDropListBlock(zero.data(), *sb, host, addr);
+        INFO(r.status().ToString());
+        REQUIRE(r.ok());
+        REQUIRE(r->empty());
+      }
+    }
+  }
+  // One nonzero byte anywhere makes it a block to check: its magic is wrong.
+  for (size_t byte : {size_t{0}, size_t{3}, size_t{8}, size_t{31}, size_t{32}, size_t{36},
+                      size_t{40}, size_t{kBlockSize - 1}}) {
+    INFO("byte " << byte);
+    Block blk{};
+    blk[byte] = 1;
+    REQUIRE(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "magic") == "");
+  }
+}
+
+TEST_CASE("drop list block: damaged or misplaced blocks are refused", "[format]") {
+  DropFixture f;
+  const std::vector<uint64_t> drops = {f.data_start, f.data_start + 100, f.data_end - 1};
+  Block good;
+  EncodeDropListBlock(drops, f.host, 9, kUuid, f.addr, good.data());
+  REQUIRE(DecodeDropListBlock(good.data(), f.sb, f.host, f.addr).ok());
+
+  // Every single flipped bit: in the magic it says magic, elsewhere the crc.
+  std::string first_bad;
+  int failures = 0;
+  for (uint32_t bit = 0; bit < kBlockSize * 8; bit++) {
+    Block blk = good;
+    blk[bit / 8] ^= static_cast<uint8_t>(1u << (bit % 8));
+    std::string why =
+        DropCorrupt(blk.data(), f.sb, f.host, f.addr, bit < 32 ? "magic" : "checksum");
+    if (!why.empty()) {
+      if (first_bad.empty()) first_bad = "bit " + std::to_string(bit) + ": " + why;
+      failures++;
+    }
+  }
+  INFO(first_bad);
+  CHECK(failures == 0);
+
+  // Read at another address (a misdirected write): the crc covers the address.
+  for (uint64_t other :
+       {f.addr + 1, f.addr - 1, f.sb.DropListStart(3), f.addr + (uint64_t{1} << 40)}) {
+    INFO("read at " << other);
+    CHECK(DropCorrupt(good.data(), f.sb, f.host, other, "checksum") == "");
+  }
+  // Sealed for the next block but found here; the header address forged.
+  Block moved;
+  EncodeDropListBlock(drops, f.host, 9, kUuid, f.addr + 1, moved.data());
+  CHECK(DecodeDropListBlock(moved.data(), f.sb, f.host, f.addr + 1).ok());
+  CHECK(DropCorrupt(moved.data(), f.sb, f.host, f.addr, "checksum") == "");
+  Block forged = good;
+  EncodeU64(&forged[24], f.addr + 1);
+  CHECK(DropCorrupt(forged.data(), f.sb, f.host, f.addr + 1, "checksum") == "");
+
+  // Another volume's block, or this block read with another volume's uuid.
+  Block foreign;
+  EncodeDropListBlock(drops, f.host, 9, kOtherUuid, f.addr, foreign.data());
+  CHECK(DropCorrupt(foreign.data(), f.sb, f.host, f.addr, "checksum") == "");
+  Superblock other = f.sb;
+  other.uuid = kOtherUuid;
+  CHECK(DecodeDropListBlock(foreign.data(), other, f.host, f.addr).ok());
+  CHECK(DropCorrupt(good.data(), other, f.host, f.addr, "checksum") == "");
+
+  // Wrong magic: other structures at this address (a journal ring block,
+  // a refcount or lock table block), the magic edited and resealed, garbage.
+  Block blk;
+  JournalTxn t;
+  t.seq = 5;
+  t.homes = {f.data_start};
+  EncodeJournalTxn(t, kUuid, f.addr, blk.data());
+  CHECK(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "magic") == "");
+  RefcountBlock rb;
+  EncodeRefcountBlock(rb, 1, kUuid, f.addr, blk.data());
+  CHECK(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "magic") == "");
+  EncodeLockTableBlock({}, 1, f.addr, kUuid, blk.data());
+  CHECK(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "magic") == "");
+  blk = good;
+  BlockHeader h = PeekHeader(blk.data());
+  h.magic = kMagicRefcountBlock;
+  SealBlock(blk.data(), h, kUuid);
+  CHECK(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "bad magic 0x43524444") == "");
+  blk.fill(0xff);
+  CHECK(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "magic") == "");
+  std::mt19937_64 rng(11);
+  for (int i = 0; i < 50; i++) {
+    for (auto& b : blk) b = static_cast<uint8_t>(rng());
+    CHECK(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "magic") == "");
+    EncodeU32(blk.data(), kMagicDropList);  // right magic, random rest
+    CHECK(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "checksum") == "");
+  }
+
+  // Versions: a newer major is refused as such, major 0 is damage, a
+  // newer minor is read.
+  blk = good;
+  h = PeekHeader(blk.data());
+  h.major = kFormatMajor + 1;
+  SealBlock(blk.data(), h, kUuid);
+  CHECK(DecodeDropListBlock(blk.data(), f.sb, f.host, f.addr).status().code() ==
+        Status::Code::kUnsupported);
+  h.major = 0;
+  SealBlock(blk.data(), h, kUuid);
+  CHECK(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "version 0") == "");
+  h.major = kFormatMajor;
+  h.minor = kFormatMinor + 3;
+  SealBlock(blk.data(), h, kUuid);
+  CHECK(DecodeDropListBlock(blk.data(), f.sb, f.host, f.addr).ok());
+
+  // Torn writes: a new head on an old tail, and a zeroed tail.
+  Block newer;
+  EncodeDropListBlock(SampleDrops(f, kDropsPerBlock), f.host, 10, kUuid, f.addr, newer.data());
+  for (uint32_t cut = 512; cut < kBlockSize; cut += 512) {
+    INFO("cut at " << cut);
+    Block torn = newer;
+    std::memcpy(torn.data() + cut, good.data() + cut, kBlockSize - cut);
+    CHECK(DropCorrupt(torn.data(), f.sb, f.host, f.addr, "checksum") == "");
+    std::memset(torn.data() + cut, 0, kBlockSize - cut);
+    CHECK(DropCorrupt(torn.data(), f.sb, f.host, f.addr, "checksum") == "");
+  }
+  REQUIRE(DecodeDropListBlock(newer.data(), f.sb, f.host, f.addr).ok());
+}
+
+TEST_CASE("drop list block: a block of another host is refused", "[format]") {
+  DropFixture f;
+  Block blk;
+  EncodeDropListBlock({f.data_start}, 3, 1, kUuid, f.addr, blk.data());
+  REQUIRE(DecodeDropListBlock(blk.data(), f.sb, 3, f.addr).ok());
+  for (uint32_t host : {2u, 1u, 4u, 0u, kMaxHosts}) {
+    INFO("decoded as host " << host);
+    CHECK(DropCorrupt(blk.data(), f.sb, host, f.addr, "belongs to host 3",
+                      "expected host " + std::to_string(host)) == "");
+  }
+  // An empty list is owned too.
+  EncodeDropListBlock({}, 3, 1, kUuid, f.addr, blk.data());
+  CHECK(DropCorrupt(blk.data(), f.sb, 2, f.addr, "belongs to host 3") == "");
+  // The owner field edited and resealed (host 0, a host past max_hosts).
+  for (uint32_t owner : {0u, f.sb.max_hosts + 1, 0xffffffffu}) {
+    INFO("owner " << owner);
+    EncodeU32(&blk[36], owner);
+    Reseal(blk.data(), kUuid);
+    CHECK(DropCorrupt(blk.data(), f.sb, 2, f.addr, "belongs to host " + std::to_string(owner)) ==
+          "");
+  }
+  REQUIRE(DecodeDropListBlock(blk.data(), f.sb, 0xffffffffu, f.addr).ok());
+}
+
+TEST_CASE("drop list block: counts past the block are refused", "[format]") {
+  DropFixture f;
+  Block full;
+  EncodeDropListBlock(SampleDrops(f, kDropsPerBlock), f.host, 1, kUuid, f.addr, full.data());
+  REQUIRE(DecodeDropListBlock(full.data(), f.sb, f.host, f.addr).ok());
+  for (uint32_t n : {kDropsPerBlock + 1, 1000u, 0x80000000u, 0xffffffffu}) {
+    INFO(n << " entries");
+    Block blk = full;
+    EncodeU32(&blk[32], n);
+    Reseal(blk.data(), kUuid);
+    CHECK(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "claims " + std::to_string(n) + " entries",
+                      "at most 507") == "");
+  }
+  // A count above what was written reads the zero padding as an entry:
+  // block 0 is not a data block.
+  Block blk;
+  EncodeDropListBlock({f.data_start, f.data_start + 1, f.data_start + 2}, f.host, 1, kUuid, f.addr,
+                      blk.data());
+  EncodeU32(&blk[32], 4);
+  Reseal(blk.data(), kUuid);
+  CHECK(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "entry 3 (0) is not a data block") == "");
+  // A count below it leaves an entry after the last one.
+  EncodeU32(&blk[32], 2);
+  Reseal(blk.data(), kUuid);
+  REQUIRE(DropCorrupt(blk.data(), f.sb, f.host, f.addr, "nonzero bytes after entry 2") == "");
+}
+
+TEST_CASE("drop list block: entries must be data blocks of the volume", "[format]") {
+  DropFixture f;
+  const Superblock& sb = f.sb;
+  struct Bad {
+    const char* what;
+    uint64_t a;
+  };
+  const std::vector<Bad> bad = {
+      {"block 0", 0},
+      {"superblock copy 1", 1},
+      {"lease area", sb.lease_start},
+      {"journal header", sb.JournalStart(1)},
+      {"journal ring", sb.JournalStart(2) + 2},
+      {"this drop list", f.addr},
+      {"first inode", sb.inode_start},
+      {"inside the inode table", sb.InodeBlock(100)},
+      {"last inode", sb.group_start - 1},
+      {"first refcount block", sb.group_start},
+      {"last refcount block", sb.GroupDataStart(0) - 1},
+      {"total_blocks", sb.total_blocks},
+      {"past the device end", sb.total_blocks + 1000},
+      {"a cow pointer", kPtrCow | f.data_start},
+      {"2^48", 1ull << 48},
+      {"all ones", UINT64_MAX},
+  };
+  for (const Bad& b : bad) {
+    for (size_t pos : {size_t{0}, size_t{1}, size_t{2}}) {
+      INFO(b.what << " (" << b.a << ") as entry " << pos);
+      std::vector<uint64_t> drops = {f.data_start, f.data_end - 1};
+      drops.insert(drops.begin() + static_cast<std::ptrdiff_t>(pos), b.a);
+      Block blk;
+      EncodeDropListBlock(drops, f.host, 1, kUuid, f.addr, blk.data());
+      CHECK(DropCorrupt(blk.data(), sb, f.host, f.addr,
+                        "entry " + std::to_string(pos) + " (" + std::to_string(b.a) +
+                            ") is not a data block") == "");
+    }
+  }
+
+  // Groups in the middle of a device and a slack block at its end: five
+  // full groups of 2 refcount blocks, then one block that forms no group.
+  const uint64_t full = 2 + 2 * kRefsPerBlock;
+  Superblock slack = Plan((4864 + 5 * full + 1) * uint64_t{kBlockSize}, 2);
+  REQUIRE(slack.group_count == 5);
+  const uint64_t addr = slack.DropListStart(1);
+  Block blk;
+  for (uint64_t a : {slack.total_blocks - 1, slack.GroupStart(2), slack.GroupStart(2) + 1}) {
+    INFO("slack volume block " << a);
+    EncodeDropListBlock({a}, 1, 1, kUuid, addr, blk.data());
+    CHECK(DropCorrupt(blk.data(), slack, 1, addr, "entry 0", "is not a data block") == "");
+  }
+  std::vector<uint64_t> edges = {slack.total_blocks - 2, slack.GroupDataStart(2),
+                                 slack.GroupStart(2) - 1, slack.GroupDataStart(0)};
+  EncodeDropListBlock(edges, 1, 1, kUuid, addr, blk.data());
+  Result<std::vector<uint64_t>> r = DecodeDropListBlock(blk.data(), slack, 1, addr);
+  INFO(r.status().ToString());
+  REQUIRE(r.ok());
+  REQUIRE(*r == edges);
+}
+
+TEST_CASE("drop list block: nonzero bytes after the last entry are refused", "[format]") {
+  DropFixture f;
+  for (size_t n : {size_t{0}, size_t{3}, size_t{kDropsPerBlock - 1}}) {
+    Block good;
+    EncodeDropListBlock(SampleDrops(f, n), f.host, 1, kUuid, f.addr, good.data());
+    REQUIRE(DecodeDropListBlock(good.data(), f.sb, f.host, f.addr).ok());
+    for (size_t off : {40 + 8 * n, 40 + 8 * n + 7, size_t{kBlockSize - 1}}) {
+      for (uint8_t v : {uint8_t{0x01}, uint8_t{0x80}}) {
+        INFO(n << " entries, byte " << off << " = " << int(v));
+        Block blk = good;
+        blk[off] = v;
+        Reseal(blk.data(), kUuid);
+        CHECK(DropCorrupt(blk.data(), f.sb, f.host, f.addr,
+                          "nonzero bytes after entry " + std::to_string(n)) == "");
+      }
+    }
+  }
+}
+
+TEST_CASE("drop list block: every refusal names drop list block N", "[format]") {
+  // Like "lock table block N": whatever the reason, the message names the
+  // structure and the address it was read from in one phrase.
+  DropFixture f;
+  Block good;
+  EncodeDropListBlock({f.data_start, f.data_start + 1}, f.host, 4, kUuid, f.addr, good.data());
+  struct Case {
+    const char* what;
+    Block blk;
+    uint32_t host;
+    uint64_t addr;
+    const Superblock* sb;
+  };
+  Superblock other = f.sb;
+  other.uuid = kOtherUuid;
+  std::vector<Case> cases;
+  cases.push_back({"flipped bit", good, f.host, f.addr, &f.sb});
+  cases.back().blk[100] ^= 4;
+  cases.push_back({"read at another address", good, f.host, f.addr + 1, &f.sb});
+  cases.push_back({"another volume", good, f.host, f.addr, &other});
+  cases.push_back({"wrong magic", good, f.host, f.addr, &f.sb});
+  EncodeU32(cases.back().blk.data(), kMagicRefcountBlock);
+  cases.push_back({"another host", good, 3, f.addr, &f.sb});
+  cases.push_back({"count", good, f.host, f.addr, &f.sb});
+  EncodeU32(&cases.back().blk[32], kDropsPerBlock + 1);
+  Reseal(cases.back().blk.data(), kUuid);
+  cases.push_back({"entry", good, f.host, f.addr, &f.sb});
+  EncodeU64(&cases.back().blk[40], 0);
+  Reseal(cases.back().blk.data(), kUuid);
+  cases.push_back({"trailing bytes", good, f.host, f.addr, &f.sb});
+  cases.back().blk[kBlockSize - 1] = 1;
+  Reseal(cases.back().blk.data(), kUuid);
+  for (const Case& c : cases) {
+    Result<std::vector<uint64_t>> r = DecodeDropListBlock(c.blk.data(), *c.sb, c.host, c.addr);
+    INFO(c.what << ": " << r.status().ToString());
+    CHECK(r.status().code() == Status::Code::kCorruption);
+    CHECK(Contains(r.status().message(), "drop list block " + std::to_string(c.addr)));
+  }
+}
+
+// ------------------------------------------- superblock: drop list fields
+
+TEST_CASE("superblock: drop_blocks and kIncompatDropLists round trip", "[format]") {
+  CHECK(kIncompatDropLists == 2);
+  CHECK((kKnownIncompatFeatures & kIncompatDropLists) != 0);
+  CHECK(kFormatMinor == 1);
+  Superblock sb = Plan(64 * kMiB);
+  CHECK(sb.drop_blocks == 8);
+  CHECK(sb.incompat_features == kIncompatDropLists);
+  Block blk;
+  EncodeSuperblock(sb, 0, blk.data());
+  // incompat_features at 152, drop_blocks (u32) at 160, zeros after.
+  CHECK(DecodeU64(&blk[152]) == kIncompatDropLists);
+  CHECK(DecodeU32(&blk[160]) == 8);
+  CHECK(std::all_of(blk.begin() + 164, blk.end(), [](uint8_t b) { return b == 0; }));
+  Result<Superblock> r = DecodeSuperblock(blk.data(), 0);
+  REQUIRE(r.ok());
+  CHECK(r->drop_blocks == 8);
+  RequireSameSuperblock(*r, sb);
+
+  struct Ok {
+    const char* what;
+    uint64_t incompat;
+    uint32_t drop_blocks;
+  };
+  for (Ok o :
+       {Ok{"with sanlock", kIncompatSanlock | kIncompatDropLists, 8},
+        Ok{"a 1.0 volume: no bit and no list", 0, 0},
+        Ok{"a 1.0 sanlock volume", kIncompatSanlock, 0}, Ok{"one block", kIncompatDropLists, 1},
+        Ok{"the largest: a ring of 12", kIncompatDropLists, 256 - 2 - 12}}) {
+    INFO(o.what);
+    Superblock s = sb;
+    s.incompat_features = o.incompat;
+    s.drop_blocks = o.drop_blocks;
+    EncodeSuperblock(s, 1, blk.data());
+    r = DecodeSuperblock(blk.data(), 1);
+    INFO(r.status().ToString());
+    REQUIRE(r.ok());
+    CHECK(r->drop_blocks == o.drop_blocks);
+    CHECK(r->incompat_features == o.incompat);
+    CHECK(r->JournalRingBlocks() == 256 - 2 - o.drop_blocks);
+  }
+}
+
+TEST_CASE("superblock: inconsistent drop list fields are refused", "[format]") {
+  const Superblock base = Plan(64 * kMiB);
+  REQUIRE(base.journal_blocks == 256);
+  struct Mutation {
+    const char* what;
+    uint64_t incompat;
+    uint32_t drop_blocks;
+  };
+  const std::vector<Mutation> muts = {
+      {"drop_blocks without the feature bit", 0, 8},
+      {"drop_blocks with only the sanlock bit", kIncompatSanlock, 8},
+      {"the feature bit without drop_blocks", kIncompatDropLists, 0},
+      {"the feature bit and sanlock without drop_blocks", kIncompatDropLists | kIncompatSanlock, 0},
+      {"a ring of 11", kIncompatDropLists, 256 - 2 - 11},
+      {"no ring", kIncompatDropLists, 256 - 2},
+      {"the whole journal", kIncompatDropLists, 256},
+      {"past the journal", kIncompatDropLists, 257},
+      {"2^16", kIncompatDropLists, 1u << 16},
+      {"2^31", kIncompatDropLists, 1u << 31},
+  };
+  Block blk;
+  for (const Mutation& m : muts) {
+    INFO(m.what);
+    Superblock sb = base;
+    sb.incompat_features = m.incompat;
+    sb.drop_blocks = m.drop_blocks;
+    EncodeSuperblock(sb, 0, blk.data());
+    Result<Superblock> r = DecodeSuperblock(blk.data(), 0);
+    INFO(r.status().ToString());
+    REQUIRE(!r.ok());
+    CHECK(r.status().code() == Status::Code::kCorruption);
+    CHECK(Contains(r.status().message(), "superblock at block 0"));
+    CHECK(Contains(r.status().message(), "inconsistent layout fields"));
+  }
+  // The smallest journal has room for one drop block and no more.
+  Superblock small = base;
+  small.journal_blocks = 16;
+  small.inode_start = small.journal_start + small.max_hosts * 16;
+  small.group_start = small.inode_start + small.inode_count;
+  small.group_count = 1;
+  small.drop_blocks = 2;
+  EncodeSuperblock(small, 0, blk.data());
+  CHECK(DecodeSuperblock(blk.data(), 0).ok());
+  small.drop_blocks = 3;
+  EncodeSuperblock(small, 0, blk.data());
+  REQUIRE(DecodeSuperblock(blk.data(), 0).status().code() == Status::Code::kCorruption);
+}
+
+TEST_CASE("superblock: drop_blocks near 2^32 does not wrap the ring check", "[format]") {
+  // drop_blocks + 2 + 12 must not be computed in 32 bits: 2^32 - 14 and
+  // above would wrap to a small sum and pass, leaving JournalRingBlocks()
+  // and DropListStart() wrapped around 2^64.
+  const Superblock base = Plan(64 * kMiB);
+  Block blk;
+  for (uint32_t d : {0xfffffff1u, 0xfffffff2u, 0xfffffff5u, 0xffffffffu}) {
+    INFO("drop_blocks " << d);
+    Superblock sb = base;
+    sb.drop_blocks = d;
+    EncodeSuperblock(sb, 0, blk.data());
+    Result<Superblock> r = DecodeSuperblock(blk.data(), 0);
+    INFO(r.status().ToString());
+    CHECK(r.status().code() == Status::Code::kCorruption);
+    CHECK(Contains(r.status().message(), "inconsistent layout fields"));
+  }
+}
+
+TEST_CASE("superblock: journal ring and drop list arithmetic", "[format]") {
+  Superblock s = Plan(64 * kMiB);
+  CHECK(s.JournalRingBlocks() == 246);
+  CHECK(s.DropListStart(1) == 2560 + 248);
+  CHECK(s.DropListStart(2) == 2560 + 256 + 248);
+  CHECK(s.DropListStart(8) == 4600);
+  CHECK(s.DropListStart(8) + s.drop_blocks == s.inode_start);
+
+  Superblock old = s;  // a 1.0 layout: the list is empty at the region's end
+  old.drop_blocks = 0;
+  old.incompat_features = 0;
+  for (const Superblock& sb : {s, old, Plan(kGiB), Plan(64 * kMiB, 32, 1), Plan(64 * kMiB, 32, 3),
+                               Plan(3 * kGiB, 4, 250)}) {
+    INFO("journal_blocks " << sb.journal_blocks << ", drop_blocks " << sb.drop_blocks
+                           << ", max_hosts " << sb.max_hosts);
+    CHECK(sb.JournalRingBlocks() == sb.journal_blocks - 2 - sb.drop_blocks);
+    CHECK(sb.JournalRingBlocks() >= 12);
+    std::string first_bad;
+    for (uint32_t h = 1; h <= sb.max_hosts && first_bad.empty(); h++) {
+      const std::string at = "host " + std::to_string(h) + ": ";
+      uint32_t g, slot;
+      uint64_t rb;
+      if (sb.DropListStart(h) + sb.drop_blocks != sb.JournalStart(h) + sb.journal_blocks) {
+        first_bad = at + "the list does not end the region";
+      } else if (sb.JournalStart(h) + kJournalHeaderSlots + sb.JournalRingBlocks() !=
+                 sb.DropListStart(h)) {
+        first_bad = at + "the list does not follow the ring";
+      } else if (h > 1 && sb.DropListStart(h - 1) + sb.drop_blocks != sb.JournalStart(h)) {
+        first_bad = at + "the previous list does not end where this region starts";
+      } else if (sb.drop_blocks > 0 &&
+                 (sb.LocateData(sb.DropListStart(h), &g, &rb, &slot) ||
+                  sb.LocateData(sb.DropListStart(h) + sb.drop_blocks - 1, &g, &rb, &slot))) {
+        first_bad = at + "a list block located as data";
+      }
+    }
+    CHECK(first_bad == "");
+    REQUIRE(sb.DropListStart(sb.max_hosts) + sb.drop_blocks == sb.inode_start);
+  }
+}
+
+TEST_CASE("PlanLayout: drop list sizing", "[format]") {
+  // Default: journal_blocks / 32, at least 1, with the feature bit.
+  CHECK(Plan(64 * kMiB).drop_blocks == 8);
+  CHECK(Plan(kGiB - 1).drop_blocks == 8);
+  CHECK(Plan(kGiB).drop_blocks == 32);
+  CHECK(Plan(10 * kGiB).drop_blocks == 32);
+  CHECK(Plan(kGiB << 12).drop_blocks == 32);
+  CHECK(Plan(10 * kGiB).incompat_features == kIncompatDropLists);
+
+  FormatParams p;
+  p.device_bytes = 2 * kGiB;
+  struct Want {
+    uint64_t journal_blocks;
+    uint32_t drop_blocks;
+  };
+  for (Want w : {Want{16, 1}, Want{31, 1}, Want{32, 1}, Want{63, 1}, Want{64, 2}, Want{100, 3},
+                 Want{256, 8}, Want{1024, 32}, Want{4096, 128}}) {
+    INFO("journal_blocks " << w.journal_blocks);
+    p.journal_blocks = w.journal_blocks;
+    Result<Superblock> r = PlanLayout(p);
+    INFO(r.status().ToString());
+    REQUIRE(r.ok());
+    CHECK(r->drop_blocks == w.drop_blocks);
+    CHECK(r->incompat_features == kIncompatDropLists);
+    CHECK(r->JournalRingBlocks() == w.journal_blocks - 2 - w.drop_blocks);
+    CheckTiling(*r);
+  }
+
+  // drop_blocks = 0: no drop list and no feature bit (a 1.0 layout).
+  p.journal_blocks = 0;
+  p.drop_blocks = 0;
+  Result<Superblock> r = PlanLayout(p);
+  REQUIRE(r.ok());
+  CHECK(r->drop_blocks == 0);
+  CHECK(r->incompat_features == 0);
+  CHECK(r->JournalRingBlocks() == 1024 - 2);
+  CheckTiling(*r);
+  // An explicit size is kept.
+  p.drop_blocks = 5;
+  r = PlanLayout(p);
+  REQUIRE(r.ok());
+  CHECK(r->drop_blocks == 5);
+  CHECK(r->incompat_features == kIncompatDropLists);
+  CheckTiling(*r);
+  // Any negative value is the default.
+  p.drop_blocks = -7;
+  CHECK(PlanLayout(p)->drop_blocks == 32);
+
+  // Sizes that leave the ring fewer than 12 blocks, or do not fit.
+  struct Bad {
+    uint64_t journal_blocks;
+    int64_t drop_blocks;
+  };
+  for (Bad b :
+       {Bad{256, 243}, Bad{256, 254}, Bad{256, 256}, Bad{256, 1000}, Bad{16, 3}, Bad{0, 1011},
+        Bad{0, int64_t{1} << 32}, Bad{0, (int64_t{1} << 32) + 5}, Bad{0, INT64_MAX}}) {
+    INFO("journal_blocks " << b.journal_blocks << ", drop_blocks " << b.drop_blocks);
+    p.journal_blocks = b.journal_blocks;
+    p.drop_blocks = b.drop_blocks;
+    r = PlanLayout(p);
+    CHECK(r.status().code() == Status::Code::kInvalid);
+    CHECK(Contains(r.status().message(), "drop list"));
+  }
+  p.journal_blocks = 256;
+  p.drop_blocks = 243;
+  CHECK(Contains(PlanLayout(p).status().message(), "fewer than 12"));
+  // The limits themselves are fine.
+  for (Bad b : {Bad{256, 242}, Bad{16, 2}, Bad{0, 1010}}) {
+    INFO("journal_blocks " << b.journal_blocks << ", drop_blocks " << b.drop_blocks);
+    p.journal_blocks = b.journal_blocks;
+    p.drop_blocks = b.drop_blocks;
+    r = PlanLayout(p);
+    INFO(r.status().ToString());
+    REQUIRE(r.ok());
+    CHECK(r->JournalRingBlocks() == 12);
+    CheckTiling(*r);
+  }
 }
