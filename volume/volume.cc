@@ -812,10 +812,12 @@ Status VolumeImpl::DrainDrops(bool wait) {
       if (!try_elsewhere) continue;
       tried = true;
       Status st = wait ? WaitLock(gl) : locks_->Acquire(gl, LockMode::kExclusive, false);
-      if (st.code() == Status::Code::kLocked && !wait) {
-        // Ask the holder to hand it back at its next flush point; we look
-        // again at ours. Nobody waits.
-        if (!drop_wanted_.count(g) &&
+      if (!st.ok() && !wait) {
+        // Held elsewhere: ask the holder to hand it back at its next flush
+        // point; we look again at ours. Nobody waits. (Any other failure
+        // to get the lock is retried later too: a flush must not fail for
+        // a drop that can wait.)
+        if (st.code() == Status::Code::kLocked && !drop_wanted_.count(g) &&
             locks_->Acquire(WantedLock(gl), LockMode::kShared, false).ok()) {
           drop_wanted_.insert(g);
         }
