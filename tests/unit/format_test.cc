@@ -76,6 +76,18 @@ void RequireSameSuperblock(const Superblock& a, const Superblock& b) {
   REQUIRE(a.incompat_features == b.incompat_features);
 }
 
+// A superblock whose layout fields disagree: refused as corrupt, naming it.
+void CheckInconsistentLayout(const Superblock& sb) {
+  Block blk;
+  EncodeSuperblock(sb, 0, blk.data());
+  Result<Superblock> r = DecodeSuperblock(blk.data(), 0);
+  INFO(r.status().ToString());
+  REQUIRE(!r.ok());
+  CHECK(r.status().code() == Status::Code::kCorruption);
+  CHECK(Contains(r.status().message(), "superblock at block 0"));
+  CHECK(Contains(r.status().message(), "inconsistent layout fields"));
+}
+
 void RequireSameInode(const Inode& a, const Inode& b) {
   CHECK(a.ino == b.ino);
   CHECK(a.generation == b.generation);
@@ -657,13 +669,7 @@ TEST_CASE("superblock: inconsistent layout fields are refused", "[format]") {
     INFO(m.what);
     Superblock sb = base;
     m.apply(sb);
-    EncodeSuperblock(sb, 0, blk.data());
-    Result<Superblock> r = DecodeSuperblock(blk.data(), 0);
-    INFO(r.status().ToString());
-    REQUIRE(!r.ok());
-    CHECK(r.status().code() == Status::Code::kCorruption);
-    CHECK(Contains(r.status().message(), "superblock at block 0"));
-    CHECK(Contains(r.status().message(), "inconsistent layout"));
+    CheckInconsistentLayout(sb);
   }
 }
 
@@ -1993,13 +1999,7 @@ TEST_CASE("superblock: inconsistent drop list fields are refused", "[format]") {
     Superblock sb = base;
     sb.incompat_features = m.incompat;
     sb.drop_blocks = m.drop_blocks;
-    EncodeSuperblock(sb, 0, blk.data());
-    Result<Superblock> r = DecodeSuperblock(blk.data(), 0);
-    INFO(r.status().ToString());
-    REQUIRE(!r.ok());
-    CHECK(r.status().code() == Status::Code::kCorruption);
-    CHECK(Contains(r.status().message(), "superblock at block 0"));
-    CHECK(Contains(r.status().message(), "inconsistent layout fields"));
+    CheckInconsistentLayout(sb);
   }
   // The smallest journal has room for one drop block and no more.
   Superblock small = base;

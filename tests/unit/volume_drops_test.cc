@@ -140,6 +140,16 @@ struct Rig {
     REQUIRE(b.value()->Flush().ok());
   }
 
+  // Host 2 dies: nothing unflushed survives and nothing more gets out
+  // (its close cannot write); its locks go with its lock manager.
+  void KillHost2(FaultDevice* d2, std::unique_ptr<Volume>* v2) {
+    std::mt19937_64 rng(7);
+    d2->Crash(rng, 0.0);
+    d2->FailWritesAfter(0, EIO);
+    v2->reset();
+    lm2.reset();
+  }
+
   void CheckContents(Volume* v) {
     std::vector<uint8_t> got(kShared * kB);
     auto a = v->OpenFile("a");
@@ -198,12 +208,7 @@ TEST_CASE("volume drops: pending drops survive a crash and the slot's next owner
   auto v2 = r.OpenAs(&d2, 2, r.lm2);
   r.CowBreakOn(v2.get());  // flushed: the drops are durable
   REQUIRE(Pending(v2.get()) == kShared);
-  // Host 2 dies: nothing unflushed survives and nothing more gets out.
-  std::mt19937_64 rng(7);
-  d2.Crash(rng, 0.0);
-  d2.FailWritesAfter(0, EIO);
-  v2.reset();
-  r.lm2.reset();
+  r.KillHost2(&d2, &v2);
   r.LetGo();
 
   // Host 1 recovers host 2's journal; host 2's list stays with its slot,
@@ -249,11 +254,7 @@ TEST_CASE("volume drops: a crash before the flush loses the drop with the pointe
     REQUIRE(b.ok());
     REQUIRE(b.value()->Write(0, r.y.data(), r.y.size()).ok());  // not flushed
   }
-  std::mt19937_64 rng(9);
-  d2.Crash(rng, 0.0);
-  d2.FailWritesAfter(0, EIO);
-  v2.reset();
-  r.lm2.reset();
+  r.KillHost2(&d2, &v2);
   r.LetGo();
   // The close tried to checkpoint and failed: whatever reached the disk
   // is a prefix of host 2's journal. Either way the counts match the maps.
