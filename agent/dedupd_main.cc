@@ -295,6 +295,11 @@ int Run(const Config& cfg) {
                  << " ms mean, " << c.lease_retries - locks_before.lease_retries
                  << " lease retries";
     }
+    // Reference drops this host gave up without waiting for another host's
+    // group (all threads since start; applied at later flush points).
+    const Volume::DropCounters drops = vol->drop_counters();
+    LOG(kInfo) << "reference drops: " << drops.deferred << " deferred, " << drops.applied
+               << " applied, " << drops.pending << " pending";
   };
   PeriodicJob dedup_job(io, &server, cfg.dedup_interval > 0 ? cfg.dedup_interval : 1e9, run_pass);
   asio::signal_set usr1(io, SIGUSR1);

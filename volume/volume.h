@@ -226,6 +226,15 @@ class Volume {
   // Flush point (see top of file).
   virtual Status Sync() = 0;
   virtual Result<VolumeStats> Stats() = 0;
+
+  // This process's deferred reference drops (docs/LOCKING.md "Deferred
+  // drops"): counted since open, and pending in its host's list now.
+  struct DropCounters {
+    uint64_t deferred = 0;
+    uint64_t applied = 0;
+    uint64_t pending = 0;
+  };
+  virtual DropCounters drop_counters() = 0;
 };
 
 // Friendly wrapper used by the tools: open a device spec and the volume.

@@ -58,6 +58,10 @@ class VolumeImpl : public Volume {
   Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) EXCLUDES(mu_) override;
   Status Sync() EXCLUDES(mu_) override;
   Result<VolumeStats> Stats() EXCLUDES(mu_) override;
+  DropCounters drop_counters() EXCLUDES(mu_) override {
+    MutexLock l(&mu_);
+    return DropCounters{drops_deferred_, drops_applied_, drop_count_};
+  }
 
   // ---- used by FileImpl (file rw lock held by the caller as documented)
   Status ReadData(OpenFileState* f, uint64_t offset, uint8_t* buf, size_t len) EXCLUDES(mu_);
