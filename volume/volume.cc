@@ -404,7 +404,8 @@ Status VolumeImpl::Load(uint64_t addr, LockId owner, uint32_t magic, const char*
 Status VolumeImpl::Admit(uint8_t* b, uint64_t addr, uint32_t magic, const char* what) const {
   if ((magic == kMagicRefcountBlock || magic == kMagicInode || magic == kMagicDropList) &&
       AllZero(b, kBlockSize)) {
-    // Never written since format: an empty refcount block or a free inode.
+    // Never written since format: an empty refcount block, a free inode or
+    // an empty drop list.
     if (magic == kMagicInode) {
       Inode in;
       in.ino = addr - sb_.inode_start + 1;
