@@ -67,8 +67,7 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
   for (uint32_t g = 0; g < sb_.group_count; g++) RETURN_IF_ERROR(take(LockId{LockKind::kGroup, g}));
   RETURN_IF_ERROR(RecoverDeadHosts());
   // With every group held, this host's deferred drops all apply now.
-  next_drain_try_ns_ = 0;
-  RETURN_IF_ERROR(DrainDrops(/*wait=*/false));
+  RETURN_IF_ERROR(DrainDrops(Drain::kNow));
   RETURN_IF_ERROR(Checkpoint());
   cache_.clear();  // everything is at home now; read the device afresh
 

@@ -304,8 +304,7 @@ VolumeImpl::~VolumeImpl() {
   if (!read_only_ && poisoned_.ok() && drop_count_ > 0) {
     // Apply what can be applied now; the rest stays in this slot's list
     // for its next owner (counted by fsck meanwhile).
-    next_drain_try_ns_ = 0;
-    (void)DrainDrops(/*wait=*/false);
+    (void)DrainDrops(Drain::kNow);
   }
   for (uint32_t g : drop_wanted_) (void)locks_->Release(WantedLock(GroupLock(g)));
   drop_wanted_.clear();
@@ -448,9 +447,8 @@ Status VolumeImpl::EnsureRoom(size_t blocks) {
   if (sb_.drop_blocks == 0 || DropRoom() >= blocks) return Status::Ok();
   // The list is (nearly) full: apply what we can without waiting, then,
   // as a last resort, wait for the groups (holding no cached lock).
-  next_drain_try_ns_ = 0;
-  RETURN_IF_ERROR(DrainDrops(/*wait=*/false));
-  if (DropRoom() < blocks) RETURN_IF_ERROR(DrainDrops(/*wait=*/true));
+  RETURN_IF_ERROR(DrainDrops(Drain::kNow));
+  if (DropRoom() < blocks) RETURN_IF_ERROR(DrainDrops(Drain::kWaiting));
   if (DropRoom() < blocks) {
     return Status::NoSpace("the drop list of host " + std::to_string(host_) + " is full");
   }
@@ -524,7 +522,7 @@ Status VolumeImpl::Sync() {
   if (read_only_) return Status::Ok();
   RETURN_IF_ERROR(poisoned_);
   // Deferred drops are applied at flush points, in the same commit.
-  if (drop_count_ > 0) RETURN_IF_ERROR(DrainDrops(/*wait=*/false));
+  if (drop_count_ > 0) RETURN_IF_ERROR(DrainDrops(Drain::kIfDue));
   if (txn_.empty()) {
     // In-place writes change no metadata but must be durable all the same
     // (and so must a commit EnsureRoom made without a flush).
@@ -629,11 +627,8 @@ Status VolumeImpl::AcquireCached(LockId id) {
 Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
   std::set<uint32_t> need;
   for (uint64_t a : addrs) {
-    uint32_t g, slot;
-    uint64_t rb;
-    if (a != 0 && sb_.LocateData(a, &g, &rb, &slot) && !cached_locks_.count(GroupLock(g))) {
-      need.insert(g);
-    }
+    uint32_t g;
+    if (a != 0 && GroupOf(a, &g) && !cached_locks_.count(GroupLock(g))) need.insert(g);
   }
   for (uint32_t g : need) {
     Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
@@ -641,9 +636,8 @@ Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
       // Wait in group order holding no other cached lock.
       RETURN_IF_ERROR(ReleaseCached());
       for (uint64_t a : addrs) {
-        uint32_t gg, slot;
-        uint64_t rb;
-        if (a != 0 && sb_.LocateData(a, &gg, &rb, &slot)) need.insert(gg);
+        uint32_t gg;
+        if (a != 0 && GroupOf(a, &gg)) need.insert(gg);
       }
       for (uint32_t w : need) {
         RETURN_IF_ERROR(WaitLock(GroupLock(w)));
@@ -713,22 +707,33 @@ size_t VolumeImpl::DropRoom() const {
   return size_t{sb_.drop_blocks} * kDropsPerBlock - drop_count_;
 }
 
+Result<std::vector<std::vector<uint64_t>>> VolumeImpl::ReadDropList(uint32_t h, BlockBuf* raw) const {
+  const uint64_t start = sb_.DropListStart(h);
+  BlockBuf all = NewBlockBuf(sb_.drop_blocks);
+  RETURN_IF_ERROR(dev_->Read(start * kBlockSize, all.get(), uint64_t{sb_.drop_blocks} * kBlockSize));
+  std::vector<std::vector<uint64_t>> lists(sb_.drop_blocks);
+  for (uint32_t i = 0; i < sb_.drop_blocks; i++) {
+    ASSIGN_OR_RETURN(lists[i],
+                     DecodeDropListBlock(all.get() + uint64_t{i} * kBlockSize, sb_, h, start + i));
+  }
+  if (raw) *raw = std::move(all);
+  return lists;
+}
+
 Status VolumeImpl::LoadDropList() {
   drop_list_.assign(sb_.drop_blocks, {});
   drop_count_ = 0;
   if (sb_.drop_blocks == 0) return Status::Ok();
+  BlockBuf all;
+  Result<std::vector<std::vector<uint64_t>>> lists = ReadDropList(host_, &all);
+  if (!lists.ok()) {
+    return lists.status().WithContext("the drop list of host " + std::to_string(host_) +
+                                      " (dede fsck --repair clears it)");
+  }
+  drop_list_ = std::move(lists.value());
   const uint64_t start = sb_.DropListStart(host_);
-  BlockBuf all = NewBlockBuf(sb_.drop_blocks);
-  RETURN_IF_ERROR(dev_->Read(start * kBlockSize, all.get(), uint64_t{sb_.drop_blocks} * kBlockSize));
   for (uint32_t i = 0; i < sb_.drop_blocks; i++) {
-    Result<std::vector<uint64_t>> e =
-        DecodeDropListBlock(all.get() + uint64_t{i} * kBlockSize, sb_, host_, start + i);
-    if (!e.ok()) {
-      return e.status().WithContext("the drop list of host " + std::to_string(host_) +
-                                    " (dede fsck --repair clears it)");
-    }
-    drop_count_ += e->size();
-    drop_list_[i] = std::move(e.value());
+    drop_count_ += drop_list_[i].size();
     BlockBuf b = NewBlockBuf();
     std::memcpy(b.get(), all.get() + uint64_t{i} * kBlockSize, kBlockSize);
     RETURN_IF_ERROR(Admit(b.get(), start + i, kMagicDropList, "drop list block"));
@@ -746,25 +751,40 @@ Status VolumeImpl::StoreDropBlock(size_t i) {
   return Status::Ok();
 }
 
-bool VolumeImpl::GroupHeld(uint64_t addr) const {
-  uint32_t g, slot;
+bool VolumeImpl::GroupOf(uint64_t addr, uint32_t* g) const {
+  uint32_t slot;
   uint64_t rb;
-  return sb_.LocateData(addr, &g, &rb, &slot) && cached_locks_.count(GroupLock(g)) > 0;
+  return sb_.LocateData(addr, g, &rb, &slot);
+}
+
+bool VolumeImpl::GroupHeld(uint64_t addr) const {
+  uint32_t g;
+  return GroupOf(addr, &g) && cached_locks_.count(GroupLock(g)) > 0;
+}
+
+bool VolumeImpl::LooksBusy(uint32_t g) {
+  auto it = busy_until_.find(g);
+  return it != busy_until_.end() && clock_->MonotonicNanos() < it->second;
+}
+
+void VolumeImpl::NoteBusy(uint32_t g) {
+  busy_until_[g] = clock_->MonotonicNanos() + 100'000'000;
 }
 
 Status VolumeImpl::PrepareDrops(const std::vector<uint64_t>& addrs) {
   if (sb_.drop_blocks == 0) return AcquireGroupsFor(addrs);
-  std::set<uint32_t> tried;
   bool took = false;
   for (uint64_t a : addrs) {
-    uint32_t g, slot;
-    uint64_t rb;
-    if (a == 0 || !sb_.LocateData(a, &g, &rb, &slot)) continue;
-    if (cached_locks_.count(GroupLock(g)) || !tried.insert(g).second) continue;
+    uint32_t g;
+    if (a == 0 || !GroupOf(a, &g) || cached_locks_.count(GroupLock(g)) || LooksBusy(g)) continue;
     Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
-    if (st.code() == Status::Code::kLocked) continue;  // DropRef defers
+    if (st.code() == Status::Code::kLocked) {  // DropRef defers
+      NoteBusy(g);
+      continue;
+    }
     RETURN_IF_ERROR(st);
     NoteCached(GroupLock(g));
+    busy_until_.erase(g);
     took = true;
   }
   if (took) return RecoverDeadHosts();
@@ -772,9 +792,8 @@ Status VolumeImpl::PrepareDrops(const std::vector<uint64_t>& addrs) {
 }
 
 Status VolumeImpl::DropRef(uint64_t addr) {
-  uint32_t g, slot;
-  uint64_t rb;
-  if (!sb_.LocateData(addr, &g, &rb, &slot)) {
+  uint32_t g;
+  if (!GroupOf(addr, &g)) {
     return Status::Corruption("block pointer " + std::to_string(addr) +
                               " is outside the data area");
   }
@@ -791,41 +810,45 @@ Status VolumeImpl::DropRef(uint64_t addr) {
                                 " is full (internal error)"));
 }
 
-Status VolumeImpl::DrainDrops(bool wait) {
+Status VolumeImpl::DrainDrops(Drain how) {
   if (drop_count_ == 0 || read_only_) return Status::Ok();
   RETURN_IF_ERROR(poisoned_);
-  const uint64_t now = clock_->MonotonicNanos();
-  const bool try_elsewhere = wait || now >= next_drain_try_ns_;
+  const bool wait = how == Drain::kWaiting;
   // Rule 3: never wait holding cached locks.
   if (wait) RETURN_IF_ERROR(ReleaseCached());
   std::map<uint32_t, std::vector<uint64_t>> by_group;
   for (const auto& blk : drop_list_) {
     for (uint64_t a : blk) {
-      uint32_t g, slot;
-      uint64_t rb;
-      if (sb_.LocateData(a, &g, &rb, &slot)) by_group[g].push_back(a);
+      uint32_t g;
+      if (GroupOf(a, &g)) by_group[g].push_back(a);
     }
   }
-  bool tried = false;
+  // Held elsewhere: ask the holder to hand the group back at its next
+  // flush point; we look again at ours. Nobody waits.
+  auto want = [&](uint32_t g) REQUIRES(mu_) {
+    if (!drop_wanted_.count(g) &&
+        locks_->Acquire(WantedLock(GroupLock(g)), LockMode::kShared, false).ok()) {
+      drop_wanted_.insert(g);
+    }
+  };
   for (const auto& [g, addrs] : by_group) {
     const LockId gl = GroupLock(g);
     if (!cached_locks_.count(gl)) {
-      if (!try_elsewhere) continue;
-      tried = true;
+      if (how == Drain::kIfDue && LooksBusy(g)) {
+        want(g);
+        continue;
+      }
       Status st = wait ? WaitLock(gl) : locks_->Acquire(gl, LockMode::kExclusive, false);
       if (!st.ok() && !wait) {
-        // Held elsewhere: ask the holder to hand it back at its next flush
-        // point; we look again at ours. Nobody waits. (Any other failure
-        // to get the lock is retried later too: a flush must not fail for
-        // a drop that can wait.)
-        if (st.code() == Status::Code::kLocked && !drop_wanted_.count(g) &&
-            locks_->Acquire(WantedLock(gl), LockMode::kShared, false).ok()) {
-          drop_wanted_.insert(g);
-        }
+        // Any other failure to get the lock is retried later too: a flush
+        // must not fail for a drop that can wait.
+        NoteBusy(g);
+        if (st.code() == Status::Code::kLocked) want(g);
         continue;
       }
       RETURN_IF_ERROR(st);
       NoteCached(gl);
+      busy_until_.erase(g);
       RETURN_IF_ERROR(RecoverDeadHosts());
     }
     for (uint64_t a : addrs) {
@@ -843,7 +866,6 @@ Status VolumeImpl::DrainDrops(bool wait) {
     }
     if (drop_wanted_.erase(g)) (void)locks_->Release(WantedLock(gl));
   }
-  if (tried && !wait) next_drain_try_ns_ = now + 100'000'000;
   return Status::Ok();
 }
 
@@ -2074,22 +2096,14 @@ Result<VolumeStats> VolumeImpl::Stats() {
     }
   }
   if (sb_.drop_blocks > 0) {
-    BlockBuf lists = NewBlockBuf(sb_.drop_blocks);
     for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
       if (h == host_ && !read_only_) {
         MutexLock l(&mu_);
         st.pending_drops += drop_count_;
         continue;
       }
-      const uint64_t start = sb_.DropListStart(h);
-      RETURN_IF_ERROR(dev_->Read(start * kBlockSize, lists.get(),
-                                 uint64_t{sb_.drop_blocks} * kBlockSize));
-      for (uint32_t i = 0; i < sb_.drop_blocks; i++) {
-        ASSIGN_OR_RETURN(std::vector<uint64_t> e,
-                         DecodeDropListBlock(lists.get() + uint64_t{i} * kBlockSize, sb_, h,
-                                             start + i));
-        st.pending_drops += e.size();
-      }
+      ASSIGN_OR_RETURN(auto lists, ReadDropList(h, nullptr));
+      for (const auto& e : lists) st.pending_drops += e.size();
     }
   }
   ASSIGN_OR_RETURN(std::vector<Inode> inodes, ScanInodes());

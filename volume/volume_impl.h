@@ -143,14 +143,28 @@ class VolumeImpl : public Volume {
   Status PrepareDrops(const std::vector<uint64_t>& addrs) REQUIRES(mu_);
   Status DropRef(uint64_t addr) REQUIRES(mu_);
   // Applies the drop list's entries whose groups this process holds or can
-  // take without waiting (`wait`: waits for every group in ascending order,
-  // holding no cached lock). Groups still held elsewhere are announced
-  // with kWanted so their holder hands them back at its next flush point.
-  Status DrainDrops(bool wait) REQUIRES(mu_);
+  // take without waiting. Groups still held elsewhere are announced with
+  // kWanted so their holder hands them back at its next flush point.
+  enum class Drain {
+    kIfDue,    // at a flush point: groups found busy lately are not tried
+    kNow,      // try every group now
+    kWaiting,  // wait for every group in ascending order, holding no cached lock
+  };
+  Status DrainDrops(Drain how) REQUIRES(mu_);
+  // Reads and decodes host `h`'s whole drop list from the device (one
+  // read); `raw` (optional) receives the blocks as read.
+  Result<std::vector<std::vector<uint64_t>>> ReadDropList(uint32_t h, BlockBuf* raw) const;
   Status LoadDropList() REQUIRES(mu_);
   size_t DropRoom() const REQUIRES(mu_);
   // True if this process holds the group of data block `addr`.
   bool GroupHeld(uint64_t addr) const REQUIRES(mu_);
+  // The group of data block `addr`; false if it is not a data block.
+  bool GroupOf(uint64_t addr, uint32_t* g) const;
+  // A group another host held when last tried is not tried again before
+  // its entry's time (each try is a paxos round with sanlock, and the
+  // holder hands a wanted group back only at its next flush point).
+  bool LooksBusy(uint32_t g) REQUIRES(mu_);
+  void NoteBusy(uint32_t g) REQUIRES(mu_);
   // Re-encodes drop_list_[i] into its block in the running transaction.
   Status StoreDropBlock(size_t i) REQUIRES(mu_);
   // Allocates n blocks (refcount 1), contiguous where possible. `meta`
@@ -211,9 +225,8 @@ class VolumeImpl : public Volume {
   uint64_t drops_applied_ GUARDED_BY(mu_) = 0;
   // kWanted(group) held for groups with deferred entries.
   std::set<uint32_t> drop_wanted_ GUARDED_BY(mu_);
-  // Foreign groups are tried at most every 100 ms (each try is a paxos
-  // round with sanlock); groups held here are drained at every flush.
-  uint64_t next_drain_try_ns_ GUARDED_BY(mu_) = 0;
+  // LooksBusy/NoteBusy: group -> monotonic ns before which it is not tried.
+  std::map<uint32_t, uint64_t> busy_until_ GUARDED_BY(mu_);
   std::chrono::seconds lock_wait_{60};  // bound on waiting for a volume lock
   std::map<uint64_t, OpenFileState*> open_ GUARDED_BY(mu_);  // by inode number
   struct GroupCursor {
