@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstring>
 #include <optional>
+#include <set>
 #include <thread>
 #include <unordered_map>
 
@@ -178,7 +179,7 @@ class Pass {
       : vol_(vol),
         access_(access),
         opts_(opts),
-        clock_(Clock::Real()),
+        clock_(opts.clock != nullptr ? opts.clock : Clock::Real()),
         uuid_(vol->superblock().uuid),
         algo_(vol->superblock().hash_algo) {
     std::vector<uint8_t> zero(kBlockSize, 0);
@@ -186,6 +187,9 @@ class Pass {
   }
 
   Result<DedupStats> Run() {
+    // Every device I/O of this thread (and the shard read-ahead it starts)
+    // is dedup I/O, charged to the rate cap.
+    ScopedIoBudget charged(opts_.io_budget);
     const uint64_t t0 = clock_->MonotonicNanos();
     if (opts_.verify == VerifyMode::kHashWitness && algo_ != HashAlgo::kSha256) {
       return Status::Invalid("hash-witness verification needs a volume formatted with --hash "
@@ -197,14 +201,19 @@ class Pass {
     stats_.gather_ns = t1 - t0;
     RETURN_IF_ERROR(MergeRound(opts_.force));
     // Everything the logs held is now in durable shard versions or pending
-    // files (ShardWriter::Finish syncs; pending appends sync here).
+    // files (ShardWriter::Finish syncs; pending appends sync here), except
+    // the records too young to use, which go back into their logs. (A crash
+    // between the truncation and the next flush point may lose those: they
+    // are hints, and only a dedup opportunity is lost.)
     RETURN_IF_ERROR(vol_->Sync());
-    for (auto& log : logs_) {
-      RETURN_IF_ERROR(log->Truncate(0));
+    for (ConsumedLog& log : logs_) {
+      RETURN_IF_ERROR(log.file->Truncate(0));
+      RETURN_IF_ERROR(AppendToOpenWriteLog(vol_, log.file.get(), log.deferred));
       stats_.logs_consumed++;
     }
     logs_.clear();
     RETURN_IF_ERROR(vol_->Sync());
+    SettleIo();
     const uint64_t t2 = clock_->MonotonicNanos();
     stats_.merge_ns = t2 - t1;
     stats_.total_ns = t2 - t0;
@@ -214,6 +223,16 @@ class Pass {
  private:
   void Progress(const std::string& s) {
     if (opts_.progress) opts_.progress(s);
+  }
+
+  // Pays for the dedup I/O done so far (sleeps under a rate cap). Called
+  // only where this thread holds no volume lock.
+  void SettleIo() {
+    if (opts_.settle_io) opts_.settle_io();
+  }
+
+  bool Young(uint64_t written_ns) const {
+    return opts_.stable_after_ns > 0 && written_ns > young_after_ns_;
   }
 
   // ------------------------------------------------------------ files
@@ -265,6 +284,8 @@ class Pass {
   // ------------------------------------------------------------ gather
 
   Status Gather() {
+    const uint64_t now = clock_->NowNanos();
+    young_after_ns_ = now > opts_.stable_after_ns ? now - opts_.stable_after_ns : 0;
     ASSIGN_OR_RETURN(std::vector<FileInfo> all, vol_->List());
     for (const FileInfo& fi : all) by_ino_[fi.id.ino] = fi;
     // First the merge requests other hosts posted for the files this pass
@@ -326,7 +347,10 @@ class Pass {
                        ReplayWriteLog(log->get(), algo_, uuid_, owner_info.id));
       stats_.log_corrupt_frames += st.stats.corrupt_frames;
       stats_.log_dropped_records += st.stats.dropped_records;
-      logs_.push_back(std::move(*log));
+      logs_.push_back(ConsumedLog{std::move(*log), MonitorBatch{}});
+      MonitorBatch& deferred = logs_.back().deferred;
+      deferred.file = owner_info.id;
+      SettleIo();
       for (const InvalidRange& r : st.invalidated) {
         if (r.count > 0) pf->touched.emplace_back(r.first, r.first + r.count - 1);
       }
@@ -335,10 +359,30 @@ class Pass {
         continue;
       }
       const uint64_t whole = pf->WholeBlocks();
+      // Blocks changed without a fingerprint too recently to use: rehashed
+      // by a later pass, not now.
+      std::vector<std::pair<uint64_t, uint64_t>> young_ranges;
+      uint64_t young_ranges_ns = 0;
+      for (const InvalidRange& ir : st.invalidated) {
+        if (ir.count == 0 || !Young(ir.time_ns)) continue;
+        young_ranges.emplace_back(ir.first, ir.first + ir.count - 1);
+        young_ranges_ns = std::max(young_ranges_ns, ir.time_ns);
+      }
+      Coalesce(&young_ranges);
+      auto in_young_range = [&](uint64_t b) {
+        auto it = std::upper_bound(young_ranges.begin(), young_ranges.end(), b,
+                                   [](uint64_t x, const auto& r) { return x < r.first; });
+        return it != young_ranges.begin() && (it - 1)->second >= b;
+      };
       for (const auto& [block, rec] : st.records) {
         pf->touched.emplace_back(block, block);
         stats_.log_records++;
         if (block >= whole) continue;
+        if (Young(rec.time_ns)) {
+          deferred.records.push_back(rec);
+          stats_.young_records_deferred++;
+          continue;
+        }
         PassRecord r;
         r.fp = KeyOf(rec.fp);
         r.block = block;
@@ -353,12 +397,44 @@ class Pass {
       // discards) are read and hashed here, so what the monitor could not
       // see is deduplicated too.
       for (const InvalidRange& ir : st.invalidated) {
+        if (Young(ir.time_ns)) continue;
         const uint64_t end = std::min(ir.first + ir.count, whole);
         for (uint64_t blk = ir.first; blk < end && rehashed_ < opts_.rehash_limit;) {
-          const uint64_t n = std::min<uint64_t>({end - blk, 64, opts_.rehash_limit - rehashed_});
+          if (in_young_range(blk)) {
+            blk++;
+            continue;
+          }
+          uint64_t n = std::min<uint64_t>({end - blk, 64, opts_.rehash_limit - rehashed_});
+          for (uint64_t k = 1; k < n; k++) {
+            if (in_young_range(blk + k)) n = k;
+          }
           RETURN_IF_ERROR(Rehash(pf, fidx, blk, n, st.records));
           blk += n;
+          SettleIo();
         }
+      }
+      // The young ranges go back into the log, minus the blocks a record
+      // describes (the log's own invariant: a record never lies in a range).
+      for (const auto& [first, last] : young_ranges) {
+        uint64_t b = first;
+        while (b <= last) {
+          auto rec = st.records.lower_bound(b);
+          const uint64_t stop = rec == st.records.end() ? last + 1 : std::min(rec->first, last + 1);
+          if (stop > b) {
+            deferred.invalidated.push_back(InvalidRange{b, stop - b, young_ranges_ns});
+            stats_.young_ranges_deferred++;
+          }
+          b = stop + 1;
+        }
+      }
+      for (const BlockRecord& r : deferred.records) {
+        deferred.first_ns = deferred.first_ns ? std::min(deferred.first_ns, r.time_ns) : r.time_ns;
+        deferred.last_ns = std::max(deferred.last_ns, r.time_ns);
+      }
+      if (!deferred.invalidated.empty()) {
+        deferred.first_ns = deferred.first_ns ? std::min(deferred.first_ns, young_ranges_ns)
+                                              : young_ranges_ns;
+        deferred.last_ns = std::max(deferred.last_ns, young_ranges_ns);
       }
       RETURN_IF_ERROR(FlushZeroBlocks());
       Coalesce(&pf->touched);
@@ -391,6 +467,8 @@ class Pass {
     std::sort(regular.begin(), regular.end(),
               [](const FileInfo& a, const FileInfo& b) { return a.id.ino < b.id.ino; });
     for (const FileInfo& fi : regular) {
+      // Stopping: what was read so far is parked by the final merge round.
+      if (opts_.stop != nullptr && opts_.stop->load()) break;
       const uint32_t fidx = FileIndex(fi);
       PassFile* pf = &files_[fidx];
       Result<FileAccess::Handle> h = Open(pf);
@@ -408,6 +486,7 @@ class Pass {
         const uint64_t n = std::min<uint64_t>(whole - b, 256);
         RETURN_IF_ERROR(Rehash(pf, fidx, b, n, kNone));
         b += n;
+        SettleIo();
       }
       if (whole > 0) {
         pf->touched.emplace_back(0, whole - 1);
@@ -458,6 +537,7 @@ class Pass {
   Status FlushZeroBlocks() {
     if (zero_ops_.empty()) return Status::Ok();
     RETURN_IF_ERROR(vol_->ApplyBlockOps(&zero_ops_, opts_.verify));
+    SettleIo();
     for (const Volume::BlockOp& op : zero_ops_) {
       if (op.result.ok()) {
         stats_.zero_blocks_freed += op.changed;
@@ -478,6 +558,13 @@ class Pass {
     const LockId lock{LockKind::kIndexShard, id};
     Status s = lm->Acquire(lock, LockMode::kExclusive, false);
     if (s.code() != Status::Code::kLocked) return s;
+    if (parking_) {
+      // Stopping must not wait for another host's shard update: give up
+      // parking and keep the logs (what was parked is applied again later,
+      // which is harmless).
+      return Status::Unavailable("dedup pass stopped; " + lock.ToString() +
+                                 " was busy while parking, the logs are kept");
+    }
     // Another pass (here or on another host) merges into this shard; the
     // lock manager waits for it without hammering the lock.
     Progress("waiting for " + lock.ToString());
@@ -493,15 +580,34 @@ class Pass {
     size_t i = 0;    // next unprocessed record
     uint64_t p = 0;  // next prefix to look at
     uint64_t retries = 0;
+    std::set<uint64_t> pending_los;  // ranges with pending files
+    {
+      ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
+      for (const IndexFile& f : map.pending) pending_los.insert(f.range.lo);
+    }
     while (true) {
       if (opts_.cancel != nullptr && opts_.cancel->load()) {
         return Status::Unavailable("dedup pass cancelled");
       }
-      if (opts_.force) {
-        if (swept_all_) break;
-      } else {
-        if (i >= records_.size()) break;
-        p = std::max(p, KeyPrefix(records_[i].fp));
+      if (!parking_ && opts_.stop != nullptr && opts_.stop->load()) {
+        parking_ = true;
+        stats_.stopped = true;
+        Progress("stopping: parking the records not merged yet");
+      }
+      SettleIo();
+      if (swept_all_) break;
+      if (!opts_.force) {
+        // The next shard with records of this pass, or with records parked
+        // by an earlier one (a pass stopped at its window's end leaves
+        // them; they are applied once they pass the batching fraction).
+        std::optional<uint64_t> next;
+        if (i < records_.size()) next = std::max(p, KeyPrefix(records_[i].fp));
+        if (!parking_) {
+          auto pend = pending_los.lower_bound(p);
+          if (pend != pending_los.end()) next = next ? std::min(*next, *pend) : *pend;
+        }
+        if (!next) break;
+        p = *next;
       }
       ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
       const ShardRange guess = map.SlotFor(p).range;
@@ -562,8 +668,9 @@ class Pass {
     }
     size_t end = *i;
     while (end < records_.size() && KeyPrefix(records_[end].fp) <= slot.range.last()) end++;
-    if (end > *i || opts_.force) {
-      Result<bool> r = ProcessSlot(slot, map.IsPendingListed(slot.range), *i, end);
+    const bool has_pending = map.IsPendingListed(slot.range);
+    if (end > *i || (!parking_ && (opts_.force || has_pending))) {
+      Result<bool> r = ProcessSlot(slot, has_pending, *i, end);
       if (!r.ok() || !*r) return r;
     }
     *i = end;
@@ -587,6 +694,7 @@ class Pass {
   Result<bool> ProcessSlot(const ShardSlot& slot, bool has_pending, size_t b, size_t e) {
     const uint64_t t0 = clock_->MonotonicNanos();
     const std::string what = "index shard " + slot.range.ToString();
+    Progress(what + ": " + std::to_string(e - b) + " records" + (parking_ ? " (parking)" : ""));
     std::unique_ptr<File> cur;
     std::unique_ptr<ShardReader> reader;
     if (slot.version != 0) {
@@ -631,8 +739,8 @@ class Pass {
     }
     const uint64_t entries = reader ? reader->header().entry_count : 0;
     const uint64_t fresh = e - b;
-    if (!opts_.force && entries > 0 &&
-        double(pending.size() + fresh) <= opts_.rewrite_fraction * double(entries)) {
+    if (parking_ || (!opts_.force && entries > 0 &&
+                     double(pending.size() + fresh) <= opts_.rewrite_fraction * double(entries))) {
       // Batching: not worth a rewrite yet. Park the records.
       if (fresh > 0) {
         std::vector<PendingRecord> park;
@@ -647,6 +755,7 @@ class Pass {
         }
         RETURN_IF_ERROR(AppendPendingFrame(pending_file.get(), park, algo_, uuid_));
         stats_.pending_records_written += fresh;
+        if (parking_) stats_.records_parked_at_stop += fresh;
       }
       stats_.shards_deferred++;
       return true;
@@ -775,6 +884,7 @@ class Pass {
     {
       IndexEntry old;
       bool have_old = false;
+      uint64_t skipped = 0;
       if (reader) {
         ASSIGN_OR_RETURN(have_old, reader->Next(&old));
       }
@@ -783,6 +893,7 @@ class Pass {
         const FpKey key = recs[k].fp;
         while (have_old && old.fp < key) {
           ASSIGN_OR_RETURN(have_old, reader->Next(&old));
+          if ((++skipped & 1023) == 0) SettleIo();
         }
         if (have_old && old.fp == key) {
           g.state = old;
@@ -814,7 +925,7 @@ class Pass {
         return Status::Ok();
       }
       ASSIGN_OR_RETURN(have_old, reader->Next(&old));
-      if (have_old) stats_.entries_scanned++;
+      if (have_old && (++stats_.entries_scanned & 1023) == 0) SettleIo();
       return Status::Ok();
     };
     auto finish = [&](std::optional<IndexEntry> st) -> Status {
@@ -1053,6 +1164,7 @@ class Pass {
           batch.clear();
           for (size_t j = i; j < e; j++) batch.push_back((*planned)[j].op);
           RETURN_IF_ERROR(vol_->ApplyBlockOps(&batch, opts_.verify));
+          SettleIo();
           for (size_t j = i; j < e; j++) {
             const Status& r = batch[j - i].result;
             if (!r.ok() && r.code() != Status::Code::kMismatch) return r;
@@ -1154,7 +1266,15 @@ class Pass {
   std::vector<PassFile> files_;
   std::unordered_map<uint64_t, uint32_t> file_index_;
   std::vector<PassRecord> records_;
-  std::vector<std::unique_ptr<File>> logs_;
+  // The logs this pass consumes (held open, so no one appends meanwhile)
+  // and what goes back into each once it is truncated.
+  struct ConsumedLog {
+    std::unique_ptr<File> file;
+    MonitorBatch deferred;  // records and ranges younger than stable_after
+  };
+  std::vector<ConsumedLog> logs_;
+  uint64_t young_after_ns_ = 0;  // records written after this are young
+  bool parking_ = false;         // stopping: park records, merge nothing
   std::vector<uint8_t> buf_;
   // Merge requests of the shard update in progress, by target inode.
   struct MergePost {

@@ -35,6 +35,8 @@
 
 #include "agent/export_table.h"
 #include "merge/merge_request.h"
+#include "util/clock.h"
+#include "util/io_budget.h"
 #include "util/status.h"
 #include "volume/volume.h"
 
@@ -70,6 +72,26 @@ struct DedupOptions {
   // kUnavailable (everything done so far is durable and consistent; the
   // logs are kept and consumed by a later pass).
   const std::atomic<bool>* cancel = nullptr;
+  // Checked between shards like `cancel`, but a stop keeps the pass's work:
+  // the records not merged yet are parked in their shards' pending files
+  // (one short append per shard) and the logs are consumed, so the next
+  // pass resumes where this one stopped. The pass returns OK with
+  // stats.stopped set. Used when a dedup window ends. (If a shard's lock is
+  // held elsewhere while parking, the pass ends as if cancelled instead:
+  // nothing is lost, the logs stay.)
+  const std::atomic<bool>* stop = nullptr;
+  // Selective sharing (policy stable-after): a record whose block was
+  // written less than this long ago is neither merged nor shared this pass;
+  // it goes back into its file's log for a later pass, so hot blocks do not
+  // churn through copy-on-write. 0: every record is used.
+  uint64_t stable_after_ns = 0;
+  // Wall clock for stable_after_ns and shard headers; nullptr: the real one.
+  Clock* clock = nullptr;
+  // Throttling: the pass's threads charge their device I/O to `io_budget`
+  // (util/io_budget.h) and call `settle_io` where they hold no volume lock,
+  // which sleeps as long as the rate cap needs.
+  IoBudget* io_budget = nullptr;
+  std::function<void()> settle_io;
   // Called now and then with a one-line status (progress on a terminal).
   std::function<void(const std::string&)> progress;
 };
@@ -122,6 +144,11 @@ struct DedupStats {
   uint64_t corrupt_shard_blocks = 0;
   uint64_t incomplete_versions_removed = 0;
   uint64_t stale_files_removed = 0;
+  // Scheduling.
+  bool stopped = false;                // stopped by DedupOptions::stop (work parked)
+  uint64_t records_parked_at_stop = 0; // records parked in pending files by the stop
+  uint64_t young_records_deferred = 0; // younger than stable_after: back into the logs
+  uint64_t young_ranges_deferred = 0;  // changed ranges too young to rehash: back into the logs
   // Time.
   uint64_t gather_ns = 0;
   uint64_t merge_ns = 0;

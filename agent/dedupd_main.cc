@@ -1,8 +1,11 @@
 // dedupd: the per-host dede daemon. Serves every regular file of a volume as
-// an NBD export, fingerprints what VMs write (write monitor) and keeps the
-// per-file write logs on the volume. Later issues add dedup passes, merge
-// requests and scheduling.
+// an NBD export, fingerprints what VMs write (write monitor), keeps the
+// per-file write logs on the volume, runs dedup passes and applies merge
+// requests in the volume policy's windows (throttled to its rate cap),
+// answers `dede status` on a control socket, records its passes for
+// `dede report` and serves Prometheus metrics on loopback.
 #include <signal.h>
+#include <unistd.h>
 
 #include <boost/asio.hpp>
 #include <boost/program_options.hpp>
@@ -13,8 +16,15 @@
 #include <memory>
 #include <mutex>
 
+#include "agent/control_server.h"
 #include "agent/dedup_pass.h"
+#include "agent/dedup_policy.h"
+#include "agent/io_throttle.h"
 #include "agent/lockspace_guard.h"
+#include "agent/metrics_server.h"
+#include "agent/pass_history.h"
+#include "agent/pass_scheduler.h"
+#include "index/index_check.h"
 #include "agent/export_table.h"
 #include "agent/log_flusher.h"
 #include "agent/nbd_server.h"
@@ -43,8 +53,11 @@ const char kUsage[] =
     "of an export takes the file's lock; another dedupd or host asking for the same\n"
     "export is refused until every client here has disconnected.\n"
     "Fully written 4 KiB blocks are fingerprinted in memory and logged per file on\n"
-    "the volume for later dedup passes. SIGTERM or SIGINT drains requests, flushes\n"
-    "logs and data, releases locks and exits 0.\n";
+    "the volume for later dedup passes. Dedup passes and merge requests run in the\n"
+    "windows of the volume's policy (dede policy VOL show), at its rate cap and\n"
+    "priority; `dede dedup --now` or SIGUSR1 runs a pass at once. `dede status`\n"
+    "asks this daemon over --control; `dede report` reads --history. SIGTERM or\n"
+    "SIGINT drains requests, flushes logs and data, releases locks and exits 0.\n";
 
 struct Config {
   std::string volume;
@@ -65,6 +78,14 @@ struct Config {
   double merge_interval = 10;  // apply merge requests for served files; 0: only at passes
   double open_wait = 30;       // a client's export open waits this long for a busy file
   double split_after = 30;     // split a shard whose last update took longer (seconds)
+  double window_interval = 600;  // inside a policy window: seconds between passes
+  double policy_refresh = 30;    // re-read the volume's policy every SEC
+  std::string control = kDefaultControlPath;
+  bool control_given = false;
+  std::string history = kDefaultHistoryPath;
+  bool history_given = false;
+  int metrics_port = 9187;       // -1: off
+  bool metrics_given = false;
   LogLevel log_level = LogLevel::kInfo;
 };
 
@@ -75,7 +96,7 @@ int UsageError(const std::string& msg) {
 
 // Returns an exit code, or -1 to go on.
 int ParseArgs(int argc, char** argv, Config* cfg) {
-  std::string tcp_port, flush_bytes, memory, log_level, config_file;
+  std::string tcp_port, flush_bytes, memory, log_level, config_file, metrics_port;
   po::options_description opts("options");
   opts.add_options()
       ("help,h", "show this help")
@@ -99,6 +120,11 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
       ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
+      ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600)")
+      ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30)")
+      ("control", po::value(&cfg->control)->value_name("PATH"), "control socket for `dede status`, `dede set` on running exports and `dede dedup --now` (default /run/dede/dedupd.ctl; 'off': none)")
+      ("history", po::value(&cfg->history)->value_name("PATH"), "SQLite database of this host's passes, for `dede report` (default /var/lib/dede/history.db; 'off': none)")
+      ("metrics-port", po::value(&metrics_port)->value_name("PORT"), "serve Prometheus metrics on 127.0.0.1:PORT/metrics (default 9187; 0: any free port; 'off': none)")
       ("log-level", po::value(&log_level)->value_name("LEVEL"), "debug, info, warning or error (default info)");
   po::variables_map vm;
   try {
@@ -152,6 +178,20 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   if (!(cfg->merge_interval >= 0)) return UsageError("--merge-interval: must be >= 0");
   if (!(cfg->open_wait >= 0)) return UsageError("--open-wait: must be >= 0");
   if (!(cfg->split_after > 0)) return UsageError("--split-after: must be > 0");
+  if (!(cfg->window_interval >= 0)) return UsageError("--window-interval: must be >= 0");
+  if (!(cfg->policy_refresh > 0)) return UsageError("--policy-refresh: must be > 0");
+  cfg->control_given = vm.count("control") > 0;
+  cfg->history_given = vm.count("history") > 0;
+  cfg->metrics_given = vm.count("metrics-port") > 0;
+  if (cfg->control == "off") cfg->control.clear();
+  if (cfg->history == "off") cfg->history.clear();
+  if (metrics_port == "off") {
+    cfg->metrics_port = -1;
+  } else if (!metrics_port.empty()) {
+    auto p = ParseUnsigned(metrics_port);
+    if (!p || *p > 65535) return UsageError("--metrics-port: not a port number: " + metrics_port);
+    cfg->metrics_port = static_cast<int>(*p);
+  }
   cfg->write_monitor = vm.count("no-write-monitor") == 0;
   return -1;
 }
@@ -247,45 +287,216 @@ int Run(const Config& cfg) {
     if (cfg.write_monitor) (void)flusher.FlushAll();
   });
 
-  // Dedup passes run on a worker, one at a time; shutdown cancels the one
-  // running and waits for it (it holds exports) before closing files.
+  // ------------------------------------------------------------ policy
+  // The volume's dedup policy (windows, rate cap, priority, stable-after),
+  // re-read every --policy-refresh; every host obeys the same file.
+  PassScheduler::Options so_sched;
+  so_sched.interval_s = cfg.dedup_interval;
+  so_sched.window_interval_s = cfg.window_interval;
+  PassScheduler scheduler(Clock::Real(), so_sched);
+  IoThrottle throttle(0);
+  uint64_t policy_generation = ~0ull;
+  auto refresh_policy = [&] {
+    Result<DedupPolicy> p = ReadPolicy(vol);
+    if (!p.ok()) {
+      // kLocked: `dede policy set` or another host is reading it; next time.
+      if (p.status().code() != Status::Code::kLocked) {
+        LOG(kWarning) << "reading the dedup policy: " << p.status().ToString()
+                      << " (keeping the previous one)";
+      }
+      return;
+    }
+    scheduler.SetPolicy(*p);
+    throttle.SetRate(p->rate_bytes_per_s);
+    if (p->generation != policy_generation) {
+      policy_generation = p->generation;
+      std::string windows;
+      for (const DedupWindow& w : p->windows) windows += (windows.empty() ? "" : "; ") + FormatWindow(w);
+      LOG(kInfo) << "dedup policy generation " << p->generation << ": windows "
+                 << (windows.empty() ? "always" : windows) << ", rate "
+                 << (p->rate_bytes_per_s ? std::to_string(p->rate_bytes_per_s / 1000000) + " MB/s"
+                                         : std::string("unlimited"))
+                 << ", priority " << PriorityName(p->priority) << ", stable after "
+                 << p->stable_after_s << " s";
+    }
+  };
+  refresh_policy();
+
+  // ------------------------------------------------------------ history
+  std::unique_ptr<PassHistory> history;
+  if (!cfg.history.empty()) {
+    Result<std::unique_ptr<PassHistory>> h = PassHistory::Open(cfg.history, true);
+    if (h.ok()) {
+      history = std::move(*h);
+    } else if (cfg.history_given) {
+      LOG(kError) << "pass history: " << h.status().ToString();
+      return kExitError;
+    } else {
+      LOG(kWarning) << "no pass history (" << h.status().ToString()
+                    << "); give --history PATH to keep one";
+    }
+  }
+
+  // ------------------------------------------------------------ passes
+  // Dedup passes run on a worker, one at a time, when the scheduler says
+  // (windows, interval) or an administrator asks. Shutdown cancels the one
+  // running and waits for it (it holds exports) before closing files; a
+  // window's end stops it (its work is parked, not lost).
   std::atomic<bool> cancel_pass{false};
+  std::atomic<bool> stop_pass{false};
+  // An opt-out changed: the next pass rewrites every shard so the file's
+  // index entries go at once.
+  std::atomic<bool> sweep_next_pass{false};
   std::mutex pass_mu;
+  struct PassState {
+    std::mutex mu;
+    std::string trigger, window, progress;
+    uint64_t started_ns = 0;
+    uint64_t completed = 0, stopped = 0, failed = 0, last_end_ns = 0;
+    uint64_t shared_total = 0, reclaimed_total = 0, io_bytes_total = 0;
+    uint64_t merge_applied_total = 0;
+    uint64_t cow_at_last_pass = 0;
+  } pass_state;
+  const uint64_t started_wall_ns = Clock::Real()->NowNanos();
+  // COW specializations of all exports since start (closed exports' counts
+  // are folded in when they close).
+  auto cow_total = [&] {
+    uint64_t n = 0;
+    for (const auto& e : table.Snapshot()) n += e->cow_copies();
+    return n + table.closed_cow_copies();
+  };
   uint64_t passes = 0;
-  auto run_pass = [&] {
-    std::unique_lock<std::mutex> running(pass_mu, std::try_to_lock);
-    if (!running.owns_lock() || cancel_pass) return;
+  auto run_pass = [&](PassTrigger trigger) {
+    std::lock_guard<std::mutex> running(pass_mu);
+    if (cancel_pass) {
+      scheduler.PassEnded(false);
+      return;
+    }
+    stop_pass = false;
+    const DedupPolicy policy = scheduler.policy();
+    const uint64_t start_ns = Clock::Real()->NowNanos();
+    {
+      std::lock_guard<std::mutex> l(pass_state.mu);
+      pass_state.trigger = PassTriggerName(trigger);
+      pass_state.window = scheduler.CurrentWindow();
+      pass_state.progress = "starting";
+      pass_state.started_ns = start_ns;
+    }
     // What is buffered goes to the logs first, so the pass sees it.
     if (cfg.write_monitor) (void)flusher.FlushAll();
     DedupOptions po;
     po.rewrite_fraction = cfg.dedup_fraction;
     po.split_threshold_ms = static_cast<uint64_t>(cfg.split_after * 1000);
     po.cancel = &cancel_pass;
+    // An administrator's pass runs to its end; a scheduled one stops when
+    // its window closes.
+    if (trigger == PassTrigger::kWindow || trigger == PassTrigger::kInterval) po.stop = &stop_pass;
+    po.stable_after_ns = policy.stable_after_s * 1'000'000'000ull;
+    po.io_budget = &throttle;
+    po.settle_io = [&] { throttle.Settle(); };
+    po.batch_ops = IoThrottle::BatchOpsFor(policy.rate_bytes_per_s, po.batch_ops);
+    po.force = sweep_next_pass.exchange(false);
+    po.progress = [&](const std::string& line) {
+      std::lock_guard<std::mutex> l(pass_state.mu);
+      pass_state.progress = line;
+    };
     auto* sanlock_locks = dynamic_cast<SanlockLockManager*>(vol->lock_manager());
     const SanlockLockManager::Counters locks_before =
         sanlock_locks ? sanlock_locks->counters() : SanlockLockManager::Counters{};
-    auto access = std::make_unique<ExportFileAccess>(&table);
-    Result<DedupStats> st = RunDedupPass(vol, access.get(), po);
-    access.reset();  // hands the exports back (closing those without clients)
+    const uint64_t io_before = throttle.bytes();
+    Result<DedupStats> st = Status::Ok();
+    {
+      ScopedDedupPriority priority(policy.priority);
+      auto access = std::make_unique<ExportFileAccess>(&table);
+      st = RunDedupPass(vol, access.get(), po);
+      access.reset();  // hands the exports back (closing those without clients)
+    }
+    if (!st.ok() && po.force) sweep_next_pass = true;  // not done: next time
     passes++;
+    PassRow row;
+    row.start_ns = start_ns;
+    row.end_ns = Clock::Real()->NowNanos();
+    row.host_id = vol->host_id();
+    row.volume_uuid = UuidToString(vol->superblock().uuid);
+    row.trigger = PassTriggerName(trigger);
+    {
+      std::lock_guard<std::mutex> l(pass_state.mu);
+      row.window = pass_state.window;
+    }
+    row.io_bytes = throttle.bytes() - io_before;
+    const uint64_t cow_now = cow_total();
     if (!st.ok()) {
-      if (st.status().code() == Status::Code::kUnavailable) {
+      const bool stopped = st.status().code() == Status::Code::kUnavailable;
+      row.outcome = stopped ? "stopped" : "failed";
+      row.error = st.status().message();
+      row.errors = stopped ? 0 : 1;
+      if (stopped) {
         LOG(kInfo) << "dedup pass " << passes << ": " << st.status().ToString();
       } else {
         LOG(kError) << "dedup pass " << passes << ": " << st.status().ToString();
       }
-      return;
+    } else {
+      row.outcome = st->stopped ? "stopped" : "completed";
+      row.records = st->log_records + st->pending_records_applied;
+      row.entries_scanned = st->entries_scanned;
+      row.shards_rewritten = st->shards_rewritten;
+      row.blocks_shared_new = st->shared_new;
+      row.blocks_shared_again = st->shared_hits;
+      row.zero_blocks_freed = st->zero_blocks_freed;
+      row.merge_requests_posted = st->merge_requests_posted;
+      row.merge_requests_applied = st->merge_requests_applied;
+      row.verification_failures = st->stale_records + st->merge_requests_failed_verification;
+      row.bytes_reclaimed = kBlockSize * (st->shared_new + st->shared_hits + st->zero_blocks_freed +
+                                          st->merge_requests_applied);
+      LOG(kInfo) << "dedup pass " << passes << " (" << row.trigger
+                 << (row.window.empty() ? "" : " " + row.window) << "): " << st->log_records
+                 << " records from " << st->logs_consumed << " logs, " << st->shared_new
+                 << " new shared, " << st->shared_hits << " shared again, "
+                 << st->merge_requests_posted << " merge requests posted ("
+                 << st->merge_posts_busy << " posts busy), " << st->merge_requests_applied
+                 << " applied, " << st->zero_blocks_freed << " zero blocks freed, "
+                 << st->files_busy << " files busy, " << st->shards_rewritten
+                 << " shards rewritten (" << st->shards_split << " split, " << st->shard_waits
+                 << " waits), " << st->young_records_deferred << " young records deferred, "
+                 << row.io_bytes << " bytes of I/O in " << double(st->total_ns) / 1e9 << " s"
+                 << (st->stopped ? "; stopped at the window's end, " +
+                                       std::to_string(st->records_parked_at_stop) +
+                                       " records parked for the next window"
+                                 : "");
     }
-    LOG(kInfo) << "dedup pass " << passes << ": " << st->log_records << " records from "
-               << st->logs_consumed << " logs, " << st->shared_new << " new shared, "
-               << st->shared_hits << " shared again, " << st->merge_requests_posted
-               << " merge requests posted (" << st->merge_posts_busy << " posts busy), "
-               << st->merge_requests_applied << " applied, "
-               << st->zero_blocks_freed
-               << " zero blocks freed, " << st->files_busy << " files busy, "
-               << st->shards_rewritten << " shards rewritten (" << st->shards_split
-               << " split, " << st->shard_waits << " waits) in "
-               << double(st->total_ns) / 1e9 << " s";
+    {
+      std::lock_guard<std::mutex> l(pass_state.mu);
+      row.cow_copies = cow_now - pass_state.cow_at_last_pass;
+      pass_state.cow_at_last_pass = cow_now;
+    }
+    // The volume after the pass, for savings over time (reads only shard
+    // headers and metadata).
+    if (Result<SpaceSummary> space = SummarizeSpace(vol); space.ok()) {
+      row.volume_logical_bytes = space->logical_bytes();
+      row.volume_physical_bytes = space->physical_bytes();
+      row.volume_saved_bytes = space->saved_bytes();
+    } else {
+      LOG(kWarning) << "volume figures after the pass: " << space.status().ToString();
+    }
+    if (history) {
+      if (Result<int64_t> id = history->Record(row); !id.ok()) {
+        LOG(kWarning) << "recording the pass: " << id.status().ToString();
+      }
+    }
+    {
+      std::lock_guard<std::mutex> l(pass_state.mu);
+      if (row.outcome == "completed") pass_state.completed++;
+      if (row.outcome == "stopped") pass_state.stopped++;
+      if (row.outcome == "failed") pass_state.failed++;
+      pass_state.last_end_ns = row.end_ns;
+      pass_state.shared_total += row.blocks_shared_new + row.blocks_shared_again;
+      pass_state.reclaimed_total += row.bytes_reclaimed;
+      pass_state.io_bytes_total += row.io_bytes;
+      pass_state.merge_applied_total += row.merge_requests_applied;
+      pass_state.progress.clear();
+      pass_state.trigger.clear();
+    }
+    scheduler.PassEnded(row.outcome == "completed");
     if (sanlock_locks) {
       // Other threads (NBD opens, the collector) count here too.
       const SanlockLockManager::Counters c = sanlock_locks->counters();
@@ -301,27 +512,45 @@ int Run(const Config& cfg) {
     LOG(kInfo) << "reference drops: " << drops.deferred << " deferred, " << drops.applied
                << " applied, " << drops.pending << " pending";
   };
-  PeriodicJob dedup_job(io, &server, cfg.dedup_interval > 0 ? cfg.dedup_interval : 1e9, run_pass);
+  // The scheduler's tick: starts a due pass on a worker; tells a running
+  // one to stop when its window closed.
+  auto start_due_pass = [&] {
+    if (scheduler.running()) {
+      if (scheduler.ShouldStop() && !stop_pass.exchange(true)) {
+        LOG(kInfo) << "dedup window ended: stopping the running pass";
+      }
+      return;
+    }
+    std::optional<PassTrigger> due = scheduler.Due();
+    if (!due || cancel_pass) return;
+    scheduler.PassStarted(*due);
+    server.RunBlocking([&run_pass, t = *due] { run_pass(t); });
+  };
+  PeriodicJob schedule_job(io, &server, 1.0, start_due_pass);
+  PeriodicJob policy_job(io, &server, cfg.policy_refresh, refresh_policy);
   asio::signal_set usr1(io, SIGUSR1);
   std::function<void(boost::system::error_code, int)> on_usr1 =
       [&](boost::system::error_code ec, int) {
         if (ec) return;
-        server.RunBlocking(run_pass);
+        scheduler.Request(PassTrigger::kSignal);
         usr1.async_wait(on_usr1);
       };
   usr1.async_wait(on_usr1);
 
   // Merge requests (DeDe 3.3.2) other hosts posted for the files served
-  // here, applied every --merge-interval (a pass applies them too). Only
-  // exports open now: an idle file is not opened for it. It holds exports
-  // like a pass, so it runs under pass_mu (try-lock: a running pass
-  // applies them itself; shutdown waits there).
+  // here, applied every --merge-interval (a pass applies them too) inside
+  // the policy's windows (applying one shares blocks). Only exports open
+  // now: an idle file is not opened for it. It holds exports like a pass,
+  // so it runs under pass_mu (try-lock: a running pass applies them
+  // itself; shutdown waits there).
   auto apply_merges = [&] {
+    if (!scheduler.InWindow()) return;
     std::unique_lock<std::mutex> running(pass_mu, std::try_to_lock);
     if (!running.owns_lock() || cancel_pass) return;
     std::vector<FileId> served;
     for (const auto& e : table.Snapshot()) served.push_back(e->id());
     if (served.empty()) return;
+    ScopedIoBudget charged(&throttle);
     auto access = std::make_unique<ExportFileAccess>(&table);
     Result<MergeApplyStats> st = ApplyMergeRequestsForHeldFiles(
         vol, access.get(), VerifyMode::kByteCompare, [&](const FileInfo& fi) {
@@ -331,15 +560,226 @@ int Run(const Config& cfg) {
           return false;
         });
     access.reset();
+    throttle.Settle();
     if (!st.ok()) {
       LOG(kError) << "applying merge requests: " << st.status().ToString();
     } else if (st->records > 0) {
+      {
+        std::lock_guard<std::mutex> l(pass_state.mu);
+        pass_state.merge_applied_total += st->applied;
+      }
       LOG(kInfo) << "merge requests: " << st->applied << " applied, " << st->failed_verification
                  << " failed verification, " << st->stale << " stale";
     }
   };
   PeriodicJob merge_job(io, &server, cfg.merge_interval > 0 ? cfg.merge_interval : 1e9,
                         apply_merges);
+
+  // ------------------------------------------------------------ status
+  auto status_json = [&]() -> nlohmann::json {
+    nlohmann::json j;
+    j["host_id"] = vol->host_id();
+    j["volume"] = cfg.volume;
+    j["volume_uuid"] = UuidToString(vol->superblock().uuid);
+    j["pid"] = static_cast<int64_t>(::getpid());
+    j["version"] = DEDE_VERSION;
+    j["uptime_s"] = double(Clock::Real()->NowNanos() - started_wall_ns) / 1e9;
+    nlohmann::json exports = nlohmann::json::array();
+    for (const auto& [e, clients] : table.SnapshotWithClients()) {
+      nlohmann::json x;
+      x["name"] = e->name();
+      x["clients"] = clients;
+      x["dedup"] = e->dedup();
+      x["cow_copies"] = e->cow_copies();
+      if (cfg.write_monitor) {
+        const MonitorFileStats fs = monitor.FileStats(e->id());
+        x["buffered_records"] = fs.buffered_records;
+        x["dropped_records"] = fs.dropped_records;
+        x["hashed_blocks"] = fs.hashed_blocks;
+      }
+      exports.push_back(x);
+    }
+    j["exports"] = exports;
+    nlohmann::json leases = nlohmann::json::array();
+    for (const auto& [id, mode] : vol->lock_manager()->Held()) {
+      leases.push_back({{"lock", id.ToString()},
+                        {"mode", mode == LockMode::kExclusive ? "exclusive" : "shared"}});
+    }
+    j["leases"] = leases;
+    j["lock_backend"] = dynamic_cast<SanlockLockManager*>(vol->lock_manager()) ? "sanlock" : "local";
+    if (cfg.write_monitor) {
+      const MonitorStats ms = monitor.Stats();
+      j["monitor"] = {{"files", ms.files},
+                      {"buffer_bytes", ms.buffered_bytes},
+                      {"buffer_cap_bytes", ms.memory_cap_bytes},
+                      {"records_buffered", ms.buffered_records},
+                      {"records_dropped", ms.dropped_records},
+                      {"hashed_blocks", ms.hashed_blocks}};
+    } else {
+      j["monitor"] = nullptr;
+    }
+    const DedupPolicy pol = scheduler.policy();
+    nlohmann::json windows = nlohmann::json::array();
+    for (const DedupWindow& w : pol.windows) windows.push_back(FormatWindow(w));
+    const std::optional<uint64_t> next = scheduler.NextChange();
+    j["policy"] = {{"windows", windows},
+                   {"rate_bytes_per_s", pol.rate_bytes_per_s},
+                   {"priority", PriorityName(pol.priority)},
+                   {"stable_after_s", pol.stable_after_s},
+                   {"generation", pol.generation},
+                   {"in_window", scheduler.InWindow()},
+                   {"window", scheduler.CurrentWindow()},
+                   {"next_change_ns", next ? *next : 0}};
+    {
+      std::lock_guard<std::mutex> l(pass_state.mu);
+      const std::optional<PassTrigger> running = scheduler.running_trigger();
+      nlohmann::json pass = {{"running", running.has_value()}};
+      if (running) {
+        pass["trigger"] = PassTriggerName(*running);
+        pass["window"] = pass_state.window;
+        pass["started_ns"] = pass_state.started_ns;
+        pass["progress"] = pass_state.progress;
+        pass["stopping"] = stop_pass.load();
+      }
+      j["pass"] = pass;
+      j["passes"] = {{"completed", pass_state.completed},
+                     {"stopped", pass_state.stopped},
+                     {"failed", pass_state.failed},
+                     {"last_end_ns", pass_state.last_end_ns},
+                     {"blocks_shared", pass_state.shared_total},
+                     {"bytes_reclaimed", pass_state.reclaimed_total},
+                     {"merge_requests_applied", pass_state.merge_applied_total},
+                     {"io_bytes", pass_state.io_bytes_total}};
+    }
+    j["cow_copies"] = cow_total();
+    const Volume::DropCounters drops = vol->drop_counters();
+    j["drops"] = {{"deferred", drops.deferred}, {"applied", drops.applied}, {"pending", drops.pending}};
+    j["throttle"] = {{"rate_bytes_per_s", throttle.rate()},
+                     {"io_bytes", throttle.bytes()},
+                     {"waited_s", double(throttle.waited_ns()) / 1e9}};
+    j["history"] = history ? cfg.history : "";
+    return j;
+  };
+
+  std::unique_ptr<ControlServer> control;
+  if (!cfg.control.empty()) {
+    control = std::make_unique<ControlServer>(io, cfg.control, [&server](std::function<void()> f) {
+      server.RunBlocking(std::move(f));
+    });
+    control->Handle("status", [&](const nlohmann::json&) -> Result<nlohmann::json> {
+      return status_json();
+    });
+    // `dede dedup --now`: a pass at once, whatever the windows.
+    control->Handle("dedup-now", [&](const nlohmann::json&) -> Result<nlohmann::json> {
+      const bool was_running = scheduler.running();
+      scheduler.Request(PassTrigger::kNow);
+      return nlohmann::json{{"requested", true}, {"pass_running", was_running}};
+    });
+    // `dede set VOL NAME dedup=on|off` on a running export: takes effect at
+    // once (the monitor stops hashing; the volume refuses shares).
+    control->Handle("set-dedup", [&](const nlohmann::json& req) -> Result<nlohmann::json> {
+      if (!req.contains("name") || !req["name"].is_string() || !req.contains("dedup") ||
+          !req["dedup"].is_boolean()) {
+        return Status::Invalid("set-dedup needs \"name\" (string) and \"dedup\" (bool)");
+      }
+      const std::string name = req["name"].get<std::string>();
+      const bool on = req["dedup"].get<bool>();
+      if (req.contains("volume_uuid") &&
+          req["volume_uuid"] != UuidToString(vol->superblock().uuid)) {
+        return nlohmann::json{{"served", false}, {"reason", "another volume"}};
+      }
+      std::shared_ptr<Export> e = table.FindOpen(name);
+      if (!e) return nlohmann::json{{"served", false}};
+      RETURN_IF_ERROR(e->SetDedup(on));
+      if (!on) sweep_next_pass = true;
+      LOG(kInfo) << "export '" << name << "': dedup=" << (on ? "on" : "off");
+      return nlohmann::json{{"served", true}, {"dedup", on}};
+    });
+    if (Status st = control->Listen(); !st.ok()) {
+      if (cfg.control_given) {
+        LOG(kError) << "control socket: " << st.ToString();
+        return kExitError;
+      }
+      LOG(kWarning) << "no control socket (" << st.ToString()
+                    << "); give --control PATH for `dede status`";
+      control.reset();
+    }
+  }
+
+  // ------------------------------------------------------------ metrics
+  auto render_metrics = [&]() -> std::string {
+    const nlohmann::json j = status_json();
+    MetricsText m;
+    const MetricsText::Labels host = {{"host", std::to_string(vol->host_id())}};
+    m.Gauge("dede_up", "1 while dedupd serves the volume", 1, host);
+    m.Gauge("dede_exports", "Open NBD exports", double(j["exports"].size()), host);
+    for (const auto& x : j["exports"]) {
+      MetricsText::Labels l = host;
+      l.emplace_back("export", x["name"].get<std::string>());
+      m.Gauge("dede_export_clients", "Clients connected to an export", x["clients"].get<double>(), l);
+      m.Gauge("dede_export_dedup", "1 if the export's file is deduplicated (dedup=on)",
+              x["dedup"].get<bool>() ? 1 : 0, l);
+      m.Counter("dede_export_cow_copies_total",
+                "Copy-on-write specializations of the export's shared blocks",
+                x["cow_copies"].get<double>(), l);
+      if (x.contains("dropped_records")) {
+        m.Counter("dede_export_dropped_records_total", "Write-monitor records shed for the export",
+                  x["dropped_records"].get<double>(), l);
+      }
+    }
+    if (!j["monitor"].is_null()) {
+      m.Gauge("dede_monitor_buffer_bytes", "Write-monitor buffer memory in use",
+              j["monitor"]["buffer_bytes"].get<double>(), host);
+      m.Gauge("dede_monitor_buffer_cap_bytes", "Write-monitor buffer memory cap",
+              j["monitor"]["buffer_cap_bytes"].get<double>(), host);
+      m.Counter("dede_monitor_hashed_blocks_total", "Blocks fingerprinted by the write monitor",
+                j["monitor"]["hashed_blocks"].get<double>(), host);
+      m.Counter("dede_monitor_dropped_records_total", "Write-monitor records shed at the cap",
+                j["monitor"]["records_dropped"].get<double>(), host);
+    }
+    m.Gauge("dede_leases_held", "Locks and leases this dedupd holds", double(j["leases"].size()), host);
+    m.Gauge("dede_in_window", "1 inside a dedup window (or when the policy has none)",
+            j["policy"]["in_window"].get<bool>() ? 1 : 0, host);
+    m.Gauge("dede_pass_running", "1 while a dedup pass runs", j["pass"]["running"].get<bool>() ? 1 : 0,
+            host);
+    for (const char* outcome : {"completed", "stopped", "failed"}) {
+      MetricsText::Labels l = host;
+      l.emplace_back("outcome", outcome);
+      m.Counter("dede_passes_total", "Dedup passes by outcome", j["passes"][outcome].get<double>(), l);
+    }
+    m.Counter("dede_blocks_shared_total", "Blocks shared by this host's passes",
+              j["passes"]["blocks_shared"].get<double>(), host);
+    m.Counter("dede_bytes_reclaimed_total", "Bytes reclaimed by this host's passes",
+              j["passes"]["bytes_reclaimed"].get<double>(), host);
+    m.Counter("dede_merge_requests_applied_total", "Merge requests applied for files served here",
+              j["passes"]["merge_requests_applied"].get<double>(), host);
+    m.Counter("dede_dedup_io_bytes_total", "Device I/O of dedup work (charged to the rate cap)",
+              j["throttle"]["io_bytes"].get<double>(), host);
+    m.Counter("dede_dedup_throttled_seconds_total", "Time dedup work waited for the rate cap",
+              j["throttle"]["waited_s"].get<double>(), host);
+    m.Gauge("dede_dedup_rate_cap_bytes_per_second", "The policy's dedup rate cap (0: none)",
+            j["throttle"]["rate_bytes_per_s"].get<double>(), host);
+    m.Counter("dede_cow_copies_total", "Copy-on-write specializations on this host",
+              j["cow_copies"].get<double>(), host);
+    m.Gauge("dede_pending_reference_drops", "Reference drops waiting in this host's drop list",
+            j["drops"]["pending"].get<double>(), host);
+    return m.str();
+  };
+  std::unique_ptr<MetricsServer> metrics;
+  if (cfg.metrics_port >= 0) {
+    metrics = std::make_unique<MetricsServer>(io, cfg.metrics_port, render_metrics,
+                                              [&server](std::function<void()> f) {
+                                                server.RunBlocking(std::move(f));
+                                              });
+    if (Status st = metrics->Listen(); !st.ok()) {
+      if (cfg.metrics_given) {
+        LOG(kError) << "metrics: " << st.ToString();
+        return kExitError;
+      }
+      LOG(kWarning) << "no metrics endpoint (" << st.ToString() << ")";
+      metrics.reset();
+    }
+  }
 
   int exit_code = kExitOk;
   asio::signal_set signals(io, SIGTERM, SIGINT);
@@ -348,9 +788,12 @@ int Run(const Config& cfg) {
     LOG(kInfo) << "signal " << sig << ": draining requests and shutting down";
     sync_job.Stop();
     flush_job.Stop();
-    dedup_job.Stop();
+    schedule_job.Stop();
+    policy_job.Stop();
     merge_job.Stop();
     usr1.cancel();
+    if (control) control->Stop();
+    if (metrics) metrics->Stop();
     cancel_pass = true;
     server.Shutdown([&] {
       server.RunBlocking([&] {
@@ -374,8 +817,11 @@ int Run(const Config& cfg) {
   server.Start();
   sync_job.Start();
   flush_job.Start();
-  if (cfg.dedup_interval > 0) dedup_job.Start();
+  schedule_job.Start();
+  policy_job.Start();
   if (cfg.merge_interval > 0) merge_job.Start();
+  if (control) control->Start();
+  if (metrics) metrics->Start();
   {
     auto names = table.List();
     std::string where = cfg.socket.empty() ? "" : cfg.socket;
@@ -385,6 +831,9 @@ int Run(const Config& cfg) {
     LOG(kInfo) << "host " << vol->host_id() << " serving " << (names.ok() ? names->size() : 0)
                << " exports of " << cfg.volume << " on " << where << " (write monitor "
                << (cfg.write_monitor ? HashAlgoName(mo.algo) : "off") << ")";
+    if (control) LOG(kInfo) << "control socket " << cfg.control;
+    if (metrics) LOG(kInfo) << "metrics on http://127.0.0.1:" << metrics->port() << "/metrics";
+    if (history) LOG(kInfo) << "pass history " << cfg.history;
   }
   io.run();
   server.JoinWorkers();

@@ -73,6 +73,19 @@ Export::Export(std::string name, std::unique_ptr<File> file, const FileInfo& inf
 
 Status Export::Read(uint64_t offset, void* buf, size_t len) { return file_->Read(offset, buf, len); }
 
+Status Export::SetDedup(bool on) {
+  MutexLock l(&dedup_mu_);
+  if (dedup_.load() == on) return Status::Ok();
+  RETURN_IF_ERROR(file_->SetDedup(on));
+  RETURN_IF_ERROR(file_->Flush());
+  dedup_ = on;
+  if (monitor_) {
+    monitor_->SetDedup(id_, on);
+    if (on && size_ > 0) monitor_->OnInvalidate(id_, 0, size_);
+  }
+  return Status::Ok();
+}
+
 Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua,
                      const std::function<void(const Status&)>& written) {
   Status st;
@@ -221,6 +234,7 @@ void ExportTable::Close(const std::shared_ptr<Export>& e) {
     if (!st.ok()) LOG(kWarning) << "export '" << e->name() << "': " << st.ToString();
   }
   if (monitor_) monitor_->RemoveFile(e->id());
+  closed_cow_copies_.fetch_add(e->cow_copies(), std::memory_order_relaxed);
   // The next holder (maybe on another host) must find everything on disk.
   Status st = vol_->Sync();
   if (!st.ok()) LOG(kError) << "export '" << e->name() << "': flush on close: " << st.ToString();
@@ -237,6 +251,19 @@ void ExportTable::CloseAll() {
     all.swap(exports_);
   }
   for (auto& [name, e] : all) Close(e);
+}
+
+std::vector<std::pair<std::shared_ptr<Export>, int>> ExportTable::SnapshotWithClients() {
+  MutexLock l(&mu_);
+  std::vector<std::pair<std::shared_ptr<Export>, int>> out;
+  for (const auto& [name, e] : exports_) out.emplace_back(e, e->clients_);
+  return out;
+}
+
+std::shared_ptr<Export> ExportTable::FindOpen(const std::string& name) {
+  MutexLock l(&mu_);
+  auto it = exports_.find(name);
+  return it == exports_.end() ? nullptr : it->second;
 }
 
 std::vector<std::shared_ptr<Export>> ExportTable::Snapshot() {

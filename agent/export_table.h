@@ -15,6 +15,7 @@
 // of one block never interleave.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -53,7 +54,16 @@ class Export {
   const std::string& name() const { return name_; }
   FileId id() const { return id_; }
   uint64_t size() const { return size_; }
-  bool dedup() const { return dedup_; }
+  bool dedup() const { return dedup_.load(); }
+  // Opt-out on a running export: records the flag in the file's inode
+  // (where the volume's share primitives check it) and tells the write
+  // monitor, which stops hashing and drops what it buffered for the file.
+  // Switching back on marks every block of the file changed, so the next
+  // passes fingerprint what was written while it was off.
+  Status SetDedup(bool on) EXCLUDES(dedup_mu_);
+  // Copy-on-write specializations: writes that found their block shared
+  // and had to copy it (since the export opened).
+  uint64_t cow_copies() { return file_->cow_copies(); }
 
   Status Read(uint64_t offset, void* buf, size_t len);
   // `fua`: durable (volume flush point) before returning. `written`, if
@@ -75,7 +85,8 @@ class Export {
   const std::string name_;
   const FileId id_;
   const uint64_t size_;
-  const bool dedup_;
+  Mutex dedup_mu_;  // serialises SetDedup calls (the inode write and the monitor)
+  std::atomic<bool> dedup_;
   std::unique_ptr<File> file_;
   Volume* const vol_;
   WriteMonitor* const monitor_;  // nullptr: monitoring disabled
@@ -104,6 +115,13 @@ class ExportTable {
   // Closes every export (shutdown, after all clients are gone).
   void CloseAll() EXCLUDES(mu_);
   std::vector<std::shared_ptr<Export>> Snapshot() EXCLUDES(mu_);
+  // The open exports with their client counts (a dedup pass or merge-request
+  // job borrowing an export counts as a client).
+  std::vector<std::pair<std::shared_ptr<Export>, int>> SnapshotWithClients() EXCLUDES(mu_);
+  // Copy-on-write specializations of exports closed since start.
+  uint64_t closed_cow_copies() const { return closed_cow_copies_.load(); }
+  // The open export of `name`, or nullptr (nothing is opened).
+  std::shared_ptr<Export> FindOpen(const std::string& name) EXCLUDES(mu_);
 
  private:
   Result<std::shared_ptr<Export>> TryAcquire(const std::string& name) EXCLUDES(mu_, open_mu_);
@@ -117,6 +135,7 @@ class ExportTable {
   Mutex open_mu_ ACQUIRED_BEFORE(mu_);
   Mutex mu_;
   std::map<std::string, std::shared_ptr<Export>> exports_ GUARDED_BY(mu_);
+  std::atomic<uint64_t> closed_cow_copies_{0};
 };
 
 // The NBD error number for a failed volume operation.

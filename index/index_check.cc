@@ -595,3 +595,53 @@ Result<IndexCheckReport> CheckIndex(Volume* vol, bool repair) {
 }
 
 }  // namespace dede
+
+namespace dede {
+
+Result<SpaceSummary> SummarizeSpace(Volume* vol) {
+  SpaceSummary out;
+  ASSIGN_OR_RETURN(out.stats, vol->Stats());
+  ASSIGN_OR_RETURN(std::vector<FileInfo> files, vol->List());
+  Result<IndexSummary> index = SummarizeIndex(vol);
+  if (!index.ok()) return index.status().WithContext("index");
+  out.index = *index;
+  // Mapped blocks per kind of file. Regular files are the VM disks; the
+  // rest are dede's own: index shards and pending files, arenas (whose
+  // blocks are references to blocks files share), write logs, others.
+  uint64_t index_mapped = 0, other_internal_blocks = 0;
+  for (const FileInfo& fi : files) {
+    switch (fi.kind) {
+      case FileKind::kRegular:
+        out.regular_files++;
+        out.logical_blocks += fi.mapped_blocks;
+        continue;
+      case FileKind::kIndexShard:
+        index_mapped += fi.mapped_blocks;
+        break;
+      // A merge-request file's blocks are clones of shared blocks (and one
+      // header block per group): like an arena's, not data of their own.
+      case FileKind::kArena:
+      case FileKind::kMergeRequest:
+        break;
+      case FileKind::kWriteLog:
+        out.log_files++;
+        out.log_blocks += fi.mapped_blocks;
+        break;
+      default:
+        other_internal_blocks += fi.mapped_blocks;
+        break;
+    }
+    out.internal_files++;
+  }
+  // Used blocks are distinct data blocks plus block-map blocks. Internal
+  // files other than arenas never share their blocks; an arena's blocks
+  // are the files' shared blocks, except the few only the arena still
+  // references (garbage until the shard's next rewrite).
+  auto minus = [](uint64_t a, uint64_t b) { return a >= b ? a - b : 0; };
+  const uint64_t data_used = minus(out.stats.used_blocks, out.stats.pointer_blocks);
+  out.physical_blocks = minus(data_used, index_mapped + out.log_blocks + other_internal_blocks +
+                                             out.index.arena_only_blocks);
+  return out;
+}
+
+}  // namespace dede

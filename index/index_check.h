@@ -92,6 +92,27 @@ struct IndexSummary {
 
 Result<IndexSummary> SummarizeIndex(Volume* vol);
 
+// The volume's space as `dede stats` reports it (dedupd records it after
+// each pass for `dede report`): what the VM files hold (logical), the
+// distinct data blocks they use (physical; dede's own files and arena-only
+// garbage not counted) and the difference.
+struct SpaceSummary {
+  VolumeStats stats;
+  IndexSummary index;
+  uint64_t regular_files = 0;
+  uint64_t logical_blocks = 0;
+  uint64_t internal_files = 0;
+  uint64_t log_files = 0;
+  uint64_t log_blocks = 0;
+  uint64_t physical_blocks = 0;
+  uint64_t logical_bytes() const { return logical_blocks * kBlockSize; }
+  uint64_t physical_bytes() const { return physical_blocks * kBlockSize; }
+  uint64_t saved_bytes() const {
+    return logical_bytes() > physical_bytes() ? logical_bytes() - physical_bytes() : 0;
+  }
+};
+Result<SpaceSummary> SummarizeSpace(Volume* vol);
+
 struct IndexProblem {
   // What kind of file it is about, and who fixes it.
   enum class Kind {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
+#include "util/io_budget.h"
 #include "util/clock.h"
 #include "util/coding.h"
 
@@ -65,7 +66,10 @@ void ShardReader::StartReadAhead() {
   ahead_blocks_ = n;
   File* f = file_;
   uint8_t* dst = ahead_.get();
-  ahead_done_ = std::async(std::launch::async, [f, dst, first, n] {
+  // The read-ahead is the caller's I/O: charge it where the caller's is.
+  IoBudget* budget = CurrentIoBudget();
+  ahead_done_ = std::async(std::launch::async, [f, dst, first, n, budget] {
+    ScopedIoBudget charged(budget);
     return f->Read(first * kBlockSize, dst, n * kBlockSize);
   });
 }

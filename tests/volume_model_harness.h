@@ -503,6 +503,15 @@ class ModelHarness {
       }
       return;
     }
+    if (!s.dedup || !d.dedup) {
+      // A file set dedup=off is never a party to a clone or a share.
+      desc_ += " (dedup=off: expect kMismatch)";
+      if (st.code() != Status::Code::kMismatch) {
+        MFAIL("clone_block with a dedup=off file should be kMismatch, got "
+              << (st.ok() ? std::string("OK") : st.ToString()));
+      }
+      return;
+    }
     Expect(st, "clone_block");
     if (s.cls[si] < 0) {
       Leave(d, di);
@@ -557,7 +566,7 @@ class ModelHarness {
     if (a.second >= s.nblocks() || b.second >= d.nblocks()) return OpWrite();
     uint64_t si = a.second, di = b.second;
     bool whole = Whole(s, si) && Whole(d, di);
-    bool expect_ok = whole && s.cls[si] >= 0 && d.cls[di] >= 0 &&
+    bool expect_ok = whole && s.dedup && d.dedup && s.cls[si] >= 0 && d.cls[di] >= 0 &&
                      (s.cls[si] == d.cls[di] || std::memcmp(Blk(s, si), Blk(d, di), kB) == 0);
     Status::Code expect_code = whole ? Status::Code::kMismatch : Status::Code::kInvalid;
     desc_ += " " + s.name + "[" + std::to_string(si) + "] -> " + d.name + "[" +

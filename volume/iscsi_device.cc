@@ -29,6 +29,7 @@
 #include <string>
 #include <thread>
 
+#include "util/io_budget.h"
 #include "util/mutex.h"
 #include "volume/block_device.h"
 
@@ -447,6 +448,7 @@ class IscsiDevice final : public BlockDevice {
 
   Status Read(uint64_t offset, void* buf, size_t len) override {
     RETURN_IF_ERROR(CheckIo(offset, len));
+    ChargeIo(len);
     ScopedSigpipeBlock no_sigpipe;
     MutexLock lock(&mu_);
     auto* p = static_cast<uint8_t*>(buf);
@@ -477,6 +479,7 @@ class IscsiDevice final : public BlockDevice {
       return Status::Invalid(name() + ": opened read-only; refusing write at offset " +
                              std::to_string(offset));
     }
+    ChargeIo(len);
     ScopedSigpipeBlock no_sigpipe;
     MutexLock lock(&mu_);
     // libiscsi only reads from an out-iovec; its type is just not const.

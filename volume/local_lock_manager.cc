@@ -59,6 +59,14 @@ class LocalLockManager : public LockManager {
     return Status::Ok();
   }
 
+  std::vector<std::pair<LockId, LockMode>> Held() override {
+
+    MutexLock l(&mu_);
+
+    return std::vector<std::pair<LockId, LockMode>>(held_.begin(), held_.end());
+
+  }
+
   Result<bool> IsHeldElsewhere(LockId id) override {
     MutexLock l(&mu_);
     struct flock fl = Range(id);

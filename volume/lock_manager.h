@@ -16,6 +16,8 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "util/status.h"
 
@@ -54,6 +56,8 @@ class LockManager {
   // True when some other holder has the lock in any mode. Used to learn
   // whether a host slot's owner is alive.
   virtual Result<bool> IsHeldElsewhere(LockId id) = 0;
+  // The locks this manager holds now (for `dede status`).
+  virtual std::vector<std::pair<LockId, LockMode>> Held() = 0;
 
   // Whether this backend sees the locks a dead holder left (the sanlock
   // lock table keeps their records until an acquirer replaces them) and

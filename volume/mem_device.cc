@@ -1,5 +1,7 @@
 #include "volume/mem_device.h"
 
+#include "util/io_budget.h"
+
 #include <cstring>
 
 namespace dede {
@@ -9,6 +11,7 @@ MemDevice::MemDevice(uint64_t size, std::string name)
 
 Status MemDevice::Read(uint64_t offset, void* buf, size_t len) {
   RETURN_IF_ERROR(CheckRange(offset, len));
+  ChargeIo(len);
   MutexLock l(&mu_);
   std::memcpy(buf, data_.data() + offset, len);
   return Status::Ok();
@@ -16,6 +19,7 @@ Status MemDevice::Read(uint64_t offset, void* buf, size_t len) {
 
 Status MemDevice::Write(uint64_t offset, const void* buf, size_t len) {
   RETURN_IF_ERROR(CheckRange(offset, len));
+  ChargeIo(len);
   MutexLock l(&mu_);
   std::memcpy(data_.data() + offset, buf, len);
   return Status::Ok();

@@ -11,6 +11,7 @@
 #include <cstring>
 #include <memory>
 
+#include "util/io_budget.h"
 #include "volume/block_device.h"
 
 namespace dede {
@@ -35,12 +36,14 @@ class PathDevice : public BlockDevice {
 
   Status Read(uint64_t offset, void* buf, size_t len) override {
     RETURN_IF_ERROR(CheckRange(offset, len));
+    ChargeIo(len);
     if (NeedsBounce(buf, offset, len)) return Bounced(offset, buf, len, false);
     return Transfer(offset, buf, len, false);
   }
 
   Status Write(uint64_t offset, const void* buf, size_t len) override {
     RETURN_IF_ERROR(CheckRange(offset, len));
+    ChargeIo(len);
     if (NeedsBounce(buf, offset, len)) return Bounced(offset, const_cast<void*>(buf), len, true);
     return Transfer(offset, const_cast<void*>(buf), len, true);
   }

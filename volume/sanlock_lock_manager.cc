@@ -261,6 +261,14 @@ class SanlockImpl : public SanlockLockManager {
     });
   }
 
+  std::vector<std::pair<LockId, LockMode>> Held() override {
+
+    MutexLock l(&mu_);
+
+    return std::vector<std::pair<LockId, LockMode>>(held_.begin(), held_.end());
+
+  }
+
   Result<bool> IsHeldElsewhere(LockId id) override {
     ASSIGN_OR_RETURN(bool local_held, local_->IsHeldElsewhere(id));
     if (local_held) return true;

@@ -20,6 +20,17 @@ BlockBuf NewBlockBuf(size_t blocks) {
 
 namespace {
 
+// A regular file set dedup=off is never a party to a share or a clone,
+// whatever stale record or index entry names it: the check is made here,
+// under the files' locks, where the share is decided.
+bool OptedOut(const Inode& in) {
+  return in.kind == FileKind::kRegular && (in.flags & kInodeDedupOff) != 0;
+}
+
+Status OptedOutMismatch(const char* what) {
+  return Status::Mismatch(std::string(what) + ": a file is set dedup=off");
+}
+
 bool AllZero(const uint8_t* p, size_t n) {
   for (size_t i = 0; i < n; i++) {
     if (p[i]) return false;
@@ -106,6 +117,7 @@ class FileImpl : public File {
     return vol_->SetFlag(st_.get(), kInodeDedupOff, !on);
   }
   Status Flush() override { return vol_->Sync(); }
+  uint64_t cow_copies() override { return st_->cow_copies.load(std::memory_order_relaxed); }
   Result<uint32_t> BlockRefCount(uint64_t index) override {
     ReaderLock l(&st_->rw);
     return vol_->RefCountAt(st_.get(), index);
@@ -1604,6 +1616,9 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
     }
     in.mtime_ns = clock_->NowNanos();
     PutInode(in);
+    for (size_t k = 0; k < nblk; k++) {
+      if (fresh[k] && old[k] != 0) f->cow_copies.fetch_add(1, std::memory_order_relaxed);
+    }
     r0 += nblk;
   }
   return Status::Ok();
@@ -1783,6 +1798,7 @@ Status VolumeImpl::CompareAndShare(File* src, uint64_t src_index, File* dst, uin
       return Status::Invalid("compare_and_share: only whole blocks inside both files can be "
                              "shared");
     }
+    if (OptedOut(sin) || OptedOut(din)) return OptedOutMismatch("compare_and_share");
     ASSIGN_OR_RETURN(sp, GetPtr(sin, src_index));
     ASSIGN_OR_RETURN(dp, GetPtr(din, dst_index));
   }
@@ -1848,6 +1864,7 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
       return Status::Invalid("clone_block: destination block is not a whole block inside the "
                              "file");
     }
+    if (OptedOut(sin) || OptedOut(din)) return OptedOutMismatch("clone_block");
     ASSIGN_OR_RETURN(uint64_t dp, GetPtr(din, dst_index));
     if (sp != 0 && PtrAddr(dp) == PtrAddr(sp)) return Status::Ok();
     if (sp != 0) RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
@@ -1914,6 +1931,10 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
       }
       if (!whole) {
         op.result = Status::Invalid("block ops work on whole blocks inside their files only");
+        continue;
+      }
+      if (two && (OptedOut(din) || OptedOut(sin))) {
+        op.result = OptedOutMismatch("block op");
         continue;
       }
       Pos dpos{din.ino, op.dst_index};

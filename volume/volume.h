@@ -140,6 +140,11 @@ class File {
   virtual Status SetDedup(bool on) = 0;
   // Flush point for the whole volume (Volume::Sync).
   virtual Status Flush() = 0;
+  // Copy-on-write specializations since this File was opened: writes that
+  // found their block shared with another file (or the arena) and had to
+  // copy it first. Counted in memory only (DeDe's cost of sharing a hot
+  // block; see the policy's stable-after).
+  virtual uint64_t cow_copies() = 0;
 
   // Reference count of the physical block behind block `index` (0: hole).
   // >1 means the block is referenced from somewhere else too.

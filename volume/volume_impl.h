@@ -1,6 +1,7 @@
 // Private: the Volume implementation, shared by volume.cc and fsck.cc.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -32,6 +33,8 @@ struct OpenFileState {
   // exclusive. Lock order: OpenFileState::rw (by inode number) before
   // VolumeImpl::mu_.
   SharedMutex rw;
+  // Writes that found their block shared and copied it (since open).
+  std::atomic<uint64_t> cow_copies{0};
 };
 
 class VolumeImpl : public Volume {

@@ -524,8 +524,15 @@ Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch) {
     opened = vol->OpenFile(name);
   }
   if (!opened.ok()) return opened.status();  // kLocked: the caller keeps the batch
-  File* log = opened.value().get();
+  return AppendToOpenWriteLog(vol, opened.value().get(), batch);
+}
+
+Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch) {
+  if (batch.empty()) return Status::Ok();
+  const Superblock& sb = vol->superblock();
+  RETURN_IF_ERROR(CheckBatch(batch, sb.hash_algo));
   RETURN_IF_ERROR(CheckIsLogOf(log, batch.file));
+  const std::string name = WriteLogName(batch.file);
   ASSIGN_OR_RETURN(FileInfo info, log->Info());
   // Frames start on 4 KiB boundaries, whatever a torn append left behind.
   const uint64_t offset = RoundUpToBlock(info.size);

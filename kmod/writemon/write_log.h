@@ -146,6 +146,10 @@ Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid,
 // taken by a file that is not this file's write log.
 Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch);
 
+// AppendToWriteLog on a log the caller already holds open (a dedup pass
+// writing back records it deferred). Does not Sync.
+Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch);
+
 // Opens the log of `owner` read-only style for scanning: kNotFound if there
 // is none (kCorruption if the name is taken by something else). Returns
 // the open File (lock held) for a WriteLogReader.

@@ -54,6 +54,12 @@ int RunImport(const Command& cmd, const std::vector<std::string>& args);
 int RunExport(const Command& cmd, const std::vector<std::string>& args);
 int RunAnalyze(const Command& cmd, const std::vector<std::string>& args);
 int RunDedup(const Command& cmd, const std::vector<std::string>& args);
+// cmd_policy.cc: the volume's dedup policy (agent/dedup_policy.h).
+int RunPolicy(const Command& cmd, const std::vector<std::string>& args);
+// cmd_report.cc: the local pass history (agent/pass_history.h).
+int RunReport(const Command& cmd, const std::vector<std::string>& args);
+// cmd_status.cc: asks the local dedupd over its control socket.
+int RunStatus(const Command& cmd, const std::vector<std::string>& args);
 
 // ---------------------------------------------------------------- errors
 

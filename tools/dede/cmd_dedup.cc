@@ -9,7 +9,11 @@
 #include <string>
 #include <vector>
 
+#include "agent/control_server.h"
 #include "agent/dedup_pass.h"
+#include "agent/dedup_policy.h"
+#include "agent/io_throttle.h"
+#include "util/clock.h"
 #include "tools/dede/cli.h"
 
 namespace po = boost::program_options;
@@ -72,6 +76,10 @@ json StatsJson(const DedupStats& s) {
   j["corrupt_shard_blocks"] = s.corrupt_shard_blocks;
   j["incomplete_versions_removed"] = s.incomplete_versions_removed;
   j["stale_files_removed"] = s.stale_files_removed;
+  j["stopped"] = s.stopped;
+  j["records_parked_at_stop"] = s.records_parked_at_stop;
+  j["young_records_deferred"] = s.young_records_deferred;
+  j["young_ranges_deferred"] = s.young_ranges_deferred;
   j["gather_seconds"] = double(s.gather_ns) / 1e9;
   j["merge_seconds"] = double(s.merge_ns) / 1e9;
   j["seconds"] = double(s.total_ns) / 1e9;
@@ -94,6 +102,11 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
       "rescan", po::bool_switch(),
       "read and fingerprint every block of every file this process can lock (rebuilds a "
       "lost or damaged index; reads all data)")(
+      "now", po::bool_switch(),
+      "run even outside the volume policy's dedup windows; when this host's dedupd "
+      "serves the volume, ask it to run a pass at once instead")(
+      "control", po::value<std::string>()->value_name("PATH"),
+      "the local dedupd's control socket for --now (default /run/dede/dedupd.ctl)")(
       "json", po::bool_switch(), "print the pass's figures as JSON");
   parser.SetDetails(
       "Takes the write logs of the files this process can lock (files served by a\n"
@@ -101,7 +114,9 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
       "into the volume's index and shares duplicate blocks copy-on-write. Every\n"
       "share is verified by the volume under both files' locks. A duplicate of a\n"
       "block in a file held elsewhere becomes a merge request that the holder\n"
-      "applies; requests posted for files this process can lock are applied first.");
+      "applies; requests posted for files this process can lock are applied first.\n"
+      "The volume's policy (dede policy) applies: outside its windows the pass\n"
+      "needs --now; it runs at the policy's rate cap, priority and stable-after.");
   if (auto rc = parser.Parse(args)) return *rc;
   DedupOptions opts;
   opts.force = parser.flag("force");
@@ -133,11 +148,48 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
     };
   }
 
+  const bool now = parser.flag("now");
   auto opened = OpenVolume(parser.positional(0), /*read_only=*/false);
   if (!opened.ok()) return Fail(cmd, opened.status());
   Volume* vol = opened->volume.get();
+  if (now) {
+    // The files a VM uses here are held by the local dedupd: it runs the
+    // pass (it can reach them); this command only asks.
+    const std::string control = parser.value("control").value_or(kDefaultControlPath);
+    Result<json> status = ControlRequest(control, {{"cmd", "status"}}, std::chrono::seconds(10));
+    if (status.ok() && status->value("volume_uuid", "") == UuidToString(vol->superblock().uuid)) {
+      Result<json> reply = ControlRequest(control, {{"cmd", "dedup-now"}});
+      if (!reply.ok()) return Fail(cmd, reply.status());
+      if (reply->contains("error")) return Fail(cmd, "dedupd: " + (*reply)["error"].get<std::string>());
+      if (as_json) {
+        PrintJson(json{{"requested_from", control}, {"host_id", (*status)["host_id"]}});
+      } else {
+        std::cout << "asked dedupd (host " << (*status)["host_id"] << ", " << control
+                  << ") to run a dedup pass now; follow it with `dede status`\n";
+      }
+      return kExitOk;
+    }
+  }
+  Result<DedupPolicy> policy = ReadPolicy(vol);
+  if (!policy.ok()) return Fail(cmd, policy.status().WithContext("dedup policy"));
+  const uint64_t wall = Clock::Real()->NowNanos();
+  if (!now && !InWindow(*policy, wall)) {
+    std::string windows;
+    for (const DedupWindow& w : policy->windows) windows += (windows.empty() ? "" : "; ") + FormatWindow(w);
+    return Fail(cmd, "outside the volume's dedup windows (" + windows +
+                         "); run with --now to deduplicate anyway");
+  }
+  opts.stable_after_ns = policy->stable_after_s * 1'000'000'000ull;
+  IoThrottle throttle(policy->rate_bytes_per_s);
+  opts.io_budget = &throttle;
+  opts.settle_io = [&] { throttle.Settle(); };
+  opts.batch_ops = IoThrottle::BatchOpsFor(policy->rate_bytes_per_s, opts.batch_ops);
   auto access = std::make_unique<VolumeFileAccess>(vol);
-  Result<DedupStats> st = RunDedupPass(vol, access.get(), opts);
+  Result<DedupStats> st = Status::Ok();
+  {
+    ScopedDedupPriority priority(policy->priority);
+    st = RunDedupPass(vol, access.get(), opts);
+  }
   access.reset();  // close (unlock) the files
   if (tty && !as_json) std::fprintf(stderr, "\r\033[K");
   if (!st.ok()) return Fail(cmd, st.status());

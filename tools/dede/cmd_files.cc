@@ -1,4 +1,5 @@
 // File commands: create, ls, rm, set.
+#include <sys/stat.h>
 #include <algorithm>
 #include <iostream>
 #include <nlohmann/json.hpp>
@@ -7,6 +8,7 @@
 
 #include "kmod/writemon/write_log.h"
 #include "merge/merge_request.h"
+#include "agent/control_server.h"
 #include "tools/dede/cli.h"
 #include "volume/format.h"
 #include "volume/volume.h"
@@ -297,9 +299,15 @@ int RunSet(const Command& cmd, const std::vector<std::string>& args) {
   parser.AddPositional("VOL", kVolHelp);
   parser.AddPositional("NAME", "file to change");
   parser.AddPositional("PROP=VALUE", "dedup=on or dedup=off");
+  parser.options()("control", po::value<std::string>()->value_name("PATH"),
+                   "the local dedupd's control socket (default /run/dede/dedupd.ctl)");
   parser.SetDetails(
       "dedup=off: the file's blocks are neither fingerprinted nor shared from now\n"
-      "on. The file must not be in use elsewhere.");
+      "on; its index entries go at the next dedup pass. dedup=on: new writes are\n"
+      "fingerprinted again, and the blocks written meanwhile at the next passes.\n"
+      "A file a VM uses through this host's dedupd is changed through dedupd's\n"
+      "control socket, at once; a file in use on another host must be changed\n"
+      "there.");
   if (auto rc = parser.Parse(args)) return *rc;
   const std::string& name = parser.positional(1);
   const std::string& assignment = parser.positional(2);
@@ -315,6 +323,23 @@ int RunSet(const Command& cmd, const std::vector<std::string>& args) {
     return UsageError(cmd, "dedup must be on or off, not '" + value + "'");
   }
 
+  const bool on = value == "on";
+  // A running VM's disk: the local dedupd holds it and changes it live.
+  const std::string control = parser.value("control").value_or(kDefaultControlPath);
+  {
+    auto ro = OpenVolume(parser.positional(0), /*read_only=*/true);
+    if (!ro.ok()) return Fail(cmd, ro.status());
+    const std::string uuid = UuidToString(ro->volume->superblock().uuid);
+    struct stat sb;
+    if (::stat(control.c_str(), &sb) == 0) {
+      Result<nlohmann::json> reply = ControlRequest(
+          control, {{"cmd", "set-dedup"}, {"name", name}, {"dedup", on}, {"volume_uuid", uuid}});
+      if (reply.ok() && reply->value("served", false)) return kExitOk;
+      if (reply.ok() && reply->contains("error")) {
+        return Fail(cmd, "dedupd at " + control + ": " + (*reply)["error"].get<std::string>());
+      }
+    }
+  }
   auto opened = OpenVolume(parser.positional(0), /*read_only=*/false);
   if (!opened.ok()) return Fail(cmd, opened.status());
   auto file = opened->volume->OpenFile(name);
@@ -322,7 +347,7 @@ int RunSet(const Command& cmd, const std::vector<std::string>& args) {
     return Fail(cmd, InUse(name, file.status()));
   }
   if (!file.ok()) return Fail(cmd, file.status());
-  Status st = (*file)->SetDedup(value == "on");
+  Status st = (*file)->SetDedup(on);
   if (!st.ok()) return Fail(cmd, st);
   st = (*file)->Flush();
   if (!st.ok()) return Fail(cmd, st);

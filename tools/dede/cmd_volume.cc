@@ -318,48 +318,13 @@ int RunStats(const Command& cmd, const std::vector<std::string>& args) {
   auto opened = OpenVolume(parser.positional(0), /*read_only=*/true);
   if (!opened.ok()) return Fail(cmd, opened.status());
   Volume* vol = opened->volume.get();
-  auto stats = vol->Stats();
-  if (!stats.ok()) return Fail(cmd, stats.status());
-  const VolumeStats& s = *stats;
-  auto files = vol->List();
-  if (!files.ok()) return Fail(cmd, files.status());
-  auto index = SummarizeIndex(vol);
-  if (!index.ok()) return Fail(cmd, index.status().WithContext("index"));
-  const IndexSummary& ix = *index;
-
-  // Mapped blocks per kind of file. Regular files are the VM disks; the
-  // rest are dede's own: index shards and pending files, arenas (whose
-  // blocks are references to blocks files share), write logs, others.
-  uint64_t regular_files = 0, logical_blocks = 0;
-  uint64_t internal_files = 0, index_mapped = 0, log_files = 0, log_blocks = 0;
-  uint64_t other_internal_blocks = 0;
-  for (const FileInfo& fi : *files) {
-    switch (fi.kind) {
-      case FileKind::kRegular:
-        regular_files++;
-        logical_blocks += fi.mapped_blocks;
-        continue;
-      case FileKind::kIndexShard: index_mapped += fi.mapped_blocks; break;
-      // A merge-request file's blocks are clones of shared blocks (and one
-      // header block per group): like an arena's, not data of their own.
-      case FileKind::kArena:
-      case FileKind::kMergeRequest: break;
-      case FileKind::kWriteLog:
-        log_files++;
-        log_blocks += fi.mapped_blocks;
-        break;
-      default: other_internal_blocks += fi.mapped_blocks; break;
-    }
-    internal_files++;
-  }
-  // Used blocks are distinct data blocks plus block-map blocks. Internal
-  // files other than arenas never share their blocks; an arena's blocks
-  // are the files' shared blocks, except the few only the arena still
-  // references (garbage until the shard's next rewrite).
-  auto minus = [](uint64_t a, uint64_t b) { return a >= b ? a - b : 0; };
-  const uint64_t data_used = minus(s.used_blocks, s.pointer_blocks);
-  const uint64_t physical_blocks =
-      minus(data_used, index_mapped + log_blocks + other_internal_blocks + ix.arena_only_blocks);
+  auto space = SummarizeSpace(vol);
+  if (!space.ok()) return Fail(cmd, space.status());
+  const VolumeStats& s = space->stats;
+  const IndexSummary& ix = space->index;
+  const uint64_t regular_files = space->regular_files, logical_blocks = space->logical_blocks;
+  const uint64_t internal_files = space->internal_files, log_files = space->log_files;
+  const uint64_t log_blocks = space->log_blocks, physical_blocks = space->physical_blocks;
   const uint64_t logical = logical_blocks * kBlockSize;
   const uint64_t physical = physical_blocks * kBlockSize;
   const uint64_t saved = logical > physical ? logical - physical : 0;

@@ -32,6 +32,14 @@ constexpr Command kCommands[] = {
     {"fsck", "VOL [--repair] [--json]", "Check the volume's consistency (and repair it).", RunFsck},
     {"analyze", "RAWFILE... [--json]",
      "Estimate dedup savings of raw images at 4K..1M blocks (no volume needed).", RunAnalyze},
+    {"policy", "VOL show [--json] | VOL set KEY=VALUE...",
+     "Show or change the volume's dedup policy: windows, rate cap, priority, stability.",
+     RunPolicy},
+    {"report", "[--history PATH] [--since DATE|DURATION] [--last N] [--json]",
+     "Show this host's dedup pass history and savings over time.", RunReport},
+    {"status", "[--control PATH] [--json]",
+     "Ask the local dedupd how it is doing: exports, leases, write monitor, the running pass.",
+     RunStatus},
 };
 
 const Command* FindCommand(const std::string& name) {

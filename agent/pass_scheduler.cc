@@ -1,0 +1,119 @@
+#include "agent/pass_scheduler.h"
+
+namespace dede {
+
+const char* PassTriggerName(PassTrigger t) {
+  switch (t) {
+    case PassTrigger::kWindow:
+      return "window";
+    case PassTrigger::kInterval:
+      return "interval";
+    case PassTrigger::kSignal:
+      return "signal";
+    case PassTrigger::kNow:
+      return "now";
+  }
+  return "?";
+}
+
+PassScheduler::PassScheduler(Clock* clock, Options opts)
+    : clock_(clock != nullptr ? clock : Clock::Real()), opts_(opts) {
+  MutexLock l(&mu_);
+  last_end_mono_ = clock_->MonotonicNanos();  // the first interval pass comes one interval in
+}
+
+void PassScheduler::SetPolicy(const DedupPolicy& p) {
+  MutexLock l(&mu_);
+  policy_ = p;
+}
+
+DedupPolicy PassScheduler::policy() const {
+  MutexLock l(&mu_);
+  return policy_;
+}
+
+bool PassScheduler::InWindowLocked(uint64_t now) const {
+  return dede::InWindow(policy_, now);
+}
+
+bool PassScheduler::InWindow() const {
+  MutexLock l(&mu_);
+  return InWindowLocked(clock_->NowNanos());
+}
+
+std::string PassScheduler::CurrentWindow() const {
+  MutexLock l(&mu_);
+  return CurrentWindowText(policy_, clock_->NowNanos());
+}
+
+std::optional<uint64_t> PassScheduler::NextChange() const {
+  MutexLock l(&mu_);
+  return NextWindowChange(policy_, clock_->NowNanos());
+}
+
+void PassScheduler::Request(PassTrigger t) {
+  MutexLock l(&mu_);
+  requested_ = t;
+}
+
+std::optional<PassTrigger> PassScheduler::Due() {
+  MutexLock l(&mu_);
+  if (running_) return std::nullopt;
+  if (requested_) {
+    const PassTrigger t = *requested_;
+    requested_.reset();
+    return t;
+  }
+  const uint64_t since_last = clock_->MonotonicNanos() - last_end_mono_;
+  auto elapsed = [since_last](double seconds) {
+    return since_last >= static_cast<uint64_t>(seconds * 1e9);
+  };
+  if (policy_.windows.empty()) {
+    was_in_window_ = false;
+    if (opts_.interval_s > 0 && elapsed(opts_.interval_s)) return PassTrigger::kInterval;
+    return std::nullopt;
+  }
+  if (!InWindowLocked(clock_->NowNanos())) {
+    was_in_window_ = false;
+    return std::nullopt;
+  }
+  if (!was_in_window_) {
+    // A window opened (or dedupd started inside one): pass at once.
+    was_in_window_ = true;
+    window_pass_done_ = false;
+  }
+  if (!window_pass_done_ || elapsed(opts_.window_interval_s)) return PassTrigger::kWindow;
+  return std::nullopt;
+}
+
+void PassScheduler::PassStarted(PassTrigger t) {
+  MutexLock l(&mu_);
+  running_ = t;
+  if (t == PassTrigger::kWindow) window_pass_done_ = true;
+}
+
+void PassScheduler::PassEnded(bool finished) {
+  (void)finished;
+  MutexLock l(&mu_);
+  running_.reset();
+  last_end_mono_ = clock_->MonotonicNanos();
+}
+
+bool PassScheduler::ShouldStop() {
+  MutexLock l(&mu_);
+  if (!running_ || policy_.windows.empty()) return false;
+  if (*running_ != PassTrigger::kWindow && *running_ != PassTrigger::kInterval) return false;
+  return !InWindowLocked(clock_->NowNanos());
+}
+
+bool PassScheduler::running() const {
+  MutexLock l(&mu_);
+  return running_.has_value();
+}
+
+std::optional<PassTrigger> PassScheduler::running_trigger() const {
+  MutexLock l(&mu_);
+  return running_;
+}
+
+}  // namespace dede

@@ -1,0 +1,522 @@
+// Dedup windows, stop-and-resume, selective sharing and opt-out, with an
+// injected clock: the scheduler that dedupd drives (agent/pass_scheduler.h)
+// decides when passes run, and real passes run on an in-memory volume.
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <map>
+#include <memory>
+#include <random>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "agent/dedup_pass.h"
+#include "agent/dedup_policy.h"
+#include "agent/io_throttle.h"
+#include "agent/pass_scheduler.h"
+#include "index/shard_io.h"
+#include "index/shard_map.h"
+#include "kmod/writemon/write_log.h"
+#include "kmod/writemon/write_monitor.h"
+#include "tests/dedup_accounting.h"
+#include "volume/mem_device.h"
+#include "volume/volume.h"
+
+using namespace dede;
+
+namespace {
+
+constexpr uint64_t kB = kBlockSize;
+constexpr uint64_t kMinute = 60'000'000'000ull;
+constexpr uint64_t kHour = 60 * kMinute;
+
+// Wall clock set by the test (the windows are wall-clock, host-local);
+// monotonic time is real, so shard updates take measurable time (the pass
+// splits shards whose last update took longer than its threshold).
+class TestClock : public Clock {
+ public:
+  explicit TestClock(uint64_t wall_ns) : wall_(wall_ns) {}
+  uint64_t NowNanos() override { return wall_; }
+  uint64_t MonotonicNanos() override {
+    return uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()) + mono_offset_;
+  }
+  void Advance(uint64_t ns) {
+    wall_ += ns;
+    mono_offset_ += ns;
+  }
+  void Set(uint64_t wall_ns) {
+    if (wall_ns > wall_) mono_offset_ += wall_ns - wall_;
+    wall_ = wall_ns;
+  }
+
+ private:
+  uint64_t wall_;
+  uint64_t mono_offset_ = 0;
+};
+
+// Epoch ns of a local time (mktime: the windows are host-local).
+uint64_t LocalTime(int year, int mon, int mday, int hour, int min) {
+  std::tm tm{};
+  tm.tm_year = year - 1900;
+  tm.tm_mon = mon - 1;
+  tm.tm_mday = mday;
+  tm.tm_hour = hour;
+  tm.tm_min = min;
+  tm.tm_isdst = -1;
+  const time_t t = std::mktime(&tm);
+  REQUIRE(t != time_t(-1));
+  return uint64_t(t) * 1'000'000'000ull;
+}
+
+DedupPolicy WindowPolicy(const std::string& windows) {
+  DedupPolicy p;
+  auto w = ParseWindowList(windows);
+  REQUIRE(w.ok());
+  p.windows = *w;
+  return p;
+}
+
+class Scene {
+ public:
+  explicit Scene(TestClock* clock) : clock_(clock), dev_(160ull << 20) {
+    REQUIRE(FormatVolume(&dev_, FormatOptions{}, false).ok());
+    const std::string lp = "/tmp/dede-schedule-test-" + std::to_string(getpid()) + "-" +
+                           std::to_string(counter_++);
+    auto lm = OpenLocalLockManager(lp);
+    REQUIRE(lm.ok());
+    ::unlink(lp.c_str());
+    OpenOptions oo;
+    oo.locks = std::shared_ptr<LockManager>(std::move(lm.value()));
+    oo.clock = clock;
+    auto v = Volume::Open(&dev_, oo);
+    REQUIRE(v.ok());
+    vol_ = std::move(v.value());
+    WriteMonitorOptions mo;
+    mo.algo = vol_->superblock().hash_algo;
+    mo.clock = clock;
+    monitor_ = std::make_unique<WriteMonitor>(mo);
+  }
+
+  File* Create(const std::string& name, uint64_t blocks) {
+    auto id = vol_->Create(name, blocks * kB);
+    REQUIRE(id.ok());
+    auto f = vol_->OpenFile(name);
+    REQUIRE(f.ok());
+    monitor_->AddFile((*f)->id(), true);
+    File* raw = f->get();
+    files_[name] = std::move(*f);
+    return raw;
+  }
+  File* file(const std::string& name) { return files_.at(name).get(); }
+
+  // Writes blocks through the monitor (as dedupd's export does) at the
+  // clock's time, and appends the records to the file's write log.
+  void Write(const std::string& name, uint64_t first, const std::vector<uint8_t>& data) {
+    File* f = file(name);
+    REQUIRE(f->Write(first * kB, data.data(), data.size()).ok());
+    monitor_->OnWrite(f->id(), first * kB, data.data(), data.size());
+  }
+  void FlushLogs() {
+    for (auto& [name, f] : files_) {
+      MonitorBatch b = monitor_->Take(f->id());
+      if (!b.empty()) REQUIRE(AppendToWriteLog(vol_.get(), b).ok());
+    }
+    REQUIRE(vol_->Sync().ok());
+  }
+
+  Result<DedupStats> Pass(DedupOptions o) {
+    o.clock = clock_;
+    HeldFiles access(&files_);
+    return RunDedupPass(vol_.get(), &access, o);
+  }
+
+  uint64_t PhysicalDataBlocks() {
+    auto st = vol_->Stats();
+    REQUIRE(st.ok());
+    auto files = vol_->List();
+    REQUIRE(files.ok());
+    return test::PhysicalDataBlocks(*st, *files);
+  }
+  uint64_t SharedBlocks(const std::string& name) {
+    auto u = file(name)->Usage();
+    REQUIRE(u.ok());
+    return u->shared_blocks;
+  }
+  std::vector<uint8_t> ReadAll(const std::string& name, uint64_t blocks) {
+    std::vector<uint8_t> out(blocks * kB);
+    REQUIRE(file(name)->Read(0, out.data(), out.size()).ok());
+    return out;
+  }
+  // Index entries (Unique hints) naming inode `ino`, over every live shard.
+  uint64_t UniqueEntriesOf(uint64_t ino) {
+    auto map = LoadShardMap(vol_.get());
+    REQUIRE(map.ok());
+    uint64_t n = 0;
+    for (const ShardSlot& slot : map->live) {
+      if (slot.version == 0) continue;
+      auto f = vol_->OpenFileById(slot.id);
+      REQUIRE(f.ok());
+      auto r = ShardReader::Open(f->get(), vol_->superblock().uuid, "test");
+      REQUIRE(r.ok());
+      IndexEntry e;
+      while (true) {
+        auto more = (*r)->Next(&e);
+        REQUIRE(more.ok());
+        if (!*more) break;
+        if (e.kind == EntryKind::kUnique && e.file.ino == ino) n++;
+      }
+    }
+    return n;
+  }
+  size_t LiveShards() {
+    auto map = LoadShardMap(vol_.get());
+    REQUIRE(map.ok());
+    return map->live.size();
+  }
+  Volume* vol() { return vol_.get(); }
+
+ private:
+  class HeldFiles : public FileAccess {
+   public:
+    explicit HeldFiles(std::map<std::string, std::unique_ptr<File>>* files) : files_(files) {}
+    Result<Handle> Get(const FileInfo& info) override {
+      for (auto& [name, f] : *files_) {
+        if (f->id() == info.id) return Handle{f.get()};
+      }
+      return Status::NotFound("not a file of the scene");
+    }
+
+   private:
+    std::map<std::string, std::unique_ptr<File>>* files_;
+  };
+
+  static inline int counter_ = 0;
+  TestClock* clock_;
+  MemDevice dev_;
+  std::unique_ptr<Volume> vol_;
+  std::unique_ptr<WriteMonitor> monitor_;
+  std::map<std::string, std::unique_ptr<File>> files_;
+};
+
+std::vector<uint8_t> RandomBlocks(uint64_t blocks, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint8_t> out(blocks * kB);
+  for (size_t i = 0; i < out.size(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(out.data() + i, &v, 8);
+  }
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("a scheduled pass starts at its window's start and stops at its end then resumes in the next window",
+          "[schedule]") {
+  // Monday 2026-11-23, 00:00 local time, a week of windows "mon 01:00-02:00".
+  TestClock clock(LocalTime(2026, 11, 23, 0, 0));
+  Scene scene(&clock);
+  PassScheduler sched(&clock, PassScheduler::Options{});
+  sched.SetPolicy(WindowPolicy("mon 01:00-02:00"));
+
+  // History before the test: an index split into several shards (every
+  // update splits its shard), holding only unique seed blocks.
+  constexpr uint64_t kSeed = 256;
+  scene.Create("seed", kSeed);
+  for (int round = 0; round < 8 && scene.LiveShards() < 8; round++) {
+    scene.Write("seed", 0, RandomBlocks(kSeed, 1000 + round));
+    scene.FlushLogs();
+    DedupOptions o;
+    o.rewrite_fraction = 0;
+    o.split_threshold_ms = 0;
+    o.split_min_entries = 1;
+    auto st = scene.Pass(o);
+    REQUIRE(st.ok());
+  }
+  REQUIRE(scene.LiveShards() >= 8);
+  REQUIRE(scene.SharedBlocks("seed") == 0);
+
+  // Three copies of one disk, written at 00:10.
+  constexpr uint64_t kDisk = 2048;
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 7);
+  clock.Set(LocalTime(2026, 11, 23, 0, 10));
+  for (const char* name : {"vm-a", "vm-b", "vm-c"}) {
+    scene.Create(name, kDisk);
+    scene.Write(name, 0, disk);
+  }
+  scene.FlushLogs();
+  const uint64_t physical_before = scene.PhysicalDataBlocks();
+  REQUIRE(physical_before == kSeed + 3 * kDisk);
+
+  // Before the window: nothing is due, every minute until 01:00.
+  for (int m = 10; m < 60; m++) {
+    clock.Set(LocalTime(2026, 11, 23, 0, m));
+    CHECK_FALSE(sched.InWindow());
+    CHECK_FALSE(sched.Due().has_value());
+  }
+
+  // 01:00: the window opens and the pass is due at once.
+  clock.Set(LocalTime(2026, 11, 23, 1, 0));
+  REQUIRE(sched.InWindow());
+  std::optional<PassTrigger> due = sched.Due();
+  REQUIRE(due.has_value());
+  CHECK(*due == PassTrigger::kWindow);
+  CHECK(sched.CurrentWindow() == "mon 01:00-02:00");
+  sched.PassStarted(*due);
+
+  // Each shard update takes 15 minutes of the window (the clock moves as
+  // the pass reports progress; dedupd's timer asks ShouldStop every second).
+  std::atomic<bool> stop{false};
+  uint64_t shards_seen = 0, stop_checks_true = 0;
+  DedupOptions o;
+  o.stop = &stop;
+  o.progress = [&](const std::string& line) {
+    if (line.rfind("index shard ", 0) != 0) return;
+    if (line.find("(parking)") == std::string::npos) {
+      shards_seen++;
+      clock.Advance(15 * kMinute);
+    }
+    if (sched.ShouldStop()) {
+      stop_checks_true++;
+      stop = true;
+    }
+  };
+  Result<DedupStats> first = scene.Pass(o);
+  REQUIRE(first.ok());
+  sched.PassEnded(!first->stopped);
+  CHECK(first->stopped);
+  CHECK(stop_checks_true > 0);
+  // It merged shards while the window was open (01:00 .. 02:00: four
+  // updates of 15 minutes) and parked the rest.
+  CHECK(shards_seen == 4);
+  CHECK(first->records_parked_at_stop > 0);
+  CHECK(first->shared_new > 0);
+  const uint64_t physical_after_first = scene.PhysicalDataBlocks();
+  CHECK(physical_after_first < physical_before);
+  CHECK(physical_after_first > kSeed + kDisk);  // not all shared yet
+  // The logs were consumed: the parked records carry the work over.
+  CHECK(first->logs_consumed >= 3);
+  CHECK(first->records_parked_at_stop < first->log_records);
+
+  // The rest of the week: nothing is due (hourly ticks), nothing changes.
+  for (uint64_t t = LocalTime(2026, 11, 23, 2, 0); t < LocalTime(2026, 11, 30, 1, 0); t += kHour / 2) {
+    clock.Set(t);
+    CHECK_FALSE(sched.InWindow());
+    CHECK_FALSE(sched.Due().has_value());
+  }
+  CHECK(scene.PhysicalDataBlocks() == physical_after_first);
+
+  // Next Monday 01:00: the next window's pass resumes from the parked records.
+  clock.Set(LocalTime(2026, 11, 30, 1, 0));
+  due = sched.Due();
+  REQUIRE(due.has_value());
+  CHECK(*due == PassTrigger::kWindow);
+  sched.PassStarted(*due);
+  stop = false;
+  o.progress = [&](const std::string& line) {
+    if (line.rfind("index shard ", 0) == 0) clock.Advance(kMinute);
+    if (sched.ShouldStop()) stop = true;
+  };
+  Result<DedupStats> second = scene.Pass(o);
+  REQUIRE(second.ok());
+  sched.PassEnded(!second->stopped);
+  CHECK_FALSE(second->stopped);
+  CHECK(second->log_records == 0);  // nothing new was written
+  CHECK(second->pending_records_applied > 0);
+  // Exact dedup: one copy of the disk plus the seeds.
+  CHECK(scene.PhysicalDataBlocks() == kSeed + kDisk);
+  CHECK(scene.SharedBlocks("vm-b") == kDisk);
+  CHECK(scene.SharedBlocks("vm-c") == kDisk);
+  for (const char* name : {"vm-a", "vm-b", "vm-c"}) CHECK(scene.ReadAll(name, kDisk) == disk);
+  // Within the window, the next pass waits for the window interval.
+  CHECK_FALSE(sched.Due().has_value());
+  clock.Advance(11 * kMinute);
+  CHECK(sched.Due() == PassTrigger::kWindow);
+}
+
+TEST_CASE("requested passes run at any time and only windowed passes are stopped", "[schedule]") {
+  TestClock clock(LocalTime(2026, 11, 24, 12, 0));  // Tuesday noon
+  PassScheduler::Options so;
+  so.interval_s = 0;
+  PassScheduler sched(&clock, so);
+  // No windows, no interval: only on request.
+  CHECK(sched.InWindow());
+  CHECK_FALSE(sched.Due().has_value());
+  sched.Request(PassTrigger::kNow);
+  REQUIRE(sched.Due() == PassTrigger::kNow);
+  sched.PassStarted(PassTrigger::kNow);
+  CHECK_FALSE(sched.Due().has_value());  // one at a time
+  CHECK_FALSE(sched.ShouldStop());
+  sched.PassEnded(true);
+
+  // Windows that do not include Tuesday noon: a requested pass still runs
+  // and is not stopped; nothing else is due.
+  sched.SetPolicy(WindowPolicy("daily 22:00-04:00"));
+  CHECK_FALSE(sched.InWindow());
+  CHECK_FALSE(sched.Due().has_value());
+  sched.Request(PassTrigger::kSignal);
+  REQUIRE(sched.Due() == PassTrigger::kSignal);
+  sched.PassStarted(PassTrigger::kSignal);
+  CHECK_FALSE(sched.ShouldStop());
+  sched.PassEnded(true);
+
+  // A window crossing midnight: due at 22:00, still open at 03:59 Wednesday,
+  // a running window pass told to stop at 04:00.
+  clock.Set(LocalTime(2026, 11, 24, 21, 59));
+  CHECK_FALSE(sched.Due().has_value());
+  clock.Set(LocalTime(2026, 11, 24, 22, 0));
+  REQUIRE(sched.Due() == PassTrigger::kWindow);
+  sched.PassStarted(PassTrigger::kWindow);
+  clock.Set(LocalTime(2026, 11, 25, 3, 59));
+  CHECK(sched.InWindow());
+  CHECK_FALSE(sched.ShouldStop());
+  clock.Set(LocalTime(2026, 11, 25, 4, 0));
+  CHECK(sched.ShouldStop());
+  sched.PassEnded(false);
+  CHECK_FALSE(sched.Due().has_value());
+  auto next = sched.NextChange();
+  REQUIRE(next.has_value());
+  CHECK(*next == LocalTime(2026, 11, 25, 22, 0));
+
+  // No windows and an interval: a pass every interval after the last one.
+  PassScheduler::Options every;
+  every.interval_s = 60;
+  PassScheduler periodic(&clock, every);
+  CHECK_FALSE(periodic.Due().has_value());
+  clock.Advance(59'000'000'000ull);
+  CHECK_FALSE(periodic.Due().has_value());
+  clock.Advance(1'000'000'000ull);
+  REQUIRE(periodic.Due() == PassTrigger::kInterval);
+  periodic.PassStarted(PassTrigger::kInterval);
+  CHECK_FALSE(periodic.ShouldStop());
+  periodic.PassEnded(true);
+  CHECK_FALSE(periodic.Due().has_value());
+}
+
+TEST_CASE("stable-after keeps young records in their logs until they are old enough", "[schedule]") {
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  constexpr uint64_t kDisk = 64;
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 11);
+  scene.Create("a", kDisk);
+  scene.Create("b", kDisk);
+  scene.Write("a", 0, disk);
+  scene.Write("b", 0, disk);
+  scene.FlushLogs();
+
+  DedupOptions o;
+  o.stable_after_ns = kHour;
+  clock.Advance(10 * kMinute);
+  auto young = scene.Pass(o);
+  REQUIRE(young.ok());
+  CHECK(young->young_records_deferred == 2 * kDisk);
+  CHECK(young->shared_new == 0);
+  CHECK(scene.SharedBlocks("b") == 0);
+
+  // A rewrite of a's first half at 09:30 is younger still.
+  clock.Advance(20 * kMinute);
+  std::vector<uint8_t> half(disk.begin(), disk.begin() + long(kDisk / 2 * kB));
+  scene.Write("a", 0, half);
+  scene.FlushLogs();
+
+  // 10:05: the records from 09:00 are an hour old, a's rewrite is not.
+  clock.Set(LocalTime(2026, 11, 24, 10, 5));
+  auto later = scene.Pass(o);
+  REQUIRE(later.ok());
+  CHECK(later->young_records_deferred == kDisk / 2);
+  // b's blocks are shared with a's stable second half only.
+  CHECK(scene.SharedBlocks("b") == kDisk / 2);
+
+  // 10:45: everything is stable.
+  clock.Set(LocalTime(2026, 11, 24, 10, 45));
+  auto last = scene.Pass(o);
+  REQUIRE(last.ok());
+  CHECK(last->young_records_deferred == 0);
+  CHECK(scene.SharedBlocks("b") == kDisk);
+  CHECK(scene.ReadAll("a", kDisk) == disk);
+  CHECK(scene.ReadAll("b", kDisk) == disk);
+}
+
+TEST_CASE("a dedup=off file is never shared and its index entries go at the next forced pass",
+          "[schedule]") {
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  constexpr uint64_t kDisk = 64;
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 21);
+  File* a = scene.Create("a", kDisk);
+  File* b = scene.Create("b", kDisk);
+  scene.Write("a", 0, disk);
+  scene.FlushLogs();
+  auto first = scene.Pass(DedupOptions{});
+  REQUIRE(first.ok());
+  REQUIRE(scene.UniqueEntriesOf(a->id().ino) == kDisk);
+
+  // a opts out; b then gets a copy of a's content.
+  REQUIRE(a->SetDedup(false).ok());
+  // The volume itself refuses to share a's blocks, whoever asks.
+  REQUIRE(b->Write(0, disk.data(), kB).ok());
+  CHECK(scene.vol()->CompareAndShare(a, 0, b, 0, VerifyMode::kByteCompare).code() ==
+        Status::Code::kMismatch);
+  CHECK(scene.vol()->CompareAndShare(b, 0, a, 0, VerifyMode::kByteCompare).code() ==
+        Status::Code::kMismatch);
+  CHECK(scene.vol()->CloneBlock(a, 1, b, 1).code() == Status::Code::kMismatch);
+  scene.Write("b", 0, disk);
+  scene.FlushLogs();
+  DedupOptions o;
+  o.force = true;  // dedupd forces the pass after an opt-out
+  auto second = scene.Pass(o);
+  REQUIRE(second.ok());
+  CHECK(scene.UniqueEntriesOf(a->id().ino) == 0);
+  CHECK(scene.SharedBlocks("a") == 0);
+  CHECK(scene.SharedBlocks("b") == 0);
+  CHECK(scene.ReadAll("a", kDisk) == disk);
+  CHECK(scene.ReadAll("b", kDisk) == disk);
+  // Back on: sharing resumes with the next records.
+  REQUIRE(a->SetDedup(true).ok());
+  scene.Write("a", 0, disk);
+  scene.FlushLogs();
+  auto third = scene.Pass(DedupOptions{});
+  REQUIRE(third.ok());
+  CHECK(scene.SharedBlocks("a") == kDisk);
+}
+
+TEST_CASE("a throttled pass charges its device I/O and waits for the cap", "[schedule]") {
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  constexpr uint64_t kDisk = 512;
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 31);
+  scene.Create("a", kDisk);
+  scene.Create("b", kDisk);
+  scene.Write("a", 0, disk);
+  scene.Write("b", 0, disk);
+  scene.FlushLogs();
+  // The throttle sleeps by moving a manual clock: the time "slept" over
+  // the pass is what the cap demands for the bytes it charged.
+  ManualClock pace(1);
+  uint64_t slept = 0;
+  constexpr uint64_t kRate = 4'000'000;  // 4 MB/s
+  IoThrottle throttle(kRate, &pace, [&](uint64_t ns) {
+    slept += ns;
+    pace.Advance(ns);
+  });
+  DedupOptions o;
+  o.io_budget = &throttle;
+  o.settle_io = [&] { throttle.Settle(); };
+  o.batch_ops = IoThrottle::BatchOpsFor(kRate, o.batch_ops);
+  auto st = scene.Pass(o);
+  REQUIRE(st.ok());
+  CHECK(st->shared_new == kDisk);
+  // Every share reads two blocks: at least that much was charged.
+  CHECK(throttle.bytes() >= 2 * kDisk * kB);
+  const double want = double(throttle.bytes()) / double(kRate) * 1e9;
+  // The burst allowance (50 ms) is the only slack.
+  CHECK(double(slept) >= want - 0.06e9);
+  CHECK(double(slept) <= want + 0.01e9);
+  // I/O outside the pass's threads is not charged.
+  const uint64_t before = throttle.bytes();
+  REQUIRE(scene.file("a")->Write(0, disk.data(), kB).ok());
+  CHECK(throttle.bytes() == before);
+}

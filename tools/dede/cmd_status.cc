@@ -1,0 +1,315 @@
+// `dede status`: asks the local dedupd over its control socket
+// (agent/control_server.h) and shows the reply. The reply's schema belongs
+// to dedupd and grows over time: this renders what is there, skips what is
+// missing or of an unexpected type, and --json passes the reply on as is.
+#include <time.h>
+
+#include <cstdint>
+#include <cstdio>
+#include <ctime>
+#include <iostream>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "agent/control_server.h"
+#include "tools/dede/cli.h"
+
+namespace po = boost::program_options;
+using json = nlohmann::json;
+
+namespace dede::cli {
+namespace {
+
+constexpr uint64_t kNsPerSecond = 1'000'000'000;
+
+// ------------------------------------------------ tolerant field access
+
+const json* Field(const json& j, const char* key) {
+  if (!j.is_object()) return nullptr;
+  auto it = j.find(key);
+  return it == j.end() ? nullptr : &*it;
+}
+
+std::optional<std::string> Str(const json& j, const char* key) {
+  const json* f = Field(j, key);
+  if (f == nullptr || !f->is_string()) return std::nullopt;
+  return f->get<std::string>();
+}
+
+std::optional<double> Num(const json& j, const char* key) {
+  const json* f = Field(j, key);
+  if (f == nullptr || !f->is_number()) return std::nullopt;
+  return f->get<double>();
+}
+
+std::optional<uint64_t> Uint(const json& j, const char* key) {
+  const json* f = Field(j, key);
+  if (f == nullptr || !f->is_number()) return std::nullopt;
+  if (f->is_number_unsigned()) return f->get<uint64_t>();
+  if (f->is_number_integer()) {
+    int64_t v = f->get<int64_t>();
+    return v < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(v));
+  }
+  double v = f->get<double>();
+  return v < 0 ? std::nullopt : std::optional<uint64_t>(static_cast<uint64_t>(v));
+}
+
+std::optional<bool> Bool(const json& j, const char* key) {
+  const json* f = Field(j, key);
+  if (f == nullptr || !f->is_boolean()) return std::nullopt;
+  return f->get<bool>();
+}
+
+const json* Object(const json& j, const char* key) {
+  const json* f = Field(j, key);
+  return f != nullptr && f->is_object() ? f : nullptr;
+}
+
+const json* Array(const json& j, const char* key) {
+  const json* f = Field(j, key);
+  return f != nullptr && f->is_array() ? f : nullptr;
+}
+
+// ------------------------------------------------ formatting
+
+std::string Join(const std::vector<std::string>& parts, const std::string& sep) {
+  std::string out;
+  for (const std::string& p : parts) {
+    if (p.empty()) continue;
+    if (!out.empty()) out += sep;
+    out += p;
+  }
+  return out;
+}
+
+std::string LocalDateTime(uint64_t ns) {
+  const auto secs = static_cast<time_t>(ns / kNsPerSecond);
+  struct tm tm {};
+  if (localtime_r(&secs, &tm) == nullptr) return "?";
+  char buf[64];
+  if (std::strftime(buf, sizeof buf, "%Y-%m-%d %H:%M:%S", &tm) == 0) return "?";
+  return buf;
+}
+
+// "2026-11-20 01:00:03 (12 min ago)" / "(in 3 h 05 min)".
+std::string WhenText(uint64_t ns) {
+  const auto now = static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                             std::chrono::system_clock::now().time_since_epoch())
+                                             .count());
+  std::string text = LocalDateTime(ns);
+  if (ns <= now) {
+    text += " (" + HumanDuration(static_cast<double>(now - ns) / kNsPerSecond) + " ago)";
+  } else {
+    text += " (in " + HumanDuration(static_cast<double>(ns - now) / kNsPerSecond) + ")";
+  }
+  return text;
+}
+
+void Line(const std::string& label, const std::string& text) {
+  std::string pad = label.size() < 12 ? std::string(12 - label.size(), ' ') : " ";
+  std::cout << label << pad << text << '\n';
+}
+
+std::string NumberText(const json& j, const char* key) {
+  auto v = Uint(j, key);
+  return v ? std::to_string(*v) : "-";
+}
+
+// ------------------------------------------------ sections
+
+void PrintDaemon(const json& r) {
+  std::vector<std::string> parts;
+  if (auto v = Uint(r, "pid")) parts.push_back("pid " + std::to_string(*v));
+  if (auto v = Uint(r, "host_id")) parts.push_back("host " + std::to_string(*v));
+  if (auto v = Str(r, "version")) parts.push_back("version " + *v);
+  if (auto v = Num(r, "uptime_s"); v && *v >= 0) parts.push_back("up " + HumanDuration(*v));
+  if (!parts.empty()) Line("dedupd", Join(parts, ", "));
+  if (auto vol = Str(r, "volume")) {
+    std::string text = *vol;
+    if (auto uuid = Str(r, "volume_uuid")) text += " (uuid " + *uuid + ")";
+    Line("volume", text);
+  }
+}
+
+void PrintExports(const json& r) {
+  const json* exports = Array(r, "exports");
+  if (exports == nullptr) return;
+  if (exports->empty()) {
+    Line("exports", "none");
+    return;
+  }
+  uint64_t clients = 0;
+  for (const json& e : *exports) clients += Uint(e, "clients").value_or(0);
+  Line("exports", Count(exports->size(), "export") + ", " + Count(clients, "client"));
+
+  struct Row {
+    std::string name, clients, dedup, log, buffered, dropped, cow;
+  };
+  std::vector<Row> rows = {{"NAME", "CLIENTS", "DEDUP", "LOG RECORDS", "BUFFERED", "DROPPED", "COW COPIES"}};
+  for (const json& e : *exports) {
+    auto dedup = Bool(e, "dedup");
+    rows.push_back({Str(e, "name").value_or("?"), NumberText(e, "clients"), dedup ? (*dedup ? "on" : "off") : "-",
+                    NumberText(e, "log_records"), NumberText(e, "buffered_records"),
+                    NumberText(e, "dropped_records"), NumberText(e, "cow_copies")});
+  }
+  size_t w[7] = {};
+  for (const Row& row : rows) {
+    const std::string* cells[7] = {&row.name, &row.clients, &row.dedup, &row.log, &row.buffered, &row.dropped, &row.cow};
+    for (size_t i = 0; i < 7; i++) w[i] = std::max(w[i], cells[i]->size());
+  }
+  for (const Row& row : rows) {
+    const std::string* cells[7] = {&row.name, &row.clients, &row.dedup, &row.log, &row.buffered, &row.dropped, &row.cow};
+    std::string line = "  ";
+    for (size_t i = 0; i < 7; i++) {
+      const std::string& c = *cells[i];
+      std::string pad(w[i] - c.size(), ' ');
+      // Name and dedup left-aligned, numbers right-aligned.
+      line += (i == 0 || i == 2) ? c + pad : pad + c;
+      if (i + 1 < 7) line += "  ";
+    }
+    while (!line.empty() && line.back() == ' ') line.pop_back();
+    std::cout << line << '\n';
+  }
+}
+
+void PrintLeases(const json& r) {
+  const json* leases = Array(r, "leases");
+  if (leases == nullptr) return;
+  if (leases->empty()) {
+    Line("leases", "none held");
+    return;
+  }
+  Line("leases", std::to_string(leases->size()) + " held");
+  for (const json& l : *leases) {
+    std::string text = Str(l, "lock").value_or("?");
+    if (auto mode = Str(l, "mode")) text += " (" + *mode + ")";
+    std::cout << "  " << text << '\n';
+  }
+}
+
+void PrintMonitor(const json& r) {
+  const json* m = Object(r, "monitor");
+  if (m == nullptr) return;
+  std::vector<std::string> parts;
+  if (auto bytes = Uint(*m, "buffer_bytes")) {
+    std::string text = HumanSize(*bytes);
+    if (auto cap = Uint(*m, "buffer_cap_bytes")) text += " of " + HumanSize(*cap);
+    parts.push_back(text + " buffered");
+  }
+  if (auto v = Uint(*m, "records_buffered")) parts.push_back(Count(*v, "record") + " buffered");
+  if (auto v = Uint(*m, "records_dropped")) parts.push_back(std::to_string(*v) + " dropped");
+  if (!parts.empty()) Line("monitor", Join(parts, ", "));
+}
+
+void PrintPolicy(const json& r) {
+  const json* p = Object(r, "policy");
+  if (p == nullptr) return;
+  // Window texts contain commas ("sat,sun 00:00-24:00") and are listed the
+  // way `dede policy` takes them, ';'-separated: on a line of their own.
+  std::string label = "policy";
+  if (const json* windows = Array(*p, "windows")) {
+    std::vector<std::string> names;
+    for (const json& w : *windows) {
+      if (w.is_string()) names.push_back(w.get<std::string>());
+    }
+    Line(label, names.empty() ? "windows: always" : "windows: " + Join(names, "; "));
+    label.clear();
+  }
+  std::vector<std::string> parts;
+  if (auto rate = Uint(*p, "rate_bytes_per_s")) {
+    parts.push_back(*rate == 0 ? "rate unlimited" : "rate " + HumanSize(*rate) + "/s");
+  }
+  if (auto v = Str(*p, "priority")) parts.push_back("priority " + *v);
+  if (auto v = Uint(*p, "stable_after_s")) {
+    parts.push_back(*v == 0 ? "no stability wait" : "stable after " + HumanDuration(static_cast<double>(*v)));
+  }
+  if (!parts.empty()) {
+    Line(label, Join(parts, ", "));
+    label.clear();
+  }
+  if (auto in_window = Bool(*p, "in_window")) {
+    std::string text = *in_window ? "dedup may run now" : "outside the windows: dedup waits";
+    if (auto next = Uint(*p, "next_change_ns"); next && *next > 0) text += " until " + WhenText(*next);
+    Line(label, text);
+  }
+}
+
+void PrintPass(const json& r) {
+  if (const json* pass = Object(r, "pass")) {
+    if (Bool(*pass, "running").value_or(false)) {
+      std::string text = "running";
+      if (auto trigger = Str(*pass, "trigger")) text += " (" + *trigger + ")";
+      if (auto started = Uint(*pass, "started_ns"); started && *started > 0) text += " since " + WhenText(*started);
+      std::vector<std::string> details;
+      if (auto progress = Str(*pass, "progress")) details.push_back(*progress);
+      if (auto records = Uint(*pass, "records")) details.push_back(Count(*records, "record"));
+      if (!details.empty()) text += ": " + Join(details, ", ");
+      Line("pass", text);
+    } else {
+      Line("pass", "none running");
+    }
+  }
+  if (const json* passes = Object(r, "passes")) {
+    std::vector<std::string> parts;
+    if (auto v = Uint(*passes, "completed")) parts.push_back(std::to_string(*v) + " completed");
+    if (auto v = Uint(*passes, "stopped")) parts.push_back(std::to_string(*v) + " stopped");
+    if (auto v = Uint(*passes, "failed")) parts.push_back(std::to_string(*v) + " failed");
+    std::string text = Join(parts, ", ");
+    if (auto last = Uint(*passes, "last_end_ns"); last && *last > 0) {
+      text += (text.empty() ? "" : "; ") + std::string("last ended ") + WhenText(*last);
+    }
+    if (!text.empty()) Line("passes", text);
+  }
+}
+
+void PrintRest(const json& r) {
+  if (const json* drops = Object(r, "drops")) {
+    std::vector<std::string> parts;
+    if (auto v = Uint(*drops, "deferred")) parts.push_back(std::to_string(*v) + " deferred");
+    if (auto v = Uint(*drops, "applied")) parts.push_back(std::to_string(*v) + " applied");
+    if (auto v = Uint(*drops, "pending")) parts.push_back(std::to_string(*v) + " pending");
+    if (!parts.empty()) Line("drops", Join(parts, ", "));
+  }
+  if (auto v = Str(r, "history")) Line("history", *v);
+  if (auto port = Uint(r, "metrics_port"); port && *port > 0) {
+    Line("metrics", "http://127.0.0.1:" + std::to_string(*port) + "/metrics");
+  }
+}
+
+}  // namespace
+
+int RunStatus(const Command& cmd, const std::vector<std::string>& args) {
+  ArgParser parser(cmd);
+  parser.options()("control", po::value<std::string>()->value_name("PATH"),
+                   (std::string("dedupd's control socket (default ") + kDefaultControlPath + ")").c_str())(
+      "json", po::bool_switch(), "print dedupd's reply as JSON");
+  parser.SetDetails(
+      "Talks to the dedupd of this host over its control socket; the volume is\n"
+      "not opened. Fails when no dedupd listens there.");
+  if (auto rc = parser.Parse(args)) return *rc;
+  const std::string path = parser.value("control").value_or(kDefaultControlPath);
+  if (path.empty()) return UsageError(cmd, "--control must not be empty");
+
+  Result<json> reply = ControlRequest(path, json{{"cmd", "status"}});
+  if (!reply.ok()) return Fail(cmd, reply.status());
+  const json& r = reply.value();
+  if (auto error = Str(r, "error")) return Fail(cmd, "dedupd: " + *error);
+  if (!r.is_object()) return Fail(cmd, "dedupd at " + path + " sent a reply that is not a JSON object");
+
+  if (parser.flag("json")) {
+    PrintJson(r);
+    return kExitOk;
+  }
+  PrintDaemon(r);
+  PrintExports(r);
+  PrintLeases(r);
+  PrintMonitor(r);
+  PrintPolicy(r);
+  PrintPass(r);
+  PrintRest(r);
+  return kExitOk;
+}
+
+}  // namespace dede::cli
