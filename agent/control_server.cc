@@ -41,7 +41,9 @@ std::string ReplyLine(const json& reply) {
   return reply.dump(-1, ' ', false, json::error_handler_t::replace) + '\n';
 }
 
-std::string ErrorLine(const std::string& message) { return ReplyLine(json{{"error", message}}); }
+std::string ErrorLine(const std::string& message) {
+  return ReplyLine(json{{"error", message}});
+}
 
 bool IsBlank(const std::string& s) {
   for (char c : s) {
@@ -78,7 +80,10 @@ bool UnixSocketLive(const std::string& path) {
 class ControlConnection : public std::enable_shared_from_this<ControlConnection> {
  public:
   ControlConnection(std::shared_ptr<ControlServer::Shared> shared, UnixSocket sock, uint64_t id)
-      : shared_(std::move(shared)), sock_(std::move(sock)), strand_(asio::make_strand(sock_.get_executor())), id_(id) {}
+      : shared_(std::move(shared)),
+        sock_(std::move(sock)),
+        strand_(asio::make_strand(sock_.get_executor())),
+        id_(id) {}
 
   void Start() {
     asio::dispatch(strand_, [self = shared_from_this()] { self->Pump(); });
@@ -124,7 +129,8 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
     reading_ = true;
     sock_.async_read_some(
         asio::buffer(chunk_),
-        asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
+        asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec,
+                                                                 size_t n) {
           self->reading_ = false;
           if (self->closed_) return;
           if (ec || n == 0) {
@@ -137,8 +143,8 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
   }
 
   void RejectLongLine() {
-    LOG(kWarning) << "control connection " << id_ << ": request line longer than " << kControlMaxLine
-                  << " bytes; closing";
+    LOG(kWarning) << "control connection " << id_ << ": request line longer than "
+                  << kControlMaxLine << " bytes; closing";
     inbuf_.clear();
     closing_ = true;
     Send(ErrorLine("request line longer than " + std::to_string(kControlMaxLine) + " bytes"));
@@ -169,27 +175,28 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
       return;
     }
     busy_ = true;
-    shared_->run_blocking([self = shared_from_this(), handler = &handler->second, request = std::move(request)] {
-      std::string reply;
-      try {
-        Result<json> r = (*handler)(request);
-        if (r.ok()) {
-          reply = ReplyLine(r.value());
-        } else {
-          const Status& st = r.status();
-          reply = ErrorLine(st.message().empty() ? std::string(st.CodeName()) : st.message());
-        }
-      } catch (const std::exception& e) {
-        // A handler bug (a json type_error, say) must not take a worker
-        // thread, and with it dedupd, down.
-        reply = ErrorLine(std::string("internal error: ") + e.what());
-      }
-      asio::post(self->strand_, [self, reply = std::move(reply)]() mutable {
-        self->busy_ = false;
-        self->Send(std::move(reply));
-        self->Pump();
-      });
-    });
+    shared_->run_blocking(
+        [self = shared_from_this(), handler = &handler->second, request = std::move(request)] {
+          std::string reply;
+          try {
+            Result<json> r = (*handler)(request);
+            if (r.ok()) {
+              reply = ReplyLine(r.value());
+            } else {
+              const Status& st = r.status();
+              reply = ErrorLine(st.message().empty() ? std::string(st.CodeName()) : st.message());
+            }
+          } catch (const std::exception& e) {
+            // A handler bug (a json type_error, say) must not take a worker
+            // thread, and with it dedupd, down.
+            reply = ErrorLine(std::string("internal error: ") + e.what());
+          }
+          asio::post(self->strand_, [self, reply = std::move(reply)]() mutable {
+            self->busy_ = false;
+            self->Send(std::move(reply));
+            self->Pump();
+          });
+        });
   }
 
   void Send(std::string line) {
@@ -201,7 +208,8 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
   void WriteNext() {
     writing_ = true;
     asio::async_write(sock_, asio::buffer(wq_.front()),
-                      asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
+                      asio::bind_executor(strand_, [self = shared_from_this()](
+                                                       boost::system::error_code ec, size_t) {
                         self->writing_ = false;
                         if (self->closed_) return;
                         if (ec) {
@@ -240,8 +248,8 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
   std::string inbuf_;  // received, not yet handled
   std::deque<std::string> wq_;
   bool reading_ = false;
-  bool eof_ = false;      // the client sends nothing more
-  bool busy_ = false;     // a handler is running
+  bool eof_ = false;   // the client sends nothing more
+  bool busy_ = false;  // a handler is running
   bool writing_ = false;
   bool closing_ = false;  // close once the replies are out
   bool closed_ = false;
@@ -255,9 +263,13 @@ ControlServer::ControlServer(asio::io_context& io, std::string path,
   shared_->run_blocking = std::move(run_blocking);
 }
 
-ControlServer::~ControlServer() { Stop(); }
+ControlServer::~ControlServer() {
+  Stop();
+}
 
-void ControlServer::Handle(const std::string& cmd, Handler h) { shared_->handlers[cmd] = std::move(h); }
+void ControlServer::Handle(const std::string& cmd, Handler h) {
+  shared_->handlers[cmd] = std::move(h);
+}
 
 Status ControlServer::Listen() {
   if (path_.empty()) return Status::Invalid("no control socket path");
@@ -372,7 +384,8 @@ std::string TimeoutText(std::chrono::milliseconds t) {
 // Waits until `fd` is ready for `events` or the deadline passes (false).
 bool WaitFor(int fd, short events, std::chrono::steady_clock::time_point deadline) {
   for (;;) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) return false;
     pollfd p{fd, events, 0};
     int n = ::poll(&p, 1, static_cast<int>(std::min<int64_t>(left.count() + 1, 60'000)));
@@ -397,7 +410,8 @@ constexpr size_t kMaxReply = size_t{64} << 20;
 
 }  // namespace
 
-Result<json> ControlRequest(const std::string& path, const json& request, std::chrono::milliseconds timeout) {
+Result<json> ControlRequest(const std::string& path, const json& request,
+                            std::chrono::milliseconds timeout) {
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   if (path.size() >= sizeof(sockaddr_un::sun_path)) {
     return Status::Invalid("control socket path too long (max " +
@@ -414,7 +428,8 @@ Result<json> ControlRequest(const std::string& path, const json& request, std::c
     if (err == EAGAIN) {
       // The listen backlog is full: dedupd is there but behind; retry.
       if (std::chrono::steady_clock::now() >= deadline) {
-        return Status::Unavailable("dedupd at " + path + " did not accept within " + TimeoutText(timeout));
+        return Status::Unavailable("dedupd at " + path + " did not accept within " +
+                                   TimeoutText(timeout));
       }
       ::usleep(10'000);
       continue;
@@ -436,7 +451,8 @@ Result<json> ControlRequest(const std::string& path, const json& request, std::c
     if (n < 0 && errno == EINTR) continue;
     if (n < 0 && errno == EAGAIN) {
       if (!WaitFor(fd, POLLOUT, deadline)) {
-        return Status::Unavailable("dedupd at " + path + " did not take the request within " + TimeoutText(timeout));
+        return Status::Unavailable("dedupd at " + path + " did not take the request within " +
+                                   TimeoutText(timeout));
       }
       continue;
     }
@@ -453,24 +469,28 @@ Result<json> ControlRequest(const std::string& path, const json& request, std::c
       break;
     }
     scanned = in.size();
-    if (in.size() > kMaxReply) return Status::IoError("reply from dedupd at " + path + " is too long");
+    if (in.size() > kMaxReply)
+      return Status::IoError("reply from dedupd at " + path + " is too long");
     ssize_t n = ::recv(fd, buf, sizeof(buf), 0);
     if (n > 0) {
       in.append(buf, static_cast<size_t>(n));
       continue;
     }
-    if (n == 0) return Status::IoError("dedupd at " + path + " closed the connection without answering");
+    if (n == 0)
+      return Status::IoError("dedupd at " + path + " closed the connection without answering");
     if (errno == EINTR) continue;
     if (errno == EAGAIN) {
       if (!WaitFor(fd, POLLIN, deadline)) {
-        return Status::Unavailable("dedupd at " + path + " did not answer within " + TimeoutText(timeout));
+        return Status::Unavailable("dedupd at " + path + " did not answer within " +
+                                   TimeoutText(timeout));
       }
       continue;
     }
     return Status::FromErrno("reading from dedupd at " + path, errno);
   }
   json reply = json::parse(in, nullptr, /*allow_exceptions=*/false);
-  if (reply.is_discarded()) return Status::IoError("dedupd at " + path + " sent a reply that is not JSON");
+  if (reply.is_discarded())
+    return Status::IoError("dedupd at " + path + " sent a reply that is not JSON");
   return reply;
 }
 

@@ -199,7 +199,7 @@ class Pass {
     if (opts_.rescan) RETURN_IF_ERROR(Rescan());
     const uint64_t t1 = clock_->MonotonicNanos();
     stats_.gather_ns = t1 - t0;
-    RETURN_IF_ERROR(MergeRound(opts_.force));
+    RETURN_IF_ERROR(MergeRound(opts_.force || sweep_for_opt_out_));
     // Everything the logs held is now in durable shard versions or pending
     // files (ShardWriter::Finish syncs; pending appends sync here), except
     // the records too young to use, which go back into their logs. (A crash
@@ -355,7 +355,11 @@ class Pass {
         if (r.count > 0) pf->touched.emplace_back(r.first, r.first + r.count - 1);
       }
       if (!owner_info.dedup) {
+        // Opted out (its log holds what it wrote before, or the opt-out
+        // marker): its index entries may be in any shard, so this pass
+        // rewrites them all.
         stats_.files_dedup_off++;
+        sweep_for_opt_out_ = true;
         continue;
       }
       const uint64_t whole = pf->WholeBlocks();
@@ -1275,6 +1279,7 @@ class Pass {
   std::vector<ConsumedLog> logs_;
   uint64_t young_after_ns_ = 0;  // records written after this are young
   bool parking_ = false;         // stopping: park records, merge nothing
+  bool sweep_for_opt_out_ = false;  // a dedup=off file's log was gathered
   std::vector<uint8_t> buf_;
   // Merge requests of the shard update in progress, by target inode.
   struct MergePost {

@@ -97,6 +97,7 @@ int UsageError(const std::string& msg) {
 // Returns an exit code, or -1 to go on.
 int ParseArgs(int argc, char** argv, Config* cfg) {
   std::string tcp_port, flush_bytes, memory, log_level, config_file, metrics_port;
+  bool no_write_monitor = false;
   po::options_description opts("options");
   opts.add_options()
       ("help,h", "show this help")
@@ -114,7 +115,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("log-flush-interval", po::value(&cfg->log_flush_interval)->value_name("SEC"), "append buffered records to write logs every SEC seconds (default 30)")
       ("log-flush-bytes", po::value(&flush_bytes)->value_name("SIZE"), "flush a file's records once they fill SIZE of log (default 1M)")
       ("monitor-memory", po::value(&memory)->value_name("SIZE"), "memory cap of the write monitor's buffers (default 64M)")
-      ("no-write-monitor", "serve without fingerprinting writes (benchmarks)")
+      ("no-write-monitor", po::bool_switch(&no_write_monitor), "serve without fingerprinting writes (benchmarks)")
       ("dedup-interval", po::value(&cfg->dedup_interval)->value_name("SEC"), "run a dedup pass every SEC seconds (default 0: only when sent SIGUSR1)")
       ("dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"), "rewrite an index shard when its new records exceed F times its entries (default 0.05)")
       ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
@@ -192,7 +193,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
     if (!p || *p > 65535) return UsageError("--metrics-port: not a port number: " + metrics_port);
     cfg->metrics_port = static_cast<int>(*p);
   }
-  cfg->write_monitor = vm.count("no-write-monitor") == 0;
+  cfg->write_monitor = !no_write_monitor;
   return -1;
 }
 
@@ -272,10 +273,6 @@ int Run(const Config& cfg) {
   so.worker_threads = cfg.threads;
   so.open_wait_s = cfg.open_wait;
   NbdServer server(io, &table, so);
-  if (Status st = server.Listen(); !st.ok()) {
-    LOG(kError) << st.ToString();
-    return kExitError;
-  }
 
   PeriodicJob sync_job(io, &server, cfg.sync_interval, [&] {
     // Flush point: makes logs and metadata durable and hands cached locks
@@ -448,8 +445,7 @@ int Run(const Config& cfg) {
       row.verification_failures = st->stale_records + st->merge_requests_failed_verification;
       row.bytes_reclaimed = kBlockSize * (st->shared_new + st->shared_hits + st->zero_blocks_freed +
                                           st->merge_requests_applied);
-      LOG(kInfo) << "dedup pass " << passes << " (" << row.trigger
-                 << (row.window.empty() ? "" : " " + row.window) << "): " << st->log_records
+      LOG(kInfo) << "dedup pass " << passes << ": " << st->log_records
                  << " records from " << st->logs_consumed << " logs, " << st->shared_new
                  << " new shared, " << st->shared_hits << " shared again, "
                  << st->merge_requests_posted << " merge requests posted ("
@@ -457,8 +453,9 @@ int Run(const Config& cfg) {
                  << " applied, " << st->zero_blocks_freed << " zero blocks freed, "
                  << st->files_busy << " files busy, " << st->shards_rewritten
                  << " shards rewritten (" << st->shards_split << " split, " << st->shard_waits
-                 << " waits), " << st->young_records_deferred << " young records deferred, "
-                 << row.io_bytes << " bytes of I/O in " << double(st->total_ns) / 1e9 << " s"
+                 << " waits) in " << double(st->total_ns) / 1e9 << " s; "
+                 << st->young_records_deferred << " young records deferred, " << row.io_bytes
+                 << " bytes of dedup I/O (" << row.trigger << (row.window.empty() ? "" : " " + row.window) << ")"
                  << (st->stopped ? "; stopped at the window's end, " +
                                        std::to_string(st->records_parked_at_stop) +
                                        " records parked for the next window"
@@ -576,6 +573,7 @@ int Run(const Config& cfg) {
                         apply_merges);
 
   // ------------------------------------------------------------ status
+  std::atomic<int> metrics_port{-1};  // set once the endpoint listens
   auto status_json = [&]() -> nlohmann::json {
     nlohmann::json j;
     j["host_id"] = vol->host_id();
@@ -658,6 +656,8 @@ int Run(const Config& cfg) {
                      {"io_bytes", throttle.bytes()},
                      {"waited_s", double(throttle.waited_ns()) / 1e9}};
     j["history"] = history ? cfg.history : "";
+    j["control"] = cfg.control;
+    j["metrics_port"] = metrics_port.load();
     return j;
   };
 
@@ -779,6 +779,14 @@ int Run(const Config& cfg) {
       LOG(kWarning) << "no metrics endpoint (" << st.ToString() << ")";
       metrics.reset();
     }
+    if (metrics) metrics_port = metrics->port();
+  }
+
+  // The NBD socket last: once clients can connect, the control socket and
+  // the metrics endpoint are up too.
+  if (Status st = server.Listen(); !st.ok()) {
+    LOG(kError) << st.ToString();
+    return kExitError;
   }
 
   int exit_code = kExitOk;

@@ -1,5 +1,7 @@
 #include "agent/export_table.h"
 
+#include "kmod/writemon/write_log.h"
+
 #include <algorithm>
 #include <chrono>
 #include <cstring>
@@ -77,6 +79,17 @@ Status Export::SetDedup(bool on) {
   MutexLock l(&dedup_mu_);
   if (dedup_.load() == on) return Status::Ok();
   RETURN_IF_ERROR(file_->SetDedup(on));
+  // The next pass must drop the file's index entries even if it logged
+  // nothing (kLocked only while the flusher or a pass has the log: the
+  // switch itself stands, the marker is retried once).
+  if (!on) {
+    Status marked = AppendOptOutMarker(vol_, id_, size_, Clock::Real()->NowNanos());
+    if (marked.code() == Status::Code::kLocked) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      marked = AppendOptOutMarker(vol_, id_, size_, Clock::Real()->NowNanos());
+    }
+    if (!marked.ok()) LOG(kWarning) << "export '" << name_ << "': opt-out marker: " << marked.ToString();
+  }
   RETURN_IF_ERROR(file_->Flush());
   dedup_ = on;
   if (monitor_) {

@@ -31,12 +31,18 @@ constexpr size_t kLingerBytes = size_t{1} << 20;
 
 const char* Reason(int code) {
   switch (code) {
-    case 200: return "OK";
-    case 400: return "Bad Request";
-    case 404: return "Not Found";
-    case 405: return "Method Not Allowed";
-    case 431: return "Request Header Fields Too Large";
-    case 500: return "Internal Server Error";
+    case 200:
+      return "OK";
+    case 400:
+      return "Bad Request";
+    case 404:
+      return "Not Found";
+    case 405:
+      return "Method Not Allowed";
+    case 431:
+      return "Request Header Fields Too Large";
+    case 500:
+      return "Internal Server Error";
   }
   return "Error";
 }
@@ -46,7 +52,8 @@ constexpr const char* kPlainType = "text/plain; charset=utf-8";
 
 constexpr const char* kIndexPage =
     "<!DOCTYPE html>\n<html><head><title>dedupd</title></head>\n"
-    "<body><h1>dedupd</h1><p>Prometheus metrics: <a href=\"/metrics\">/metrics</a></p></body></html>\n";
+    "<body><h1>dedupd</h1><p>Prometheus metrics: <a "
+    "href=\"/metrics\">/metrics</a></p></body></html>\n";
 
 // Offset just past the blank line that ends the headers, or npos. Bare
 // LF line ends are accepted too (hand-typed requests).
@@ -110,23 +117,25 @@ class MetricsConnection : public std::enable_shared_from_this<MetricsConnection>
     // error: the generation tells it it is stale.
     const uint64_t generation = ++timer_generation_;
     timer_.async_wait([self = shared_from_this(), generation](boost::system::error_code ec) {
-      if (ec == asio::error::operation_aborted || self->closed_ || generation != self->timer_generation_) return;
+      if (ec == asio::error::operation_aborted || self->closed_ ||
+          generation != self->timer_generation_)
+        return;
       self->CloseNow();
     });
   }
 
   void ReadRequest() {
-    sock_.async_read_some(
-        asio::buffer(chunk_),
-        asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
-          if (self->closed_) return;
-          if (ec || n == 0) {
-            self->CloseNow();  // gone before the request was complete
-            return;
-          }
-          self->inbuf_.append(self->chunk_.data(), n);
-          self->Examine();
-        }));
+    sock_.async_read_some(asio::buffer(chunk_),
+                          asio::bind_executor(strand_, [self = shared_from_this()](
+                                                           boost::system::error_code ec, size_t n) {
+                            if (self->closed_) return;
+                            if (ec || n == 0) {
+                              self->CloseNow();  // gone before the request was complete
+                              return;
+                            }
+                            self->inbuf_.append(self->chunk_.data(), n);
+                            self->Examine();
+                          }));
   }
 
   void Examine() {
@@ -197,7 +206,8 @@ class MetricsConnection : public std::enable_shared_from_this<MetricsConnection>
     if (!head_only) out_ += body;
     ArmTimer(kResponseTimeout);
     asio::async_write(sock_, asio::buffer(out_),
-                      asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t) {
+                      asio::bind_executor(strand_, [self = shared_from_this()](
+                                                       boost::system::error_code ec, size_t) {
                         if (self->closed_) return;
                         if (ec) {
                           self->CloseNow();
@@ -222,17 +232,17 @@ class MetricsConnection : public std::enable_shared_from_this<MetricsConnection>
   }
 
   void Drain() {
-    sock_.async_read_some(
-        asio::buffer(chunk_),
-        asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
-          if (self->closed_) return;
-          self->drained_ += n;
-          if (ec || n == 0 || self->drained_ > kLingerBytes) {
-            self->CloseNow();
-            return;
-          }
-          self->Drain();
-        }));
+    sock_.async_read_some(asio::buffer(chunk_),
+                          asio::bind_executor(strand_, [self = shared_from_this()](
+                                                           boost::system::error_code ec, size_t n) {
+                            if (self->closed_) return;
+                            self->drained_ += n;
+                            if (ec || n == 0 || self->drained_ > kLingerBytes) {
+                              self->CloseNow();
+                              return;
+                            }
+                            self->Drain();
+                          }));
   }
 
   void CloseNow() {
@@ -267,7 +277,9 @@ MetricsServer::MetricsServer(asio::io_context& io, int port, std::function<std::
   shared_->run_blocking = std::move(run_blocking);
 }
 
-MetricsServer::~MetricsServer() { Stop(); }
+MetricsServer::~MetricsServer() {
+  Stop();
+}
 
 Status MetricsServer::Listen() {
   if (requested_port_ < 0 || requested_port_ > 65535) {
@@ -281,7 +293,8 @@ Status MetricsServer::Listen() {
   acceptor->open(ep.protocol(), ec);
   if (!ec) acceptor->set_option(asio::socket_base::reuse_address(true), ec);
   if (!ec) acceptor->bind(ep, ec);
-  if (ec == asio::error::address_in_use) return Status::Exists("metrics port " + where + " is in use");
+  if (ec == asio::error::address_in_use)
+    return Status::Exists("metrics port " + where + " is in use");
   if (!ec) acceptor->listen(asio::socket_base::max_listen_connections, ec);
   if (ec) return Status::IoError("listening on " + where + ": " + ec.message());
   tcp::endpoint bound = acceptor->local_endpoint(ec);
@@ -357,8 +370,8 @@ std::string SanitizeName(const std::string& name, bool colon_ok) {
   std::string out = name;
   for (size_t i = 0; i < out.size(); i++) {
     const char c = out[i];
-    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || (colon_ok && c == ':') ||
-                    (i > 0 && c >= '0' && c <= '9');
+    const bool ok = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' ||
+                    (colon_ok && c == ':') || (i > 0 && c >= '0' && c <= '9');
     if (!ok) out[i] = '_';
   }
   return out;
@@ -410,16 +423,18 @@ std::string FormatValue(double v) {
 
 }  // namespace
 
-void MetricsText::Gauge(const std::string& name, const std::string& help, double value, const Labels& labels) {
+void MetricsText::Gauge(const std::string& name, const std::string& help, double value,
+                        const Labels& labels) {
   Add("gauge", name, help, value, labels);
 }
 
-void MetricsText::Counter(const std::string& name, const std::string& help, double value, const Labels& labels) {
+void MetricsText::Counter(const std::string& name, const std::string& help, double value,
+                          const Labels& labels) {
   Add("counter", name, help, value, labels);
 }
 
-void MetricsText::Add(const char* type, const std::string& name, const std::string& help, double value,
-                      const Labels& labels) {
+void MetricsText::Add(const char* type, const std::string& name, const std::string& help,
+                      double value, const Labels& labels) {
   std::string family = SanitizeName(name, true);
   auto [it, inserted] = family_index_.emplace(family, families_.size());
   if (inserted) families_.push_back(Family{family, help, type, {}});

@@ -37,7 +37,8 @@ class MetricsServer {
   // `render` produces the /metrics body; it may block (volume reads), so it
   // runs through `run_blocking` (dedupd: NbdServer::RunBlocking), like the
   // control handlers. An exception it throws becomes a 500.
-  MetricsServer(boost::asio::io_context& io, int port /*0: any free*/, std::function<std::string()> render,
+  MetricsServer(boost::asio::io_context& io, int port /*0: any free*/,
+                std::function<std::string()> render,
                 std::function<void(std::function<void()>)> run_blocking);
   ~MetricsServer();
   MetricsServer(const MetricsServer&) = delete;
@@ -83,8 +84,10 @@ class MetricsText {
  public:
   using Labels = std::vector<std::pair<std::string, std::string>>;
 
-  void Gauge(const std::string& name, const std::string& help, double value, const Labels& labels = {});
-  void Counter(const std::string& name, const std::string& help, double value, const Labels& labels = {});
+  void Gauge(const std::string& name, const std::string& help, double value,
+             const Labels& labels = {});
+  void Counter(const std::string& name, const std::string& help, double value,
+               const Labels& labels = {});
   std::string str() const;
 
  private:

@@ -550,6 +550,16 @@ Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch) {
   return Status::Ok();
 }
 
+Status AppendOptOutMarker(Volume* vol, FileId file, uint64_t size_bytes, uint64_t now_ns) {
+  const uint64_t blocks = (size_bytes + kBlockSize - 1) / kBlockSize;
+  if (blocks == 0) return Status::Ok();
+  MonitorBatch batch;
+  batch.file = file;
+  batch.invalidated.push_back(InvalidRange{0, std::min<uint64_t>(blocks, kBlockLimit), now_ns});
+  batch.first_ns = batch.last_ns = now_ns;
+  return AppendToWriteLog(vol, batch);
+}
+
 Result<std::unique_ptr<File>> OpenWriteLog(Volume* vol, FileId owner) {
   ASSIGN_OR_RETURN(std::unique_ptr<File> log, vol->OpenFile(WriteLogName(owner)));
   RETURN_IF_ERROR(CheckIsLogOf(log.get(), owner));

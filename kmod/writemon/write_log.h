@@ -146,6 +146,12 @@ Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid,
 // taken by a file that is not this file's write log.
 Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch);
 
+// Records in the log of `file` that it was set dedup=off: every block is
+// marked changed, so the next dedup pass knows the file's index entries
+// must go (it then rewrites every shard) even if the file logged nothing
+// else. Like AppendToWriteLog (kLocked: try again later).
+Status AppendOptOutMarker(Volume* vol, FileId file, uint64_t size_bytes, uint64_t now_ns);
+
 // AppendToWriteLog on a log the caller already holds open (a dedup pass
 // writing back records it deferred). Does not Sync.
 Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch);

@@ -1,5 +1,6 @@
 #include "tests/integration/rig.h"
 
+#include <algorithm>
 #include <arpa/inet.h>
 #include <fcntl.h>
 #include <netinet/in.h>
@@ -511,9 +512,19 @@ bool CanConnectUnix(const std::string& path) {
 DedupdProcess::DedupdProcess(const std::string& volume, uint32_t host_id, const std::string& socket,
                              const std::vector<std::string>& extra_args,
                              const std::vector<std::string>& env)
-    : socket_(socket), log_(socket + ".log") {
+    : socket_(socket), control_(socket + ".ctl"), history_(socket + ".history.db"),
+      log_(socket + ".log") {
   std::vector<std::string> argv = {BinaryPath("dedupd"), "--volume", volume, "--host-id",
                                    std::to_string(host_id), "--socket", socket};
+  // Each test dedupd gets its own control socket, pass history and metrics
+  // port (any free one) next to its NBD socket, unless the test names them:
+  // tests never touch the host's /run/dede or /var/lib/dede.
+  auto given = [&](const char* flag) {
+    return std::find(extra_args.begin(), extra_args.end(), flag) != extra_args.end();
+  };
+  if (!given("--control")) argv.insert(argv.end(), {"--control", control_});
+  if (!given("--history")) argv.insert(argv.end(), {"--history", history_});
+  if (!given("--metrics-port")) argv.insert(argv.end(), {"--metrics-port", "0"});
   argv.insert(argv.end(), extra_args.begin(), extra_args.end());
   int fd = ::open(log_.c_str(), O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
   if (fd < 0) throw std::runtime_error(ErrnoText("cannot create " + log_, errno));

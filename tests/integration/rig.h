@@ -129,6 +129,10 @@ class DedupdProcess {
   DedupdProcess& operator=(const DedupdProcess&) = delete;
 
   const std::string& socket() const { return socket_; }
+  // Its control socket (`dede status --control`) and pass history
+  // (`dede report --history`), unless the test gave its own.
+  const std::string& control() const { return control_; }
+  const std::string& history() const { return history_; }
   // nbd+unix:///NAME?socket=PATH
   std::string Uri(const std::string& export_name) const;
   int pid() const { return pid_; }
@@ -141,6 +145,8 @@ class DedupdProcess {
 
  private:
   std::string socket_;
+  std::string control_;
+  std::string history_;
   std::string log_;
   int pid_ = -1;
 };

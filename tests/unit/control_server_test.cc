@@ -127,7 +127,8 @@ class Client {
         buf_.erase(0, nl + 1);
         return line;
       }
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
       if (left.count() <= 0) return std::nullopt;
       pollfd p{fd_, POLLIN, 0};
       if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
@@ -153,7 +154,8 @@ class Client {
     while (std::chrono::steady_clock::now() < deadline) {
       eof_ = false;
       buf_.clear();
-      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
       ReadLine(std::max(left, 1ms));
       if (eof_) return true;
     }
@@ -178,13 +180,17 @@ bool Eventually(const std::function<bool()>& cond, std::chrono::milliseconds tim
 // A server with an "echo" handler (replies {"echo": request}), a "status"
 // handler and a "fail" handler (an error Status), listening on `path`.
 struct EchoServer {
-  EchoServer(Loop* loop, const std::string& path) : loop(loop), server(loop->io(), path, loop->run_blocking()) {
+  EchoServer(Loop* loop, const std::string& path)
+      : loop(loop), server(loop->io(), path, loop->run_blocking()) {
     server.Handle("echo", [this](const json& request) -> Result<json> {
       handler_thread = std::this_thread::get_id();
       return json{{"echo", request}};
     });
-    server.Handle("status", [](const json&) -> Result<json> { return json{{"host_id", 1}, {"pid", ::getpid()}}; });
-    server.Handle("fail", [](const json&) -> Result<json> { return Status::NotFound("no such thing"); });
+    server.Handle("status", [](const json&) -> Result<json> {
+      return json{{"host_id", 1}, {"pid", ::getpid()}};
+    });
+    server.Handle("fail",
+                  [](const json&) -> Result<json> { return Status::NotFound("no such thing"); });
     server.Handle("throw", [](const json& request) -> Result<json> {
       return json{{"n", request.at("missing").get<int>()}};  // throws
     });
@@ -258,7 +264,8 @@ TEST_CASE("control: requests sent together are answered in order", "[control]") 
   EchoServer s(&loop, dir / "ctl");
   Client c(dir / "ctl");
   std::string batch;
-  for (int i = 0; i < 20; i++) batch += json{{"cmd", i % 5 == 4 ? "nope" : "echo"}, {"i", i}}.dump() + "\n";
+  for (int i = 0; i < 20; i++)
+    batch += json{{"cmd", i % 5 == 4 ? "nope" : "echo"}, {"i", i}}.dump() + "\n";
   REQUIRE(c.Send(batch));
   for (int i = 0; i < 20; i++) {
     auto line = c.ReadLine();
@@ -272,7 +279,8 @@ TEST_CASE("control: requests sent together are answered in order", "[control]") 
   }
 }
 
-TEST_CASE("control: a client that half-closes after its request still gets the reply", "[control]") {
+TEST_CASE("control: a client that half-closes after its request still gets the reply",
+          "[control]") {
   TempDir dir;
   Loop loop;
   EchoServer s(&loop, dir / "ctl");
@@ -291,13 +299,13 @@ TEST_CASE("control: a client that half-closes after its request still gets the r
 
 TEST_CASE("control: two clients are served at the same time", "[control]") {
   TempDir dir;
+  std::mutex mu;
+  std::condition_variable cv;
+  int inside = 0;
   Loop loop;
   ControlServer server(loop.io(), dir / "ctl", loop.run_blocking());
   // Each request waits until both are inside the handler: this only
   // finishes if the server runs the two clients' handlers concurrently.
-  std::mutex mu;
-  std::condition_variable cv;
-  int inside = 0;
   server.Handle("meet", [&](const json&) -> Result<json> {
     std::unique_lock<std::mutex> l(mu);
     inside++;
@@ -420,7 +428,11 @@ TEST_CASE("control: Listen refuses a live server's socket and replaces a stale o
   }
   SECTION("not a socket") {
     std::filesystem::create_directories(std::filesystem::path(path).parent_path());
-    { std::FILE* f = std::fopen(path.c_str(), "w"); REQUIRE(f); std::fclose(f); }
+    {
+      std::FILE* f = std::fopen(path.c_str(), "w");
+      REQUIRE(f);
+      std::fclose(f);
+    }
     ControlServer server(loop.io(), path, loop.run_blocking());
     Status s = server.Listen();
     CHECK(s.code() == Status::Code::kExists);
@@ -439,9 +451,11 @@ TEST_CASE("control: ControlRequest to nothing is kUnavailable", "[control]") {
 
 TEST_CASE("control: ControlRequest gives up after its timeout", "[control]") {
   TempDir dir;
+  // Declared before the loop: a handler may still read it until the
+  // loop's destructor has joined the workers.
+  std::atomic<bool> release{false};
   Loop loop;
   ControlServer server(loop.io(), dir / "ctl", loop.run_blocking());
-  std::atomic<bool> release{false};
   server.Handle("slow", [&](const json&) -> Result<json> {
     Eventually([&] { return release.load(); });
     return json{{"late", true}};
@@ -461,11 +475,11 @@ TEST_CASE("control: ControlRequest gives up after its timeout", "[control]") {
 
 TEST_CASE("control: Stop closes connections and unlinks the socket file", "[control]") {
   TempDir dir;
+  std::atomic<bool> release{false};
+  std::atomic<bool> entered{false};
   Loop loop;
   const std::string path = dir / "ctl";
   ControlServer server(loop.io(), path, loop.run_blocking());
-  std::atomic<bool> release{false};
-  std::atomic<bool> entered{false};
   server.Handle("echo", [](const json& request) -> Result<json> { return request; });
   server.Handle("block", [&](const json&) -> Result<json> {
     entered = true;
@@ -494,9 +508,9 @@ TEST_CASE("control: Stop closes connections and unlinks the socket file", "[cont
 
 TEST_CASE("control: a server destroyed while a handler runs leaves nothing dangling", "[control]") {
   TempDir dir;
-  Loop loop;
   std::atomic<bool> release{false};
   std::atomic<bool> entered{false};
+  Loop loop;
   auto server = std::make_unique<ControlServer>(loop.io(), dir / "ctl", loop.run_blocking());
   server->Handle("block", [&](const json&) -> Result<json> {
     entered = true;

@@ -84,7 +84,8 @@ std::string Exchange(int port, const std::string& request, std::chrono::millisec
   std::string response;
   auto deadline = std::chrono::steady_clock::now() + timeout;
   for (;;) {
-    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - std::chrono::steady_clock::now());
+    auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+        deadline - std::chrono::steady_clock::now());
     if (left.count() <= 0) break;
     pollfd p{fd, POLLIN, 0};
     if (::poll(&p, 1, static_cast<int>(left.count())) <= 0) continue;
@@ -131,7 +132,8 @@ Response Parse(const std::string& raw) {
 }
 
 Response Get(int port, const std::string& target, const std::string& method = "GET") {
-  return Parse(Exchange(port, method + " " + target + " HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: test\r\n\r\n"));
+  return Parse(Exchange(
+      port, method + " " + target + " HTTP/1.1\r\nHost: 127.0.0.1\r\nUser-Agent: test\r\n\r\n"));
 }
 
 const std::string kBody = "# HELP up Whether it is up.\n# TYPE up gauge\nup 1\n";
@@ -227,7 +229,8 @@ std::string CheckExposition(const std::string& text) {
       } else {
         if (!typed.insert(name).second) return "second TYPE for " + name;
         std::string type = p < line.size() ? line.substr(p + 1) : "";
-        if (type != "counter" && type != "gauge" && type != "histogram" && type != "summary" && type != "untyped") {
+        if (type != "counter" && type != "gauge" && type != "histogram" && type != "summary" &&
+            type != "untyped") {
           return "bad TYPE line: " + line;
         }
       }
@@ -254,10 +257,11 @@ std::string CheckExposition(const std::string& text) {
 
 }  // namespace
 
-TEST_CASE("metrics: GET /metrics returns the rendered body with the exposition content type", "[metrics]") {
-  Loop loop;
+TEST_CASE("metrics: GET /metrics returns the rendered body with the exposition content type",
+          "[metrics]") {
   std::atomic<std::thread::id> render_thread{};
   std::atomic<int> renders{0};
+  Loop loop;
   MetricsServer server(
       loop.io(), 0,
       [&] {
@@ -299,7 +303,8 @@ TEST_CASE("metrics: GET /metrics returns the rendered body with the exposition c
 
 TEST_CASE("metrics: unknown paths are 404 and other methods 405", "[metrics]") {
   Loop loop;
-  MetricsServer server(loop.io(), 0, [] { return kBody; }, loop.run_blocking());
+  MetricsServer server(
+      loop.io(), 0, [] { return kBody; }, loop.run_blocking());
   REQUIRE(server.Listen().ok());
   loop.RunOnIo([&] { server.Start(); });
 
@@ -308,7 +313,8 @@ TEST_CASE("metrics: unknown paths are 404 and other methods 405", "[metrics]") {
   Response post = Get(server.port(), "/metrics", "POST");
   CHECK(post.code == 405);
   CHECK(post.headers["allow"] == "GET, HEAD");
-  Response del = Parse(Exchange(server.port(), "DELETE / HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello"));
+  Response del =
+      Parse(Exchange(server.port(), "DELETE / HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello"));
   CHECK(del.code == 405);
   CHECK(Parse(Exchange(server.port(), "NONSENSE\r\n\r\n")).code == 400);
   loop.RunOnIo([&] { server.Stop(); });
@@ -316,7 +322,8 @@ TEST_CASE("metrics: unknown paths are 404 and other methods 405", "[metrics]") {
 
 TEST_CASE("metrics: request headers over 16 KiB get 431", "[metrics]") {
   Loop loop;
-  MetricsServer server(loop.io(), 0, [] { return kBody; }, loop.run_blocking());
+  MetricsServer server(
+      loop.io(), 0, [] { return kBody; }, loop.run_blocking());
   REQUIRE(server.Listen().ok());
   loop.RunOnIo([&] { server.Start(); });
 
@@ -341,7 +348,8 @@ TEST_CASE("metrics: request headers over 16 KiB get 431", "[metrics]") {
 
 TEST_CASE("metrics: the server listens on 127.0.0.1 only", "[metrics]") {
   Loop loop;
-  MetricsServer server(loop.io(), 0, [] { return kBody; }, loop.run_blocking());
+  MetricsServer server(
+      loop.io(), 0, [] { return kBody; }, loop.run_blocking());
   REQUIRE(server.Listen().ok());
   boost::asio::ip::tcp::endpoint ep = server.endpoint();
   CHECK(ep.address() == boost::asio::ip::address_v4::loopback());
@@ -349,18 +357,20 @@ TEST_CASE("metrics: the server listens on 127.0.0.1 only", "[metrics]") {
   CHECK(static_cast<int>(ep.port()) == server.port());
 
   // The port is taken now: a second server on it is kExists.
-  MetricsServer second(loop.io(), server.port(), [] { return kBody; }, loop.run_blocking());
+  MetricsServer second(
+      loop.io(), server.port(), [] { return kBody; }, loop.run_blocking());
   Status st = second.Listen();
   CHECK(st.code() == Status::Code::kExists);
   CHECK(st.message().find("127.0.0.1:" + std::to_string(server.port())) != std::string::npos);
 
-  MetricsServer bad(loop.io(), 70000, [] { return kBody; }, loop.run_blocking());
+  MetricsServer bad(
+      loop.io(), 70000, [] { return kBody; }, loop.run_blocking());
   CHECK(bad.Listen().code() == Status::Code::kInvalid);
 }
 
 TEST_CASE("metrics: a render that throws gives 500 and the server goes on", "[metrics]") {
-  Loop loop;
   std::atomic<bool> fail{true};
+  Loop loop;
   MetricsServer server(
       loop.io(), 0,
       [&]() -> std::string {
@@ -380,7 +390,8 @@ TEST_CASE("metrics: a render that throws gives 500 and the server goes on", "[me
 
 TEST_CASE("metrics: Stop closes the listener and idle connections", "[metrics]") {
   Loop loop;
-  MetricsServer server(loop.io(), 0, [] { return kBody; }, loop.run_blocking());
+  MetricsServer server(
+      loop.io(), 0, [] { return kBody; }, loop.run_blocking());
   REQUIRE(server.Listen().ok());
   loop.RunOnIo([&] { server.Start(); });
   const int port = server.port();
@@ -393,7 +404,8 @@ TEST_CASE("metrics: Stop closes the listener and idle connections", "[metrics]")
   a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
   REQUIRE(::connect(idle, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
   auto deadline = std::chrono::steady_clock::now() + 5s;
-  while (server.connections() == 0 && std::chrono::steady_clock::now() < deadline) std::this_thread::sleep_for(5ms);
+  while (server.connections() == 0 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);
   CHECK(server.connections() == 1);
 
   loop.RunOnIo([&] { server.Stop(); });
@@ -436,9 +448,12 @@ TEST_CASE("metrics: MetricsText escapes labels and help and keeps names valid", 
   m.Gauge("dede_file_bytes", "Bytes of a file.\nSecond line with a \\ backslash.", 4096,
           {{"file", "a \"quoted\" \\ name\nwith a newline"}, {"kind", "vm"}});
   m.Gauge("dede.bad-name", "Name with bad characters.", 0.5, {{"bad-label", "x"}, {"0digit", "y"}});
-  m.Gauge("dede_special", "Special values.", std::numeric_limits<double>::quiet_NaN(), {{"v", "nan"}});
-  m.Gauge("dede_special", "Special values.", std::numeric_limits<double>::infinity(), {{"v", "inf"}});
-  m.Gauge("dede_special", "Special values.", -std::numeric_limits<double>::infinity(), {{"v", "-inf"}});
+  m.Gauge("dede_special", "Special values.", std::numeric_limits<double>::quiet_NaN(),
+          {{"v", "nan"}});
+  m.Gauge("dede_special", "Special values.", std::numeric_limits<double>::infinity(),
+          {{"v", "inf"}});
+  m.Gauge("dede_special", "Special values.", -std::numeric_limits<double>::infinity(),
+          {{"v", "-inf"}});
   m.Counter("dede_big_total", "Large and fractional values.", 18446744073709551615.0);
   m.Counter("dede_big_total", "Large and fractional values.", 1e-9, {{"x", "small"}});
   m.Counter("dede_big_total", "Large and fractional values.", 123456789012.0, {{"x", "exact"}});
@@ -446,10 +461,11 @@ TEST_CASE("metrics: MetricsText escapes labels and help and keeps names valid", 
   const std::string text = m.str();
   INFO(text);
   CHECK(CheckExposition(text) == "");
-  CHECK(text.find("# HELP dede_file_bytes Bytes of a file.\\nSecond line with a \\\\ backslash.\n") !=
-        std::string::npos);
-  CHECK(text.find("dede_file_bytes{file=\"a \\\"quoted\\\" \\\\ name\\nwith a newline\",kind=\"vm\"} 4096\n") !=
-        std::string::npos);
+  CHECK(
+      text.find("# HELP dede_file_bytes Bytes of a file.\\nSecond line with a \\\\ backslash.\n") !=
+      std::string::npos);
+  CHECK(text.find("dede_file_bytes{file=\"a \\\"quoted\\\" \\\\ name\\nwith a "
+                  "newline\",kind=\"vm\"} 4096\n") != std::string::npos);
   CHECK(text.find("dede_bad_name{bad_label=\"x\",_digit=\"y\"} 0.5\n") != std::string::npos);
   CHECK(text.find("dede_special{v=\"nan\"} NaN\n") != std::string::npos);
   CHECK(text.find("dede_special{v=\"inf\"} +Inf\n") != std::string::npos);
@@ -465,9 +481,10 @@ TEST_CASE("metrics: MetricsText escapes labels and help and keeps names valid", 
   CHECK(labels["file"] == "a \"quoted\" \\ name\nwith a newline");
 
   // The checker itself rejects what it should.
-  CHECK(CheckExposition("a 1\n") != "");                                  // no TYPE
-  CHECK(CheckExposition("# TYPE a gauge\na{x=\"1} 1\n") != "");           // unterminated
-  CHECK(CheckExposition("# TYPE a gauge\na{x=\"\\t\"} 1\n") != "");       // bad escape
-  CHECK(CheckExposition("# TYPE a gauge\n# TYPE b gauge\na 1\nb 1\na 2\n") != "");  // not contiguous
-  CHECK(CheckExposition("# TYPE a gauge\na one\n") != "");                // bad value
+  CHECK(CheckExposition("a 1\n") != "");                             // no TYPE
+  CHECK(CheckExposition("# TYPE a gauge\na{x=\"1} 1\n") != "");      // unterminated
+  CHECK(CheckExposition("# TYPE a gauge\na{x=\"\\t\"} 1\n") != "");  // bad escape
+  CHECK(CheckExposition("# TYPE a gauge\n# TYPE b gauge\na 1\nb 1\na 2\n") !=
+        "");                                                // not contiguous
+  CHECK(CheckExposition("# TYPE a gauge\na one\n") != "");  // bad value
 }

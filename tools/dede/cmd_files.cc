@@ -10,6 +10,7 @@
 #include "merge/merge_request.h"
 #include "agent/control_server.h"
 #include "tools/dede/cli.h"
+#include "util/clock.h"
 #include "volume/format.h"
 #include "volume/volume.h"
 
@@ -349,6 +350,12 @@ int RunSet(const Command& cmd, const std::vector<std::string>& args) {
   if (!file.ok()) return Fail(cmd, file.status());
   Status st = (*file)->SetDedup(on);
   if (!st.ok()) return Fail(cmd, st);
+  if (!on) {
+    // Tells the next dedup pass to drop the file's index entries.
+    st = AppendOptOutMarker(opened->volume.get(), (*file)->id(), (*file)->size(),
+                            Clock::Real()->NowNanos());
+    if (!st.ok()) return Fail(cmd, st.WithContext("write log of '" + name + "'"));
+  }
   st = (*file)->Flush();
   if (!st.ok()) return Fail(cmd, st);
   return kExitOk;

@@ -144,30 +144,52 @@ void PrintExports(const json& r) {
   for (const json& e : *exports) clients += Uint(e, "clients").value_or(0);
   Line("exports", Count(exports->size(), "export") + ", " + Count(clients, "client"));
 
-  struct Row {
-    std::string name, clients, dedup, log, buffered, dropped, cow;
+  // A column only when some export has its field: without a write monitor
+  // there are no record counts, and older dedupds lack newer fields.
+  struct Column {
+    const char* key;
+    const char* title;
   };
-  std::vector<Row> rows = {{"NAME", "CLIENTS", "DEDUP", "LOG RECORDS", "BUFFERED", "DROPPED", "COW COPIES"}};
+  const Column kColumns[] = {{"clients", "CLIENTS"},           {"dedup", "DEDUP"},
+                             {"hashed_blocks", "HASHED"},      {"log_records", "LOG RECORDS"},
+                             {"buffered_records", "BUFFERED"}, {"dropped_records", "DROPPED"},
+                             {"cow_copies", "COW COPIES"}};
+  std::vector<const Column*> columns;
+  for (const Column& c : kColumns) {
+    for (const json& e : *exports) {
+      if (Field(e, c.key) != nullptr) {
+        columns.push_back(&c);
+        break;
+      }
+    }
+  }
+  // Cells, row 0 the titles; column 0 the name.
+  std::vector<std::vector<std::string>> rows(1, {"NAME"});
+  for (const Column* c : columns) rows[0].push_back(c->title);
   for (const json& e : *exports) {
-    auto dedup = Bool(e, "dedup");
-    rows.push_back({Str(e, "name").value_or("?"), NumberText(e, "clients"), dedup ? (*dedup ? "on" : "off") : "-",
-                    NumberText(e, "log_records"), NumberText(e, "buffered_records"),
-                    NumberText(e, "dropped_records"), NumberText(e, "cow_copies")});
+    std::vector<std::string> row = {Str(e, "name").value_or("?")};
+    for (const Column* c : columns) {
+      if (std::string(c->key) == "dedup") {
+        auto dedup = Bool(e, "dedup");
+        row.push_back(dedup ? (*dedup ? "on" : "off") : "-");
+      } else {
+        row.push_back(NumberText(e, c->key));
+      }
+    }
+    rows.push_back(std::move(row));
   }
-  size_t w[7] = {};
-  for (const Row& row : rows) {
-    const std::string* cells[7] = {&row.name, &row.clients, &row.dedup, &row.log, &row.buffered, &row.dropped, &row.cow};
-    for (size_t i = 0; i < 7; i++) w[i] = std::max(w[i], cells[i]->size());
+  std::vector<size_t> width(columns.size() + 1, 0);
+  for (const auto& row : rows) {
+    for (size_t i = 0; i < row.size(); i++) width[i] = std::max(width[i], row[i].size());
   }
-  for (const Row& row : rows) {
-    const std::string* cells[7] = {&row.name, &row.clients, &row.dedup, &row.log, &row.buffered, &row.dropped, &row.cow};
-    std::string line = "  ";
-    for (size_t i = 0; i < 7; i++) {
-      const std::string& c = *cells[i];
-      std::string pad(w[i] - c.size(), ' ');
-      // Name and dedup left-aligned, numbers right-aligned.
-      line += (i == 0 || i == 2) ? c + pad : pad + c;
-      if (i + 1 < 7) line += "  ";
+  for (const auto& row : rows) {
+    std::string line = " ";
+    for (size_t i = 0; i < row.size(); i++) {
+      std::string pad(width[i] - row[i].size(), ' ');
+      // Names and on/off left-aligned, numbers right-aligned.
+      const bool left = i == 0 || std::string(columns[i - 1]->key) == "dedup";
+      line += " " + (left ? row[i] + pad : pad + row[i]);
+      if (i + 1 < row.size()) line += " ";
     }
     while (!line.empty() && line.back() == ' ') line.pop_back();
     std::cout << line << '\n';
@@ -177,11 +199,13 @@ void PrintExports(const json& r) {
 void PrintLeases(const json& r) {
   const json* leases = Array(r, "leases");
   if (leases == nullptr) return;
+  std::string backend;
+  if (auto v = Str(r, "lock_backend")) backend = " (" + *v + ")";
   if (leases->empty()) {
-    Line("leases", "none held");
+    Line("leases", "none held" + backend);
     return;
   }
-  Line("leases", std::to_string(leases->size()) + " held");
+  Line("leases", std::to_string(leases->size()) + " held" + backend);
   for (const json& l : *leases) {
     std::string text = Str(l, "lock").value_or("?");
     if (auto mode = Str(l, "mode")) text += " (" + *mode + ")";
@@ -190,6 +214,11 @@ void PrintLeases(const json& r) {
 }
 
 void PrintMonitor(const json& r) {
+  const json* field = Field(r, "monitor");
+  if (field != nullptr && field->is_null()) {
+    Line("monitor", "off");
+    return;
+  }
   const json* m = Object(r, "monitor");
   if (m == nullptr) return;
   std::vector<std::string> parts;
@@ -200,6 +229,8 @@ void PrintMonitor(const json& r) {
   }
   if (auto v = Uint(*m, "records_buffered")) parts.push_back(Count(*v, "record") + " buffered");
   if (auto v = Uint(*m, "records_dropped")) parts.push_back(std::to_string(*v) + " dropped");
+  if (auto v = Uint(*m, "hashed_blocks")) parts.push_back(Count(*v, "block") + " hashed");
+  if (auto v = Uint(*m, "files")) parts.push_back(Count(*v, "file"));
   if (!parts.empty()) Line("monitor", Join(parts, ", "));
 }
 
@@ -223,7 +254,8 @@ void PrintPolicy(const json& r) {
   }
   if (auto v = Str(*p, "priority")) parts.push_back("priority " + *v);
   if (auto v = Uint(*p, "stable_after_s")) {
-    parts.push_back(*v == 0 ? "no stability wait" : "stable after " + HumanDuration(static_cast<double>(*v)));
+    parts.push_back(*v == 0 ? "no stability wait"
+                            : "stable after " + HumanDuration(static_cast<double>(*v)));
   }
   if (!parts.empty()) {
     Line(label, Join(parts, ", "));
@@ -231,7 +263,12 @@ void PrintPolicy(const json& r) {
   }
   if (auto in_window = Bool(*p, "in_window")) {
     std::string text = *in_window ? "dedup may run now" : "outside the windows: dedup waits";
-    if (auto next = Uint(*p, "next_change_ns"); next && *next > 0) text += " until " + WhenText(*next);
+    if (auto window = Str(*p, "window"); window && !window->empty() && *in_window) {
+      text += " (" + *window + ")";
+    }
+    if (auto next = Uint(*p, "next_change_ns"); next && *next > 0) {
+      text += " until " + WhenText(*next);
+    }
     Line(label, text);
   }
 }
@@ -240,12 +277,18 @@ void PrintPass(const json& r) {
   if (const json* pass = Object(r, "pass")) {
     if (Bool(*pass, "running").value_or(false)) {
       std::string text = "running";
-      if (auto trigger = Str(*pass, "trigger")) text += " (" + *trigger + ")";
-      if (auto started = Uint(*pass, "started_ns"); started && *started > 0) text += " since " + WhenText(*started);
+      std::vector<std::string> why;
+      if (auto trigger = Str(*pass, "trigger")) why.push_back(*trigger);
+      if (auto window = Str(*pass, "window"); window && !window->empty()) why.push_back(*window);
+      if (!why.empty()) text += " (" + Join(why, " ") + ")";
+      if (auto started = Uint(*pass, "started_ns"); started && *started > 0) {
+        text += " since " + WhenText(*started);
+      }
       std::vector<std::string> details;
       if (auto progress = Str(*pass, "progress")) details.push_back(*progress);
       if (auto records = Uint(*pass, "records")) details.push_back(Count(*records, "record"));
       if (!details.empty()) text += ": " + Join(details, ", ");
+      if (Bool(*pass, "stopping").value_or(false)) text += "; stopping";
       Line("pass", text);
     } else {
       Line("pass", "none running");
@@ -261,6 +304,15 @@ void PrintPass(const json& r) {
       text += (text.empty() ? "" : "; ") + std::string("last ended ") + WhenText(*last);
     }
     if (!text.empty()) Line("passes", text);
+    // What the passes achieved since dedupd started.
+    std::vector<std::string> totals;
+    if (auto v = Uint(*passes, "blocks_shared")) totals.push_back(Count(*v, "block") + " shared");
+    if (auto v = Uint(*passes, "bytes_reclaimed")) totals.push_back(HumanSize(*v) + " reclaimed");
+    if (auto v = Uint(*passes, "merge_requests_applied")) {
+      totals.push_back(Count(*v, "merge request") + " applied");
+    }
+    if (auto v = Uint(*passes, "io_bytes")) totals.push_back(HumanSize(*v) + " of I/O");
+    if (!totals.empty()) Line(text.empty() ? "passes" : "", Join(totals, ", "));
   }
 }
 
@@ -272,7 +324,19 @@ void PrintRest(const json& r) {
     if (auto v = Uint(*drops, "pending")) parts.push_back(std::to_string(*v) + " pending");
     if (!parts.empty()) Line("drops", Join(parts, ", "));
   }
-  if (auto v = Str(r, "history")) Line("history", *v);
+  if (auto v = Uint(r, "cow_copies")) {
+    Line("cow", std::to_string(*v) + (*v == 1 ? " copy" : " copies") + " of shared blocks");
+  }
+  if (const json* t = Object(r, "throttle")) {
+    std::vector<std::string> parts;
+    if (auto rate = Uint(*t, "rate_bytes_per_s")) {
+      parts.push_back(*rate == 0 ? "no rate cap" : "cap " + HumanSize(*rate) + "/s");
+    }
+    if (auto v = Uint(*t, "io_bytes")) parts.push_back(HumanSize(*v) + " of dedup I/O");
+    if (auto v = Num(*t, "waited_s"); v && *v >= 0) parts.push_back("waited " + HumanDuration(*v));
+    if (!parts.empty()) Line("throttle", Join(parts, ", "));
+  }
+  if (auto v = Str(r, "history")) Line("history", v->empty() ? "off" : *v);
   if (auto port = Uint(r, "metrics_port"); port && *port > 0) {
     Line("metrics", "http://127.0.0.1:" + std::to_string(*port) + "/metrics");
   }
@@ -282,8 +346,9 @@ void PrintRest(const json& r) {
 
 int RunStatus(const Command& cmd, const std::vector<std::string>& args) {
   ArgParser parser(cmd);
-  parser.options()("control", po::value<std::string>()->value_name("PATH"),
-                   (std::string("dedupd's control socket (default ") + kDefaultControlPath + ")").c_str())(
+  parser.options()(
+      "control", po::value<std::string>()->value_name("PATH"),
+      (std::string("dedupd's control socket (default ") + kDefaultControlPath + ")").c_str())(
       "json", po::bool_switch(), "print dedupd's reply as JSON");
   parser.SetDetails(
       "Talks to the dedupd of this host over its control socket; the volume is\n"
@@ -296,7 +361,8 @@ int RunStatus(const Command& cmd, const std::vector<std::string>& args) {
   if (!reply.ok()) return Fail(cmd, reply.status());
   const json& r = reply.value();
   if (auto error = Str(r, "error")) return Fail(cmd, "dedupd: " + *error);
-  if (!r.is_object()) return Fail(cmd, "dedupd at " + path + " sent a reply that is not a JSON object");
+  if (!r.is_object())
+    return Fail(cmd, "dedupd at " + path + " sent a reply that is not a JSON object");
 
   if (parser.flag("json")) {
     PrintJson(r);

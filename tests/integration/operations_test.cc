@@ -1,0 +1,332 @@
+// Operating dede with a real dedupd: opting a running VM's disk out of
+// dedup through the control socket, `dede status`, `dede dedup --now`,
+// `dede policy`, `dede report` and the Prometheus endpoint.
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstring>
+#include <ctime>
+#include <fstream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "index/shard_io.h"
+#include "index/shard_map.h"
+#include "kmod/writemon/write_log.h"
+#include "tests/integration/rig.h"
+#include "volume/volume.h"
+
+namespace dede {
+namespace {
+
+using json = nlohmann::json;
+using namespace test;
+constexpr uint64_t kMiB = 1 << 20;
+
+ProcessResult RunOk(const std::vector<std::string>& argv, int timeout_s = 300) {
+  ProcessResult r = RunProcess(argv, timeout_s);
+  INFO(DescribeRun(argv, r));
+  REQUIRE(r.exit_code == 0);
+  return r;
+}
+
+std::string Dede(const std::vector<std::string>& args) {
+  std::vector<std::string> argv = {BinaryPath("dede")};
+  argv.insert(argv.end(), args.begin(), args.end());
+  return RunOk(argv).out;
+}
+
+json Status(const DedupdProcess& d) {
+  return json::parse(Dede({"status", "--control", d.control(), "--json"}));
+}
+
+const json* ExportOf(const json& status, const std::string& name) {
+  for (const json& e : status["exports"]) {
+    if (e["name"] == name) return &e;
+  }
+  return nullptr;
+}
+
+// Asks dedupd for a pass (`dede dedup --now`) and waits until it finished.
+void PassNow(const std::string& vol, const DedupdProcess& d) {
+  const uint64_t before = Status(d)["passes"]["completed"].get<uint64_t>();
+  const std::string out = Dede({"dedup", vol, "--now", "--control", d.control()});
+  REQUIRE(out.find("asked dedupd") != std::string::npos);
+  const auto t0 = std::chrono::steady_clock::now();
+  while (true) {
+    json s = Status(d);
+    if (s["passes"]["completed"].get<uint64_t>() > before && !s["pass"]["running"].get<bool>()) {
+      return;
+    }
+    INFO(d.Log());
+    REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(120));
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
+void WriteRandomFile(const std::string& path, uint64_t bytes, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint8_t> data(bytes);
+  for (size_t i = 0; i < bytes; i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(data.data() + i, &v, 8);
+  }
+  std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data.data()),
+                                              std::streamsize(data.size()));
+}
+
+// Unique index entries naming `name`'s inode, read from the shards.
+uint64_t UniqueEntriesOf(const std::string& vol, const std::string& name) {
+  OpenOptions oo;
+  oo.read_only = true;
+  auto ov = OpenVolumeSpec(vol, oo);
+  REQUIRE(ov.ok());
+  Volume* v = ov->volume.get();
+  auto info = v->Lookup(name);
+  REQUIRE(info.ok());
+  auto map = LoadShardMap(v);
+  REQUIRE(map.ok());
+  uint64_t n = 0;
+  for (const ShardSlot& slot : map->live) {
+    if (slot.version == 0) continue;
+    auto f = v->OpenFileById(slot.id);
+    REQUIRE(f.ok());
+    auto r = ShardReader::Open(f->get(), v->superblock().uuid, "test");
+    REQUIRE(r.ok());
+    IndexEntry e;
+    while (true) {
+      auto more = (*r)->Next(&e);
+      REQUIRE(more.ok());
+      if (!*more) break;
+      if (e.kind == EntryKind::kUnique && e.file.ino == info->id.ino) n++;
+    }
+  }
+  return n;
+}
+
+std::map<uint64_t, BlockRecord> LogRecords(const std::string& vol, const std::string& name) {
+  OpenOptions oo;
+  oo.read_only = true;
+  auto ov = OpenVolumeSpec(vol, oo);
+  REQUIRE(ov.ok());
+  auto info = ov->volume->Lookup(name);
+  REQUIRE(info.ok());
+  auto log = OpenWriteLog(ov->volume.get(), info->id);
+  if (!log.ok()) {
+    REQUIRE(log.status().code() == Status::Code::kNotFound);
+    return {};
+  }
+  auto st = ReplayWriteLog(log->get(), ov->volume->superblock().hash_algo,
+                           ov->volume->superblock().uuid, info->id);
+  REQUIRE(st.ok());
+  return st->records;
+}
+
+std::vector<uint8_t> ReadBack(const TempDir& dir, const DedupdProcess& d, const std::string& name) {
+  const std::string out = dir.file("readback-" + name + ".raw");
+  RunOk({RequireProgram("qemu-img"), "convert", "-f", "raw", "-O", "raw", d.Uri(name), out});
+  std::vector<uint8_t> data = ReadWholeFile(out);
+  ::unlink(out.c_str());
+  return data;
+}
+
+// One HTTP GET on 127.0.0.1:port; the whole response.
+std::string HttpGet(int port, const std::string& path) {
+  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(port));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0);
+  const std::string req = "GET " + path + " HTTP/1.0\r\nHost: 127.0.0.1\r\n\r\n";
+  REQUIRE(::write(fd, req.data(), req.size()) == ssize_t(req.size()));
+  std::string out;
+  char buf[4096];
+  ssize_t n;
+  while ((n = ::read(fd, buf, sizeof buf)) > 0) out.append(buf, size_t(n));
+  ::close(fd);
+  return out;
+}
+
+TEST_CASE("dedup=off on a live export: no records after the switch and no entries or shares after the next pass",
+          "[ops]") {
+  TempDir dir;
+  const std::string vol = dir.file("vol.img");
+  CreateSparseFile(vol, 512 * kMiB);
+  Dede({"format", vol});
+  for (const char* name : {"vm-a", "vm-b"}) Dede({"create", vol, name, "--size", "4M"});
+  const std::string x = dir.file("x.bin"), z = dir.file("z.bin");
+  WriteRandomFile(x, kMiB, 1);
+  WriteRandomFile(z, kMiB, 2);
+  DedupdProcess d(vol, 1, dir.file("nbd.sock"));
+  const std::string qemu_io = RequireProgram("qemu-io");
+
+  // vm-a holds X; vm-b holds Z; a pass indexes both (dedup is on).
+  RunOk({qemu_io, "-f", "raw", "-c", "write -s " + x + " 0 1M", d.Uri("vm-a")});
+  RunOk({qemu_io, "-f", "raw", "-c", "write -s " + z + " 0 1M", d.Uri("vm-b")});
+  PassNow(vol, d);
+  json s = Status(d);
+  REQUIRE(s["passes"]["completed"].get<uint64_t>() >= 1);
+
+  // A VM on vm-b: writes Z again, then (after the switch) a copy of X at
+  // 1 MiB and Z at 2 MiB, staying connected throughout.
+  const std::string vm_log = dir.file("vm-b.qemu-io.log");
+  int vm = StartProcess({qemu_io, "-f", "raw", "-c", "write -s " + z + " 0 1M", "-c", "flush",
+                         "-c", "sleep 8000", "-c", "write -s " + x + " 1M 1M", "-c",
+                         "write -s " + z + " 2M 1M", "-c", "flush", d.Uri("vm-b")},
+                        {}, vm_log);
+  // Wait until the first write was fingerprinted, then switch while the VM
+  // is connected.
+  const auto t0 = std::chrono::steady_clock::now();
+  while (true) {
+    s = Status(d);
+    const json* e = ExportOf(s, "vm-b");
+    if (e != nullptr && (*e)["hashed_blocks"].get<uint64_t>() >= 256) break;
+    REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  Dede({"set", vol, "vm-b", "dedup=off", "--control", d.control()});
+  s = Status(d);
+  const json* e = ExportOf(s, "vm-b");
+  REQUIRE(e != nullptr);
+  CHECK((*e)["dedup"] == false);
+  CHECK((*e)["clients"].get<int>() >= 1);
+  // Still in the VM's sleep: the later writes come after the switch.
+  CHECK((*e)["hashed_blocks"].get<uint64_t>() == 256);
+  int status = 0;
+  REQUIRE(::waitpid(vm, &status, 0) == vm);
+  INFO(ReadWholeFile(vm_log).size());
+  REQUIRE(WIFEXITED(status));
+  REQUIRE(WEXITSTATUS(status) == 0);
+  s = Status(d);
+  e = ExportOf(s, "vm-b");
+  if (e != nullptr) CHECK((*e)["hashed_blocks"].get<uint64_t>() == 256);
+
+  // The monitor logged nothing for vm-b after the switch: stop dedupd (it
+  // flushes every buffer) and read the log.
+  REQUIRE(d.Stop() == 0);
+  {
+    const auto recs = LogRecords(vol, "vm-b");
+    for (const auto& [block, rec] : recs) {
+      INFO("block " << block);
+      CHECK(block < 256);
+    }
+    CHECK(UniqueEntriesOf(vol, "vm-b") == 256);  // from the first pass
+  }
+
+  // The next pass drops vm-b's index entries and shares nothing of it,
+  // though vm-b now holds a copy of vm-a's X.
+  DedupdProcess d2(vol, 1, dir.file("nbd2.sock"));
+  PassNow(vol, d2);
+  std::vector<uint8_t> a = ReadBack(dir, d2, "vm-a");
+  std::vector<uint8_t> b = ReadBack(dir, d2, "vm-b");
+  REQUIRE(d2.Stop() == 0);
+  CHECK(UniqueEntriesOf(vol, "vm-b") == 0);
+  json ls = json::parse(Dede({"ls", vol, "-l", "--json"}));
+  for (const json& f : ls) {
+    INFO(f.dump());
+    if (f["name"] == "vm-b" || f["name"] == "vm-a") CHECK(f["shared_blocks"] == 0);
+    if (f["name"] == "vm-b") CHECK(f["dedup"] == false);
+  }
+  // Data intact.
+  const std::vector<uint8_t> xd = ReadWholeFile(x), zd = ReadWholeFile(z);
+  REQUIRE(a.size() == 4 * kMiB);
+  REQUIRE(b.size() == 4 * kMiB);
+  CHECK(std::memcmp(a.data(), xd.data(), kMiB) == 0);
+  CHECK(std::memcmp(b.data(), zd.data(), kMiB) == 0);
+  CHECK(std::memcmp(b.data() + kMiB, xd.data(), kMiB) == 0);
+  CHECK(std::memcmp(b.data() + 2 * kMiB, zd.data(), kMiB) == 0);
+  RunOk({BinaryPath("dede"), "fsck", vol});
+}
+
+TEST_CASE("dedupd obeys the volume policy and reports its passes in status and report and metrics",
+          "[ops]") {
+  TempDir dir;
+  const std::string vol = dir.file("vol.img");
+  CreateSparseFile(vol, 512 * kMiB);
+  Dede({"format", vol});
+  Dede({"create", vol, "vm-a", "--size", "2M"});
+  Dede({"create", vol, "vm-b", "--size", "2M"});
+  // A window that is never open now: the hours 00:00-00:01 on a day that
+  // is not today (local time).
+  std::time_t now = std::time(nullptr);
+  std::tm local{};
+  localtime_r(&now, &local);
+  static const char* kDays[] = {"sun", "mon", "tue", "wed", "thu", "fri", "sat"};
+  const std::string other_day = kDays[(local.tm_wday + 3) % 7];
+  Dede({"policy", vol, "set", "windows=" + other_day + " 00:00-00:01", "rate=20",
+        "priority=idle"});
+  json pol = json::parse(Dede({"policy", vol, "show", "--json"}));
+  REQUIRE(pol["windows"].size() == 1);
+  CHECK(pol["rate_bytes_per_s"] == 20'000'000);
+  CHECK(pol["in_window_now"] == false);
+
+  DedupdProcess d(vol, 1, dir.file("nbd.sock"), {"--dedup-interval", "1"});
+  const std::string x = dir.file("x.bin");
+  WriteRandomFile(x, kMiB, 3);
+  const std::string qemu_io = RequireProgram("qemu-io");
+  RunOk({qemu_io, "-f", "raw", "-c", "write -s " + x + " 0 1M", d.Uri("vm-a")});
+  RunOk({qemu_io, "-f", "raw", "-c", "write -s " + x + " 0 1M", d.Uri("vm-b")});
+  // Outside the window: no pass runs on its own (the interval is ignored
+  // while the policy has windows), and a foreground pass is refused.
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  json s = Status(d);
+  CHECK(s["policy"]["in_window"] == false);
+  CHECK(s["policy"]["rate_bytes_per_s"] == 20'000'000);
+  CHECK(s["passes"]["completed"] == 0);
+  CHECK(s["pass"]["running"] == false);
+  ProcessResult refused = RunProcess({BinaryPath("dede"), "dedup", vol, "--control", dir.file("none.ctl")});
+  CHECK(refused.exit_code == 1);
+  CHECK(refused.err.find("outside the volume's dedup windows") != std::string::npos);
+  // --now: dedupd runs one at once, throttled but complete.
+  PassNow(vol, d);
+  s = Status(d);
+  CHECK(s["passes"]["completed"] == 1);
+  CHECK(s["passes"]["blocks_shared"].get<uint64_t>() == 256);
+  CHECK(s["passes"]["io_bytes"].get<uint64_t>() >= 2 * kMiB);
+  // The figures are the volume's: dede stats agrees with the pass history.
+  REQUIRE(d.Stop() == 0);
+  json stats = json::parse(Dede({"stats", vol, "--json"}));
+  json report = json::parse(Dede({"report", "--history", d.history(), "--json"}));
+  REQUIRE(report["passes"].size() == 1);
+  const json& row = report["passes"][0];
+  CHECK(row["trigger"] == "now");
+  CHECK(row["outcome"] == "completed");
+  CHECK(row["blocks_shared_new"] == 256);
+  CHECK(row["host_id"] == 1);
+  CHECK(row["volume_saved_bytes"] == stats["saved_bytes"]);
+  CHECK(row["volume_logical_bytes"] == stats["logical_bytes"]);
+  CHECK(row["volume_saved_bytes"].get<uint64_t>() == kMiB);
+  ProcessResult human = RunOk({BinaryPath("dede"), "report", "--history", d.history()});
+  CHECK(human.out.find("now") != std::string::npos);
+
+  // Metrics on loopback, in Prometheus text format.
+  DedupdProcess d2(vol, 1, dir.file("nbd2.sock"));
+  s = Status(d2);
+  CHECK(s["passes"]["completed"] == 0);
+  const std::string log = d2.Log();
+  const size_t at = log.find("metrics on http://127.0.0.1:");
+  REQUIRE(at != std::string::npos);
+  const int port = std::stoi(log.substr(at + std::strlen("metrics on http://127.0.0.1:")));
+  const std::string body = HttpGet(port, "/metrics");
+  INFO(body);
+  CHECK(body.find("HTTP/1.") == 0);
+  CHECK(body.find("text/plain; version=0.0.4") != std::string::npos);
+  CHECK(body.find("# TYPE dede_passes_total counter") != std::string::npos);
+  CHECK(body.find("dede_dedup_rate_cap_bytes_per_second{host=\"1\"} 20000000") != std::string::npos);
+  CHECK(body.find("dede_in_window{host=\"1\"} 0") != std::string::npos);
+  REQUIRE(d2.Stop() == 0);
+}
+
+}  // namespace
+}  // namespace dede
