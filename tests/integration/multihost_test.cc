@@ -65,6 +65,59 @@ TEST_CASE("cross-host dedup reaches the exact figure through merge requests in a
       CHECK(applied_timer + applied_pass > 0);
       CHECK(LogSum(logs, R"((\d+) failed verification)") == 0);
 
+      // dede status and dede report of every host tell the same story as
+      // the logs and the volume. One more pass on the last host, with the
+      // cluster idle, records the volume's figures in its history.
+      c.Pass(order[2]);
+      const nlohmann::json stats = c.Stats(1);
+      uint64_t posted_reported = 0, applied_reported = 0;
+      for (int h = 1; h <= kHosts; h++) {
+        const nlohmann::json st = nlohmann::json::parse(
+            c.DedeOk(h, {"status", "--control", c.dedupd(h).control(), "--json"}));
+        INFO("host " << h << " status " << st.dump());
+        CHECK(st["host_id"] == h);
+        CHECK(st["lock_backend"] == "sanlock");
+        CHECK(st["passes"]["completed"] == (h == order[2] ? 2 : 1));
+        CHECK(st["passes"]["failed"] == 0);
+        CHECK_FALSE(st["leases"].empty());
+        bool serves_own_vm = false;
+        for (const auto& e : st["exports"]) {
+          if (e["name"] == "vm" + std::to_string(h) && e["clients"].get<int>() >= 1) {
+            serves_own_vm = true;
+          }
+        }
+        CHECK(serves_own_vm);
+        const nlohmann::json rep = nlohmann::json::parse(
+            c.DedeOk(h, {"report", "--history", c.dedupd(h).history(), "--json"}));
+        INFO("host " << h << " report " << rep.dump());
+        REQUIRE(rep["passes"].size() == (h == order[2] ? 2u : 1u));
+        for (const auto& row : rep["passes"]) {
+          CHECK(row["host_id"] == h);
+          CHECK(row["trigger"] == "signal");
+          CHECK(row["outcome"] == "completed");
+          posted_reported += row["merge_requests_posted"].get<uint64_t>();
+          applied_reported += row["merge_requests_applied"].get<uint64_t>();
+        }
+        CHECK(st["passes"]["merge_requests_applied"].get<uint64_t>() >=
+              rep["passes"][0]["merge_requests_applied"].get<uint64_t>());
+        if (h == order[2]) {
+          // Taken right after that pass, with nothing else changing the
+          // volume: exactly what dede stats says now.
+          const nlohmann::json& last = rep["passes"].back();
+          CHECK(last["volume_logical_bytes"] == stats["logical_bytes"]);
+          CHECK(last["volume_physical_bytes"] == stats["physical_bytes"]);
+          CHECK(last["volume_saved_bytes"] == stats["saved_bytes"]);
+          CHECK(last["volume_physical_bytes"].get<uint64_t>() == exact_blocks * kBlk);
+        }
+      }
+      const std::string logs_now = [&] {
+        std::string all;
+        for (int h = 1; h <= kHosts; h++) all += c.dedupd(h).Log();
+        return all;
+      }();
+      CHECK(posted_reported == LogSum(logs_now, R"((\d+) merge requests posted)"));
+      CHECK(applied_reported == LogSum(logs_now, R"(posts busy\), (\d+) applied)"));
+
       // Every file reads back byte-exact on whichever host opens it later:
       // the VMs stop, host order[0] stops, the next host serves its file...
       for (int h = 1; h <= kHosts; h++) c.PowerOff("vm" + std::to_string(h));
