@@ -19,9 +19,8 @@
 #include <thread>
 #include <vector>
 
-#include "index/shard_io.h"
-#include "index/shard_map.h"
 #include "kmod/writemon/write_log.h"
+#include "tests/index_entries.h"
 #include "tests/integration/rig.h"
 #include "volume/volume.h"
 
@@ -93,24 +92,7 @@ uint64_t UniqueEntriesOf(const std::string& vol, const std::string& name) {
   Volume* v = ov->volume.get();
   auto info = v->Lookup(name);
   REQUIRE(info.ok());
-  auto map = LoadShardMap(v);
-  REQUIRE(map.ok());
-  uint64_t n = 0;
-  for (const ShardSlot& slot : map->live) {
-    if (slot.version == 0) continue;
-    auto f = v->OpenFileById(slot.id);
-    REQUIRE(f.ok());
-    auto r = ShardReader::Open(f->get(), v->superblock().uuid, "test");
-    REQUIRE(r.ok());
-    IndexEntry e;
-    while (true) {
-      auto more = (*r)->Next(&e);
-      REQUIRE(more.ok());
-      if (!*more) break;
-      if (e.kind == EntryKind::kUnique && e.file.ino == info->id.ino) n++;
-    }
-  }
-  return n;
+  return test::UniqueEntriesOf(v, info->id.ino);
 }
 
 std::map<uint64_t, BlockRecord> LogRecords(const std::string& vol, const std::string& name) {

@@ -23,6 +23,7 @@
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "tests/dedup_accounting.h"
+#include "tests/index_entries.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
 
@@ -151,27 +152,7 @@ class Scene {
     REQUIRE(file(name)->Read(0, out.data(), out.size()).ok());
     return out;
   }
-  // Index entries (Unique hints) naming inode `ino`, over every live shard.
-  uint64_t UniqueEntriesOf(uint64_t ino) {
-    auto map = LoadShardMap(vol_.get());
-    REQUIRE(map.ok());
-    uint64_t n = 0;
-    for (const ShardSlot& slot : map->live) {
-      if (slot.version == 0) continue;
-      auto f = vol_->OpenFileById(slot.id);
-      REQUIRE(f.ok());
-      auto r = ShardReader::Open(f->get(), vol_->superblock().uuid, "test");
-      REQUIRE(r.ok());
-      IndexEntry e;
-      while (true) {
-        auto more = (*r)->Next(&e);
-        REQUIRE(more.ok());
-        if (!*more) break;
-        if (e.kind == EntryKind::kUnique && e.file.ino == ino) n++;
-      }
-    }
-    return n;
-  }
+  uint64_t UniqueEntriesOf(uint64_t ino) { return test::UniqueEntriesOf(vol_.get(), ino); }
   size_t LiveShards() {
     auto map = LoadShardMap(vol_.get());
     REQUIRE(map.ok());
