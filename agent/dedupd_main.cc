@@ -24,6 +24,7 @@
 #include "agent/metrics_server.h"
 #include "agent/pass_history.h"
 #include "agent/pass_scheduler.h"
+#include "agent/sd_notify.h"
 #include "index/index_check.h"
 #include "agent/export_table.h"
 #include "agent/log_flusher.h"
@@ -794,6 +795,7 @@ int Run(const Config& cfg) {
   signals.async_wait([&](boost::system::error_code ec, int sig) {
     if (ec) return;
     LOG(kInfo) << "signal " << sig << ": draining requests and shutting down";
+    SdNotify("STOPPING=1");
     sync_job.Stop();
     flush_job.Stop();
     schedule_job.Stop();
@@ -842,6 +844,9 @@ int Run(const Config& cfg) {
     if (control) LOG(kInfo) << "control socket " << cfg.control;
     if (metrics) LOG(kInfo) << "metrics on http://127.0.0.1:" << metrics->port() << "/metrics";
     if (history) LOG(kInfo) << "pass history " << cfg.history;
+    // Under systemd (Type=notify): the sockets are up, clients may come.
+    SdNotify("READY=1\nSTATUS=serving " + std::to_string(names.ok() ? names->size() : 0) +
+             " exports of " + cfg.volume);
   }
   io.run();
   server.JoinWorkers();

@@ -41,6 +41,9 @@ cleanup() {
     kill -KILL "$dedupd_pid" 2>/dev/null || true
     wait "$dedupd_pid" 2>/dev/null || true
   fi
+  if [[ -n ${notify_pid:-} ]] && kill -0 "$notify_pid" 2>/dev/null; then
+    kill -KILL "$notify_pid" 2>/dev/null || true
+  fi
   rm -rf "$tmp"
 }
 trap cleanup EXIT
@@ -91,7 +94,7 @@ for u in dedupd.service dedupd@.service; do
   grep -Eq "^ExecStart=$bin/dedupd --config /" "$unitdir/$u" ||
     fail "$u: ExecStart does not run $bin/dedupd --config: $(grep '^ExecStart=' "$unitdir/$u")"
   grep -q '@[A-Za-z_]*@' <(grep -v '^#' "$unitdir/$u") && fail "$u: unconfigured @VARIABLE@ left"
-  for key in Type=simple KillSignal=SIGTERM Restart=on-failure RuntimeDirectory= StateDirectory=dede \
+  for key in Type=notify NotifyAccess=main KillSignal=SIGTERM Restart=on-failure RuntimeDirectory= StateDirectory=dede \
     NoNewPrivileges=yes ProtectSystem=full ProtectHome=yes PrivateTmp=yes; do
     grep -q "^$key" "$unitdir/$u" || fail "$u: no $key"
   done
@@ -162,8 +165,32 @@ extra=()
 has_option control && extra+=(--control "$tmp/dedupd.ctl")
 has_option history && extra+=(--history "$tmp/history.db")
 has_option metrics-port && extra+=(--metrics-port 0)
-"$bin/dedupd" --volume "$vol" --host-id 1 --socket "$sock" ${extra[@]+"${extra[@]}"} \
-  --config "$conf" 2>"$tmp/dedupd.log" &
+# systemd's notification socket, played by python3: Type=notify units need
+# dedupd to report READY=1 once it serves.
+notify_sock=$tmp/notify.sock
+python3 - "$notify_sock" "$tmp/notify.log" <<'PY' &
+import socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+s.bind(sys.argv[1])
+s.settimeout(30)
+with open(sys.argv[2], "w") as out:
+    try:
+        while True:
+            msg = s.recv(4096).decode()
+            out.write(msg + "\n---\n")
+            out.flush()
+            if "STOPPING=1" in msg:
+                break
+    except socket.timeout:
+        pass
+PY
+notify_pid=$!
+for ((i = 0; i < 50; i++)); do
+  [[ -S $notify_sock ]] && break
+  sleep 0.1
+done
+NOTIFY_SOCKET=$notify_sock "$bin/dedupd" --volume "$vol" --host-id 1 --socket "$sock" \
+  ${extra[@]+"${extra[@]}"} --config "$conf" 2>"$tmp/dedupd.log" &
 dedupd_pid=$!
 for ((i = 0; i < 100; i++)); do
   [[ -S $sock ]] && break
@@ -195,6 +222,13 @@ grep -q "^dedupd: info: stopped" "$tmp/dedupd.log" || {
   fail "dedupd's log has no 'dedupd: info: stopped' line"
 }
 note "dedupd served vm1 and exited 0 on SIGTERM"
+wait "$notify_pid" || true
+grep -q "^READY=1" "$tmp/notify.log" || {
+  cat "$tmp/notify.log" >&2
+  fail "dedupd did not send READY=1 to \$NOTIFY_SOCKET"
+}
+grep -q "^STOPPING=1" "$tmp/notify.log" || fail "dedupd did not send STOPPING=1 on SIGTERM"
+note "dedupd notified systemd: READY=1, then STOPPING=1"
 
 # ------------------------------------------------------ journald priorities
 # With stderr the stream $JOURNAL_STREAM names, lines carry "<3>" etc.;
