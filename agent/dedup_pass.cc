@@ -634,6 +634,7 @@ class Pass {
   // map.
   Result<bool> ProcessUnderLock(uint64_t* p, const ShardRange& guess, size_t* i) {
     ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
+    SettleIo();  // listing the namespace reads the inode table
     const ShardSlot slot = map.SlotFor(*p);
     if (slot.range.lo != guess.lo) return false;
     // Our lock covers every index file inside the slot's range (nobody can
@@ -843,6 +844,7 @@ class Pass {
       if (!rm.ok() && rm.code() != Status::Code::kNotFound) return rm;
       ASSIGN_OR_RETURN(arenas[1].f, OpenOrCreate(upper, FileKind::kArena));
     }
+    SettleIo();
     std::vector<std::unique_ptr<File>> out_files;
     std::vector<std::unique_ptr<ShardWriter>> writers;
     for (const ShardRange& r : outs) {
@@ -852,6 +854,7 @@ class Pass {
       ASSIGN_OR_RETURN(FileId id, vol_->Create(name, 0, FileKind::kIndexShard));
       (void)id;
       ASSIGN_OR_RETURN(std::unique_ptr<File> f, vol_->OpenFile(name));
+      SettleIo();  // a create reads the inode table
       ShardHeader proto;
       proto.range = r;
       proto.version = version;
