@@ -348,7 +348,7 @@ int Run(const Config& cfg) {
   std::mutex pass_mu;
   struct PassState {
     std::mutex mu;
-    std::string trigger, window, progress;
+    std::string window, progress;
     uint64_t started_ns = 0;
     uint64_t completed = 0, stopped = 0, failed = 0, last_end_ns = 0;
     uint64_t shared_total = 0, reclaimed_total = 0, io_bytes_total = 0;
@@ -367,7 +367,7 @@ int Run(const Config& cfg) {
   auto run_pass = [&](PassTrigger trigger) {
     std::lock_guard<std::mutex> running(pass_mu);
     if (cancel_pass) {
-      scheduler.PassEnded(false);
+      scheduler.PassEnded();
       return;
     }
     stop_pass = false;
@@ -375,7 +375,6 @@ int Run(const Config& cfg) {
     const uint64_t start_ns = Clock::Real()->NowNanos();
     {
       std::lock_guard<std::mutex> l(pass_state.mu);
-      pass_state.trigger = PassTriggerName(trigger);
       pass_state.window = scheduler.CurrentWindow();
       pass_state.progress = "starting";
       pass_state.started_ns = start_ns;
@@ -492,9 +491,8 @@ int Run(const Config& cfg) {
       pass_state.io_bytes_total += row.io_bytes;
       pass_state.merge_applied_total += row.merge_requests_applied;
       pass_state.progress.clear();
-      pass_state.trigger.clear();
     }
-    scheduler.PassEnded(row.outcome == "completed");
+    scheduler.PassEnded();
     if (sanlock_locks) {
       // Other threads (NBD opens, the collector) count here too.
       const SanlockLockManager::Counters c = sanlock_locks->counters();

@@ -1,13 +1,12 @@
 #include "agent/export_table.h"
 
-#include "kmod/writemon/write_log.h"
-
 #include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <mutex>
 #include <thread>
 
+#include "kmod/writemon/write_log.h"
 #include "util/log.h"
 #include "volume/format.h"
 

@@ -92,8 +92,7 @@ void PassScheduler::PassStarted(PassTrigger t) {
   if (t == PassTrigger::kWindow) window_pass_done_ = true;
 }
 
-void PassScheduler::PassEnded(bool finished) {
-  (void)finished;
+void PassScheduler::PassEnded() {
   MutexLock l(&mu_);
   running_.reset();
   last_end_mono_ = clock_->MonotonicNanos();

@@ -60,8 +60,8 @@ class PassScheduler {
   // now, if any.
   std::optional<PassTrigger> Due() EXCLUDES(mu_);
   void PassStarted(PassTrigger t) EXCLUDES(mu_);
-  // `finished`: the pass ran to its end (not stopped, cancelled or failed).
-  void PassEnded(bool finished) EXCLUDES(mu_);
+  // The running pass ended (however: completed, stopped, cancelled, failed).
+  void PassEnded() EXCLUDES(mu_);
   // Called on every tick while a pass runs: true when it must stop now
   // (its window closed).
   bool ShouldStop() EXCLUDES(mu_);

@@ -1,8 +1,8 @@
 #include "volume/mem_device.h"
 
-#include "util/io_budget.h"
-
 #include <cstring>
+
+#include "util/io_budget.h"
 
 namespace dede {
 

@@ -267,7 +267,7 @@ TEST_CASE("a scheduled pass starts at its window's start and stops at its end th
   };
   Result<DedupStats> first = scene.Pass(o);
   REQUIRE(first.ok());
-  sched.PassEnded(!first->stopped);
+  sched.PassEnded();
   CHECK(first->stopped);
   CHECK(stop_checks_true > 0);
   // It merged shards while the window was open (01:00 .. 02:00: four
@@ -303,7 +303,7 @@ TEST_CASE("a scheduled pass starts at its window's start and stops at its end th
   };
   Result<DedupStats> second = scene.Pass(o);
   REQUIRE(second.ok());
-  sched.PassEnded(!second->stopped);
+  sched.PassEnded();
   CHECK_FALSE(second->stopped);
   CHECK(second->log_records == 0);  // nothing new was written
   CHECK(second->pending_records_applied > 0);
@@ -331,7 +331,7 @@ TEST_CASE("requested passes run at any time and only windowed passes are stopped
   sched.PassStarted(PassTrigger::kNow);
   CHECK_FALSE(sched.Due().has_value());  // one at a time
   CHECK_FALSE(sched.ShouldStop());
-  sched.PassEnded(true);
+  sched.PassEnded();
 
   // Windows that do not include Tuesday noon: a requested pass still runs
   // and is not stopped; nothing else is due.
@@ -342,7 +342,7 @@ TEST_CASE("requested passes run at any time and only windowed passes are stopped
   REQUIRE(sched.Due() == PassTrigger::kSignal);
   sched.PassStarted(PassTrigger::kSignal);
   CHECK_FALSE(sched.ShouldStop());
-  sched.PassEnded(true);
+  sched.PassEnded();
 
   // A window crossing midnight: due at 22:00, still open at 03:59 Wednesday,
   // a running window pass told to stop at 04:00.
@@ -356,7 +356,7 @@ TEST_CASE("requested passes run at any time and only windowed passes are stopped
   CHECK_FALSE(sched.ShouldStop());
   clock.Set(LocalTime(2026, 11, 25, 4, 0));
   CHECK(sched.ShouldStop());
-  sched.PassEnded(false);
+  sched.PassEnded();
   CHECK_FALSE(sched.Due().has_value());
   auto next = sched.NextChange();
   REQUIRE(next.has_value());
@@ -373,7 +373,7 @@ TEST_CASE("requested passes run at any time and only windowed passes are stopped
   REQUIRE(periodic.Due() == PassTrigger::kInterval);
   periodic.PassStarted(PassTrigger::kInterval);
   CHECK_FALSE(periodic.ShouldStop());
-  periodic.PassEnded(true);
+  periodic.PassEnded();
   CHECK_FALSE(periodic.Due().has_value());
 }
 
