@@ -58,7 +58,10 @@ std::vector<uint64_t> Seeds() {
   const char* s = std::getenv("DEDE_SEED");
   if (s != nullptr && *s != '\0') return {std::strtoull(s, nullptr, 0)};
 #ifdef DEDE_DEDUP_MODEL_SANITIZED
-  return {11, 12};  // slower under ASan; the normal build runs three
+  // About 12x slower under ASan (160 s a seed on 2 vCPUs): one seed keeps
+  // the sanitizer run of the suite within its budget; the normal build
+  // runs three, and DEDE_SEED picks any.
+  return {11};
 #else
   return {11, 12, 13};
 #endif
