@@ -506,7 +506,8 @@ int Run(const Config& cfg) {
     // group (all threads since start; applied at later flush points).
     const Volume::DropCounters drops = vol->drop_counters();
     LOG(kInfo) << "reference drops: " << drops.deferred << " deferred, " << drops.applied
-               << " applied, " << drops.pending << " pending";
+               << " applied, " << drops.pending << " pending, " << drops.adopted
+               << " adopted from hosts that are gone";
   };
   // The scheduler's tick: starts a due pass on a worker; tells a running
   // one to stop when its window closed.
@@ -650,7 +651,10 @@ int Run(const Config& cfg) {
     }
     j["cow_copies"] = cow_total();
     const Volume::DropCounters drops = vol->drop_counters();
-    j["drops"] = {{"deferred", drops.deferred}, {"applied", drops.applied}, {"pending", drops.pending}};
+    j["drops"] = {{"deferred", drops.deferred},
+                  {"applied", drops.applied},
+                  {"pending", drops.pending},
+                  {"adopted", drops.adopted}};
     j["throttle"] = {{"rate_bytes_per_s", throttle.rate()},
                      {"io_bytes", throttle.bytes()},
                      {"waited_s", double(throttle.waited_ns()) / 1e9}};

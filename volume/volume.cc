@@ -303,12 +303,19 @@ Status VolumeImpl::Start(uint32_t host_id) {
     auto j = Journal::Open(dev_, sb_, host_);
     Status st = j.status();
     if (st.ok()) st = j.value()->Replay().status();
+    st = st.WithContext("journal of host " + std::to_string(host_));
+    if (st.ok()) {
+      journal_ = std::move(j.value());
+      // Under kRecovery(host_): a host adopting this slot's drops checks
+      // that the slot is free while holding it, so it either finished
+      // before we read the list or sees us and leaves it alone.
+      st = LoadDropList();
+    }
     (void)locks_->Release(rec);
-    RETURN_IF_ERROR(st.WithContext("journal of host " + std::to_string(host_)));
-    journal_ = std::move(j.value());
-    RETURN_IF_ERROR(LoadDropList());
+    RETURN_IF_ERROR(st);
   }
-  return RecoverDeadHosts();
+  RETURN_IF_ERROR(RecoverDeadHosts());
+  return AdoptOrphanDrops();
 }
 
 VolumeImpl::~VolumeImpl() {
@@ -372,17 +379,102 @@ Status VolumeImpl::ScanDeadHosts() {
       continue;
     }
     RETURN_IF_ERROR(locks_->Acquire(rec, LockMode::kExclusive, true));
-    auto j = Journal::Open(dev_, sb_, h);
-    Status st = j.status();
-    if (st.ok()) {
-      auto pending = j.value()->HasTransactions();
-      st = pending.status();
-      if (st.ok() && pending.value()) st = j.value()->Replay().status();
-    }
+    Status st = ReplayJournalOf(h);
     (void)locks_->Release(rec);
-    RETURN_IF_ERROR(st.WithContext("recovering the journal of host " + std::to_string(h)));
+    RETURN_IF_ERROR(st);
+    adopt_due_ns_ = 0;  // it may have left drops behind
   }
   return Status::Ok();
+}
+
+Status VolumeImpl::ReplayJournalOf(uint32_t h) {
+  auto j = Journal::Open(dev_, sb_, h);
+  Status st = j.status();
+  if (st.ok()) {
+    auto pending = j.value()->HasTransactions();
+    st = pending.status();
+    if (st.ok() && pending.value()) st = j.value()->Replay().status();
+  }
+  return st.WithContext("recovering the journal of host " + std::to_string(h));
+}
+
+Status VolumeImpl::AdoptOrphanDrops() {
+  if (read_only_ || sb_.drop_blocks == 0 || !journal_) return Status::Ok();
+  adopt_due_ns_ = clock_->MonotonicNanos() + kAdoptIntervalNs;
+  for (uint32_t h = 1; h <= sb_.max_hosts && DropRoom() > 0; h++) {
+    if (h == host_) continue;
+    ASSIGN_OR_RETURN(bool alive, locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}));
+    if (alive) continue;
+    // Look without the lock first: almost every free slot's list is empty.
+    // A list that does not decode is left for fsck to report and repair.
+    Result<std::vector<std::vector<uint64_t>>> look = ReadDropList(h, nullptr);
+    if (!look.ok()) continue;
+    size_t entries = 0;
+    for (const auto& blk : look.value()) entries += blk.size();
+    if (entries == 0) continue;
+    // Busy means the slot's owner is starting or someone else is replaying
+    // or adopting it: try again at a later flush point.
+    const LockId rec{LockKind::kRecovery, h};
+    if (!locks_->Acquire(rec, LockMode::kExclusive, false).ok()) continue;
+    Status st = AdoptDropsOf(h);
+    (void)locks_->Release(rec);
+    RETURN_IF_ERROR(st);
+  }
+  return Status::Ok();
+}
+
+Status VolumeImpl::AdoptDropsOf(uint32_t h) {
+  // The owner takes its slot before kRecovery(h) and reads its list under
+  // kRecovery(h) (Start), so a slot still free now stays without a reader
+  // of its list until we release kRecovery(h).
+  ASSIGN_OR_RETURN(bool alive, locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}));
+  if (alive) return Status::Ok();
+  // A dead owner's newest list may still be in its journal.
+  RETURN_IF_ERROR(ReplayJournalOf(h));
+  Result<std::vector<std::vector<uint64_t>>> lists = ReadDropList(h, nullptr);
+  if (!lists.ok()) return Status::Ok();  // fsck reports it; repair clears it
+  std::vector<uint64_t> taken;
+  std::vector<size_t> changed;
+  const size_t room = DropRoom();
+  for (size_t i = 0; i < lists->size() && taken.size() < room; i++) {
+    std::vector<uint64_t>& blk = (*lists)[i];
+    if (blk.empty()) continue;
+    const size_t n = std::min(blk.size(), room - taken.size());
+    taken.insert(taken.end(), blk.end() - static_cast<ptrdiff_t>(n), blk.end());
+    blk.resize(blk.size() - n);
+    changed.push_back(i);
+  }
+  if (taken.empty()) return Status::Ok();
+  // Two steps, never one transaction: (1) the entries leave h's list and
+  // that reaches its home blocks; only then (2) they enter ours. A crash
+  // between the two loses them (the blocks keep a reference too many:
+  // space leaks, fsck reports it and repair fixes the counts); no crash
+  // can leave an entry in both lists, which would free a block still in
+  // use. A replay of our journal can only ever write h's list as step (1)
+  // left it, because step (1) is home before step (2) begins.
+  const LockId slot{LockKind::kHostSlot, h};
+  RETURN_IF_ERROR(EnsureJournalRoom(changed.size()));
+  for (size_t i : changed) {
+    const uint64_t addr = sb_.DropListStart(h) + i;
+    uint8_t* b;
+    RETURN_IF_ERROR(Load(addr, slot, kMagicDropList, "drop list block", &b));
+    EncodeDropListBlock((*lists)[i], h, PeekHeader(b).seq, sb_.uuid, addr, Dirty(addr));
+  }
+  RETURN_IF_ERROR(Checkpoint());
+  DropCache(slot);
+  RETURN_IF_ERROR(EnsureJournalRoom(sb_.drop_blocks));
+  size_t next = 0;
+  for (size_t i = 0; i < drop_list_.size() && next < taken.size(); i++) {
+    bool touched = false;
+    while (next < taken.size() && drop_list_[i].size() < kDropsPerBlock) {
+      drop_list_[i].push_back(taken[next++]);
+      touched = true;
+    }
+    if (touched) RETURN_IF_ERROR(Poison(StoreDropBlock(i)));
+  }
+  drop_count_ += taken.size();
+  drops_adopted_ += taken.size();
+  return Commit(/*durable=*/true);
 }
 
 // ================================================================ cache/txn
@@ -533,6 +625,7 @@ Status VolumeImpl::Sync() {
   MutexLock l(&mu_);
   if (read_only_) return Status::Ok();
   RETURN_IF_ERROR(poisoned_);
+  if (clock_->MonotonicNanos() >= adopt_due_ns_) RETURN_IF_ERROR(AdoptOrphanDrops());
   // Deferred drops are applied at flush points, in the same commit.
   if (drop_count_ > 0) RETURN_IF_ERROR(DrainDrops(Drain::kIfDue));
   if (txn_.empty()) {

@@ -234,10 +234,13 @@ class Volume {
 
   // This process's deferred reference drops (docs/LOCKING.md "Deferred
   // drops"): counted since open, and pending in its host's list now.
+  // `adopted` counts entries taken over from the lists of hosts that are
+  // gone (they are then applied, and counted, like our own).
   struct DropCounters {
     uint64_t deferred = 0;
     uint64_t applied = 0;
     uint64_t pending = 0;
+    uint64_t adopted = 0;
   };
   virtual DropCounters drop_counters() = 0;
 };

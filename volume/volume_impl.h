@@ -63,7 +63,7 @@ class VolumeImpl : public Volume {
   Result<VolumeStats> Stats() EXCLUDES(mu_) override;
   DropCounters drop_counters() EXCLUDES(mu_) override {
     MutexLock l(&mu_);
-    return DropCounters{drops_deferred_, drops_applied_, drop_count_};
+    return DropCounters{drops_deferred_, drops_applied_, drop_count_, drops_adopted_};
   }
 
   // ---- used by FileImpl (file rw lock held by the caller as documented)
@@ -159,6 +159,16 @@ class VolumeImpl : public Volume {
   Result<std::vector<std::vector<uint64_t>>> ReadDropList(uint32_t h, BlockBuf* raw) const;
   Status LoadDropList() REQUIRES(mu_);
   size_t DropRoom() const REQUIRES(mu_);
+  // Takes over the drop lists of slots whose host is gone (died, or left
+  // with entries it could not apply), as far as our list has room, so a
+  // host that never comes back does not pin those blocks for ever. Called
+  // between operations only (Start, Sync): it commits. Never waits.
+  Status AdoptOrphanDrops() REQUIRES(mu_);
+  // One slot's part of AdoptOrphanDrops; the caller holds kRecovery(h).
+  Status AdoptDropsOf(uint32_t h) REQUIRES(mu_);
+  // Replays host h's journal if it holds transactions; the caller holds
+  // kRecovery(h) and has seen h's slot free.
+  Status ReplayJournalOf(uint32_t h) REQUIRES(mu_);
   // True if this process holds the group of data block `addr`.
   bool GroupHeld(uint64_t addr) const REQUIRES(mu_);
   // The group of data block `addr`; false if it is not a data block.
@@ -226,6 +236,11 @@ class VolumeImpl : public Volume {
   size_t drop_count_ GUARDED_BY(mu_) = 0;
   uint64_t drops_deferred_ GUARDED_BY(mu_) = 0;  // since open (diagnostics)
   uint64_t drops_applied_ GUARDED_BY(mu_) = 0;
+  uint64_t drops_adopted_ GUARDED_BY(mu_) = 0;
+  // AdoptOrphanDrops runs at Start and then at most once per interval at
+  // a flush point (monotonic ns; 0 = at the next one).
+  uint64_t adopt_due_ns_ GUARDED_BY(mu_) = 0;
+  static constexpr uint64_t kAdoptIntervalNs = 60'000'000'000;
   // kWanted(group) held for groups with deferred entries.
   std::set<uint32_t> drop_wanted_ GUARDED_BY(mu_);
   // LooksBusy/NoteBusy: group -> monotonic ns before which it is not tried.

@@ -322,6 +322,9 @@ void PrintRest(const json& r) {
     if (auto v = Uint(*drops, "deferred")) parts.push_back(std::to_string(*v) + " deferred");
     if (auto v = Uint(*drops, "applied")) parts.push_back(std::to_string(*v) + " applied");
     if (auto v = Uint(*drops, "pending")) parts.push_back(std::to_string(*v) + " pending");
+    if (auto v = Uint(*drops, "adopted"); v && *v > 0) {
+      parts.push_back(std::to_string(*v) + " adopted");
+    }
     if (!parts.empty()) Line("drops", Join(parts, ", "));
   }
   if (auto v = Uint(r, "cow_copies")) {
