@@ -766,18 +766,52 @@ Result<uint32_t> VolumeImpl::GetRef(uint64_t addr) {
     return Status::Corruption("block pointer " + std::to_string(addr) +
                               " is outside the data area");
   }
-  if (read_only_) {
-    // Readers (ls -l, stats) must not stall a daemon that holds the group:
-    // read the count from its home block, possibly a little stale.
-    BlockBuf b = NewBlockBuf();
-    RETURN_IF_ERROR(dev_->Read(rb * kBlockSize, b.get(), kBlockSize));
-    RETURN_IF_ERROR(Admit(b.get(), rb, kMagicRefcountBlock, "refcount block"));
-    return dede::GetRef(b.get(), slot);
-  }
+  // Readers (ls -l, stats) must not stall a daemon that holds the group.
+  if (read_only_) return PeekRef(addr);
   RETURN_IF_ERROR(AcquireGroupsFor({addr}));
   uint8_t* b;
   RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
   return dede::GetRef(b, slot);
+}
+
+Result<uint32_t> VolumeImpl::PeekRef(uint64_t addr) {
+  uint32_t g, slot;
+  uint64_t rb;
+  if (!sb_.LocateData(addr, &g, &rb, &slot)) {
+    return Status::Corruption("block pointer " + std::to_string(addr) +
+                              " is outside the data area");
+  }
+  const LockId gl = GroupLock(g);
+  if (!read_only_ && !cached_locks_.count(gl) && !LooksBusy(g)) {
+    Status st = locks_->Acquire(gl, LockMode::kExclusive, false);
+    if (st.ok()) {
+      NoteCached(gl);
+      busy_until_.erase(g);
+      RETURN_IF_ERROR(RecoverDeadHosts());
+    } else if (st.code() == Status::Code::kLocked) {
+      NoteBusy(g);
+    } else {
+      return st;
+    }
+  }
+  if (!read_only_ && cached_locks_.count(gl)) {
+    uint8_t* b;
+    RETURN_IF_ERROR(Load(rb, gl, kMagicRefcountBlock, "refcount block", &b));
+    return dede::GetRef(b, slot);
+  }
+  // Held elsewhere: the count as its holder last wrote it home. The holder
+  // may be writing that block right now; a read that does not check is
+  // read again, and after a few tries we wait for the group after all.
+  BlockBuf b = NewBlockBuf();
+  Status st;
+  for (int attempt = 0; attempt < 3; attempt++) {
+    if (attempt > 0) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    RETURN_IF_ERROR(dev_->Read(rb * kBlockSize, b.get(), kBlockSize));
+    st = Admit(b.get(), rb, kMagicRefcountBlock, "refcount block");
+    if (st.ok()) return dede::GetRef(b.get(), slot);
+  }
+  if (read_only_) return st;
+  return GetRef(addr);
 }
 
 Status VolumeImpl::AddRef(uint64_t addr, int delta) {
@@ -1819,7 +1853,7 @@ Result<uint32_t> VolumeImpl::RefCountAt(OpenFileState* f, uint64_t index) {
   ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
   ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, index));
   if (p == 0) return uint32_t{0};
-  return GetRef(PtrAddr(p));
+  return PeekRef(PtrAddr(p));
 }
 
 Result<FileUsage> VolumeImpl::UsageOf(OpenFileState* f) {
@@ -1843,7 +1877,7 @@ Result<FileUsage> VolumeImpl::UsageOf(OpenFileState* f) {
         RETURN_IF_ERROR(walk(PtrAddr(p), level - 1, idx));
         continue;
       }
-      ASSIGN_OR_RETURN(uint32_t refs, GetRef(PtrAddr(p)));
+      ASSIGN_OR_RETURN(uint32_t refs, PeekRef(PtrAddr(p)));
       u.mapped_blocks++;
       if (refs > 1) {
         u.shared_blocks++;

@@ -135,6 +135,12 @@ class VolumeImpl : public Volume {
 
   // Reference counts and allocation (mu_ held).
   Result<uint32_t> GetRef(uint64_t addr) REQUIRES(mu_);
+  // Like GetRef, but never waits for another host: exact if this process
+  // holds the block's group or can take it now, else the count its holder
+  // last wrote home (stale by at most that holder's uncheckpointed work).
+  // For answers that are safe either way: statistics, and the pass's
+  // garbage checks (docs/LOCKING.md "Counts read without the group").
+  Result<uint32_t> PeekRef(uint64_t addr) REQUIRES(mu_);
   Status AddRef(uint64_t addr, int delta) REQUIRES(mu_);
 
   // Deferred drops (docs/LOCKING.md "Deferred drops"). Before an operation

@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <memory>
@@ -467,4 +468,37 @@ TEST_CASE("volume drops: a crash at any write of an adoption never applies a dro
   // Both outcomes happened: some runs got the adoption through, some died in it.
   CHECK(runs_adopted > 0);
   CHECK(runs_failed > 0);
+}
+
+TEST_CASE("volume drops: counts and usage are read without waiting for a group held elsewhere",
+          "[volume][drops]") {
+  Rig r;
+  r.HoldGroupZero();
+  auto v2 = r.OpenAs(&r.base, 2, r.lm2);
+  auto a = v2->OpenFile("a");
+  REQUIRE(a.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  for (uint64_t i = 0; i < kShared; i++) {
+    auto refs = a.value()->BlockRefCount(i);
+    REQUIRE(refs.ok());
+    CHECK(refs.value() == 2);  // as written home before the holder took the group
+  }
+  auto usage = a.value()->Usage();
+  REQUIRE(usage.ok());
+  CHECK(usage->shared_blocks == kShared);
+  // Waiting would have taken the volume's lock wait (60 s) and then failed.
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+  auto wanted = r.holder->IsHeldElsewhere(WantedGroup(0));
+  REQUIRE(wanted.ok());
+  CHECK_FALSE(wanted.value());  // a reader does not even ask for the group
+
+  // Once the group is free the reader takes it and counts exactly.
+  r.LetGo();
+  r.CowBreakOn(v2.get());  // b drops its references now, in its own group
+  for (uint64_t i = 0; i < kShared; i++) {
+    auto refs = a.value()->BlockRefCount(i);
+    REQUIRE(refs.ok());
+    CHECK(refs.value() == 1);
+  }
+  CHECK(Pending(v2.get()) == 0);
 }
