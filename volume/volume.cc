@@ -759,13 +759,16 @@ Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
 
 // =============================================================== refcounts
 
+Status VolumeImpl::LocateRef(uint64_t addr, uint32_t* g, uint64_t* rb, uint32_t* slot) const {
+  if (sb_.LocateData(addr, g, rb, slot)) return Status::Ok();
+  return Status::Corruption("block pointer " + std::to_string(addr) +
+                            " is outside the data area");
+}
+
 Result<uint32_t> VolumeImpl::GetRef(uint64_t addr) {
   uint32_t g, slot;
   uint64_t rb;
-  if (!sb_.LocateData(addr, &g, &rb, &slot)) {
-    return Status::Corruption("block pointer " + std::to_string(addr) +
-                              " is outside the data area");
-  }
+  RETURN_IF_ERROR(LocateRef(addr, &g, &rb, &slot));
   // Readers (ls -l, stats) must not stall a daemon that holds the group.
   if (read_only_) return PeekRef(addr);
   RETURN_IF_ERROR(AcquireGroupsFor({addr}));
@@ -777,10 +780,7 @@ Result<uint32_t> VolumeImpl::GetRef(uint64_t addr) {
 Result<uint32_t> VolumeImpl::PeekRef(uint64_t addr) {
   uint32_t g, slot;
   uint64_t rb;
-  if (!sb_.LocateData(addr, &g, &rb, &slot)) {
-    return Status::Corruption("block pointer " + std::to_string(addr) +
-                              " is outside the data area");
-  }
+  RETURN_IF_ERROR(LocateRef(addr, &g, &rb, &slot));
   const LockId gl = GroupLock(g);
   if (!read_only_ && !cached_locks_.count(gl) && !LooksBusy(g)) {
     Status st = locks_->Acquire(gl, LockMode::kExclusive, false);
@@ -817,10 +817,7 @@ Result<uint32_t> VolumeImpl::PeekRef(uint64_t addr) {
 Status VolumeImpl::AddRef(uint64_t addr, int delta) {
   uint32_t g, slot;
   uint64_t rb;
-  if (!sb_.LocateData(addr, &g, &rb, &slot)) {
-    return Status::Corruption("block pointer " + std::to_string(addr) +
-                              " is outside the data area");
-  }
+  RETURN_IF_ERROR(LocateRef(addr, &g, &rb, &slot));
   RETURN_IF_ERROR(AcquireGroupsFor({addr}));
   uint8_t* b;
   RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));

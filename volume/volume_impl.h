@@ -134,6 +134,9 @@ class VolumeImpl : public Volume {
                      LockId owner, bool* now_empty) REQUIRES(mu_);
 
   // Reference counts and allocation (mu_ held).
+  // The group, refcount block and slot of data block `addr`; kCorruption
+  // if `addr` is not a data block.
+  Status LocateRef(uint64_t addr, uint32_t* g, uint64_t* rb, uint32_t* slot) const;
   Result<uint32_t> GetRef(uint64_t addr) REQUIRES(mu_);
   // Like GetRef, but never waits for another host: exact if this process
   // holds the block's group or can take it now, else the count its holder
