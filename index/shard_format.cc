@@ -115,8 +115,6 @@ Fingerprint FingerprintOf(const FpKey& k, HashAlgo algo) {
   return fp;
 }
 
-uint64_t KeyPrefix(const FpKey& k) { return boost::endian::load_big_u64(k.data()); }
-
 std::string ShardRange::ToString() const {
   return "[" + Hex16(lo) + ".." + Hex16(last()) + "]/" + std::to_string(depth);
 }

@@ -25,6 +25,7 @@
 #pragma once
 
 #include <array>
+#include <boost/endian/conversion.hpp>
 #include <cstdint>
 #include <optional>
 #include <string>
@@ -58,7 +59,8 @@ using FpKey = std::array<uint8_t, 32>;
 FpKey KeyOf(const Fingerprint& fp);
 Fingerprint FingerprintOf(const FpKey& k, HashAlgo algo);
 // The 64-bit prefix (big-endian first 8 bytes) that picks the shard.
-uint64_t KeyPrefix(const FpKey& k);
+// Inline: the reader's scan loop calls it once per entry.
+inline uint64_t KeyPrefix(const FpKey& k) { return boost::endian::load_big_u64(k.data()); }
 
 // A shard's place in the fingerprint space.
 struct ShardRange {

@@ -23,8 +23,13 @@ Result<std::unique_ptr<ShardReader>> ShardReader::Open(File* f, const Uuid& uuid
   if (f->size() < kBlockSize) return Status::Corruption(what + ": shorter than its header");
   RETURN_IF_ERROR(f->Read(0, blk.data(), kBlockSize));
   ASSIGN_OR_RETURN(r->header_, DecodeShardHeader(blk.data(), uuid, r->id_, what));
-  r->prefix_ = EntryPrefix(r->header_);
   const ShardHeader& h = r->header_;
+  r->prefix_ = EntryPrefix(h);
+  r->entry_size_ = h.entry_size;
+  r->fp_size_ = uint32_t(HashAlgoSize(h.algo));
+  r->elided_ = ElidedBytes(h.range);
+  r->stored_fp_ = r->fp_size_ - r->elided_;
+  r->chunk_count_ = (h.entry_blocks + kChunkBlocks - 1) / kChunkBlocks;
   const uint64_t need = (1 + h.entry_blocks + h.file_blocks) * kBlockSize;
   if (f->size() < need) {
     return Status::Corruption(what + ": file is " + std::to_string(f->size()) +
@@ -51,88 +56,183 @@ Result<std::unique_ptr<ShardReader>> ShardReader::Open(File* f, const Uuid& uuid
 }
 
 ShardReader::~ShardReader() {
-  if (ahead_done_.valid()) (void)ahead_done_.get();
-}
-
-void ShardReader::StartReadAhead() {
-  const uint64_t end = 1 + header_.entry_blocks;
-  const uint64_t first = next_block_;
-  if (first >= end) return;
-  const uint64_t n = std::min(kChunkBlocks, end - first);
-  if (!ahead_) {
-    ahead_.reset(static_cast<uint8_t*>(std::aligned_alloc(kBlockSize, kChunkBlocks * kBlockSize)));
+  if (!helper_.joinable()) return;
+  {
+    MutexLock l(&mu_);
+    stop_ = true;
   }
-  ahead_first_ = first;
-  ahead_blocks_ = n;
-  File* f = file_;
-  uint8_t* dst = ahead_.get();
-  // The read-ahead is the caller's I/O: charge it where the caller's is.
-  IoBudget* budget = CurrentIoBudget();
-  ahead_done_ = std::async(std::launch::async, [f, dst, first, n, budget] {
-    ScopedIoBudget charged(budget);
-    return f->Read(first * kBlockSize, dst, n * kBlockSize);
-  });
+  cv_.notify_all();
+  helper_.join();
 }
 
-Status ShardReader::FillChunk() {
-  if (!ahead_done_.valid()) StartReadAhead();
-  RETURN_IF_ERROR(ahead_done_.get());
-  std::swap(chunk_, ahead_);
-  const uint64_t first = ahead_first_;
-  const uint64_t n = ahead_blocks_;
-  chunk_blocks_ = n;
-  next_block_ = first + n;
-  StartReadAhead();  // the next chunk, while this one is decoded
-  blocks_.clear();
-  block_ = 0;
-  in_block_ = 0;
-  const uint64_t per = EntriesPerBlock(header_.entry_size);
-  for (uint64_t i = 0; i < n; i++) {
-    const uint8_t* blk = chunk_.get() + i * kBlockSize;
-    Result<uint32_t> count = CheckEntryBlock(blk, header_, uuid_, id_, first + i, what_);
+Status ShardReader::ReadAndCheck(File* f, const ShardHeader& h, const Uuid& uuid, FileId id,
+                                 const std::string& what, Chunk* c) {
+  if (!c->data) {
+    c->data.reset(
+        static_cast<uint8_t*>(std::aligned_alloc(kBlockSize, kChunkBlocks * kBlockSize)));
+    if (!c->data) return Status::IoError(what + ": no memory for a read-ahead buffer");
+  }
+  RETURN_IF_ERROR(f->Read(c->first * kBlockSize, c->data.get(), c->blocks * kBlockSize));
+  c->good.clear();
+  c->corrupt = 0;
+  for (uint64_t i = 0; i < c->blocks; i++) {
+    const uint8_t* blk = c->data.get() + i * kBlockSize;
+    Result<uint32_t> count = CheckEntryBlock(blk, h, uuid, id, c->first + i, what);
     if (count.ok()) {
-      blocks_.emplace_back(blk + kShardBlockHeader, *count);
+      c->good.emplace_back(blk + kShardBlockHeader, *count);
     } else {
-      stats_.corrupt_blocks++;
-      stats_.lost_entries += per;
+      c->corrupt++;
     }
   }
   return Status::Ok();
 }
 
+// On the helper thread. It reads only fields fixed after Open (file_,
+// header_, uuid_, id_, what_, chunk_count_) and the chunks it owns.
+void ShardReader::ReadAheadLoop(IoBudget* budget) NO_THREAD_SAFETY_ANALYSIS {
+  // The read-ahead is the caller's I/O: charge it where the caller's is.
+  ScopedIoBudget charged(budget);
+  const uint64_t end = 1 + header_.entry_blocks;
+  for (uint64_t k = 0; k < chunk_count_; k++) {
+    {
+      std::unique_lock<std::mutex> l(mu_.native());
+      cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS {
+        return stop_ || k < consumed_ + kAheadChunks;
+      });
+      if (stop_) return;
+    }
+    Chunk* c = &ring_[k % kAheadChunks];
+    c->first = 1 + k * kChunkBlocks;
+    c->blocks = std::min(kChunkBlocks, end - c->first);
+    c->status = ReadAndCheck(file_, header_, uuid_, id_, what_, c);
+    {
+      MutexLock l(&mu_);
+      filled_ = k + 1;
+    }
+    cv_.notify_all();
+    if (!c->status.ok()) return;  // the caller reports it
+  }
+}
+
+// Hands the chunk in use back to the helper and takes the next one;
+// chunk_ is nullptr at the end.
+Status ShardReader::FillChunk() NO_THREAD_SAFETY_ANALYSIS {
+  if (taken_ == 0 && chunk_count_ > 0) {
+    helper_ = std::thread([this, budget = CurrentIoBudget()] { ReadAheadLoop(budget); });
+  }
+  {
+    std::unique_lock<std::mutex> l(mu_.native());
+    if (consumed_ < taken_) consumed_ = taken_;  // done with the current one
+    chunk_ = nullptr;
+    if (taken_ < chunk_count_) {
+      cv_.notify_all();
+      cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS { return filled_ > taken_; });
+      chunk_ = &ring_[taken_ % kAheadChunks];
+      taken_++;
+    }
+  }
+  cv_.notify_all();
+  block_ = 0;
+  entry_ = block_end_ = nullptr;
+  if (chunk_ == nullptr) return Status::Ok();
+  if (!chunk_->status.ok()) {
+    failed_ = chunk_->status;
+    chunk_ = nullptr;
+    return failed_;
+  }
+  const uint64_t per = EntriesPerBlock(header_.entry_size);
+  stats_.corrupt_blocks += chunk_->corrupt;
+  stats_.lost_entries += chunk_->corrupt * per;
+  if (!chunk_->good.empty()) {
+    entry_ = chunk_->good[0].first;
+    block_end_ = entry_ + size_t(chunk_->good[0].second) * entry_size_;
+  }
+  return Status::Ok();
+}
+
+namespace {
+
+// Copies n bytes (8 <= n <= 32) with at most four fixed-size moves: the
+// stored part of a fingerprint is 11..16 (XXH3-128) or 27..32 (SHA-256)
+// bytes, and a variable-length memcpy call per entry costs more than the
+// rest of the decode.
+inline void CopyKeyBytes(uint8_t* dst, const uint8_t* src, uint32_t n) {
+  if (n >= 16) {
+    std::memcpy(dst, src, 16);
+    std::memcpy(dst + n - 16, src + n - 16, 16);
+  } else {
+    std::memcpy(dst, src, 8);
+    std::memcpy(dst + n - 8, src + n - 8, 8);
+  }
+}
+
+// The 56-bit little-endian meta word at p: two overlapping 4-byte loads
+// (byte 3 is in both, at the same position).
+inline uint64_t LoadMeta(const uint8_t* p) {
+  return uint64_t(DecodeU32(p)) | uint64_t(DecodeU32(p + 3)) << 24;
+}
+
+}  // namespace
+
 Result<bool> ShardReader::Next(IndexEntry* out) {
-  const size_t fp_size = HashAlgoSize(header_.algo);
   while (true) {
-    while (block_ < blocks_.size()) {
-      const auto [base, count] = blocks_[block_];
-      // Decoded in place into *out (no temporaries: this loop is the scan).
-      EncodedEntry& ee = scratch_;
-      DecodeEntry(base + size_t(in_block_) * header_.entry_size, header_, prefix_, &ee);
-      if (++in_block_ == count) {
-        block_++;
-        in_block_ = 0;
+    while (entry_ != nullptr) {
+      const uint8_t* p = entry_;
+      entry_ += entry_size_;
+      if (entry_ == block_end_) {
+        if (++block_ < chunk_->good.size()) {
+          entry_ = chunk_->good[block_].first;
+          block_end_ = entry_ + size_t(chunk_->good[block_].second) * entry_size_;
+        } else {
+          entry_ = block_end_ = nullptr;
+        }
       }
+      // Decoded in place (this loop is the scan): the key is the range's
+      // elided bytes, then the stored bytes, then zeros.
+      FpKey key = prefix_;
+      CopyKeyBytes(key.data() + elided_, p, stored_fp_);
+      const uint64_t key_prefix = KeyPrefix(key);
       // Keys must ascend and stay in the shard's range; anything else is
       // damage the block crc did not catch (or a bug): skip it.
-      if ((have_last_ && std::memcmp(last_.data(), ee.e.fp.data(), fp_size) >= 0) ||
-          !header_.range.Contains(KeyPrefix(ee.e.fp))) {
+      if (have_last_ && (key_prefix < last_prefix_ ||
+                         (key_prefix == last_prefix_ &&
+                          std::memcmp(last_.data() + 8, key.data() + 8, fp_size_ - 8) >= 0))) {
         stats_.lost_entries++;
         continue;
       }
-      if (ee.e.kind == EntryKind::kUnique) {
-        if (ee.file_ref >= files_.size()) {
+      if (!header_.range.Contains(key_prefix)) {
+        stats_.lost_entries++;
+        continue;
+      }
+      const uint64_t meta = LoadMeta(p + stored_fp_) & ((1ull << 56) - 1);
+      if (meta >> 55) {
+        out->kind = EntryKind::kShared;
+        out->file = FileId{};
+        out->block = 0;
+        out->arena = meta & kMaxArenaIndex;
+      } else {
+        const uint64_t file_ref = meta >> 38 & kMaxEntryFileRef;
+        if (file_ref >= files_.size()) {
           stats_.unresolved_entries++;
           continue;
         }
-        ee.e.file = files_[ee.file_ref];
+        out->kind = EntryKind::kUnique;
+        out->file = files_[file_ref];
+        out->block = meta & kMaxEntryBlock;
+        out->arena = 0;
       }
-      std::memcpy(last_.data(), ee.e.fp.data(), fp_size);
+      out->fp = key;
+      last_ = key;
+      last_prefix_ = key_prefix;
       have_last_ = true;
-      *out = ee.e;
       stats_.entries++;
       return true;
     }
-    if (next_block_ >= 1 + header_.entry_blocks && !ahead_done_.valid()) return false;
+    if (!failed_.ok()) return failed_;
+    if (taken_ == chunk_count_) {
+      if (chunk_ != nullptr) RETURN_IF_ERROR(FillChunk());  // hands the last one back
+      return false;
+    }
     RETURN_IF_ERROR(FillChunk());
   }
 }

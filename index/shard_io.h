@@ -3,15 +3,18 @@
 // the files open (which holds their inode locks).
 #pragma once
 
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
-#include <future>
 #include <memory>
 #include <string>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
 #include "index/shard_format.h"
+#include "util/io_budget.h"
+#include "util/mutex.h"
 #include "util/status.h"
 #include "volume/volume.h"
 
@@ -28,6 +31,10 @@ struct ShardScanStats {
 // Reads a shard version front to back in large sequential chunks. Corrupt
 // entry blocks are skipped and counted (the index is a hint: losing entries
 // loses dedup opportunities, never data); an unreadable header is an error.
+// The first Next() starts a helper thread that reads up to 3 MiB ahead; its
+// reads are charged to the I/O budget current at that call, which must
+// outlive the reader (the destructor stops and joins the helper). One
+// thread at a time calls Next().
 class ShardReader {
  public:
   ~ShardReader();
@@ -50,28 +57,62 @@ class ShardReader {
   FileId id_;
   ShardHeader header_;
   std::vector<FileId> files_;
-  // Read-ahead: while one chunk is decoded the next one is read on a
-  // helper thread, so a scan runs at the device's sequential read rate
-  // rather than read time plus decode time. Buffers are 4 KiB-aligned (no
-  // bounce copy for O_DIRECT devices).
+  // Read-ahead: a helper thread, started by the first Next(), reads the
+  // entry blocks in 1 MiB chunks into a ring of kAheadChunks buffers and
+  // checks the magic, crc and count of each block, up to kAheadChunks - 1
+  // chunks ahead of the one the caller consumes. The device always has a
+  // read outstanding, the crc32c runs on the other core, and a scan runs at
+  // the device's sequential read rate when decoding keeps up. Buffers are
+  // 4 KiB-aligned (no bounce copy for O_DIRECT devices); at most 4 MiB.
+  static constexpr uint64_t kAheadChunks = 4;
   struct AlignedFree {
     void operator()(uint8_t* p) const { std::free(p); }
   };
   using Buffer = std::unique_ptr<uint8_t, AlignedFree>;
-  void StartReadAhead();
-  Buffer chunk_, ahead_;
-  uint64_t chunk_blocks_ = 0;
-  uint64_t ahead_first_ = 0, ahead_blocks_ = 0;
-  std::future<Status> ahead_done_;
-  uint64_t next_block_ = 1;       // next entry block to decode
-  // The checked entry blocks of chunk_ (start, count); entries are decoded
-  // one at a time straight from the buffer.
-  std::vector<std::pair<const uint8_t*, uint32_t>> blocks_;
+  // Chunk k lives in ring_[k % kAheadChunks]. The helper owns it until it
+  // counts it in filled_, the caller from then until it counts it in
+  // consumed_ (the counters, under mu_, order the two).
+  struct Chunk {
+    Buffer data;
+    uint64_t first = 0, blocks = 0;  // entry blocks [first, first + blocks)
+    // The checked entry blocks: entry area and entry count.
+    std::vector<std::pair<const uint8_t*, uint32_t>> good;
+    uint64_t corrupt = 0;            // blocks that failed the check
+    Status status;                   // the read's
+  };
+  void ReadAheadLoop(IoBudget* budget);
+  // Reads and checks chunk `c` (on the helper thread).
+  static Status ReadAndCheck(File* f, const ShardHeader& h, const Uuid& uuid, FileId id,
+                             const std::string& what, Chunk* c);
+  Chunk ring_[kAheadChunks];
+  uint64_t chunk_count_ = 0;   // chunks of entry blocks (fixed after Open)
+  std::thread helper_;
+  // The helper's condition variable needs the native mutex; the analysis
+  // cannot follow std::unique_lock, so the waits are checked by hand.
+  // Lock order: mu_ is a leaf, held only to read or change the three
+  // fields below, never across I/O or while taking another lock.
+  Mutex mu_;
+  std::condition_variable cv_;
+  uint64_t filled_ GUARDED_BY(mu_) = 0;    // chunks read and checked
+  uint64_t consumed_ GUARDED_BY(mu_) = 0;  // chunks the caller is done with
+  bool stop_ GUARDED_BY(mu_) = false;      // the reader is going away
+  // Caller only: chunks taken so far; the current one is ring_[(taken_ -
+  // 1) % kAheadChunks] while taken_ > consumed_.
+  uint64_t taken_ = 0;
+  const Chunk* chunk_ = nullptr;
+  Status failed_;                 // a read error, returned by every Next()
+  // Position in chunk_: the next entry and the end of its block's entries.
   size_t block_ = 0;
-  uint32_t in_block_ = 0;
+  const uint8_t* entry_ = nullptr;
+  const uint8_t* block_end_ = nullptr;
+  // Entry geometry (from the header): stored fingerprint bytes follow the
+  // `elided_` bytes of prefix_, which also holds zeros up to 32 bytes.
+  uint32_t entry_size_ = 0, elided_ = 0, stored_fp_ = 0, fp_size_ = 0;
   FpKey prefix_{};
-  EncodedEntry scratch_;
+  // The last entry returned: order check on its 64-bit prefix first, the
+  // rest of the key only when the prefixes are equal.
   FpKey last_{};
+  uint64_t last_prefix_ = 0;
   bool have_last_ = false;
   ShardScanStats stats_;
 };
