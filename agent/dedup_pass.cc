@@ -540,7 +540,7 @@ class Pass {
 
   Status FlushZeroBlocks() {
     if (zero_ops_.empty()) return Status::Ok();
-    RETURN_IF_ERROR(vol_->ApplyBlockOps(&zero_ops_, opts_.verify));
+    RETURN_IF_ERROR(vol_->ApplyBlockOps(&zero_ops_, opts_.verify, &read_buf_));
     SettleIo();
     for (const Volume::BlockOp& op : zero_ops_) {
       if (op.result.ok()) {
@@ -1049,8 +1049,9 @@ class Pass {
   }
 
   // Each round plans at most one anchor per group, then runs every planned
-  // clone (sorted by source block) and then every share (sorted by
-  // destination block) through Volume::ApplyBlockOps in batches. A group
+  // clone, each followed by the shares from its arena block (sorted by the
+  // clone's source block), and the shares of Shared entries (sorted by
+  // destination block), through Volume::ApplyBlockOps in batches. A group
   // whose anchor block turned out stale retries with its next record in
   // the following round.
   Status ResolveRounds(std::vector<Group>* groups, const std::vector<PassRecord>& recs,
@@ -1064,7 +1065,11 @@ class Pass {
     };
     constexpr size_t kIndexed = ~size_t{0};
     while (true) {
+      // Reserved for the most a round can plan, so the vectors are not
+      // copied as they grow (untouched reserved pages cost nothing).
       std::vector<Planned> clones, shares;
+      clones.reserve(groups->size());
+      shares.reserve(recs.size());
       for (size_t gi = 0; gi < groups->size(); gi++) {
         Group& g = (*groups)[gi];
         g.anchor_arena = kNoArena;
@@ -1160,35 +1165,70 @@ class Pass {
         }
       }
       if (clones.empty() && shares.empty()) return Status::Ok();
-      auto run = [&](std::vector<Planned>* planned) -> Status {
-        std::sort(planned->begin(), planned->end(), [](const Planned& x, const Planned& y) {
-          return x.order_ino != y.order_ino ? x.order_ino < y.order_ino
-                                            : x.order_block < y.order_block;
-        });
+      // One sequence of operations, cut into batches: every clone
+      // immediately followed by the shares from its arena block, clones in
+      // the order of their source blocks; the shares of Shared entries in
+      // the order of their destination blocks. A share right after its
+      // clone finds the arena block's content already read in the batch
+      // (the volume applies a batch in order and reads each block once),
+      // so the anchor is read once, not once to clone it and again to
+      // share it. Sort small keys, not the operations (each carries a
+      // fingerprint and a Status).
+      struct Key {
+        uint64_t ino, block;
+        size_t group;
+        size_t at;  // < clones.size(): clones[at], else shares[at - clones.size()]
+      };
+      std::vector<size_t> clone_of(groups->size(), SIZE_MAX);
+      for (size_t j = 0; j < clones.size(); j++) clone_of[clones[j].group] = j;
+      std::vector<Key> order;
+      order.reserve(clones.size() + shares.size());
+      for (size_t j = 0; j < clones.size(); j++) {
+        order.push_back({clones[j].order_ino, clones[j].order_block, clones[j].group, j});
+      }
+      for (size_t j = 0; j < shares.size(); j++) {
+        const Planned& p = shares[j];
+        const size_t c = clone_of[p.group];
+        const Planned& by = c == SIZE_MAX ? p : clones[c];
+        order.push_back({by.order_ino, by.order_block, p.group, clones.size() + j});
+      }
+      // Ties (a clone and its shares): the clone first (its index is lower).
+      std::sort(order.begin(), order.end(), [](const Key& x, const Key& y) {
+        if (x.ino != y.ino) return x.ino < y.ino;
+        if (x.block != y.block) return x.block < y.block;
+        if (x.group != y.group) return x.group < y.group;
+        return x.at < y.at;
+      });
+      auto planned_at = [&](size_t at) -> Planned& {
+        return at < clones.size() ? clones[at] : shares[at - clones.size()];
+      };
+      {
         std::vector<Op> batch;
-        for (size_t i = 0; i < planned->size(); i += opts_.batch_ops) {
-          const size_t e = std::min(planned->size(), i + opts_.batch_ops);
+        batch.reserve(std::min(order.size(), opts_.batch_ops));
+        for (size_t i = 0; i < order.size(); i += opts_.batch_ops) {
+          const size_t e = std::min(order.size(), i + opts_.batch_ops);
           batch.clear();
-          for (size_t j = i; j < e; j++) batch.push_back((*planned)[j].op);
-          RETURN_IF_ERROR(vol_->ApplyBlockOps(&batch, opts_.verify));
+          for (size_t j = i; j < e; j++) batch.push_back(planned_at(order[j].at).op);
+          RETURN_IF_ERROR(vol_->ApplyBlockOps(&batch, opts_.verify, &read_buf_));
           SettleIo();
           for (size_t j = i; j < e; j++) {
-            const Status& r = batch[j - i].result;
-            if (!r.ok() && r.code() != Status::Code::kMismatch) return r;
-            (*planned)[j].op.result = r;
-            (*planned)[j].op.changed = batch[j - i].changed;
+            Op& done = batch[j - i];
+            if (!done.result.ok() && done.result.code() != Status::Code::kMismatch) {
+              return done.result;
+            }
+            Op& op = planned_at(order[j].at).op;
+            op.result = std::move(done.result);
+            op.changed = done.changed;
           }
         }
-        return Status::Ok();
-      };
-      RETURN_IF_ERROR(run(&clones));
-      // A share from a failed anchor would only find a hole: leave it out.
+      }
+      // A share from a failed anchor found a hole (kMismatch, nothing
+      // changed): it does not count; its record gets its turn again.
       std::vector<bool> anchored(groups->size(), true);
       for (const Planned& c : clones) anchored[c.group] = c.op.result.ok();
       shares.erase(std::remove_if(shares.begin(), shares.end(),
                                   [&](const Planned& p) { return !anchored[p.group]; }),
                    shares.end());
-      RETURN_IF_ERROR(run(&shares));
 
       // Outcomes.
       std::vector<uint64_t> shared_with(groups->size(), 0);
@@ -1269,6 +1309,9 @@ class Pass {
   const HashAlgo algo_;
   FpKey zero_key_{};
   std::vector<Volume::BlockOp> zero_ops_;  // punches of zero blocks, batched
+  // Every batch of the pass reads into this (Volume::ReadBuffer: pages
+  // touched before are much cheaper to read into and compare).
+  Volume::ReadBuffer read_buf_;
   std::unordered_map<uint64_t, FileInfo> by_ino_;
   std::vector<PassFile> files_;
   std::unordered_map<uint64_t, uint32_t> file_index_;

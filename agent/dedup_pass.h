@@ -64,8 +64,13 @@ struct DedupOptions {
   // are read and hashed by the pass, at most this many per pass.
   uint64_t rehash_limit = 1u << 20;
   // Block operations (shares, clones, punches) sent to the volume per batch:
-  // their reads are merged, and the files involved wait for the batch.
-  size_t batch_ops = 8192;
+  // their reads are merged, and the files involved wait for the batch. The
+  // pass sorts all of a shard's operations by block before cutting them
+  // into batches, so a smaller batch reads just as densely; it holds up to
+  // 2 x batch_ops blocks in memory (16 MiB at 2,048), and every page of
+  // that is touched for the first time at some cost (see
+  // Volume::ReadBuffer).
+  size_t batch_ops = 2048;
   // kHashWitness only on SHA-256 volumes.
   VerifyMode verify = VerifyMode::kByteCompare;
   // Checked between shards: when it becomes true the pass stops early with

@@ -757,6 +757,12 @@ Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
   return Status::Ok();
 }
 
+Status VolumeImpl::AcquireGroupOf(uint64_t addr) {
+  uint32_t g;
+  if (addr != 0 && GroupOf(addr, &g) && cached_locks_.count(GroupLock(g))) return Status::Ok();
+  return AcquireGroupsFor({addr});
+}
+
 // =============================================================== refcounts
 
 Status VolumeImpl::LocateRef(uint64_t addr, uint32_t* g, uint64_t* rb, uint32_t* slot) const {
@@ -771,7 +777,7 @@ Result<uint32_t> VolumeImpl::GetRef(uint64_t addr) {
   RETURN_IF_ERROR(LocateRef(addr, &g, &rb, &slot));
   // Readers (ls -l, stats) must not stall a daemon that holds the group.
   if (read_only_) return PeekRef(addr);
-  RETURN_IF_ERROR(AcquireGroupsFor({addr}));
+  RETURN_IF_ERROR(AcquireGroupOf(addr));
   uint8_t* b;
   RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
   return dede::GetRef(b, slot);
@@ -818,7 +824,7 @@ Status VolumeImpl::AddRef(uint64_t addr, int delta) {
   uint32_t g, slot;
   uint64_t rb;
   RETURN_IF_ERROR(LocateRef(addr, &g, &rb, &slot));
-  RETURN_IF_ERROR(AcquireGroupsFor({addr}));
+  RETURN_IF_ERROR(AcquireGroupOf(addr));
   uint8_t* b;
   RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
   uint32_t r = dede::GetRef(b, slot);
@@ -905,6 +911,12 @@ bool VolumeImpl::LooksBusy(uint32_t g) {
 
 void VolumeImpl::NoteBusy(uint32_t g) {
   busy_until_[g] = clock_->MonotonicNanos() + 100'000'000;
+}
+
+Status VolumeImpl::PrepareDrop(uint64_t addr) {
+  uint32_t g;
+  if (addr == 0 || (GroupOf(addr, &g) && cached_locks_.count(GroupLock(g)))) return Status::Ok();
+  return PrepareDrops({addr});
 }
 
 Status VolumeImpl::PrepareDrops(const std::vector<uint64_t>& addrs) {
@@ -1455,7 +1467,7 @@ Status VolumeImpl::ReplaceBlock(Inode* in, uint64_t index, uint64_t value) {
   if (old == value) return Status::Ok();
   // The new block's count is the caller's business; only the old one's
   // reference is dropped here (deferred if its group is held elsewhere).
-  if (old != 0) RETURN_IF_ERROR(PrepareDrops({PtrAddr(old)}));
+  if (old != 0) RETURN_IF_ERROR(PrepareDrop(PtrAddr(old)));
   RETURN_IF_ERROR(SetPtr(in, index, value));
   if (old != 0) RETURN_IF_ERROR(DropRef(PtrAddr(old)));
   if (old == 0 && value != 0) in->mapped_blocks++;
@@ -2011,7 +2023,9 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
   return Poison(apply());
 }
 
-Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
+Volume::ReadBuffer::~ReadBuffer() { std::free(data_); }
+
+Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, ReadBuffer* buffer) {
   using Kind = BlockOp::Kind;
   if (ops->empty()) return Status::Ok();
   if (mode == VerifyMode::kHashWitness && sb_.hash_algo != HashAlgo::kSha256) {
@@ -2020,6 +2034,7 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
   auto state = [](File* f) { return f ? static_cast<FileImpl*>(f)->state() : nullptr; };
   // Every file of the batch, locked exclusively in inode order.
   std::vector<OpenFileState*> files;
+  files.reserve(2 * ops->size());
   for (const BlockOp& op : *ops) {
     if (op.src) files.push_back(state(op.src));
     files.push_back(state(op.dst));
@@ -2029,16 +2044,62 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
   files.erase(std::unique(files.begin(), files.end()), files.end());
   std::vector<std::unique_ptr<WriterLock>> held;
   for (OpenFileState* f : files) held.push_back(std::make_unique<WriterLock>(&f->rw));
+  auto file_of = [&](File* f) -> uint32_t {
+    const uint64_t ino = state(f)->id.ino;
+    auto it = std::lower_bound(files.begin(), files.end(), ino,
+                               [](OpenFileState* a, uint64_t i) { return a->id.ino < i; });
+    return static_cast<uint32_t>(it - files.begin());
+  };
 
-  // Plan: every position's pointer now; later operations see earlier ones
-  // through `after` (evaluated below, once the contents are known).
-  using Pos = std::pair<uint64_t, uint64_t>;  // (ino, index)
-  std::map<Pos, uint64_t> now;
+  // The files' inodes, decoded once for the batch. Only this call changes
+  // them while it runs (it holds every file's lock), and it stores each
+  // change as it makes it, so these copies stay equal to the cached blocks.
+  std::vector<Inode> inodes(files.size());
+  // Plan: every position's pointer now (`now`); later operations see
+  // earlier ones through `after` (evaluated below, once the contents are
+  // known). Nodes of an unordered_map do not move: each operation keeps
+  // pointers to its two positions.
+  struct Pos {
+    uint64_t ino, index;
+    bool operator==(const Pos& o) const { return ino == o.ino && index == o.index; }
+  };
+  struct PosHash {
+    size_t operator()(const Pos& p) const {
+      return std::hash<uint64_t>()(p.ino * 0x9E3779B97F4A7C15ull ^ p.index);
+    }
+  };
+  struct Ptrs {
+    uint64_t now = 0, after = 0;
+  };
+  std::unordered_map<Pos, Ptrs, PosHash> pos;
+  pos.reserve(2 * ops->size());
+  struct OpPlan {
+    uint32_t src_file = 0, dst_file = 0;
+    Ptrs* src = nullptr;
+    Ptrs* dst = nullptr;
+  };
+  std::vector<OpPlan> plan(ops->size());
   std::vector<uint64_t> addrs;
+  addrs.reserve(2 * ops->size());
   {
     MutexLock l(&mu_);
     RETURN_IF_ERROR(CheckWritable());
-    for (BlockOp& op : *ops) {
+    for (size_t i = 0; i < files.size(); i++) {
+      ASSIGN_OR_RETURN(inodes[i], GetInode(files[i]->id.ino));
+    }
+    auto position = [&](const Inode& in, uint64_t index, Ptrs** out) REQUIRES(mu_) -> Status {
+      auto [it, fresh] = pos.try_emplace(Pos{in.ino, index});
+      if (fresh) {
+        ASSIGN_OR_RETURN(it->second.now, GetPtr(in, index));
+        it->second.after = it->second.now;
+        if (it->second.now) addrs.push_back(PtrAddr(it->second.now));
+      }
+      *out = &it->second;
+      return Status::Ok();
+    };
+    for (size_t k = 0; k < ops->size(); k++) {
+      BlockOp& op = (*ops)[k];
+      OpPlan& p = plan[k];
       op.result = Status::Ok();
       op.changed = false;
       const bool two = op.kind != Kind::kPunchIfZero;
@@ -2046,33 +2107,23 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
         op.result = Status::Invalid("block op without a source");
         continue;
       }
-      ASSIGN_OR_RETURN(Inode din, GetInode(state(op.dst)->id.ino));
+      p.dst_file = file_of(op.dst);
+      const Inode& din = inodes[p.dst_file];
       bool whole = (op.dst_index + 1) * kBlockSize <= din.size;
-      Inode sin;
       if (two) {
-        ASSIGN_OR_RETURN(sin, GetInode(state(op.src)->id.ino));
-        whole = whole && (op.src_index + 1) * kBlockSize <= sin.size;
+        p.src_file = file_of(op.src);
+        whole = whole && (op.src_index + 1) * kBlockSize <= inodes[p.src_file].size;
       }
       if (!whole) {
         op.result = Status::Invalid("block ops work on whole blocks inside their files only");
         continue;
       }
-      if (two && (OptedOut(din) || OptedOut(sin))) {
+      if (two && (OptedOut(din) || OptedOut(inodes[p.src_file]))) {
         op.result = OptedOutMismatch("block op");
         continue;
       }
-      Pos dpos{din.ino, op.dst_index};
-      if (!now.count(dpos)) {
-        ASSIGN_OR_RETURN(now[dpos], GetPtr(din, op.dst_index));
-        if (now[dpos]) addrs.push_back(PtrAddr(now[dpos]));
-      }
-      if (two) {
-        Pos spos{sin.ino, op.src_index};
-        if (!now.count(spos)) {
-          ASSIGN_OR_RETURN(now[spos], GetPtr(sin, op.src_index));
-          if (now[spos]) addrs.push_back(PtrAddr(now[spos]));
-        }
-      }
+      RETURN_IF_ERROR(position(din, op.dst_index, &p.dst));
+      if (two) RETURN_IF_ERROR(position(inodes[p.src_file], op.src_index, &p.src));
     }
   }
 
@@ -2097,27 +2148,41 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
     i = j;
   }
   // One buffer for the batch: many differently sized buffers fragment the
-  // heap badly (and the process keeps the pages).
-  BlockBuf data = NewBlockBuf(std::max<uint64_t>(total, 1));
+  // heap badly (and the process keeps the pages). The caller's buffer, when
+  // it has one, is reused across batches (see ReadBuffer).
+  BlockBuf owned;
+  uint8_t* data;
+  const uint64_t need = std::max<uint64_t>(total, 1);
+  if (buffer != nullptr) {
+    if (buffer->blocks_ < need) {
+      std::free(buffer->data_);
+      buffer->data_ = NewBlockBuf(need).release();
+      buffer->blocks_ = buffer->data_ ? need : 0;
+      if (buffer->data_ == nullptr) return Status::NoSpace("out of memory for a block batch");
+    }
+    data = buffer->data_;
+  } else {
+    owned = NewBlockBuf(need);
+    data = owned.get();
+  }
   for (const Run& r : runs) {
-    RETURN_IF_ERROR(dev_->Read(r.first * kBlockSize, data.get() + r.at * kBlockSize,
+    RETURN_IF_ERROR(dev_->Read(r.first * kBlockSize, data + r.at * kBlockSize,
                                r.count * kBlockSize));
   }
   auto content = [&](uint64_t addr) -> const uint8_t* {
     auto it = std::upper_bound(runs.begin(), runs.end(), addr,
                                [](uint64_t a, const Run& r) { return a < r.first; });
     const Run& r = *(it - 1);
-    return data.get() + (r.at + addr - r.first) * kBlockSize;
+    return data + (r.at + addr - r.first) * kBlockSize;
   };
 
   // Decide, in order, on the pointers as the earlier decisions left them.
-  std::map<Pos, uint64_t> after = now;
   std::vector<std::pair<uint64_t, uint64_t>> decided(ops->size(), {0, 0});  // (sp, dp) seen
   for (size_t k = 0; k < ops->size(); k++) {
     BlockOp& op = (*ops)[k];
     if (!op.result.ok()) continue;
-    const Pos dpos{state(op.dst)->id.ino, op.dst_index};
-    const uint64_t dp = after.at(dpos);
+    const OpPlan& p = plan[k];
+    const uint64_t dp = p.dst->after;
     if (op.kind == Kind::kPunchIfZero) {
       if (dp == 0) continue;  // already a hole
       if (!AllZero(content(PtrAddr(dp)), kBlockSize)) {
@@ -2125,11 +2190,10 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
         continue;
       }
       decided[k] = {0, dp};
-      after[dpos] = 0;
+      p.dst->after = 0;
       continue;
     }
-    const Pos spos{state(op.src)->id.ino, op.src_index};
-    const uint64_t sp = after.at(spos);
+    const uint64_t sp = p.src->after;
     if (sp == 0 || (op.kind == Kind::kShare && dp == 0)) {
       op.result = Status::Mismatch("a block is a hole");
       continue;
@@ -2152,54 +2216,82 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
       continue;
     }
     decided[k] = {sp, dp};
-    after[spos] = sp | kPtrCow;
-    after[dpos] = PtrAddr(sp) | kPtrCow;
+    p.src->after = sp | kPtrCow;
+    p.dst->after = PtrAddr(sp) | kPtrCow;
   }
 
   // Apply the decisions. The file locks are still held, so the pointers
-  // are what the decisions saw. An operation that fails half-way (a
-  // metadata read error after its refcount changed) cannot be undone in
-  // the running transaction: the volume is poisoned, so that transaction
-  // never commits and a reopen (journal replay) sees none of it.
-  for (size_t k = 0; k < ops->size(); k++) {
-    BlockOp& op = (*ops)[k];
-    const uint64_t sp = decided[k].first;
-    const uint64_t dp = decided[k].second;
-    if (!op.result.ok() || (sp == 0 && dp == 0)) continue;
+  // are what the decisions saw. Each operation is its own step, as if made
+  // alone: room in the journal first, then its changes, then the inodes it
+  // changed go back into their blocks, so a commit (which only ever happens
+  // in EnsureRoom or a lock release, between operations) sees whole
+  // operations. mu_ is held for up to kOpsPerLock operations at a time
+  // (other files' writers wait for it meanwhile). An operation that fails
+  // half-way (a metadata read error after its refcount changed) cannot be
+  // undone in the running transaction: the volume is poisoned, so that
+  // transaction never commits and a reopen (journal replay) sees none of
+  // it.
+  constexpr size_t kOpsPerLock = 64;
+  // Stores an inode whose block map the operation changed (root, depth or
+  // mapped blocks); an unchanged one is not rewritten.
+  struct MapShape {
+    uint64_t root, mapped;
+    uint8_t depth;
+    explicit MapShape(const Inode& in) : root(in.root), mapped(in.mapped_blocks), depth(in.depth) {}
+    bool Same(const Inode& in) const {
+      return root == in.root && mapped == in.mapped_blocks && depth == in.depth;
+    }
+  };
+  auto store = [&](const Inode& in, const MapShape& before) REQUIRES(mu_) -> Status {
+    if (before.Same(in)) return Status::Ok();
+    uint8_t* b;
+    RETURN_IF_ERROR(Load(sb_.InodeBlock(in.ino), InodeLock(in.ino), kMagicInode, "inode", &b));
+    PutInode(in);
+    return Status::Ok();
+  };
+  size_t k = 0;
+  while (k < ops->size()) {
     MutexLock l(&mu_);
-    RETURN_IF_ERROR(CheckWritable());
-    RETURN_IF_ERROR(EnsureRoom(32));
-    // Group locks before any change: not getting one changes nothing.
-    // (The destination's old block is only dropped: never waited for.)
-    if (op.kind != Kind::kPunchIfZero) RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
-    RETURN_IF_ERROR(PrepareDrops({PtrAddr(dp)}));
-    auto apply = [&]() REQUIRES(mu_) -> Status {
-      ASSIGN_OR_RETURN(Inode din, GetInode(state(op.dst)->id.ino));
-      ASSIGN_OR_RETURN(uint64_t cur_dp, GetPtr(din, op.dst_index));
-      if (cur_dp != dp) {
-        return Status::Corruption("block op: destination pointer changed under lock");
-      }
-      if (op.kind == Kind::kPunchIfZero) {
-        RETURN_IF_ERROR(ReplaceBlock(&din, op.dst_index, 0));
-        PutInode(din);
-        return Status::Ok();
-      }
-      ASSIGN_OR_RETURN(Inode sin, GetInode(state(op.src)->id.ino));
-      ASSIGN_OR_RETURN(uint64_t cur_sp, GetPtr(sin, op.src_index));
-      if (PtrAddr(cur_sp) != PtrAddr(sp)) {
-        return Status::Corruption("block op: source pointer changed under lock");
-      }
-      RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
-      if (!PtrCow(cur_sp)) RETURN_IF_ERROR(SetPtr(&sin, op.src_index, cur_sp | kPtrCow));
-      PutInode(sin);
-      ASSIGN_OR_RETURN(din, GetInode(state(op.dst)->id.ino));
-      RETURN_IF_ERROR(ReplaceBlock(&din, op.dst_index, PtrAddr(sp) | kPtrCow));
-      PutInode(din);
-      return Status::Ok();
-    };
-    Status st = apply();
-    if (!st.ok()) return Poison(st.WithContext("applying block operation " + std::to_string(k)));
-    op.changed = true;
+    for (size_t n = 0; n < kOpsPerLock && k < ops->size(); k++) {
+      BlockOp& op = (*ops)[k];
+      const uint64_t sp = decided[k].first;
+      const uint64_t dp = decided[k].second;
+      if (!op.result.ok() || (sp == 0 && dp == 0)) continue;
+      n++;
+      RETURN_IF_ERROR(CheckWritable());
+      RETURN_IF_ERROR(EnsureRoom(32));
+      // Group locks before any change: not getting one changes nothing.
+      // (The destination's old block is only dropped: never waited for.)
+      if (op.kind != Kind::kPunchIfZero) RETURN_IF_ERROR(AcquireGroupOf(PtrAddr(sp)));
+      RETURN_IF_ERROR(PrepareDrop(PtrAddr(dp)));
+      Inode& din = inodes[plan[k].dst_file];
+      auto apply = [&]() REQUIRES(mu_) -> Status {
+        ASSIGN_OR_RETURN(uint64_t cur_dp, GetPtr(din, op.dst_index));
+        if (cur_dp != dp) {
+          return Status::Corruption("block op: destination pointer changed under lock");
+        }
+        if (op.kind == Kind::kPunchIfZero) {
+          const MapShape before(din);
+          RETURN_IF_ERROR(ReplaceBlock(&din, op.dst_index, 0));
+          return store(din, before);
+        }
+        Inode& sin = inodes[plan[k].src_file];  // may be din: the same file
+        ASSIGN_OR_RETURN(uint64_t cur_sp, GetPtr(sin, op.src_index));
+        if (PtrAddr(cur_sp) != PtrAddr(sp)) {
+          return Status::Corruption("block op: source pointer changed under lock");
+        }
+        RETURN_IF_ERROR(AddRef(PtrAddr(sp), +1));
+        const MapShape sbefore(sin);
+        if (!PtrCow(cur_sp)) RETURN_IF_ERROR(SetPtr(&sin, op.src_index, cur_sp | kPtrCow));
+        RETURN_IF_ERROR(store(sin, sbefore));
+        const MapShape dbefore(din);
+        RETURN_IF_ERROR(ReplaceBlock(&din, op.dst_index, PtrAddr(sp) | kPtrCow));
+        return store(din, dbefore);
+      };
+      Status st = apply();
+      if (!st.ok()) return Poison(st.WithContext("applying block operation " + std::to_string(k)));
+      op.changed = true;
+    }
   }
   return Status::Ok();
 }

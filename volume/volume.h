@@ -231,7 +231,33 @@ class Volume {
     Status result;
     bool changed = false;  // OK and something changed (not already shared / a hole)
   };
-  virtual Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) = 0;
+  // Memory ApplyBlockOps reads a batch's blocks into, kept by a caller that
+  // sends many batches (a dedup pass) and passed to every call. Reading into
+  // pages used before is what makes the comparisons cheap: in a VM the
+  // first touch of a page the device just filled costs several µs (~7 µs
+  // per 4 KiB page measured on the benchmark machine, against 0.05 µs to
+  // compare it), and a fresh buffer per batch pays that for every block.
+  // It grows to the largest batch seen and is freed with the object. One
+  // call at a time may use a buffer.
+  class ReadBuffer {
+   public:
+    ReadBuffer() = default;
+    ~ReadBuffer();
+    ReadBuffer(const ReadBuffer&) = delete;
+    ReadBuffer& operator=(const ReadBuffer&) = delete;
+    size_t blocks() const { return blocks_; }
+
+   private:
+    friend class VolumeImpl;
+    uint8_t* data_ = nullptr;  // 4 KiB-aligned, blocks_ blocks
+    size_t blocks_ = 0;
+  };
+  // Without `buffer`, each call allocates (and frees) its own.
+  virtual Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode,
+                               ReadBuffer* buffer) = 0;
+  Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
+    return ApplyBlockOps(ops, mode, nullptr);
+  }
 
   // Flush point (see top of file).
   virtual Status Sync() = 0;

@@ -58,7 +58,9 @@ class VolumeImpl : public Volume {
   Status CompareAndShare(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
                          VerifyMode mode, const Fingerprint* witness) override;
   Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) EXCLUDES(mu_) override;
-  Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) EXCLUDES(mu_) override;
+  using Volume::ApplyBlockOps;
+  Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, ReadBuffer* buffer)
+      EXCLUDES(mu_) override;
   Status Sync() EXCLUDES(mu_) override;
   Result<VolumeStats> Stats() EXCLUDES(mu_) override;
   DropCounters drop_counters() EXCLUDES(mu_) override {
@@ -112,6 +114,9 @@ class VolumeImpl : public Volume {
   // Locks (mu_ held).
   Status AcquireCached(LockId id) REQUIRES(mu_);
   Status AcquireGroupsFor(const std::vector<uint64_t>& addrs) REQUIRES(mu_);
+  // AcquireGroupsFor({addr}) without building a vector and a set when the
+  // group is already held (the usual case in a batch of block operations).
+  Status AcquireGroupOf(uint64_t addr) REQUIRES(mu_);
   Status ReleaseCached() REQUIRES(mu_);
   Status ReleaseCachedLock(LockId id) REQUIRES(mu_);
   void NoteCached(LockId id) REQUIRES(mu_);
@@ -153,6 +158,8 @@ class VolumeImpl : public Volume {
   // count if this process holds the group, else appends the block to this
   // host's drop list in the running transaction (EnsureRoom made room).
   Status PrepareDrops(const std::vector<uint64_t>& addrs) REQUIRES(mu_);
+  // PrepareDrops({addr}), with the same fast path as AcquireGroupOf.
+  Status PrepareDrop(uint64_t addr) REQUIRES(mu_);
   Status DropRef(uint64_t addr) REQUIRES(mu_);
   // Applies the drop list's entries whose groups this process holds or can
   // take without waiting. Groups still held elsewhere are announced with
