@@ -201,11 +201,15 @@ Result<MergeApplyStats> ApplyMergeRequests(Volume* vol, File* target, VerifyMode
       ops.push_back(op);
     }
   }
-  constexpr size_t kBatchOps = 8192;
+  // Batches as the dedup pass sends them: sorted by target block already,
+  // so 2,048 keep the reads dense, and one buffer for all of them (pages
+  // touched before are much cheaper to read into and compare).
+  constexpr size_t kBatchOps = 2048;
+  Volume::ReadBuffer buffer;
   for (size_t i = 0; i < ops.size(); i += kBatchOps) {
     std::vector<Op> batch(ops.begin() + long(i),
                           ops.begin() + long(std::min(ops.size(), i + kBatchOps)));
-    RETURN_IF_ERROR(vol->ApplyBlockOps(&batch, verify));
+    RETURN_IF_ERROR(vol->ApplyBlockOps(&batch, verify, &buffer));
     for (const Op& op : batch) {
       if (op.result.ok()) {
         stats.applied++;
