@@ -1862,7 +1862,10 @@ Result<uint32_t> VolumeImpl::RefCountAt(OpenFileState* f, uint64_t index) {
   ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
   ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, index));
   if (p == 0) return uint32_t{0};
-  return PeekRef(PtrAddr(p));
+  // Exact, taking the group (waiting if another host holds it): the pass
+  // decides garbage on it, and the group it takes here is the one its
+  // next drops land in, which then need no deferral.
+  return GetRef(PtrAddr(p));
 }
 
 Result<FileUsage> VolumeImpl::UsageOf(OpenFileState* f) {

@@ -147,12 +147,10 @@ class File {
   virtual uint64_t cow_copies() = 0;
 
   // Reference count of the physical block behind block `index` (0: hole).
-  // >1 means the block is referenced from somewhere else too. Never waits
-  // for another host: exact when this process holds the block's allocation
-  // group or can take it at once; while another host holds the group, the
-  // count as that host last wrote it home, which may lag its latest changes
-  // (use it only where a stale count is safe; docs/LOCKING.md). Usage()
-  // counts the same way.
+  // >1 means the block is referenced from somewhere else too. Exact: takes
+  // the block's allocation group, waiting (bounded) for another host to
+  // hand it back. Usage() does not wait: while another host holds a group,
+  // it counts from what that host last wrote home (docs/LOCKING.md).
   virtual Result<uint32_t> BlockRefCount(uint64_t index) = 0;
   // Drop this file's reference to block `index` (it becomes a hole).
   virtual Status Punch(uint64_t index) = 0;

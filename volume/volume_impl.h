@@ -146,8 +146,8 @@ class VolumeImpl : public Volume {
   // Like GetRef, but never waits for another host: exact if this process
   // holds the block's group or can take it now, else the count its holder
   // last wrote home (stale by at most that holder's uncheckpointed work).
-  // For answers that are safe either way: statistics, and the pass's
-  // garbage checks (docs/LOCKING.md "Counts read without the group").
+  // For answers that are safe either way: statistics (File::Usage;
+  // docs/LOCKING.md "Counts read without the group").
   Result<uint32_t> PeekRef(uint64_t addr) REQUIRES(mu_);
   Status AddRef(uint64_t addr, int delta) REQUIRES(mu_);
 
