@@ -507,7 +507,8 @@ int Run(const Config& cfg) {
     const Volume::DropCounters drops = vol->drop_counters();
     LOG(kInfo) << "reference drops: " << drops.deferred << " deferred, " << drops.applied
                << " applied, " << drops.pending << " pending, " << drops.adopted
-               << " adopted from hosts that are gone";
+               << " adopted from hosts that are gone; " << drops.yielded
+               << " group takes left to hosts waiting for them";
   };
   // The scheduler's tick: starts a due pass on a worker; tells a running
   // one to stop when its window closed.
@@ -654,7 +655,8 @@ int Run(const Config& cfg) {
     j["drops"] = {{"deferred", drops.deferred},
                   {"applied", drops.applied},
                   {"pending", drops.pending},
-                  {"adopted", drops.adopted}};
+                  {"adopted", drops.adopted},
+                  {"groups_yielded", drops.yielded}};
     j["throttle"] = {{"rate_bytes_per_s", throttle.rate()},
                      {"io_bytes", throttle.bytes()},
                      {"waited_s", double(throttle.waited_ns()) / 1e9}};

@@ -255,6 +255,7 @@ Result<std::unique_ptr<Volume>> Volume::Open(BlockDevice* dev, const OpenOptions
   }
   auto vol = std::make_unique<VolumeImpl>(dev, sb.value(), locks,
                                           opts.clock ? opts.clock : Clock::Real(), opts.read_only);
+  vol->set_lock_wait(std::chrono::seconds(opts.lock_wait_s));
   RETURN_IF_ERROR(vol->Start(opts.host_id));
   return std::unique_ptr<Volume>(std::move(vol));
 }
@@ -788,17 +789,9 @@ Result<uint32_t> VolumeImpl::PeekRef(uint64_t addr) {
   uint64_t rb;
   RETURN_IF_ERROR(LocateRef(addr, &g, &rb, &slot));
   const LockId gl = GroupLock(g);
-  if (!read_only_ && !cached_locks_.count(gl) && !LooksBusy(g)) {
-    Status st = locks_->Acquire(gl, LockMode::kExclusive, false);
-    if (st.ok()) {
-      NoteCached(gl);
-      busy_until_.erase(g);
-      RETURN_IF_ERROR(RecoverDeadHosts());
-    } else if (st.code() == Status::Code::kLocked) {
-      NoteBusy(g);
-    } else {
-      return st;
-    }
+  if (!read_only_ && !LooksBusy(g)) {
+    ASSIGN_OR_RETURN(GroupTry got, TryTakeGroup(g));
+    (void)got;  // cached_locks_ says
   }
   if (!read_only_ && cached_locks_.count(gl)) {
     uint8_t* b;
@@ -921,22 +914,41 @@ Status VolumeImpl::PrepareDrop(uint64_t addr) {
 
 Status VolumeImpl::PrepareDrops(const std::vector<uint64_t>& addrs) {
   if (sb_.drop_blocks == 0) return AcquireGroupsFor(addrs);
-  bool took = false;
   for (uint64_t a : addrs) {
     uint32_t g;
-    if (a == 0 || !GroupOf(a, &g) || cached_locks_.count(GroupLock(g)) || LooksBusy(g)) continue;
-    Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
-    if (st.code() == Status::Code::kLocked) {  // DropRef defers
-      NoteBusy(g);
-      continue;
-    }
-    RETURN_IF_ERROR(st);
-    NoteCached(GroupLock(g));
-    busy_until_.erase(g);
-    took = true;
+    if (a == 0 || !GroupOf(a, &g) || LooksBusy(g)) continue;
+    // Busy: DropRef defers the drop.
+    ASSIGN_OR_RETURN(GroupTry got, TryTakeGroup(g));
+    (void)got;
   }
-  if (took) return RecoverDeadHosts();
   return Status::Ok();
+}
+
+Result<VolumeImpl::GroupTry> VolumeImpl::TryTakeGroup(uint32_t g) {
+  const LockId gl = GroupLock(g);
+  if (cached_locks_.count(gl)) return GroupTry::kTaken;
+  if (!drop_wanted_.count(g)) {
+    // Someone announced a wait: its holder handed the group back for them
+    // at its flush point. Taking it first would starve them (our own
+    // writes take home groups again within microseconds, a waiter polls
+    // every few ms), so leave it; we have another way out.
+    ASSIGN_OR_RETURN(bool wanted, locks_->IsHeldElsewhere(WantedLock(gl)));
+    if (wanted) {
+      groups_yielded_++;
+      NoteBusy(g);
+      return GroupTry::kBusy;
+    }
+  }
+  Status st = locks_->Acquire(gl, LockMode::kExclusive, false);
+  if (st.code() == Status::Code::kLocked) {
+    NoteBusy(g);
+    return GroupTry::kBusy;
+  }
+  RETURN_IF_ERROR(st);
+  NoteCached(gl);
+  busy_until_.erase(g);
+  RETURN_IF_ERROR(RecoverDeadHosts());
+  return GroupTry::kTaken;
 }
 
 Status VolumeImpl::DropRef(uint64_t addr) {
@@ -982,22 +994,21 @@ Status VolumeImpl::DrainDrops(Drain how) {
   for (const auto& [g, addrs] : by_group) {
     const LockId gl = GroupLock(g);
     if (!cached_locks_.count(gl)) {
-      if (how == Drain::kIfDue && LooksBusy(g)) {
-        want(g);
-        continue;
+      if (wait) {
+        RETURN_IF_ERROR(WaitLock(gl));
+        NoteCached(gl);
+        busy_until_.erase(g);
+        RETURN_IF_ERROR(RecoverDeadHosts());
+      } else {
+        Result<GroupTry> got = TryTakeGroup(g);
+        if (!got.ok() || *got == GroupTry::kBusy) {
+          // Any failure to get the lock is retried later too: a flush
+          // must not fail for a drop that can wait.
+          if (!got.ok()) NoteBusy(g);
+          want(g);
+          continue;
+        }
       }
-      Status st = wait ? WaitLock(gl) : locks_->Acquire(gl, LockMode::kExclusive, false);
-      if (!st.ok() && !wait) {
-        // Any other failure to get the lock is retried later too: a flush
-        // must not fail for a drop that can wait.
-        NoteBusy(g);
-        if (st.code() == Status::Code::kLocked) want(g);
-        continue;
-      }
-      RETURN_IF_ERROR(st);
-      NoteCached(gl);
-      busy_until_.erase(g);
-      RETURN_IF_ERROR(RecoverDeadHosts());
     }
     for (uint64_t a : addrs) {
       RETURN_IF_ERROR(EnsureJournalRoom(2));
@@ -1084,11 +1095,8 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta) {
   for (uint32_t i = 0; i < sb_.group_count && out->size() < n; i++) {
     uint32_t g = (first + i) % sb_.group_count;
     if (cached_locks_.count(GroupLock(g))) continue;
-    Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
-    if (st.code() == Status::Code::kLocked) continue;
-    RETURN_IF_ERROR(st);
-    NoteCached(GroupLock(g));
-    RETURN_IF_ERROR(RecoverDeadHosts());
+    ASSIGN_OR_RETURN(GroupTry got, TryTakeGroup(g));
+    if (got == GroupTry::kBusy) continue;
     RETURN_IF_ERROR(AllocateFromGroup(g, n, meta, out));
   }
   if (out->size() < n) {

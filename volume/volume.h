@@ -66,6 +66,9 @@ struct OpenOptions {
   SanlockOptions sanlock;
   Clock* clock = nullptr;
   bool read_only = false;  // no journal, no writes (info, export, fsck w/o repair)
+  // How long a wait for a volume lock another process holds may take
+  // before it fails with kLocked (docs/LOCKING.md rule 3). Tests shorten it.
+  uint32_t lock_wait_s = 60;
 };
 
 // Identifies one incarnation of a file: (ino, generation) never repeats.
@@ -270,6 +273,9 @@ class Volume {
     uint64_t applied = 0;
     uint64_t pending = 0;
     uint64_t adopted = 0;
+    // Tries to take a group without waiting that left it to another
+    // process which had announced a wait for it (the reserving hand-over).
+    uint64_t yielded = 0;
   };
   virtual DropCounters drop_counters() = 0;
 };

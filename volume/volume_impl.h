@@ -44,6 +44,7 @@ class VolumeImpl : public Volume {
   ~VolumeImpl() override;
 
   Status Start(uint32_t host_id);
+  void set_lock_wait(std::chrono::seconds s) { lock_wait_ = s; }
 
   const Superblock& superblock() const override { return sb_; }
   uint32_t host_id() const override { return host_; }
@@ -65,7 +66,7 @@ class VolumeImpl : public Volume {
   Result<VolumeStats> Stats() EXCLUDES(mu_) override;
   DropCounters drop_counters() EXCLUDES(mu_) override {
     MutexLock l(&mu_);
-    return DropCounters{drops_deferred_, drops_applied_, drop_count_, drops_adopted_};
+    return DropCounters{drops_deferred_, drops_applied_, drop_count_, drops_adopted_, groups_yielded_};
   }
 
   // ---- used by FileImpl (file rw lock held by the caller as documented)
@@ -194,6 +195,15 @@ class VolumeImpl : public Volume {
   // holder hands a wanted group back only at its next flush point).
   bool LooksBusy(uint32_t g) REQUIRES(mu_);
   void NoteBusy(uint32_t g) REQUIRES(mu_);
+  // Takes kGroup(g) without waiting, for work that has another way out
+  // when the group is busy (allocate elsewhere, defer a drop, read the
+  // count from home). kBusy (and NoteBusy) when another process holds it,
+  // or when somebody announced a wait for it
+  // (kWanted held elsewhere) and we did not announce one ourselves: the
+  // group then goes to whoever announced (the reserving hand-over,
+  // docs/LOCKING.md rule 4). Errors other than kLocked are returned.
+  enum class GroupTry { kTaken, kBusy };
+  Result<GroupTry> TryTakeGroup(uint32_t g) REQUIRES(mu_);
   // Re-encodes drop_list_[i] into its block in the running transaction.
   Status StoreDropBlock(size_t i) REQUIRES(mu_);
   // Allocates n blocks (refcount 1), contiguous where possible. `meta`
@@ -253,6 +263,7 @@ class VolumeImpl : public Volume {
   uint64_t drops_deferred_ GUARDED_BY(mu_) = 0;  // since open (diagnostics)
   uint64_t drops_applied_ GUARDED_BY(mu_) = 0;
   uint64_t drops_adopted_ GUARDED_BY(mu_) = 0;
+  uint64_t groups_yielded_ GUARDED_BY(mu_) = 0;  // TryTakeGroup left a group to a waiter
   // AdoptOrphanDrops runs at Start and then at most once per interval at
   // a flush point (monotonic ns; 0 = at the next one).
   uint64_t adopt_due_ns_ GUARDED_BY(mu_) = 0;

@@ -14,9 +14,11 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <atomic>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "util/clock.h"
@@ -101,11 +103,13 @@ struct Rig {
     return std::shared_ptr<LockManager>(std::move(lm.value()));
   }
 
-  std::unique_ptr<Volume> OpenAs(BlockDevice* dev, uint32_t host, std::shared_ptr<LockManager> lm) {
+  std::unique_ptr<Volume> OpenAs(BlockDevice* dev, uint32_t host, std::shared_ptr<LockManager> lm,
+                                 uint32_t lock_wait_s = 60) {
     OpenOptions oo;
     oo.host_id = host;
     oo.locks = std::move(lm);
     oo.clock = &clock;
+    oo.lock_wait_s = lock_wait_s;
     auto v = Volume::Open(dev, oo);
     INFO("open as host " << host << ": " << v.status().ToString());
     REQUIRE(v.ok());
@@ -502,4 +506,106 @@ TEST_CASE("volume drops: usage is counted without waiting for a group held elsew
     CHECK(refs.value() == 1);
   }
   CHECK(Pending(v2.get()) == 0);
+}
+
+// The reserving hand-over (docs/LOCKING.md rule 4). A waiter (here the
+// raw lock manager `holder`, playing host 3) announces a wait for group 0,
+// where host 1 allocated a's blocks and which host 1 still caches. Host 1
+// hands the group back at its next flush point. Its next allocating write,
+// its next copy-on-write break of a block there and its next count read
+// must then leave group 0 alone (allocate elsewhere, defer the drop, read
+// the count from home) until the waiter has had it: taking it straight
+// back, as before, starved a waiter that polls every few milliseconds
+// while the holder allocates every few microseconds.
+TEST_CASE("volume drops: a holder leaves a wanted group to the host waiting for it",
+          "[volume][drops]") {
+  Rig r;
+  REQUIRE(r.v1->Create("c", 1 << 20).ok());
+  std::vector<uint8_t> blk(kB, 0x5a);
+  auto c = r.v1->OpenFile("c");
+  REQUIRE(c.ok());
+  REQUIRE(c.value()->Write(0, blk.data(), kB).ok());  // host 1 takes group 0
+  REQUIRE(r.v1->Sync().ok());
+  auto held = r.holder->IsHeldElsewhere(Group(0));
+  REQUIRE(held.ok());
+  REQUIRE(held.value());
+
+  REQUIRE(r.holder->Acquire(WantedGroup(0), LockMode::kShared, false).ok());
+  REQUIRE(r.v1->Sync().ok());  // the flush point hands everything back
+  held = r.holder->IsHeldElsewhere(Group(0));
+  REQUIRE(held.ok());
+  REQUIRE_FALSE(held.value());
+
+  // Allocation: a new block of c comes from another group.
+  REQUIRE(c.value()->Write(kB, blk.data(), kB).ok());
+  held = r.holder->IsHeldElsewhere(Group(0));
+  REQUIRE(held.ok());
+  CHECK_FALSE(held.value());
+  // A copy-on-write break of b's shared blocks (their counts live in
+  // group 0): the drops are deferred, not applied by taking the group.
+  auto b = r.v1->OpenFile("b");
+  REQUIRE(b.ok());
+  REQUIRE(b.value()->Write(0, r.y.data(), r.y.size()).ok());
+  // A count read (statistics) reads group 0's block from home.
+  auto usage = b.value()->Usage();
+  REQUIRE(usage.ok());
+  REQUIRE(r.v1->Sync().ok());
+  held = r.holder->IsHeldElsewhere(Group(0));
+  REQUIRE(held.ok());
+  CHECK_FALSE(held.value());
+  CHECK(r.v1->drop_counters().yielded > 0);
+  CHECK(r.v1->drop_counters().pending == kShared);
+
+  // The waiter gets the group without a fight, lets it go, and host 1's
+  // next flush point applies its drops (it announced them itself, so it
+  // does not yield to its own announcement).
+  REQUIRE(r.holder->Acquire(Group(0), LockMode::kExclusive, false).ok());
+  REQUIRE(r.holder->Release(Group(0)).ok());
+  REQUIRE(r.holder->Release(WantedGroup(0)).ok());
+  r.clock.Advance(1'000'000'000);
+  REQUIRE(r.v1->Sync().ok());
+  CHECK(r.v1->drop_counters().pending == 0);
+  b.value().reset();
+  c.value().reset();
+  r.CheckContents(r.v1.get());
+  std::string problems = Problems(r.v1.get());
+  INFO("fsck:" << problems);
+  CHECK(problems.empty());
+}
+
+// Two hosts with deferred drops in the same group both announce them.
+// Neither may leave the group to the other (both would wait for ever):
+// an announcer takes a free group it announced itself.
+TEST_CASE("volume drops: two hosts with drops in one group do not leave it to each other",
+          "[volume][drops]") {
+  Rig r;
+  r.HoldGroupZero();
+  auto v2 = r.OpenAs(&r.base, 2, r.lm2);
+  r.CowBreakOn(v2.get());  // host 2 defers kShared drops, announces group 0
+  REQUIRE(Pending(v2.get()) == kShared);
+  // Host 1 breaks a's sharing too: its drops land in group 0 as well.
+  {
+    auto a = r.v1->OpenFile("a");
+    REQUIRE(a.ok());
+    REQUIRE(a.value()->Write(0, r.y.data(), r.y.size()).ok());
+  }
+  REQUIRE(r.v1->Sync().ok());
+  REQUIRE(r.v1->drop_counters().pending == kShared);
+
+  r.LetGo();
+  r.clock.Advance(1'000'000'000);
+  REQUIRE(r.v1->Sync().ok());
+  r.clock.Advance(1'000'000'000);
+  REQUIRE(v2->Sync().ok());  // host 1's flush point handed the group over
+  r.clock.Advance(1'000'000'000);
+  REQUIRE(r.v1->Sync().ok());
+  CHECK(r.v1->drop_counters().pending == 0);
+  CHECK(v2->drop_counters().pending == 0);
+  r.v1.reset();
+  std::string problems = Problems(v2.get());
+  INFO("fsck:" << problems);
+  CHECK(problems.empty());
+  auto st = v2->Stats();
+  REQUIRE(st.ok());
+  CHECK(st->shared_blocks == 0);
 }

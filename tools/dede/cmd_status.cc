@@ -325,6 +325,9 @@ void PrintRest(const json& r) {
     if (auto v = Uint(*drops, "adopted"); v && *v > 0) {
       parts.push_back(std::to_string(*v) + " adopted");
     }
+    if (auto v = Uint(*drops, "groups_yielded"); v && *v > 0) {
+      parts.push_back(std::to_string(*v) + " group takes left to waiting hosts");
+    }
     if (!parts.empty()) Line("drops", Join(parts, ", "));
   }
   if (auto v = Uint(r, "cow_copies")) {
