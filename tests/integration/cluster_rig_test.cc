@@ -7,12 +7,18 @@
 // after its last renewal, and io_timeout >= 1 s.
 #include "tests/integration/cluster_rig.h"
 
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <sstream>
 #include <map>
 #include <string>
 #include <thread>
@@ -322,6 +328,92 @@ TEST_CASE("cluster rig: sanlock fences the lease holders of a host that stops re
   CHECK(::kill(daemon_pid, 0) != 0);
   CHECK_FALSE(rig.host(1).Running());
   std::printf("[cluster-rig] fencing test %.2f s\n", Since(test_start));
+}
+
+TEST_CASE("cluster rig: a host in its own network namespace loses the LUN when cut off",
+          "[cluster-rig]") {
+  const auto test_start = Clock::now();
+  std::string ns_name, mount_dir;
+  {
+    ClusterRig rig(2, 64ull << 20, {"-g", "0"}, "", {2});
+    HostNetns* ns = rig.netns(2);
+    REQUIRE(ns != nullptr);
+    REQUIRE(rig.netns(1) == nullptr);
+    ns_name = ns->name();
+    mount_dir = rig.lease_path(2).substr(0, rig.lease_path(2).rfind('/'));
+    InitLeaseArea(rig);
+
+    // The bridge's file is the LUN: what one side writes, the other reads.
+    std::vector<char> block(4096, 'n');
+    int fd = ::open(rig.lease_path(2).c_str(), O_RDWR | O_DIRECT);
+    REQUIRE(fd >= 0);
+    void* aligned = nullptr;
+    REQUIRE(::posix_memalign(&aligned, 4096, 4096) == 0);
+    std::memcpy(aligned, block.data(), 4096);
+    REQUIRE(::pwrite(fd, aligned, 4096, 32ll << 20) == 4096);
+    {
+      std::ifstream lun(rig.lun_path(), std::ios::binary);
+      lun.seekg(32ll << 20);
+      std::vector<char> back(4096);
+      lun.read(back.data(), 4096);
+      CHECK(back == block);
+    }
+
+    // Host 2 joins through its bridge (O_DIRECT + AIO over the veth), host
+    // 1 through the file; each sees the other LIVE.
+    for (int h : {1, 2}) {
+      const std::string spec = kLockspace + ":" + std::to_string(h) + ":" + rig.lease_path(h) +
+                               ":" + std::to_string(kLockspaceOffset);
+      const std::vector<std::string> join = {"add_lockspace", "-s", spec, "-o",
+                                             std::to_string(kIoTimeout)};
+      ProcessResult r = rig.SanlockClient(h, join);
+      INFO(DescribeRun(join, r) << "\ndaemon log:\n" << rig.host(h).LogTail());
+      REQUIRE(r.exit_code == 0);
+    }
+    std::string states;
+    double live = WaitForState(rig, 1, 2, "LIVE", Clock::now(), 20, &states);
+    INFO("host 1 sees " << states);
+    INFO("host 2 daemon log:\n" << rig.host(2).LogTail() << "\nbridge:\n" << ns->BridgeLog());
+    REQUIRE(live >= 0);
+
+    // The cut: the bridge's I/O fails (EIO) within its 3 s timeout (plus
+    // the requests of host 2's daemon queued before ours) instead of
+    // hanging, and host 2's renewals fail.
+    const auto cut = Clock::now();
+    ns->CutOff();
+    CHECK(ns->cut());
+    ssize_t n = ::pread(fd, aligned, 4096, 32ll << 20);
+    const int err = errno;
+    const double t_eio = Since(cut);
+    CHECK(n == -1);
+    CHECK(err == EIO);
+    CHECK(t_eio < 15);
+    bool renewal_failed = false;
+    while (Since(cut) < 15 && !renewal_failed) {
+      renewal_failed = rig.host(2).Log().find("renewal error") != std::string::npos;
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    INFO("host 2 daemon log:\n" << rig.host(2).LogTail() << "\nbridge:\n" << ns->BridgeLog());
+    CHECK(renewal_failed);
+    // Back up: the bridge logs in again on the next request.
+    ns->Reconnect();
+    n = -1;
+    const auto up = Clock::now();
+    while (Since(up) < 20 && n != 4096) n = ::pread(fd, aligned, 4096, 32ll << 20);
+    CHECK(n == 4096);
+    CHECK(std::memcmp(aligned, block.data(), 4096) == 0);
+    ::close(fd);
+    std::free(aligned);
+    std::printf("[cluster-rig] netns host: I/O failed %.2f s after the cut\n", t_eio);
+  }
+  // Nothing left behind: namespace and mount are gone.
+  ProcessResult r = RunProcess({RequireProgram("ip"), "netns", "list"}, 30);
+  CHECK(r.out.find(ns_name) == std::string::npos);
+  std::ifstream mounts("/proc/self/mountinfo");
+  std::stringstream all;
+  all << mounts.rdbuf();
+  CHECK(all.str().find(mount_dir) == std::string::npos);
+  std::printf("[cluster-rig] netns test %.2f s\n", Since(test_start));
 }
 
 }  // namespace

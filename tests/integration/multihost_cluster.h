@@ -77,10 +77,14 @@ inline uint64_t CountMatches(const std::string& text, const std::regex& re, int 
 }
 
 // Three hosts on one LUN, the volume formatted for sanlock, a dedupd per
-// host started on demand.
+// host started on demand. The hosts in `netns_hosts` live in their own
+// network namespace (HostNetns, cluster_rig.h): their commands, sanlock
+// daemon and dedupd run in it and reach the LUN over its veth, so that
+// rig().netns(h)->CutOff() cuts them off for real.
 class Cluster {
  public:
-  explicit Cluster(uint64_t lun_bytes = 256ull << 20) : rig_(kHosts, lun_bytes) {
+  explicit Cluster(uint64_t lun_bytes = 256ull << 20, const std::vector<int>& netns_hosts = {})
+      : rig_(kHosts, lun_bytes, {}, "", netns_hosts) {
     for (int h = 1; h <= kHosts; h++) d_.emplace_back();
     d_.emplace_back();
   }
@@ -90,14 +94,18 @@ class Cluster {
   std::vector<std::string> HostEnv(int h) const {
     std::vector<std::string> env = const_cast<ClusterRig&>(rig_).host(h).Env();
     env.push_back("DEDE_HOST_ID=" + std::to_string(h));
-    env.push_back("DEDE_LEASE_PATH=" + rig_.lun_path());
+    env.push_back("DEDE_LEASE_PATH=" + rig_.lease_path(h));
     env.push_back("DEDE_LEASE_IO_TIMEOUT=1");
     env.push_back("DEDE_LOCK_DIR=" + rig_.dir().path() + "/locks" + std::to_string(h));
     return env;
   }
 
+  // How host h reaches the LUN over iSCSI (VOL of its commands).
+  std::string Url(int h) const { return rig_.url(h); }
+
   ProcessResult Dede(int h, const std::vector<std::string>& args, int timeout_s = 300) {
-    std::vector<std::string> argv = {BinaryPath("dede")};
+    std::vector<std::string> argv = rig_.Enter(h);
+    argv.push_back(BinaryPath("dede"));
     argv.insert(argv.end(), args.begin(), args.end());
     return RunProcess(argv, HostEnv(h), timeout_s);
   }
@@ -108,7 +116,7 @@ class Cluster {
     return r.out;
   }
   nlohmann::json Stats(int h) {
-    return nlohmann::json::parse(DedeOk(h, {"stats", rig_.url(), "--json"}));
+    return nlohmann::json::parse(DedeOk(h, {"stats", Url(h), "--json"}));
   }
 
   void Format() {
@@ -119,10 +127,10 @@ class Cluster {
   std::string Socket(int h) const { return rig_.dir().path() + "/nbd" + std::to_string(h); }
 
   DedupdProcess& Start(int h, const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> args = {"--lease-path", rig_.lun_path(), "--lease-io-timeout", "1",
+    std::vector<std::string> args = {"--lease-path", rig_.lease_path(h), "--lease-io-timeout", "1",
                                      "--merge-interval", "1", "--sync-interval", "0.5"};
     args.insert(args.end(), extra.begin(), extra.end());
-    d_[h] = std::make_unique<DedupdProcess>(rig_.url(), h, Socket(h), args, HostEnv(h));
+    d_[h] = std::make_unique<DedupdProcess>(Url(h), h, Socket(h), args, HostEnv(h), rig_.Enter(h));
     return *d_[h];
   }
   // One after the other: a child of the rig is killed when the thread that
@@ -169,7 +177,7 @@ class Cluster {
   }
 
   void CreateAndWrite(int h, const std::string& name, const std::vector<uint8_t>& content) {
-    DedeOk(h, {"create", rig_.url(), name, "--size", std::to_string(content.size())});
+    DedeOk(h, {"create", Url(h), name, "--size", std::to_string(content.size())});
     const std::string img = rig_.dir().file(name + ".img");
     WriteFile(img, content);
     std::vector<std::string> argv = {RequireProgram("qemu-img"), "convert", "-n", "-f", "raw",
@@ -228,7 +236,7 @@ class Cluster {
   }
 
   void FsckClean(int h) {
-    ProcessResult r = Dede(h, {"fsck", rig_.url()});
+    ProcessResult r = Dede(h, {"fsck", Url(h)});
     INFO(DescribeRun({"fsck"}, r));
     REQUIRE(r.exit_code == 0);
     REQUIRE(r.out.find("clean") != std::string::npos);

@@ -2,8 +2,10 @@
 // sanlock daemon, local lock directory and dedupd, share one volume formatted
 // with --locks sanlock on a LUN that a real tgtd serves over iSCSI (the
 // daemons reach the lease area through the file backing the LUN, as a real
-// host would through the LUN's block device). VM disks are written through
-// each host's NBD exports with qemu-img and qemu-io.
+// host would through the LUN's block device; a host in its own network
+// namespace through a dede-lun-fuse bridge over its veth instead, so that
+// cutting the veth cuts it off). VM disks are written through each host's
+// NBD exports with qemu-img and qemu-io.
 #include "tests/integration/multihost_cluster.h"
 #include "volume/format.h"
 
@@ -216,7 +218,10 @@ TEST_CASE("all hosts write and dedup at once and no byte is wrong", "[multihost]
 }
 
 TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multihost]") {
-  Cluster c;
+  // Host 3 lives in its own network namespace (cluster_rig.h, HostNetns):
+  // its sanlock daemon reaches the lease area through a dede-lun-fuse
+  // bridge and its dedupd the LUN through libiscsi, both over one veth.
+  Cluster c(256ull << 20, {3});
   c.Format();
   c.StartAll({"--fence-after", "10"});
   const uint64_t kBlocks = 1024;
@@ -226,7 +231,7 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   const std::vector<uint8_t> big = Image(ids);
   c.CreateAndWrite(2, "big2", big);
   for (int h : {2, 3}) {
-    c.DedeOk(h, {"create", c.rig().url(), "vm" + std::to_string(h), "--size",
+    c.DedeOk(h, {"create", c.Url(h), "vm" + std::to_string(h), "--size",
                  std::to_string(kBlocks * kBlk)});
   }
   PatternWriter w2("vm2", kBlocks, 2), w3("vm3", kBlocks, 3);
@@ -250,19 +255,23 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   std::this_thread::sleep_for(std::chrono::seconds(2));
 
   // Host 2 dies (dedupd and sanlock daemon, SIGKILL) just after starting a
-  // pass; host 3's sanlock daemon hangs (SIGSTOP): it renews nothing any
-  // more, like a host cut off from the LUN, while its dedupd still has its
-  // iSCSI path.
+  // pass; host 3 is cut off from the network (its veth goes down): its
+  // processes keep running, but its lease renewals and its dedupd's iSCSI
+  // I/O no longer reach the LUN.
   const uint64_t passes_before = Cluster::PassesDone(c.dedupd(2).Log());
   REQUIRE(::kill(c.dedupd(2).pid(), SIGUSR1) == 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(150));
   const auto t_strike = Clock::now();
   c.dedupd(2).Kill();
   c.rig().host(2).Kill();
-  c.rig().host(3).Stop();
+  c.rig().netns(3)->CutOff();
   const bool pass_finished = Cluster::PassesDone(c.dedupd(2).Log()) > passes_before;
 
-  // Host 3 must fence itself (exit 75) long before others may take over.
+  // Host 3 must be fenced long before others may take over: its sanlock
+  // daemon SIGKILLs dedupd once renewals have failed for 8 io_timeouts, or
+  // dedupd's LockspaceGuard exits (75, "FENCED") when it cannot confirm
+  // the lease for --fence-after 10 s, whichever comes first.
+  const int dedupd3_pid = c.dedupd(3).pid();
   double t_fenced = -1;
   while (Since(t_strike) < 60) {
     if (!c.dedupd(3).Running()) {
@@ -271,9 +280,19 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
+  const int ws3 = c.dedupd(3).wait_status();
+  const std::string sanlock3 = c.rig().host(3).Log();
+  const bool self_fenced = ws3 != -1 && WIFEXITED(ws3) && WEXITSTATUS(ws3) == 75 &&
+                           c.dedupd(3).Log().find("FENCED") != std::string::npos;
+  const bool killed_by_sanlock =
+      ws3 != -1 && WIFSIGNALED(ws3) && WTERMSIG(ws3) == SIGKILL &&
+      sanlock3.find("kill " + std::to_string(dedupd3_pid) + " sig 9") != std::string::npos;
   INFO("host 3 log:\n" << c.dedupd(3).Log());
+  INFO("sanlock of host 3:\n" << c.rig().host(3).LogTail(4000));
+  INFO("host 3's LUN bridge:\n" << c.rig().netns(3)->BridgeLog());
+  INFO("dedupd of host 3 wait status " << ws3);
   REQUIRE(t_fenced > 0);
-  CHECK(c.dedupd(3).Log().find("FENCED") != std::string::npos);
+  CHECK((self_fenced || killed_by_sanlock));
   stop = true;
   t2.join();
   t3.join();
@@ -297,7 +316,8 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   const double t_vm2 = take_over("vm2");
   // big2 was held by host 2's pass when it died.
   const double t_big2 = take_over("big2");
-  INFO("fenced after " << t_fenced << " s, last ack on host 3 at " << last_ack3
+  INFO("fenced (" << (self_fenced ? "FENCED exit 75" : "SIGKILL by sanlock") << ") after "
+                   << t_fenced << " s, last ack on host 3 at " << last_ack3
                        << " s, vm3 taken over at " << t_vm3 << " s, vm2 at " << t_vm2
                        << " s; host 2's pass " << (pass_finished ? "had finished" : "was running"));
   INFO("last attempt: " << last_try);
@@ -308,9 +328,11 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   REQUIRE(t_big2 > 0);
   CHECK(t_fenced < t_vm3);
   CHECK(last_ack3 < t_vm3);
-  std::printf("multihost failure: host 3 fenced %.1f s after its daemon hung; vm3 taken over "
-              "at %.1f s, vm2 (killed host) at %.1f s\n",
-              t_fenced, t_vm3, t_vm2);
+  std::printf("multihost failure: after host 3's network cut: host 3 fenced at %.1f s (%s), "
+              "its last acknowledged write at %.1f s, vm3 taken over at %.1f s; vm2 (killed "
+              "host) at %.1f s\n",
+              t_fenced, self_fenced ? "FENCED exit 75" : "SIGKILL by its sanlock", last_ack3,
+              t_vm3, t_vm2);
 
   // Acknowledged data intact on the host that took over.
   CHECK(w2.Mismatch(c.ReadBack(1, "vm2")) == "");
@@ -324,6 +346,43 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   c.FsckClean(1);
   // big2's 3000 distinct blocks, shared by host 1's pass (host 2's log).
   CHECK(c.Stats(1)["physical_data_blocks"].get<uint64_t>() < 3000 + 2 * kBlocks);
+}
+
+TEST_CASE("a host whose sanlock daemon hangs fences itself", "[multihost]") {
+  // The LockspaceGuard's own path: the daemon that would SIGKILL dedupd is
+  // itself hung (SIGSTOP), so nothing else stops dedupd; it must exit (75,
+  // "FENCED") once its delta lease has not been confirmed for
+  // --fence-after, long before others may call the host dead (8
+  // io_timeouts + 60 s). The network cut-off is the test above.
+  Cluster c;
+  c.Format();
+  c.Start(1, {"--fence-after", "4"});
+  c.DedeOk(1, {"create", c.Url(1), "vm1", "--size", "1M"});
+  c.PowerOn(1, "vm1");
+  const auto t_stop = Clock::now();
+  c.rig().host(1).Stop();
+  double t_fenced = -1;
+  while (Since(t_stop) < 40) {
+    if (!c.dedupd(1).Running()) {
+      t_fenced = Since(t_stop);
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  c.rig().host(1).Continue();
+  const int ws = c.dedupd(1).wait_status();
+  INFO("dedupd log:\n" << c.dedupd(1).Log() << "\nwait status " << ws);
+  REQUIRE(t_fenced > 0);
+  CHECK(WIFEXITED(ws));
+  CHECK(WEXITSTATUS(ws) == 75);
+  CHECK(c.dedupd(1).Log().find("FENCED") != std::string::npos);
+  // Expected at most 4 io_timeouts of lease age + --fence-after (~8 s);
+  // the bound that matters is that it comes long before 8 io_timeouts +
+  // 60 s, when others may call the host dead.
+  CHECK(t_fenced < 30);
+  std::printf("multihost hung daemon: dedupd fenced itself %.1f s after its sanlock daemon "
+              "stopped\n",
+              t_fenced);
 }
 
 TEST_CASE("fsck checks the sanlock lock table", "[multihost]") {

@@ -511,11 +511,13 @@ bool CanConnectUnix(const std::string& path) {
 
 DedupdProcess::DedupdProcess(const std::string& volume, uint32_t host_id, const std::string& socket,
                              const std::vector<std::string>& extra_args,
-                             const std::vector<std::string>& env)
+                             const std::vector<std::string>& env,
+                             const std::vector<std::string>& exec_prefix)
     : socket_(socket), control_(socket + ".ctl"), history_(socket + ".history.db"),
       log_(socket + ".log") {
-  std::vector<std::string> argv = {BinaryPath("dedupd"), "--volume", volume, "--host-id",
-                                   std::to_string(host_id), "--socket", socket};
+  std::vector<std::string> argv = exec_prefix;
+  argv.insert(argv.end(), {BinaryPath("dedupd"), "--volume", volume, "--host-id",
+                           std::to_string(host_id), "--socket", socket});
   // Each test dedupd gets its own control socket, pass history and metrics
   // port (any free one) next to its NBD socket, unless the test names them:
   // tests never touch the host's /run/dede or /var/lib/dede.
@@ -570,7 +572,21 @@ bool ChildRunning(int* pid) {
   return true;
 }
 
-bool DedupdProcess::Running() { return ChildRunning(&pid_); }
+bool DedupdProcess::Running() {
+  if (pid_ <= 0) return false;
+  int status = 0;
+  pid_t r = ::waitpid(pid_, &status, WNOHANG);
+  if (r == pid_) {
+    wait_status_ = status;
+    pid_ = -1;
+    return false;
+  }
+  if (r < 0 && errno == ECHILD) {
+    pid_ = -1;
+    return false;
+  }
+  return true;
+}
 
 int DedupdProcess::Stop(int timeout_s) {
   if (pid_ <= 0) return -1;
@@ -581,6 +597,7 @@ int DedupdProcess::Stop(int timeout_s) {
     pid_t r = ::waitpid(pid_, &status, WNOHANG);
     if (r == pid_) {
       pid_ = -1;
+      wait_status_ = status;
       return WIFEXITED(status) ? WEXITSTATUS(status) : -1;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));

@@ -118,12 +118,15 @@ class TgtdRig {
 // accepts connections (throws with the log's tail if dedupd exits or does
 // not come up in 30 s). The destructor SIGKILLs a dedupd still running.
 // `env`: extra "NAME=value" entries for dedupd's environment (e.g. a
-// simulated host's SANLOCK_RUN_DIR, see cluster_rig.h).
+// simulated host's SANLOCK_RUN_DIR, see cluster_rig.h). `exec_prefix`: a
+// command that execs dedupd in place (same pid), e.g. `nsenter
+// --net=/var/run/netns/NAME --` for a host in its own network namespace.
 class DedupdProcess {
  public:
   DedupdProcess(const std::string& volume, uint32_t host_id, const std::string& socket,
                 const std::vector<std::string>& extra_args = {},
-                const std::vector<std::string>& env = {});
+                const std::vector<std::string>& env = {},
+                const std::vector<std::string>& exec_prefix = {});
   ~DedupdProcess();
   DedupdProcess(const DedupdProcess&) = delete;
   DedupdProcess& operator=(const DedupdProcess&) = delete;
@@ -141,6 +144,9 @@ class DedupdProcess {
   // had to be killed or died of a signal).
   int Stop(int timeout_s = 60);
   void Kill();
+  // How it ended, once Running() or Stop() has seen it exit (a waitpid
+  // status); -1 while it runs or when the rig killed it.
+  int wait_status() const { return wait_status_; }
   std::string Log() const;  // everything dedupd wrote to stderr
 
  private:
@@ -149,6 +155,7 @@ class DedupdProcess {
   std::string history_;
   std::string log_;
   int pid_ = -1;
+  int wait_status_ = -1;
 };
 
 }  // namespace dede::test
