@@ -1082,12 +1082,93 @@ Status VolumeImpl::AllocateFromGroup(uint32_t g, size_t n, bool meta, std::vecto
   return Status::Ok();
 }
 
-Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta) {
+int64_t VolumeImpl::DataOrdinal(uint64_t addr) const {
+  uint32_t g, slot;
+  uint64_t rb;
+  if (!sb_.LocateData(addr, &g, &rb, &slot)) return -1;
+  const uint64_t per_group = uint64_t{sb_.group_refblocks} * kRefsPerBlock;
+  return static_cast<int64_t>(uint64_t{g} * per_group + (addr - sb_.GroupDataStart(g)));
+}
+
+uint64_t VolumeImpl::DataBlockAt(int64_t ordinal) const {
+  if (ordinal < 0) return 0;
+  const uint64_t per_group = uint64_t{sb_.group_refblocks} * kRefsPerBlock;
+  const uint64_t g = static_cast<uint64_t>(ordinal) / per_group;
+  const uint64_t idx = static_cast<uint64_t>(ordinal) % per_group;
+  if (g >= sb_.group_count || idx >= sb_.GroupDataBlocks(static_cast<uint32_t>(g))) return 0;
+  return sb_.GroupDataStart(static_cast<uint32_t>(g)) + idx;
+}
+
+Status VolumeImpl::AllocateRunAt(uint32_t g, uint64_t idx, size_t n, std::vector<uint64_t>* out) {
+  RETURN_IF_ERROR(PrefetchGroup(g));
+  const uint64_t data_start = sb_.GroupDataStart(g);
+  const uint64_t count = sb_.GroupDataBlocks(g);
+  uint64_t taken = 0;
+  for (uint64_t i = idx; i < count && out->size() < n; i++, taken++) {
+    const uint64_t addr = data_start + i;
+    const uint64_t rb = sb_.GroupStart(g) + i / kRefsPerBlock;
+    const uint32_t slot = static_cast<uint32_t>(i % kRefsPerBlock);
+    if (dede::GetRef(cache_.at(rb).data.get(), slot) != 0 || pending_free_.count(addr)) break;
+    dede::SetRef(Dirty(rb), slot, 1);
+    out->push_back(addr);
+  }
+  if (taken > 0) {
+    // The cursor moves past the run, so other allocations do not fill the
+    // gaps a file's goals may still want (they go further on).
+    GroupCursor& gc = alloc_cursor_[g];
+    if (idx + taken > gc.data) gc.data = (idx + taken) % count;
+  }
+  return Status::Ok();
+}
+
+Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, AllocHint hint) {
   out->clear();
+  if (!meta && hint.goal != 0) {
+    uint32_t g, slot;
+    uint64_t rb;
+    if (sb_.LocateData(hint.goal, &g, &rb, &slot)) {
+      ASSIGN_OR_RETURN(GroupTry got, TryTakeGroup(g));
+      if (got == GroupTry::kTaken) {
+        RETURN_IF_ERROR(AllocateRunAt(g, hint.goal - sb_.GroupDataStart(g), n, out));
+        // The goal is taken (by a block map, another file): the rest comes
+        // from the top of the group, like block maps, not from the cursor,
+        // which sits where this file's next blocks want to go; taking
+        // those would push every later block of the file off its goal.
+        if (out->size() < n) RETURN_IF_ERROR(AllocateFromGroup(g, n, /*meta=*/true, out));
+      }
+    }
+  }
+  // With `lead`, the first group that gets a say is first asked for the
+  // run `lead` blocks past its cursor.
+  bool lead_tried = meta || hint.goal != 0 || hint.lead == 0;
+  auto from_group = [&](uint32_t g) REQUIRES(mu_) -> Status {
+    if (!lead_tried && !full_groups_.count(g)) {
+      lead_tried = true;
+      RETURN_IF_ERROR(PrefetchGroup(g));
+      // The first free stretch of lead + n blocks from the cursor on; the
+      // run takes its last n.
+      const uint64_t count = sb_.GroupDataBlocks(g);
+      const uint64_t want = hint.lead + n;
+      uint64_t start = alloc_cursor_[g].data, len = 0;
+      for (uint64_t i = start; i < count && len < want; i++) {
+        const uint64_t rb = sb_.GroupStart(g) + i / kRefsPerBlock;
+        const uint32_t slot = static_cast<uint32_t>(i % kRefsPerBlock);
+        if (dede::GetRef(cache_.at(rb).data.get(), slot) != 0 ||
+            pending_free_.count(sb_.GroupDataStart(g) + i)) {
+          start = i + 1;
+          len = 0;
+        } else {
+          len++;
+        }
+      }
+      if (len == want) RETURN_IF_ERROR(AllocateRunAt(g, start + hint.lead, n, out));
+    }
+    return AllocateFromGroup(g, n, meta, out);
+  };
   // Prefer groups we already hold.
   for (const LockId& id : cached_locks_) {
     if (id.kind != LockKind::kGroup || out->size() >= n) continue;
-    RETURN_IF_ERROR(AllocateFromGroup(static_cast<uint32_t>(id.id), n, meta, out));
+    RETURN_IF_ERROR(from_group(static_cast<uint32_t>(id.id)));
   }
   // Then this host's share of the groups, so hosts rarely meet; groups held
   // by someone else are skipped, not waited for.
@@ -1097,7 +1178,7 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta) {
     if (cached_locks_.count(GroupLock(g))) continue;
     ASSIGN_OR_RETURN(GroupTry got, TryTakeGroup(g));
     if (got == GroupTry::kBusy) continue;
-    RETURN_IF_ERROR(AllocateFromGroup(g, n, meta, out));
+    RETURN_IF_ERROR(from_group(g));
   }
   if (out->size() < n) {
     // Every group we could take without waiting is full or busy. Give back
@@ -1686,8 +1767,25 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
       }
       PutInode(in);
       if (need > 0) {
+        size_t k0 = 0;
+        while (!fresh[k0]) k0++;
+        const uint64_t index0 = r0 + k0;  // file block of the first new block
+        AllocHint hint{0, 0};
+        if (f->alloc_anchor_set) {
+          hint.goal = DataBlockAt(f->alloc_anchor + static_cast<int64_t>(index0));
+        } else if (index0 < 4096) {
+          // The first allocation of a file near its start: leave room for
+          // the blocks before it, which other requests may be writing.
+          hint.lead = index0;
+        }
         std::vector<uint64_t> got;
-        RETURN_IF_ERROR(Allocate(need, &got));
+        RETURN_IF_ERROR(Allocate(need, &got, /*meta=*/false, hint));
+        // The first allocation anchors the file; so does one whose goal
+        // lay outside the data area (the volume's end).
+        if (!f->alloc_anchor_set || (hint.goal == 0 && got[0] != 0)) {
+          f->alloc_anchor = DataOrdinal(got[0]) - static_cast<int64_t>(index0);
+          f->alloc_anchor_set = true;
+        }
         size_t j = 0;
         for (size_t k = 0; k < nblk; k++) {
           if (fresh[k]) target[k] = got[j++];

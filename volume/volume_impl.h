@@ -35,6 +35,15 @@ struct OpenFileState {
   SharedMutex rw;
   // Writes that found their block shared and copied it (since open).
   std::atomic<uint64_t> cow_copies{0};
+  // Where this file's data "wants" to be: block i at alloc_anchor + i,
+  // counted in data blocks (VolumeImpl::DataOrdinal: the groups' data
+  // areas end to end, so a file runs on across a group boundary). Set by the file's first data allocation since open, used
+  // as the goal of later ones, so a file whose first writes arrive out of
+  // order (several NBD requests in flight) is still laid out in file
+  // order and a big read or write of it is one device request. A hint
+  // only, in memory: guarded by rw held exclusively (allocation).
+  bool alloc_anchor_set GUARDED_BY(rw) = false;
+  int64_t alloc_anchor GUARDED_BY(rw) = 0;
 };
 
 class VolumeImpl : public Volume {
@@ -208,7 +217,28 @@ class VolumeImpl : public Volume {
   Status StoreDropBlock(size_t i) REQUIRES(mu_);
   // Allocates n blocks (refcount 1), contiguous where possible. `meta`
   // blocks (block maps) come from the top of a group, data from the bottom.
-  Status Allocate(size_t n, std::vector<uint64_t>* out, bool meta = false) REQUIRES(mu_);
+  // Data placement hints (both optional): `goal`, a physical block where
+  // the run should start (taken as far as the blocks there are free, in a
+  // group this process holds or can take without waiting); else `lead`,
+  // free blocks to leave before the run in the first group tried (room for
+  // the part of a file before the block being allocated, which may be
+  // written a moment later).
+  struct AllocHint {
+    uint64_t goal;  // 0: none
+    uint64_t lead;
+  };
+  Status Allocate(size_t n, std::vector<uint64_t>* out, bool meta = false,
+                  AllocHint hint = AllocHint{0, 0})
+      REQUIRES(mu_);
+  // Takes the free blocks at data index idx, idx+1, ... of group g (held)
+  // until n are taken, one is not free or the group ends; moves the
+  // group's data cursor past them.
+  Status AllocateRunAt(uint32_t g, uint64_t idx, size_t n, std::vector<uint64_t>* out)
+      REQUIRES(mu_);
+  // Data block `addr` as an ordinal over all groups' data areas laid end
+  // to end (-1 if it is not a data block), and back (0 if out of range).
+  int64_t DataOrdinal(uint64_t addr) const;
+  uint64_t DataBlockAt(int64_t ordinal) const;
   Status AllocateFromGroup(uint32_t g, size_t n, bool meta, std::vector<uint64_t>* out)
       REQUIRES(mu_);
   Status PrefetchGroup(uint32_t g) REQUIRES(mu_);
