@@ -6,14 +6,19 @@
 namespace dede {
 
 Status LogFlusher::FlushLocked(FileId id) {
-  MonitorBatch batch = monitor_->Take(id);
-  if (batch.empty()) return Status::Ok();
+  MonitorBatch batch = monitor_->Take(id, std::move(spare_records_));
+  spare_records_.clear();
+  if (batch.empty()) {
+    spare_records_ = std::move(batch.records);
+    return Status::Ok();
+  }
   uint64_t bytes = EncodedWriteLogBytes(batch, monitor_->algo());
   Status st = AppendToWriteLog(vol_, batch);
   if (st.ok()) {
     stats_.flushes++;
     stats_.bytes += bytes;
     stats_.records += batch.records.size();
+    spare_records_ = std::move(batch.records);
     return st;
   }
   if (st.code() == Status::Code::kLocked) {

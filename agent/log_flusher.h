@@ -44,6 +44,9 @@ class LogFlusher {
   // the write path never takes it.
   Mutex mu_;
   FlusherStats stats_ GUARDED_BY(mu_);
+  // The last appended batch's records vector, handed to the next Take so
+  // its memory is reused rather than faulted in afresh.
+  std::vector<BlockRecord> spare_records_ GUARDED_BY(mu_);
 };
 
 }  // namespace dede

@@ -72,6 +72,9 @@ struct WriteLogFrame {
 std::vector<uint8_t> EncodeWriteLogFrames(const MonitorBatch& batch, uint32_t host_id,
                                           HashAlgo algo, const Uuid& uuid,
                                           uint64_t log_offset);
+// The same into `out` (resized; its capacity is reused).
+void EncodeWriteLogFrames(const MonitorBatch& batch, uint32_t host_id, HashAlgo algo,
+                          const Uuid& uuid, uint64_t log_offset, std::vector<uint8_t>* out);
 // Size EncodeWriteLogFrames would produce (for flush sizing).
 uint64_t EncodedWriteLogBytes(const MonitorBatch& batch, HashAlgo algo);
 // Bytes one record takes in a frame (for the monitor's flush threshold).

@@ -146,13 +146,18 @@ constexpr uint64_t kOpBytes = std::max<uint64_t>(kNodeBytes, 64);
 // zeroing) and recycled through a small pool, so steady writing reuses
 // memory that is already mapped instead of faulting in fresh pages.
 constexpr size_t kChunkOps = 1024;
-// Spare chunks kept for reuse, all files together (4 MiB); not charged to
-// the cap, which counts what is buffered.
-constexpr size_t kMaxSpareChunks = 64;
 
 }  // namespace
 
 struct WriteMonitor::ChunkPool {
+  // Spare chunks kept for reuse, all files together (16 MiB); not charged to
+  // the cap, which counts what is buffered. Sized for what one flush interval
+  // of a busy VM buffers (500 MB/s for 1 s is 128k ops, 125 chunks): with
+  // fewer, every flush freed the surplus and the next interval faulted it
+  // in again, at 7-30 us a page on these guests (docs/BENCHMARKS.md, "NBD
+  // data path").
+  static constexpr size_t kMaxSpareChunks = (size_t{16} << 20) / (kChunkOps * sizeof(Op));
+
   ~ChunkPool() {
     MutexLock l(&mu);
     for (Op* c : spare) Free(c);
@@ -595,9 +600,11 @@ std::vector<FileId> WriteMonitor::DueFiles(bool all) {
   return due;
 }
 
-MonitorBatch WriteMonitor::Take(FileId id) {
+MonitorBatch WriteMonitor::Take(FileId id, std::vector<BlockRecord> reuse) {
   MonitorBatch batch;
   batch.file = id;
+  reuse.clear();
+  batch.records = std::move(reuse);
   std::shared_ptr<FileBuffer> fb = Find(id);
   if (fb == nullptr) return batch;
   OpList ops(pool_.get());

@@ -81,7 +81,7 @@ struct WriteMonitorOptions {
   HashAlgo algo = HashAlgo::kXxh128;
   // Cap on buffered bytes (all files): past it new records are shed. What
   // is counted is an estimate of the heap the buffers take (an op or a
-  // coalesced entry is charged like a tree node, ~88 bytes); up to 4 MiB
+  // coalesced entry is charged like a tree node, ~88 bytes); up to 16 MiB
   // of spare op chunks kept for reuse come on top.
   size_t memory_cap_bytes = size_t{64} << 20;
   // A file is due for flushing when its coalesced records would encode to
@@ -140,8 +140,11 @@ class WriteMonitor {
   // buffer is empty afterwards and its memory released. Coalescing runs
   // outside the file's lock, so writes go on meanwhile. Batches of one file
   // must reach its log in the order they were taken: one flusher at a time
-  // per file, from Take until the append or the PutBack.
-  MonitorBatch Take(FileId id);
+  // per file, from Take until the append or the PutBack. `reuse`: a
+  // records vector from an earlier batch whose memory the new batch's
+  // records go into (cleared first), so a flusher that hands each batch's
+  // vector back does not fault in fresh pages for every batch.
+  MonitorBatch Take(FileId id, std::vector<BlockRecord> reuse = {});
   // Gives back a batch taken by Take() that could not be written; it is
   // older than anything buffered since and merged under it (newer records
   // of the same block win). If it does not fit under the cap, its entries

@@ -180,6 +180,11 @@ TEST_CASE("writelog: frame round trip, both hash algorithms", "[writemon]") {
     again.dropped_records = f->dropped_records;
     again.dropped_since_ns = f->dropped_since_ns;
     CHECK(EncodeWriteLogFrames(again, 7, algo, kUuid, off) == enc);
+    // Into a reused buffer (the append path's): the same bytes, whatever
+    // the buffer held before (its padding must be zeros again).
+    std::vector<uint8_t> reused(3 * kB + 5, 0xee);
+    EncodeWriteLogFrames(b, 7, algo, kUuid, off, &reused);
+    CHECK(reused == enc);
     // The other algorithm's reader refuses it.
     HashAlgo other = algo == HashAlgo::kXxh128 ? HashAlgo::kSha256 : HashAlgo::kXxh128;
     auto wrong = DecodeWriteLogFrame(enc.data(), enc.size(), other, kUuid, kOwner, off, &fb);

@@ -741,3 +741,34 @@ TEST_CASE("writemon: hot rewrites stay coalesced without a flusher", "[writemon]
   CHECK(b.records.size() == 100);
   CHECK(m.Stats().dropped_records == 0);
 }
+
+// A flusher hands each appended batch's records vector back to the next
+// Take, so steady writing does not fault in fresh pages for every batch.
+// The reused vector's old content must never leak into the new batch, in
+// any of Take's three paths (sequential, records only, mixed).
+TEST_CASE("writemon: Take fills the records vector it is given and nothing else", "[writemon]") {
+  ManualClock clock;
+  WriteMonitor m(Opts(&clock));
+  m.AddFile(kF, true);
+  const std::vector<uint8_t> a = Data(8 * kB, 11), b = Data(2 * kB, 12);
+  std::vector<BlockRecord> spare(1000, BlockRecord{999, 1, Fp(HashAlgo::kXxh128, b.data())});
+  const BlockRecord* storage = spare.data();
+  const size_t capacity = spare.capacity();
+  for (int path = 0; path < 3; path++) {
+    INFO("path " << path);
+    m.OnWrite(kF, 0, a.data(), a.size());                   // blocks 0..7, increasing
+    if (path >= 1) m.OnWrite(kF, 2 * kB, b.data(), kB);     // a rewrite: records only
+    if (path == 2) m.OnInvalidate(kF, 5 * kB, kB);          // an invalidation: mixed
+    MonitorBatch batch = m.Take(kF, std::move(spare));
+    CheckBatchShape(batch);
+    CHECK(batch.records.data() == storage);  // the given memory, reused
+    CHECK(batch.records.capacity() == capacity);
+    std::map<uint64_t, Fingerprint> want;
+    for (uint64_t i = 0; i < 8; i++) want[i] = Fp(HashAlgo::kXxh128, a.data() + i * kB);
+    if (path >= 1) want[2] = Fp(HashAlgo::kXxh128, b.data());
+    if (path == 2) want.erase(5);
+    CHECK(Records(batch) == want);
+    CHECK(InvalidBlocks(batch) == (path == 2 ? std::set<uint64_t>{5} : std::set<uint64_t>{}));
+    spare = std::move(batch.records);
+  }
+}
