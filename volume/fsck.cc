@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <thread>
 #include <unordered_map>
 
@@ -65,19 +66,34 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
   };
   RETURN_IF_ERROR(take(LockId{LockKind::kNamespace, 0}));
   for (uint32_t g = 0; g < sb_.group_count; g++) RETURN_IF_ERROR(take(LockId{LockKind::kGroup, g}));
-  RETURN_IF_ERROR(RecoverDeadHosts());
-  // With every group held, this host's deferred drops all apply now.
-  RETURN_IF_ERROR(DrainDrops(Drain::kNow));
-  RETURN_IF_ERROR(Checkpoint());
-  cache_.clear();  // everything is at home now; read the device afresh
-
-  // ---- the sanlock lock table (FORMAT.md 1.1.1). Reported, not repaired:
-  // its blocks are rewritten only under their partition's sanlock lease.
-  // Another host may be rewriting a block this moment: reread before
-  // calling one corrupt.
+  // ---- the sanlock lock table (FORMAT.md 1.1.1). Another host may be
+  // rewriting a block this moment: reread before calling one corrupt.
+  //
+  // --repair rewrites a damaged block (LockManager::RepairLockTablePartition,
+  // under the partition's lease) only when no process but this one can hold
+  // a lock recorded in it, for the records are lost (docs/LOCKING.md,
+  // "Repairing the lock table"):
+  //  * this process: each of its acquisitions decoded the lock's partition
+  //    and wrote the record into a valid block, so a block damaged since
+  //    fsck started could only hold a record of ours by later damage; the
+  //    lock manager puts those back from what it holds;
+  //  * other writers: every other host slot must be free (IsHeldElsewhere
+  //    judges a record by sanlock's host state and generation, and this
+  //    host's processes by their local locks), so each is gone: it closed
+  //    (journal checkpointed) or died (its journal is replayed by the scan
+  //    right after the repair). A slot record in a damaged partition cannot
+  //    be read: that refuses too (Volume::Start's scan fails on it first);
+  //  * readers (kVolume shared, no slot): the lock manager refuses while
+  //    any other process, of this host or a live one, has the volume open.
+  // A live other host may still join later: it cannot put records into a
+  // damaged partition (every update decodes it first), and we hold the
+  // partition's lease from the reread to the rewrite.
+  bool table_repaired = false;
   if (sb_.UsesSanlock()) {
     const LeaseLayout layout = LeaseLayoutOf(sb_);
     BlockBuf blk = NewBlockBuf(1);
+    // Damaged blocks by partition: (address, what is wrong).
+    std::map<uint32_t, std::vector<std::pair<uint64_t, std::string>>> damaged;
     for (uint32_t p = 0; p < layout.partitions; p++) {
       for (uint32_t k = 0; k < kLockTableBlocksPerPartition; k++) {
         const uint64_t addr = layout.PartitionBlock(p, k);
@@ -88,13 +104,66 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
           bad = DecodeLockTableBlock(blk.get(), addr, sb_.uuid).status();
           if (bad.ok()) break;
         }
-        if (!bad.ok()) {
-          problem("lock table partition " + std::to_string(p) + " block " + std::to_string(addr),
-                  bad.message());
+        if (!bad.ok()) damaged[p].emplace_back(addr, bad.message());
+      }
+    }
+    Status refused;  // why no block may be rewritten
+    if (repair && !damaged.empty()) {
+      for (uint32_t h = 1; h <= sb_.max_hosts && refused.ok(); h++) {
+        if (h == host_) continue;
+        Result<bool> held = locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h});
+        if (!held.ok()) {
+          refused = held.status().WithContext("cannot tell whether host slot " +
+                                              std::to_string(h) + " is in use");
+        } else if (held.value()) {
+          refused = Status::Locked("host slot " + std::to_string(h) +
+                                   " is in use by another process or host");
         }
       }
     }
+    for (const auto& [p, blocks] : damaged) {
+      Status why = refused;
+      bool rewritten = false;
+      if (repair && why.ok()) {
+        Result<uint32_t> n = locks_->RepairLockTablePartition(p);
+        if (!n.ok()) {
+          why = n.status();
+        } else if (n.value() == 0) {
+          // The partition decoded under its lease (rewritten meanwhile), or
+          // the backend keeps no table (a lock manager handed in by a test).
+          why = Status::Unavailable("the lock manager rewrote nothing there");
+        } else {
+          rewritten = true;
+          table_repaired = true;
+        }
+      }
+      for (const auto& [addr, what] : blocks) {
+        bool fixed = false;
+        std::string said = what;
+        if (rewritten) {
+          RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, blk.get(), kBlockSize));
+          fixed = DecodeLockTableBlock(blk.get(), addr, sb_.uuid).ok();
+          if (!fixed) said += "; not repaired: still damaged after the rewrite";
+        } else if (repair) {
+          said += "; not repaired: " + why.message();
+          if (why.code() == Status::Code::kLocked) {
+            said += " (its records are lost with it, and a live holder would share its lock: "
+                    "stop dedupd on every other host, then run fsck --repair again)";
+          }
+        }
+        problem("lock table partition " + std::to_string(p) + " block " + std::to_string(addr),
+                said, fixed);
+      }
+    }
   }
+  // After a rewrite, a dead holder of a lost record may have left its
+  // journal unreplayed (its slot was free, so nobody else will): scan.
+  RETURN_IF_ERROR(table_repaired ? ScanDeadHosts() : RecoverDeadHosts());
+  // With every group held, this host's deferred drops all apply now.
+  RETURN_IF_ERROR(DrainDrops(Drain::kNow));
+  RETURN_IF_ERROR(Checkpoint());
+  cache_.clear();  // everything is at home now; read the device afresh
+
   std::vector<LockId> inode_locks;
   auto release_inodes = [&]() NO_THREAD_SAFETY_ANALYSIS {
     for (const LockId& id : inode_locks) {

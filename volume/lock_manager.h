@@ -70,6 +70,24 @@ class LockManager {
   virtual bool ReportsDeadHolders() const { return false; }
   // Monotonic, over all threads of this process.
   virtual uint64_t dead_holders_replaced() const { return 0; }
+
+  // Repairs partition p of the lock table (fsck --repair; FORMAT.md
+  // 1.1.1). A backend without a table returns 0. Under the partition's
+  // lease: reads its blocks, keeps every block that decodes, and rewrites
+  // each one that does not as a valid block holding only this manager's
+  // own records of that partition that are missing from the kept blocks
+  // (none, unless the damage struck after we took a lock there), then
+  // flushes. Returns how many blocks it rewrote (0: the partition decodes).
+  //
+  // The records of a damaged block are lost: a process still holding one
+  // of those locks would share it with the next acquirer. So the rewrite
+  // is refused with kLocked (naming who) while any other process, of this
+  // host or another live one, has the volume open (holds kVolume). The
+  // caller must also know that every holder of a lost record is gone for
+  // good and its journal replayed or about to be (fsck: every other host
+  // slot free, then a dead-host scan; docs/LOCKING.md "Repairing the lock
+  // table").
+  virtual Result<uint32_t> RepairLockTablePartition(uint32_t /*p*/) { return uint32_t{0}; }
 };
 
 // Local backend: OFD byte-range locks on `path` (the volume file itself for

@@ -318,6 +318,88 @@ class SanlockImpl : public SanlockLockManager {
     return removed;
   }
 
+  Result<uint32_t> RepairLockTablePartition(uint32_t p) override {
+    if (p >= layout_.partitions) {
+      return Status::Invalid("lock table partition " + std::to_string(p) + " does not exist");
+    }
+    MutexLock pl(&part_mu_[p]);
+    ResourceBuf r = MakeResource(ls_name_, PartitionLeaseName(p), lease_path_,
+                                 layout_.SlotOffset(1 + p), false);
+    sanlk_resource* rp = r.res();
+    RETURN_IF_ERROR(AcquireLease(rp, "lock-table lease " + PartitionLeaseName(p), 600));
+    // Holding the lease, nobody else writes the partition: a block that
+    // fails to decode now is damaged, not torn by a rewrite in flight.
+    Result<uint32_t> rewritten = [&]() -> Result<uint32_t> {
+      BlockBuf buf = NewBlockBuf(kLockTableBlocksPerPartition);
+      RETURN_IF_ERROR(dev_->Read(layout_.PartitionBlock(p, 0) * kBlockSize, buf.get(),
+                                 kLockTableBlocksPerPartition * kBlockSize));
+      std::vector<uint32_t> damaged;
+      std::vector<LockRecord> kept;
+      for (uint32_t k = 0; k < kLockTableBlocksPerPartition; k++) {
+        auto recs = DecodeLockTableBlock(buf.get() + k * kBlockSize, layout_.PartitionBlock(p, k),
+                                         sb_.uuid);
+        if (recs.ok()) {
+          kept.insert(kept.end(), recs->begin(), recs->end());
+        } else {
+          damaged.push_back(k);
+        }
+      }
+      if (damaged.empty()) return uint32_t{0};
+      RETURN_IF_ERROR(CheckNobodyElseHasVolume());
+      // Our own records normally live in blocks that decode: each was
+      // written by a leased update that first decoded the whole partition.
+      // Damage that struck later may have taken one: put those back.
+      std::vector<LockRecord> mine;
+      {
+        MutexLock l(&mu_);
+        for (const auto& held : held_) {
+          const LockId id = held.first;
+          if (id.kind == LockKind::kVolume || PartitionOf(id) != p) continue;
+          bool present = std::any_of(kept.begin(), kept.end(), [&](const LockRecord& kr) {
+            return Matches(kr, id) && kr.host == opts_.host_id;
+          });
+          if (present) continue;
+          LockRecord rec;
+          rec.kind = static_cast<uint16_t>(id.kind);
+          rec.mode = held.second == LockMode::kExclusive ? kModeExclusive : kModeShared;
+          rec.host = opts_.host_id;
+          rec.id = id.id;
+          rec.generation = generation_;
+          rec.since_ns = NowNs();
+          mine.push_back(rec);
+        }
+      }
+      if (mine.size() > damaged.size() * size_t{kLockRecordsPerBlock}) {
+        return Status::NoSpace("lock table partition " + std::to_string(p) +
+                               ": no room to restore this process's " +
+                               std::to_string(mine.size()) + " records");
+      }
+      BlockBuf out = NewBlockBuf(1);
+      for (size_t i = 0; i < damaged.size(); i++) {
+        const uint32_t k = damaged[i];
+        const uint64_t addr = layout_.PartitionBlock(p, k);
+        size_t from = std::min(mine.size(), i * kLockRecordsPerBlock);
+        size_t to = std::min(mine.size(), from + kLockRecordsPerBlock);
+        std::vector<LockRecord> part(mine.begin() + from, mine.begin() + to);
+        // Past whatever sequence the damaged header still shows.
+        const uint64_t seq = PeekHeader(buf.get() + k * kBlockSize).seq + 1;
+        EncodeLockTableBlock(part, seq, addr, sb_.uuid, out.get());
+        RETURN_IF_ERROR(dev_->Write(addr * kBlockSize, out.get(), kBlockSize));
+        LOG(kWarning) << "sanlock: rewrote damaged lock table block " << addr << " (partition "
+                      << p << ") with " << part.size() << " records of this process";
+      }
+      // Durable before the lease goes: the next holder reads it.
+      RETURN_IF_ERROR(dev_->Flush());
+      return static_cast<uint32_t>(damaged.size());
+    }();
+    int rv = ReleaseLease(rp);
+    if (rewritten.ok() && rv < 0) {
+      return Status::IoError("releasing lock-table lease " + PartitionLeaseName(p) + ": " +
+                             SanlockError(rv));
+    }
+    return rewritten;
+  }
+
   Result<std::vector<LockRecord>> ListRecords() override {
     std::vector<LockRecord> all;
     for (uint32_t p = 0; p < layout_.partitions; p++) {
@@ -434,6 +516,41 @@ class SanlockImpl : public SanlockLockManager {
     if (state == SANLK_HOST_FREE || state == SANLK_HOST_DEAD) return false;
     if (h.generation > r.generation) return false;
     return true;  // LIVE, FAIL (may still be writing), UNKNOWN (not watched long enough)
+  }
+
+  // kLocked unless this process is the only one, on any host, that has
+  // the volume open. Every opener holds kVolume: locally an OFD lock (other
+  // processes of this host), and the shared resource lease `volume`, whose
+  // owners sanlock lists from the lease's per-host mode blocks on disk.
+  // Another host's owner counts while its host is LIVE, FAIL or UNKNOWN
+  // with the generation that took the lease (the HolderLive rule): sanlock
+  // releases the lease of a process that exits or dies, and a DEAD host's
+  // processes were fenced.
+  Status CheckNobodyElseHasVolume() {
+    const LockId volume{LockKind::kVolume, 0};
+    ASSIGN_OR_RETURN(bool local, local_->IsHeldElsewhere(volume));
+    if (local) return Status::Locked("another process of this host has the volume open");
+    ResourceBuf r;
+    sanlk_resource* rp = VolumeLease(&r, LockMode::kShared);
+    sanlk_host* owners = nullptr;
+    int count = 0;
+    // Its own connection to the daemon, like sanlock_get_hosts: no cmd_mu_.
+    int rv = sanlock_read_resource_owners(rp, 0, &owners, &count);
+    if (rv < 0) {
+      std::free(owners);
+      return Status::IoError("reading the owners of the volume lease: " + SanlockError(rv));
+    }
+    std::vector<sanlk_host> hosts(owners, owners + std::max(count, 0));
+    std::free(owners);
+    for (const sanlk_host& h : hosts) {
+      if (h.host_id == opts_.host_id) continue;  // this host: the local check above
+      LockRecord owner;
+      owner.host = static_cast<uint32_t>(h.host_id);
+      owner.generation = h.generation;
+      ASSIGN_OR_RETURN(bool live, HolderLive(owner));
+      if (live) return Status::Locked("host " + std::to_string(h.host_id) + " has the volume open");
+    }
+    return Status::Ok();
   }
 
   sanlk_resource* VolumeLease(ResourceBuf* buf, LockMode mode) const {
