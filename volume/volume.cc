@@ -1130,11 +1130,6 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, All
       ASSIGN_OR_RETURN(GroupTry got, TryTakeGroup(g));
       if (got == GroupTry::kTaken) {
         RETURN_IF_ERROR(AllocateRunAt(g, hint.goal - sb_.GroupDataStart(g), n, out));
-        // The goal is taken (by a block map, another file): the rest comes
-        // from the top of the group, like block maps, not from the cursor,
-        // which sits where this file's next blocks want to go; taking
-        // those would push every later block of the file off its goal.
-        if (out->size() < n) RETURN_IF_ERROR(AllocateFromGroup(g, n, /*meta=*/true, out));
       }
     }
   }
@@ -1780,9 +1775,11 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
         }
         std::vector<uint64_t> got;
         RETURN_IF_ERROR(Allocate(need, &got, /*meta=*/false, hint));
-        // The first allocation anchors the file; so does one whose goal
-        // lay outside the data area (the volume's end).
-        if (!f->alloc_anchor_set || (hint.goal == 0 && got[0] != 0)) {
+        // The first allocation anchors the file; one that missed its goal
+        // (a block map or another file is there, or the group is busy)
+        // anchors it again where it landed, so the next blocks follow it
+        // instead of missing too.
+        if (!f->alloc_anchor_set || got[0] != hint.goal) {
           f->alloc_anchor = DataOrdinal(got[0]) - static_cast<int64_t>(index0);
           f->alloc_anchor_set = true;
         }
