@@ -322,14 +322,10 @@ class SanlockImpl : public SanlockLockManager {
     if (p >= layout_.partitions) {
       return Status::Invalid("lock table partition " + std::to_string(p) + " does not exist");
     }
-    MutexLock pl(&part_mu_[p]);
-    ResourceBuf r = MakeResource(ls_name_, PartitionLeaseName(p), lease_path_,
-                                 layout_.SlotOffset(1 + p), false);
-    sanlk_resource* rp = r.res();
-    RETURN_IF_ERROR(AcquireLease(rp, "lock-table lease " + PartitionLeaseName(p), 600));
+    uint32_t rewritten = 0;
     // Holding the lease, nobody else writes the partition: a block that
     // fails to decode now is damaged, not torn by a rewrite in flight.
-    Result<uint32_t> rewritten = [&]() -> Result<uint32_t> {
+    RETURN_IF_ERROR(WithPartitionLease(p, 600, [&]() -> Status {
       BlockBuf buf = NewBlockBuf(kLockTableBlocksPerPartition);
       RETURN_IF_ERROR(dev_->Read(layout_.PartitionBlock(p, 0) * kBlockSize, buf.get(),
                                  kLockTableBlocksPerPartition * kBlockSize));
@@ -344,7 +340,7 @@ class SanlockImpl : public SanlockLockManager {
           damaged.push_back(k);
         }
       }
-      if (damaged.empty()) return uint32_t{0};
+      if (damaged.empty()) return Status::Ok();
       RETURN_IF_ERROR(CheckNobodyElseHasVolume());
       // Our own records normally live in blocks that decode: each was
       // written by a leased update that first decoded the whole partition.
@@ -359,14 +355,8 @@ class SanlockImpl : public SanlockLockManager {
             return Matches(kr, id) && kr.host == opts_.host_id;
           });
           if (present) continue;
-          LockRecord rec;
-          rec.kind = static_cast<uint16_t>(id.kind);
-          rec.mode = held.second == LockMode::kExclusive ? kModeExclusive : kModeShared;
-          rec.host = opts_.host_id;
-          rec.id = id.id;
-          rec.generation = generation_;
-          rec.since_ns = NowNs();
-          mine.push_back(rec);
+          mine.push_back(
+              OwnRecord(id, held.second == LockMode::kExclusive ? kModeExclusive : kModeShared));
         }
       }
       if (mine.size() > damaged.size() * size_t{kLockRecordsPerBlock}) {
@@ -390,13 +380,9 @@ class SanlockImpl : public SanlockLockManager {
       }
       // Durable before the lease goes: the next holder reads it.
       RETURN_IF_ERROR(dev_->Flush());
-      return static_cast<uint32_t>(damaged.size());
-    }();
-    int rv = ReleaseLease(rp);
-    if (rewritten.ok() && rv < 0) {
-      return Status::IoError("releasing lock-table lease " + PartitionLeaseName(p) + ": " +
-                             SanlockError(rv));
-    }
+      rewritten = static_cast<uint32_t>(damaged.size());
+      return Status::Ok();
+    }));
     return rewritten;
   }
 
@@ -613,14 +599,7 @@ class SanlockImpl : public SanlockLockManager {
           keep.push_back(r);
         }
         if (!have_own) {
-          LockRecord mine;
-          mine.kind = static_cast<uint16_t>(id.kind);
-          mine.mode = want;
-          mine.host = opts_.host_id;
-          mine.id = id.id;
-          mine.generation = generation_;
-          mine.since_ns = NowNs();
-          keep.push_back(mine);
+          keep.push_back(OwnRecord(id, want));
           changed = true;
         }
         if (keep.size() > uint64_t{kLockRecordsPerBlock} * kLockTableBlocksPerPartition) {
@@ -756,12 +735,7 @@ class SanlockImpl : public SanlockLockManager {
   // that long; background work (max_wait_s small) skips the partition.
   template <typename Fn>
   Status UpdatePartition(uint32_t p, Fn fn, int max_wait_s = 600) {
-    MutexLock pl(&part_mu_[p]);
-    ResourceBuf r = MakeResource(ls_name_, PartitionLeaseName(p), lease_path_,
-                                 layout_.SlotOffset(1 + p), false);
-    sanlk_resource* rp = r.res();
-    RETURN_IF_ERROR(AcquireLease(rp, "lock-table lease " + PartitionLeaseName(p), max_wait_s));
-    Status st = [&]() -> Status {
+    return WithPartitionLease(p, max_wait_s, [&]() -> Status {
       std::vector<uint64_t> seqs;
       ASSIGN_OR_RETURN(std::vector<LockRecord> recs, ReadPartitionOnce(p, &seqs));
       std::vector<LockRecord> before = recs;
@@ -783,13 +757,38 @@ class SanlockImpl : public SanlockLockManager {
       }
       // Durable before the lease goes: the next holder reads it.
       return dev_->Flush();
-    }();
+    });
+  }
+
+  // Runs fn holding partition p's sanlock lease (and part_mu_[p]); the
+  // lease is released whatever fn returns. fn's error wins; a failed
+  // release is reported when fn succeeded.
+  template <typename Fn>
+  Status WithPartitionLease(uint32_t p, int max_wait_s, Fn fn) {
+    MutexLock pl(&part_mu_[p]);
+    ResourceBuf r = MakeResource(ls_name_, PartitionLeaseName(p), lease_path_,
+                                 layout_.SlotOffset(1 + p), false);
+    sanlk_resource* rp = r.res();
+    RETURN_IF_ERROR(AcquireLease(rp, "lock-table lease " + PartitionLeaseName(p), max_wait_s));
+    Status st = fn();
     int rv = ReleaseLease(rp);
     if (st.ok() && rv < 0) {
       st = Status::IoError("releasing lock-table lease " + PartitionLeaseName(p) + ": " +
                            SanlockError(rv));
     }
     return st;
+  }
+
+  // A record of this process holding `id` in `mode`.
+  LockRecord OwnRecord(LockId id, uint8_t mode) const {
+    LockRecord rec;
+    rec.kind = static_cast<uint16_t>(id.kind);
+    rec.mode = mode;
+    rec.host = opts_.host_id;
+    rec.id = id.id;
+    rec.generation = generation_;
+    rec.since_ns = NowNs();
+    return rec;
   }
 
   BlockDevice* dev_;

@@ -1099,18 +1099,23 @@ uint64_t VolumeImpl::DataBlockAt(int64_t ordinal) const {
   return sb_.GroupDataStart(static_cast<uint32_t>(g)) + idx;
 }
 
+bool VolumeImpl::DataBlockFree(uint32_t g, uint64_t idx) const {
+  const uint64_t rb = sb_.GroupStart(g) + idx / kRefsPerBlock;
+  const uint32_t slot = static_cast<uint32_t>(idx % kRefsPerBlock);
+  return dede::GetRef(cache_.at(rb).data.get(), slot) == 0 &&
+         !pending_free_.count(sb_.GroupDataStart(g) + idx);
+}
+
 Status VolumeImpl::AllocateRunAt(uint32_t g, uint64_t idx, size_t n, std::vector<uint64_t>* out) {
   RETURN_IF_ERROR(PrefetchGroup(g));
   const uint64_t data_start = sb_.GroupDataStart(g);
   const uint64_t count = sb_.GroupDataBlocks(g);
   uint64_t taken = 0;
   for (uint64_t i = idx; i < count && out->size() < n; i++, taken++) {
-    const uint64_t addr = data_start + i;
-    const uint64_t rb = sb_.GroupStart(g) + i / kRefsPerBlock;
-    const uint32_t slot = static_cast<uint32_t>(i % kRefsPerBlock);
-    if (dede::GetRef(cache_.at(rb).data.get(), slot) != 0 || pending_free_.count(addr)) break;
-    dede::SetRef(Dirty(rb), slot, 1);
-    out->push_back(addr);
+    if (!DataBlockFree(g, i)) break;
+    dede::SetRef(Dirty(sb_.GroupStart(g) + i / kRefsPerBlock),
+                 static_cast<uint32_t>(i % kRefsPerBlock), 1);
+    out->push_back(data_start + i);
   }
   if (taken > 0) {
     // The cursor moves past the run, so other allocations do not fill the
@@ -1146,14 +1151,11 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, All
       const uint64_t want = hint.lead + n;
       uint64_t start = alloc_cursor_[g].data, len = 0;
       for (uint64_t i = start; i < count && len < want; i++) {
-        const uint64_t rb = sb_.GroupStart(g) + i / kRefsPerBlock;
-        const uint32_t slot = static_cast<uint32_t>(i % kRefsPerBlock);
-        if (dede::GetRef(cache_.at(rb).data.get(), slot) != 0 ||
-            pending_free_.count(sb_.GroupDataStart(g) + i)) {
+        if (DataBlockFree(g, i)) {
+          len++;
+        } else {
           start = i + 1;
           len = 0;
-        } else {
-          len++;
         }
       }
       if (len == want) RETURN_IF_ERROR(AllocateRunAt(g, start + hint.lead, n, out));

@@ -235,6 +235,9 @@ class VolumeImpl : public Volume {
   // group's data cursor past them.
   Status AllocateRunAt(uint32_t g, uint64_t idx, size_t n, std::vector<uint64_t>* out)
       REQUIRES(mu_);
+  // Data index idx of group g (its refcount blocks cached: PrefetchGroup)
+  // is unreferenced and not freed since the last checkpoint.
+  bool DataBlockFree(uint32_t g, uint64_t idx) const REQUIRES(mu_);
   // Data block `addr` as an ordinal over all groups' data areas laid end
   // to end (-1 if it is not a data block), and back (0 if out of range).
   int64_t DataOrdinal(uint64_t addr) const;
