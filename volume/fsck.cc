@@ -4,6 +4,7 @@
 // truth and nobody changes it underneath.
 #include "volume/fsck.h"
 
+#include <cctype>
 #include <chrono>
 #include <cstring>
 #include <functional>
@@ -23,6 +24,21 @@ bool AllZeroBlock(const uint8_t* p) {
     if (p[i]) return false;
   }
   return true;
+}
+
+// What a leaked block holds, so that a report says what lost its
+// reference: the structure named by a "DD.." magic with its header's level
+// and sequence number (a pointer block's level is in `flags`), or data.
+std::string DescribeContent(const uint8_t* blk) {
+  const BlockHeader h = PeekHeader(blk);
+  char tag[5];
+  std::memcpy(tag, &h.magic, 4);
+  tag[4] = 0;
+  const bool ours = tag[0] == 'D' && tag[1] == 'D' && std::isupper(static_cast<unsigned char>(tag[2])) &&
+                    std::isupper(static_cast<unsigned char>(tag[3]));
+  if (!ours) return AllZeroBlock(blk) ? "zeros" : "data";
+  return std::string("a \"") + tag + "\" block (flags " + std::to_string(h.flags) + ", seq " +
+         std::to_string(h.seq) + ", stamped for block " + std::to_string(h.addr) + ")";
 }
 
 uint64_t SpanOf(uint32_t level) {
@@ -423,6 +439,9 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
   }
 
   // ---- stored reference counts against the recount.
+  constexpr size_t kMaxDescribed = 64;  // leaked blocks whose content is read
+  size_t described = 0;
+  BlockBuf content = NewBlockBuf();
   for (uint32_t g = 0; g < sb_.group_count; g++) {
     uint64_t count = sb_.GroupDataBlocks(g);
     uint64_t data_start = sb_.GroupDataStart(g);
@@ -446,10 +465,18 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
         auto it = refs.find(a);
         uint32_t found = it == refs.end() ? 0 : it->second;
         if (stored != found) {
-          problem("block " + std::to_string(a),
-                  "refcount " + std::to_string(stored) + " stored, " + std::to_string(found) +
-                      " references found" + (found == 0 ? " (leaked)" : ""),
-                  repair);
+          std::string what = "refcount " + std::to_string(stored) + " stored, " +
+                             std::to_string(found) + " references found";
+          if (found == 0) {
+            what += " (leaked";
+            if (described < kMaxDescribed) {
+              described++;
+              RETURN_IF_ERROR(dev_->Read(a * kBlockSize, content.get(), kBlockSize));
+              what += "; holds " + DescribeContent(content.get());
+            }
+            what += ")";
+          }
+          problem("block " + std::to_string(a), what, repair);
           rewrite = true;
         }
       }
