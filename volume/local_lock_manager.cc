@@ -21,6 +21,9 @@ std::string LockId::ToString() const {
     case LockKind::kWanted:
       return "waiters for " +
              LockId{static_cast<LockKind>(id >> 40), id & ((1ull << 40) - 1)}.ToString();
+    case LockKind::kWaiting:
+      return "blocked waiters for " +
+             LockId{static_cast<LockKind>(id >> 40), id & ((1ull << 40) - 1)}.ToString();
   }
   return "lock " + std::to_string(static_cast<int>(kind)) + ":" + std::to_string(id);
 }

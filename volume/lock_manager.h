@@ -34,6 +34,7 @@ enum class LockKind : uint16_t {
   kRecovery = 6,   // id = host slot; held while that slot's journal is replayed
   kWanted = 7,     // id = kind << 40 | id of another lock; held shared by its waiters
   kIndexShard = 8, // id = shard lo >> 16; an index shard range, its pending file and arena
+  kWaiting = 9,    // id as kWanted; held shared by processes blocked in a wait for it
 };
 
 struct LockId {

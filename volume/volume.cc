@@ -638,12 +638,26 @@ Status VolumeImpl::Sync() {
     RETURN_IF_ERROR(Commit(/*durable=*/true));
   }
   // Journal space is reclaimed on demand (EnsureRoom); a flush point is
-  // where we hand cached locks to processes that announced they wait.
+  // where we hand cached locks to processes that announced they wait. Only
+  // those: the rest stay cached (handing back everything would also pull
+  // the namespace lock from under a Create that is scanning, and make our
+  // own next writes take every group again).
+  std::vector<LockId> wanted_ids;
   for (const LockId& id : cached_locks_) {
+    // A Create between its scan and its claim keeps the namespace; it
+    // hands it back itself when done.
+    if (id == kNamespaceLock && namespace_pins_ > 0) continue;
     ASSIGN_OR_RETURN(bool wanted, locks_->IsHeldElsewhere(WantedLock(id)));
-    if (wanted) return ReleaseCached();
+    if (wanted) wanted_ids.push_back(id);
   }
-  return Status::Ok();
+  if (wanted_ids.empty()) return Status::Ok();
+  RETURN_IF_ERROR(Checkpoint());
+  Status released;
+  for (const LockId& id : wanted_ids) {
+    Status st = ForgetCachedLock(id);
+    if (released.ok()) released = st;
+  }
+  return released;
 }
 
 void VolumeImpl::DropCache(LockId owner) {
@@ -660,34 +674,60 @@ LockId VolumeImpl::WantedLock(LockId id) {
   return LockId{LockKind::kWanted, (uint64_t{static_cast<uint16_t>(id.kind)} << 40) | id.id};
 }
 
+LockId VolumeImpl::WaitingLock(LockId id) {
+  return LockId{LockKind::kWaiting, (uint64_t{static_cast<uint16_t>(id.kind)} << 40) | id.id};
+}
+
 Status VolumeImpl::WaitLock(LockId id) {
   // Announce the wait (shared, so any number of waiters can): the holder
   // caches the lock and gives it back at its next flush point when it sees
   // the announcement. Do not wait forever for a holder that went idle.
+  // kWaiting says a thread is blocked here: even hosts that announced a
+  // want of their own (deferred drops, which can wait) leave the lock to
+  // us (LeaveToOthers).
   LockId want = WantedLock(id);
+  LockId blocked = WaitingLock(id);
+  // Processes that were blocked before us get the first tries for a while:
+  // with no queue on the disk, whoever looks first after a hand-over wins,
+  // and a waiter that has backed off would lose to every newcomer.
+  Result<bool> earlier = locks_->IsHeldElsewhere(blocked);
+  const auto start = std::chrono::steady_clock::now();
+  const auto defer_until =
+      start + ((earlier.ok() && *earlier) ? kDeferToEarlierWaiters : std::chrono::milliseconds(0));
   bool announced = locks_->Acquire(want, LockMode::kShared, false).ok();
-  const auto deadline = std::chrono::steady_clock::now() + lock_wait_;
+  bool blocked_announced = locks_->Acquire(blocked, LockMode::kShared, false).ok();
+  const auto deadline = start + lock_wait_;
   Status st;
   int poll_ms = 2;
+  uint64_t tries = 0, seen_free = 0;  // for the message: a holder that never lets go, or lost races
   while (true) {
-    st = locks_->Acquire(id, LockMode::kExclusive, false);
-    if (st.code() != Status::Code::kLocked) break;
+    if (std::chrono::steady_clock::now() >= defer_until) {
+      tries++;
+      st = locks_->Acquire(id, LockMode::kExclusive, false);
+      if (st.code() != Status::Code::kLocked) break;
+    } else {
+      st = Status::Locked(id.ToString() + " is held by another process or host");
+    }
     if (std::chrono::steady_clock::now() >= deadline) {
       st = Status::Locked(id.ToString() + " is still held by another process or host after " +
-                          std::to_string(lock_wait_.count()) + " s");
+                          std::to_string(lock_wait_.count()) + " s (" + std::to_string(tries) +
+                          " tries to take it, " + std::to_string(seen_free) +
+                          " looks found it free)");
       break;
     }
     // Watch without taking: with the sanlock backend an attempt is a paxos
     // round on the LUN (and slows the holder's own release), a look is one
-    // read. Back off from 2 ms to 50 ms.
+    // read. Back off from 2 ms to 20 ms.
     do {
       std::this_thread::sleep_for(std::chrono::milliseconds(poll_ms));
-      poll_ms = std::min(poll_ms * 2, 50);
+      poll_ms = std::min(poll_ms * 2, 20);
       Result<bool> held = locks_->IsHeldElsewhere(id);
+      if (held.ok() && !*held) seen_free++;
       if (!held.ok() || !*held) break;
     } while (std::chrono::steady_clock::now() < deadline);
   }
   if (announced) (void)locks_->Release(want);
+  if (blocked_announced) (void)locks_->Release(blocked);
   return st;
 }
 
@@ -696,24 +736,27 @@ void VolumeImpl::NoteCached(LockId id) { cached_locks_.insert(id); }
 Status VolumeImpl::ReleaseCachedLock(LockId id) {
   if (!cached_locks_.count(id)) return Status::Ok();
   RETURN_IF_ERROR(Checkpoint());
+  return ForgetCachedLock(id);
+}
+
+Status VolumeImpl::ForgetCachedLock(LockId id) {
+  // Whoever takes it next reads the blocks from their home addresses (the
+  // caller checkpointed).
   DropCache(id);
   cached_locks_.erase(id);
+  if (id == kNamespaceLock) namespace_releases_++;
+  if (id.kind == LockKind::kGroup) {
+    alloc_cursor_.erase(static_cast<uint32_t>(id.id));
+    full_groups_.erase(static_cast<uint32_t>(id.id));
+  }
   return locks_->Release(id);
 }
 
 Status VolumeImpl::ReleaseCached() {
   if (cached_locks_.empty()) return Status::Ok();
-  // Whoever takes these next reads the blocks from their home addresses.
   RETURN_IF_ERROR(Checkpoint());
-  for (const LockId& id : cached_locks_) {
-    DropCache(id);
-    if (id.kind == LockKind::kGroup) {
-      alloc_cursor_.erase(static_cast<uint32_t>(id.id));
-      full_groups_.erase(static_cast<uint32_t>(id.id));
-    }
-    (void)locks_->Release(id);
-  }
-  cached_locks_.clear();
+  const std::vector<LockId> ids(cached_locks_.begin(), cached_locks_.end());
+  for (const LockId& id : ids) (void)ForgetCachedLock(id);
   return Status::Ok();
 }
 
@@ -737,7 +780,18 @@ Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
     if (a != 0 && GroupOf(a, &g) && !cached_locks_.count(GroupLock(g))) need.insert(g);
   }
   for (uint32_t g : need) {
-    Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
+    // A group someone announced a wait for is theirs first (see
+    // TryTakeGroup): taking it because it is free this instant would
+    // starve them (they poll every few ms, we take groups in µs). Join the
+    // waiters instead, unless we are one already.
+    Status st;
+    ASSIGN_OR_RETURN(bool leave, LeaveToOthers(g));
+    if (leave) {
+      groups_yielded_++;
+      st = Status::Locked("wanted elsewhere");
+    } else {
+      st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
+    }
     if (st.code() == Status::Code::kLocked) {
       // Wait in group order holding no other cached lock.
       RETURN_IF_ERROR(ReleaseCached());
@@ -924,20 +978,28 @@ Status VolumeImpl::PrepareDrops(const std::vector<uint64_t>& addrs) {
   return Status::Ok();
 }
 
+Result<bool> VolumeImpl::LeaveToOthers(uint32_t g) {
+  const LockId gl = GroupLock(g);
+  // Someone announced a wait: its holder handed the group back for them
+  // at its flush point. Taking it first would starve them (our own writes
+  // take home groups again within microseconds, a waiter polls every few
+  // ms), so leave it. Hosts that announced a want of their own (deferred
+  // drops) do not leave it to each other, or two of them would each wait
+  // for ever; they do leave it to a process blocked waiting (kWaiting),
+  // or two such hosts could pass it between them while the blocked one
+  // runs out of time.
+  if (drop_wanted_.count(g)) return locks_->IsHeldElsewhere(WaitingLock(gl));
+  return locks_->IsHeldElsewhere(WantedLock(gl));
+}
+
 Result<VolumeImpl::GroupTry> VolumeImpl::TryTakeGroup(uint32_t g) {
   const LockId gl = GroupLock(g);
   if (cached_locks_.count(gl)) return GroupTry::kTaken;
-  if (!drop_wanted_.count(g)) {
-    // Someone announced a wait: its holder handed the group back for them
-    // at its flush point. Taking it first would starve them (our own
-    // writes take home groups again within microseconds, a waiter polls
-    // every few ms), so leave it; we have another way out.
-    ASSIGN_OR_RETURN(bool wanted, locks_->IsHeldElsewhere(WantedLock(gl)));
-    if (wanted) {
-      groups_yielded_++;
-      NoteBusy(g);
-      return GroupTry::kBusy;
-    }
+  ASSIGN_OR_RETURN(bool leave, LeaveToOthers(g));
+  if (leave) {
+    groups_yielded_++;
+    NoteBusy(g);
+    return GroupTry::kBusy;
   }
   Status st = locks_->Acquire(gl, LockMode::kExclusive, false);
   if (st.code() == Status::Code::kLocked) {
@@ -1024,6 +1086,12 @@ Status VolumeImpl::DrainDrops(Drain how) {
       }
     }
     if (drop_wanted_.erase(g)) (void)locks_->Release(WantedLock(gl));
+    if (wait) {
+      // Not held through the wait for the next group: nothing of ours
+      // reaches a flush point meanwhile to hand it over.
+      RETURN_IF_ERROR(Checkpoint());
+      RETURN_IF_ERROR(ForgetCachedLock(gl));
+    }
   }
   return Status::Ok();
 }
@@ -1189,6 +1257,15 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, All
       NoteCached(GroupLock(g));
       RETURN_IF_ERROR(RecoverDeadHosts());
       RETURN_IF_ERROR(AllocateFromGroup(g, n, meta, out));
+      // A group that gave nothing (full) is not held through the next
+      // wait: its waiters would wait for all of ours, and nothing reaches
+      // a flush point meanwhile to hand it over. (One that gave part of
+      // the run is kept, in group order, so no two hosts wait on each
+      // other.)
+      if (out->empty() && out->size() < n) {
+        RETURN_IF_ERROR(Checkpoint());
+        RETURN_IF_ERROR(ForgetCachedLock(GroupLock(g)));
+      }
     }
   }
   if (out->size() < n) {
@@ -1279,39 +1356,80 @@ Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKi
                                   uint64_t owner_ino) {
   RETURN_IF_ERROR(ValidateName(name));
   if (kind == FileKind::kNone) return Status::Invalid("file kind 'none'");
-  {
+  // The scan runs without mu_, so another thread's flush point may hand
+  // the namespace lock to another host meanwhile; that host may then have
+  // created a file (in a free inode we saw, or with our name). The claim
+  // below sees such a hand-over and scans again. A handful of tries is
+  // plenty: a hand-over needs another host to want the lock each time.
+  constexpr int kTries = 50;
+  for (int attempt = 0; attempt < kTries; attempt++) {
+    uint64_t releases;
+    {
+      MutexLock l(&mu_);
+      RETURN_IF_ERROR(CheckWritable());
+      RETURN_IF_ERROR(AcquireCached(kNamespaceLock));
+      releases = namespace_releases_;
+      namespace_pins_++;
+    }
+    Result<std::vector<Inode>> scanned = ScanInodes();
     MutexLock l(&mu_);
-    RETURN_IF_ERROR(CheckWritable());
-    RETURN_IF_ERROR(AcquireCached(kNamespaceLock));
+    namespace_pins_--;
+    ASSIGN_OR_RETURN(std::vector<Inode> inodes, std::move(scanned));
+    // Stale (the namespace went to another host during the scan, because
+    // this process had to wait for something): look again.
+    if (namespace_releases_ != releases || !cached_locks_.count(kNamespaceLock)) continue;
+    std::vector<uint64_t> free_inos;
+    for (const Inode& in : inodes) {
+      if (in.in_use() && in.name == name) return Status::Exists("file '" + name + "' exists");
+      if (!in.in_use()) free_inos.push_back(in.ino);
+    }
+    if (inodes.size() < sb_.inode_count) free_inos.push_back(inodes.size() + 1);
+    if (free_inos.empty()) return Status::NoSpace("no free inodes");
+    // A cleared inode can still be locked for a moment: Remove clears it
+    // and hands the namespace back before its remover closes the file.
+    // Take the first free inode nobody holds rather than fail the create.
+    uint64_t free_ino = 0;
+    for (uint64_t ino : free_inos) {
+      Status st = locks_->Acquire(InodeLock(ino), LockMode::kExclusive, false);
+      if (st.ok()) {
+        free_ino = ino;
+        break;
+      }
+      if (st.code() != Status::Code::kLocked) {
+        return st.WithContext("allocating inode " + std::to_string(ino));
+      }
+    }
+    if (free_ino == 0) {
+      return Status::Locked("every free inode is held by another process or host (files "
+                            "being removed); try again");
+    }
+    // mu_ is held from here to the end: the namespace lock stays ours.
+    uint64_t generation = 0;
+    Status st = CreateInode(free_ino, name, size, kind, owner_ino, &generation);
+    DropCache(InodeLock(free_ino));
+    (void)locks_->Release(InodeLock(free_ino));
+    RETURN_IF_ERROR(st);
+    name_hint_[name] = free_ino;
+    // Namespace changes are rare; do not make other processes wait for ours.
+    RETURN_IF_ERROR(ReleaseCachedLock(kNamespaceLock));
+    return FileId{free_ino, generation};
   }
-  ASSIGN_OR_RETURN(std::vector<Inode> inodes, ScanInodes());
-  uint64_t free_ino = 0;
-  for (const Inode& in : inodes) {
-    if (in.in_use() && in.name == name) return Status::Exists("file '" + name + "' exists");
-    if (!in.in_use() && free_ino == 0) free_ino = in.ino;
-  }
-  if (free_ino == 0) {
-    if (inodes.size() >= sb_.inode_count) return Status::NoSpace("no free inodes");
-    free_ino = inodes.size() + 1;
-  }
-  MutexLock l(&mu_);
-  RETURN_IF_ERROR(locks_->Acquire(InodeLock(free_ino), LockMode::kExclusive, false)
-                      .WithContext("allocating inode " + std::to_string(free_ino)));
-  uint64_t generation = 0;
-  Status st = CreateInode(free_ino, name, size, kind, owner_ino, &generation);
-  DropCache(InodeLock(free_ino));
-  (void)locks_->Release(InodeLock(free_ino));
-  RETURN_IF_ERROR(st);
-  name_hint_[name] = free_ino;
-  // Namespace changes are rare; do not make other processes wait for ours.
-  RETURN_IF_ERROR(ReleaseCachedLock(kNamespaceLock));
-  return FileId{free_ino, generation};
+  return Status::Locked("creating '" + name + "': the namespace lock kept moving to other hosts "
+                        "during " + std::to_string(kTries) + " tries");
 }
 
 Status VolumeImpl::CreateInode(uint64_t ino, const std::string& name, uint64_t size,
                                FileKind kind, uint64_t owner_ino, uint64_t* generation) {
-  RETURN_IF_ERROR(EnsureRoom(4));
+  // Journal room only: EnsureRoom may wait for groups, giving back every
+  // cached lock first, the namespace lock included. No drop happens here.
+  RETURN_IF_ERROR(EnsureJournalRoom(4));
   ASSIGN_OR_RETURN(Inode in, GetInode(ino));
+  if (in.in_use()) {
+    // Only a stale scan could choose an inode in use; the namespace check
+    // in Create rules that out, so this is damage or a bug: never reuse it.
+    return Status::Corruption("inode " + std::to_string(ino) + " ('" + in.name +
+                              "') was chosen for a new file but is in use");
+  }
   in.generation++;
   in.flags = kInodeInUse;
   in.kind = kind;
@@ -1393,8 +1511,9 @@ Status VolumeImpl::Remove(const std::string& name) {
     WriterLock wl(&st->rw);
     RETURN_IF_ERROR(TruncateFile(st, 0));
     MutexLock l(&mu_);
-    RETURN_IF_ERROR(AcquireCached(kNamespaceLock));
+    // Room first: EnsureRoom may give back every cached lock to wait.
     RETURN_IF_ERROR(EnsureRoom(2));
+    RETURN_IF_ERROR(AcquireCached(kNamespaceLock));
     ASSIGN_OR_RETURN(Inode in, GetInode(fi.id.ino));
     Inode cleared;
     cleared.ino = in.ino;

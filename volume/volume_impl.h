@@ -110,6 +110,8 @@ class VolumeImpl : public Volume {
   Status Commit(bool durable) REQUIRES(mu_);
   Status WaitLock(LockId id) REQUIRES(mu_);
   static LockId WantedLock(LockId id);
+  // Held shared by processes blocked in WaitLock for `id` (they hold kWanted too).
+  static LockId WaitingLock(LockId id);
   Status Checkpoint() REQUIRES(mu_);
   // Room for an operation that dirties up to `blocks` metadata blocks and
   // drops up to `blocks` references: journal space (EnsureJournalRoom) and
@@ -129,6 +131,9 @@ class VolumeImpl : public Volume {
   Status AcquireGroupOf(uint64_t addr) REQUIRES(mu_);
   Status ReleaseCached() REQUIRES(mu_);
   Status ReleaseCachedLock(LockId id) REQUIRES(mu_);
+  // Lets go of one cached lock whose blocks are home (checkpointed): drops
+  // its cached blocks and allocation state, releases it.
+  Status ForgetCachedLock(LockId id) REQUIRES(mu_);
   void NoteCached(LockId id) REQUIRES(mu_);
   Status RecoverDeadHosts() REQUIRES(mu_);
   Status ScanDeadHosts() REQUIRES(mu_);
@@ -212,6 +217,10 @@ class VolumeImpl : public Volume {
   // group then goes to whoever announced (the reserving hand-over,
   // docs/LOCKING.md rule 4). Errors other than kLocked are returned.
   enum class GroupTry { kTaken, kBusy };
+  // Whether a take of kGroup(g) that could wait or go elsewhere should
+  // leave it to others: a want announced elsewhere, or, when we announced
+  // one ourselves, a process blocked waiting for it (docs/LOCKING.md rule 4).
+  Result<bool> LeaveToOthers(uint32_t g) REQUIRES(mu_);
   Result<GroupTry> TryTakeGroup(uint32_t g) REQUIRES(mu_);
   // Re-encodes drop_list_[i] into its block in the running transaction.
   Status StoreDropBlock(size_t i) REQUIRES(mu_);
@@ -287,6 +296,15 @@ class VolumeImpl : public Volume {
   // a crash, and then the block is still shared on disk).
   std::unordered_set<uint64_t> decref_uncommitted_ GUARDED_BY(mu_);
   std::set<LockId> cached_locks_ GUARDED_BY(mu_);  // namespace and groups
+  // Times the namespace lock left cached_locks_. Any thread's flush point
+  // may hand it to another host while Create scans the inode table without
+  // mu_; a Create that sees this change between its scan and its inode
+  // claim scans again (its view of free inodes and names may be stale).
+  uint64_t namespace_releases_ GUARDED_BY(mu_) = 0;
+  // Creates scanning right now: Sync does not hand the namespace lock over
+  // meanwhile (a wait elsewhere in this process still may: then they scan
+  // again).
+  int namespace_pins_ GUARDED_BY(mu_) = 0;
   // This host's drop list: drop_list_[i] holds the entries of block
   // sb_.DropListStart(host_) + i (cached, owned by the host-slot lock,
   // which this process holds for the volume's lifetime: nobody else
@@ -306,6 +324,10 @@ class VolumeImpl : public Volume {
   // LooksBusy/NoteBusy: group -> monotonic ns before which it is not tried.
   std::map<uint32_t, uint64_t> busy_until_ GUARDED_BY(mu_);
   std::chrono::seconds lock_wait_{60};  // bound on waiting for a volume lock
+  // How long WaitLock leaves a lock to processes that were blocked on it
+  // before this wait began (no queue on the disk: this is what keeps a
+  // waiter that backed off from losing every hand-over to newcomers).
+  static constexpr std::chrono::milliseconds kDeferToEarlierWaiters{200};
   std::map<uint64_t, OpenFileState*> open_ GUARDED_BY(mu_);  // by inode number
   struct GroupCursor {
     uint64_t data = 0;  // next data index to try (upwards)
