@@ -780,18 +780,11 @@ Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
     if (a != 0 && GroupOf(a, &g) && !cached_locks_.count(GroupLock(g))) need.insert(g);
   }
   for (uint32_t g : need) {
-    // A group someone announced a wait for is theirs first (see
-    // TryTakeGroup): taking it because it is free this instant would
-    // starve them (they poll every few ms, we take groups in µs). Join the
-    // waiters instead, unless we are one already.
-    Status st;
-    ASSIGN_OR_RETURN(bool leave, LeaveToOthers(g));
-    if (leave) {
-      groups_yielded_++;
-      st = Status::Locked("wanted elsewhere");
-    } else {
-      st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
-    }
+    // A free group is taken even when others announced a wait for it (no
+    // LeaveToOthers here): these takes have no other way out, and joining
+    // the waiters would make a pass wait with its files locked. The
+    // waiters get it at our next flush point.
+    Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
     if (st.code() == Status::Code::kLocked) {
       // Wait in group order holding no other cached lock.
       RETURN_IF_ERROR(ReleaseCached());
@@ -1262,7 +1255,7 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, All
       // a flush point meanwhile to hand it over. (One that gave part of
       // the run is kept, in group order, so no two hosts wait on each
       // other.)
-      if (out->empty() && out->size() < n) {
+      if (out->empty()) {
         RETURN_IF_ERROR(Checkpoint());
         RETURN_IF_ERROR(ForgetCachedLock(GroupLock(g)));
       }
