@@ -638,22 +638,24 @@ Status VolumeImpl::Sync() {
     RETURN_IF_ERROR(Commit(/*durable=*/true));
   }
   // Journal space is reclaimed on demand (EnsureRoom); a flush point is
-  // where we hand cached locks to processes that announced they wait. Only
-  // those: the rest stay cached (handing back everything would also pull
-  // the namespace lock from under a Create that is scanning, and make our
-  // own next writes take every group again).
-  std::vector<LockId> wanted_ids;
+  // where we hand cached locks to processes that announced they wait: all
+  // of them, not only the wanted ones. (Handing back only the wanted ones
+  // was tried: in the three-host cross-dedup test a host then kept groups
+  // that others took without announcing, and merge requests stayed
+  // unapplied; see docs/LOCKING.md rule 4.) A Create between its scan and
+  // its claim keeps the namespace; it hands it back itself when done.
+  bool wanted = false;
   for (const LockId& id : cached_locks_) {
-    // A Create between its scan and its claim keeps the namespace; it
-    // hands it back itself when done.
     if (id == kNamespaceLock && namespace_pins_ > 0) continue;
-    ASSIGN_OR_RETURN(bool wanted, locks_->IsHeldElsewhere(WantedLock(id)));
-    if (wanted) wanted_ids.push_back(id);
+    ASSIGN_OR_RETURN(wanted, locks_->IsHeldElsewhere(WantedLock(id)));
+    if (wanted) break;
   }
-  if (wanted_ids.empty()) return Status::Ok();
+  if (!wanted) return Status::Ok();
   RETURN_IF_ERROR(Checkpoint());
+  const std::vector<LockId> ids(cached_locks_.begin(), cached_locks_.end());
   Status released;
-  for (const LockId& id : wanted_ids) {
+  for (const LockId& id : ids) {
+    if (id == kNamespaceLock && namespace_pins_ > 0) continue;
     Status st = ForgetCachedLock(id);
     if (released.ok()) released = st;
   }
