@@ -294,6 +294,7 @@ class Pass {
     ASSIGN_OR_RETURN(MergeApplyStats merged, ApplyMergeRequestsIn(vol_, access_, opts_.verify, all, nullptr));
     stats_.merge_requests_applied += merged.applied;
     stats_.merge_requests_failed_verification += merged.failed_verification;
+    stats_.merge_requests_busy += merged.busy;
     stats_.merge_requests_stale += merged.stale;
     stats_.merge_corrupt_groups += merged.corrupt_groups;
     stats_.merge_files_removed += merged.request_files_removed;
@@ -698,6 +699,7 @@ class Pass {
   // current version turned out incomplete and was removed; look again.
   Result<bool> ProcessSlot(const ShardSlot& slot, bool has_pending, size_t b, size_t e) {
     const uint64_t t0 = clock_->MonotonicNanos();
+    parked_busy_.clear();
     const std::string what = "index shard " + slot.range.ToString();
     Progress(what + ": " + std::to_string(e - b) + " records" + (parking_ ? " (parking)" : ""));
     std::unique_ptr<File> cur;
@@ -796,13 +798,27 @@ class Pass {
     }
     Status st = RewriteSlot(slot, cur.get(), std::move(reader), std::move(recs), outs,
                             new_version, t0);
+    if (st.ok()) {
+      if (split) stats_.shards_split++;
+      stats_.shards_rewritten++;
+      st = RetireAndPark(slot, &cur, &pending_file, outs);
+    }
     if (split) UnlockShard(ShardLockId(outs[1]));
     RETURN_IF_ERROR(st);
-    if (split) stats_.shards_split++;
-    stats_.shards_rewritten++;
-    // The new version is durable: retire the old one and the parked records
-    // (one a reader holds this moment stays stale until a later pass; the
-    // parked records are applied again then, which is harmless).
+    return true;
+  }
+
+  // After a shard update's new version is durable: retires the old version
+  // and the pending file it consumed (one a reader holds this moment stays
+  // stale until a later pass; its parked records are applied again then,
+  // which is harmless), then parks the records held back because an
+  // allocation group was busy elsewhere (parked_busy_) in the pending file
+  // of the new range holding each. They go in after the retire, into a
+  // file created afresh, so the retire cannot take them. A crash between
+  // the two loses them: records are hints, and only an opportunity goes.
+  // The caller holds the lock of every range in `outs`.
+  Status RetireAndPark(const ShardSlot& slot, std::unique_ptr<File>* cur,
+                       std::unique_ptr<File>* pending_file, const std::vector<ShardRange>& outs) {
     auto retire = [&](const std::string& name) -> Status {
       Status st = vol_->Remove(name);
       if (st.ok() || st.code() == Status::Code::kLocked || st.code() == Status::Code::kNotFound) {
@@ -810,15 +826,42 @@ class Pass {
       }
       return st;
     };
-    if (cur) {
-      cur.reset();
+    if (*cur) {
+      cur->reset();
       RETURN_IF_ERROR(retire(slot.name));
     }
-    if (pending_file) {
-      pending_file.reset();
+    if (*pending_file) {
+      pending_file->reset();
       RETURN_IF_ERROR(retire(PendingFileName(slot.range)));
     }
-    return true;
+    for (const ShardRange& r : outs) {
+      std::vector<PendingRecord> park;
+      for (const PendingRecord& pr : parked_busy_) {
+        if (r.Contains(KeyPrefix(pr.fp))) park.push_back(pr);
+      }
+      if (park.empty()) continue;
+      // Pending files are opened only under their range's lock, which we
+      // hold; a reader (stats, fsck) has one for a moment at most.
+      const std::string pname = PendingFileName(r);
+      Result<std::unique_ptr<File>> pf = OpenOrCreate(pname, FileKind::kIndexShard);
+      for (int attempt = 0; attempt < 40 && pf.status().code() == Status::Code::kLocked;
+           attempt++) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        pf = OpenOrCreate(pname, FileKind::kIndexShard);
+      }
+      if (!pf.ok()) {
+        if (pf.status().code() != Status::Code::kLocked) return pf.status();
+        LOG(kWarning) << "index shard " << r.ToString() << ": " << park.size()
+                      << " records held back by a busy allocation group not parked ("
+                      << pf.status().message() << ")";
+        continue;
+      }
+      RETURN_IF_ERROR(AppendPendingFrame(pf->get(), park, algo_, uuid_));
+      stats_.pending_records_written += park.size();
+      stats_.records_parked_busy += park.size();
+    }
+    parked_busy_.clear();
+    return Status::Ok();
   }
 
   Status RewriteSlot(const ShardSlot& slot, File* cur, std::unique_ptr<ShardReader> reader,
@@ -1203,17 +1246,22 @@ class Pass {
         return at < clones.size() ? clones[at] : shares[at - clones.size()];
       };
       {
+        // Never wait for an allocation group another host holds (issue 5):
+        // what needs one comes back kLocked and is parked below.
+        Volume::BlockOpsOptions no_wait;
+        no_wait.no_wait = true;
         std::vector<Op> batch;
         batch.reserve(std::min(order.size(), opts_.batch_ops));
         for (size_t i = 0; i < order.size(); i += opts_.batch_ops) {
           const size_t e = std::min(order.size(), i + opts_.batch_ops);
           batch.clear();
           for (size_t j = i; j < e; j++) batch.push_back(planned_at(order[j].at).op);
-          RETURN_IF_ERROR(vol_->ApplyBlockOps(&batch, opts_.verify, &read_buf_));
+          RETURN_IF_ERROR(vol_->ApplyBlockOps(&batch, opts_.verify, &read_buf_, no_wait));
           SettleIo();
           for (size_t j = i; j < e; j++) {
             Op& done = batch[j - i];
-            if (!done.result.ok() && done.result.code() != Status::Code::kMismatch) {
+            if (!done.result.ok() && done.result.code() != Status::Code::kMismatch &&
+                done.result.code() != Status::Code::kLocked) {
               return done.result;
             }
             Op& op = planned_at(order[j].at).op;
@@ -1223,21 +1271,31 @@ class Pass {
         }
       }
       // A share from a failed anchor found a hole (kMismatch, nothing
-      // changed): it does not count; its record gets its turn again.
+      // changed): it does not count; its record gets its turn again. One
+      // from an anchor held back (kLocked) was held back with it: the
+      // group's records are parked below.
       std::vector<bool> anchored(groups->size(), true);
       for (const Planned& c : clones) anchored[c.group] = c.op.result.ok();
       shares.erase(std::remove_if(shares.begin(), shares.end(),
                                   [&](const Planned& p) { return !anchored[p.group]; }),
                    shares.end());
 
-      // Outcomes.
+      // Outcomes. kLocked: nothing changed for that operation, and it is
+      // no failure: its record is parked for a later pass (ParkBusy).
       std::vector<uint64_t> shared_with(groups->size(), 0);
       std::vector<bool> indexed_ok(groups->size(), false);
+      std::vector<bool> indexed_busy(groups->size(), false);
       for (const Planned& p : shares) {
         Group& g = (*groups)[p.group];
+        const bool busy = p.op.result.code() == Status::Code::kLocked;
         if (p.record == kIndexed) {
           indexed_ok[p.group] = p.op.result.ok();
+          indexed_busy[p.group] = busy;
           shared_with[p.group] += p.op.result.ok();
+          continue;
+        }
+        if (busy) {
+          ParkBusy(recs[p.record]);
           continue;
         }
         if (p.op.result.ok()) {
@@ -1264,6 +1322,29 @@ class Pass {
       }
       for (const Planned& c : clones) {
         Group& g = (*groups)[c.group];
+        if (c.op.result.code() == Status::Code::kLocked) {
+          // The anchor's block is in a group held elsewhere (or its clone
+          // depended on one that was): nothing was cloned, the entry stays
+          // as it is, and this fingerprint is left alone for the rest of
+          // the pass (another anchor would most likely meet the same
+          // group, round after round): its records from the anchor on are
+          // parked, those of files we cannot open counted as usual.
+          arena->Unallocate(g.anchor_arena);
+          for (size_t j = g.anchor_record; j < g.end; j++) {
+            Result<FileAccess::Handle> h = Open(&files_[recs[j].file]);
+            if (h.ok()) {
+              ParkBusy(recs[j]);
+            } else if (h.status().code() == Status::Code::kLocked) {
+              stats_.busy_targets++;
+            } else if (h.status().code() == Status::Code::kNotFound) {
+              stats_.stale_records++;
+            } else {
+              return h.status();
+            }
+          }
+          g.next = g.end;
+          continue;
+        }
         if (!c.op.result.ok()) {
           // The record's block changed since it was logged: try the next.
           stats_.stale_records++;
@@ -1283,6 +1364,14 @@ class Pass {
               MergeRequest{g.state->block, FingerprintOf(ar.fp, algo_), g.anchor_arena});
           g.state = IndexEntry{ar.fp, EntryKind::kShared, FileId{}, 0, g.anchor_arena};
           stats_.shared_new++;
+        } else if (shared_with[c.group] == 0 && indexed_busy[c.group]) {
+          // Only the indexed block G:c could have shared the arena block,
+          // and its group is held elsewhere: undo the clone (the arena's
+          // reference is dropped; never waited for), keep Unique(G, c) and
+          // park the anchor's record, so a later pass tries again.
+          RETURN_IF_ERROR(arena->f->Punch(g.anchor_arena));
+          arena->Unallocate(g.anchor_arena);
+          ParkBusy(ar);
         } else if (shared_with[c.group] == 0) {
           // Nothing else holds this content any more: the indexed block is
           // stale, and the anchor becomes the hint (not shared with the
@@ -1292,13 +1381,29 @@ class Pass {
           g.state = IndexEntry{ar.fp, EntryKind::kUnique, files_[ar.file].info.id, ar.block, 0};
           stats_.stale_entries++;
         } else {
-          if (!indexed_ok[c.group]) stats_.stale_entries++;
+          if (indexed_busy[c.group]) {
+            // Shared without G:c, whose group is held elsewhere: the entry
+            // claims only what is true (the arena block holds the content);
+            // G:c is parked as a record of its own, shared with the arena
+            // block by a later pass.
+            ParkBusy(PassRecord{g.key, g.state->block, FileIndexOf(g.state->file)});
+          } else if (!indexed_ok[c.group]) {
+            stats_.stale_entries++;
+          }
           g.state = IndexEntry{ar.fp, EntryKind::kShared, FileId{}, 0, g.anchor_arena};
           stats_.shared_new++;
         }
         g.next = g.end;
       }
     }
+  }
+
+  // Keeps a record whose share or clone was held back (an allocation group
+  // busy elsewhere) for a later pass: RetireAndPark writes it into the
+  // pending file of its shard once the shard's new version is durable.
+  void ParkBusy(const PassRecord& r) {
+    if (r.file == kNoFile) return;
+    parked_busy_.push_back(PendingRecord{r.fp, files_[r.file].info.id, r.block});
   }
 
   Volume* vol_;
@@ -1333,6 +1438,8 @@ class Pass {
     std::vector<MergeRequest> requests;
   };
   std::map<uint64_t, MergePost> merge_posts_;
+  // Records of the shard update in progress held back by a busy group.
+  std::vector<PendingRecord> parked_busy_;
   bool swept_all_ = false;
   uint64_t rehashed_ = 0;
   DedupStats stats_;

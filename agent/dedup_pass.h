@@ -121,6 +121,10 @@ struct DedupStats {
   uint64_t stale_records = 0;        // record's block changed since: dropped
   uint64_t stale_entries = 0;        // Unique hint no longer true: replaced
   uint64_t busy_targets = 0;         // a record's file held elsewhere: skipped
+  // Records whose share or clone needed an allocation group another
+  // process or host holds (never waited for; docs/LOCKING.md "Increments
+  // without waiting"): kept in their shard's pending file for a later pass.
+  uint64_t records_parked_busy = 0;
   // Merge requests (DeDe 3.3.2): Unique(G, c) with G held elsewhere. The
   // record's block still becomes the arena block; G:c is left to G's
   // holder through a request in G's request file.
@@ -129,6 +133,7 @@ struct DedupStats {
   // Requests for the files this pass holds, applied at its start.
   uint64_t merge_requests_applied = 0;
   uint64_t merge_requests_failed_verification = 0;  // target block changed: dropped
+  uint64_t merge_requests_busy = 0;    // group held elsewhere: kept for the next apply
   uint64_t merge_requests_stale = 0;   // target recreated, truncated or dedup=off: dropped
   uint64_t merge_corrupt_groups = 0;   // skipped runs of bad request blocks
   uint64_t merge_files_removed = 0;    // request files whose target inode is gone

@@ -451,7 +451,9 @@ int Run(const Config& cfg) {
                  << st->merge_requests_posted << " merge requests posted ("
                  << st->merge_posts_busy << " posts busy), " << st->merge_requests_applied
                  << " applied, " << st->zero_blocks_freed << " zero blocks freed, "
-                 << st->files_busy << " files busy, " << st->shards_rewritten
+                 << st->files_busy << " files busy, " << st->records_parked_busy
+                 << " records parked (allocation group busy elsewhere), "
+                 << st->shards_rewritten
                  << " shards rewritten (" << st->shards_split << " split, " << st->shard_waits
                  << " waits) in " << double(st->total_ns) / 1e9 << " s; "
                  << st->young_records_deferred << " young records deferred, " << row.io_bytes
@@ -567,7 +569,8 @@ int Run(const Config& cfg) {
         pass_state.merge_applied_total += st->applied;
       }
       LOG(kInfo) << "merge requests: " << st->applied << " applied, " << st->failed_verification
-                 << " failed verification, " << st->stale << " stale";
+                 << " failed verification, " << st->stale << " stale, " << st->busy
+                 << " held back (allocation group busy elsewhere; kept for the next apply)";
     }
   };
   PeriodicJob merge_job(io, &server, cfg.merge_interval > 0 ? cfg.merge_interval : 1e9,

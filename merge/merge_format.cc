@@ -202,6 +202,7 @@ void MergeApplyStats::Add(const MergeApplyStats& o) {
   already_shared += o.already_shared;
   failed_verification += o.failed_verification;
   stale += o.stale;
+  busy += o.busy;
   corrupt_groups += o.corrupt_groups;
 }
 

@@ -209,9 +209,15 @@ Result<MergeApplyStats> ApplyMergeRequests(Volume* vol, File* target, VerifyMode
   for (size_t i = 0; i < ops.size(); i += kBatchOps) {
     std::vector<Op> batch(ops.begin() + long(i),
                           ops.begin() + long(std::min(ops.size(), i + kBatchOps)));
-    RETURN_IF_ERROR(vol->ApplyBlockOps(&batch, verify, &buffer));
+    // Never waits for an allocation group another host holds (issue 5):
+    // such a share comes back kLocked, and the file keeps its requests.
+    Volume::BlockOpsOptions no_wait;
+    no_wait.no_wait = true;
+    RETURN_IF_ERROR(vol->ApplyBlockOps(&batch, verify, &buffer, no_wait));
     for (const Op& op : batch) {
-      if (op.result.ok()) {
+      if (op.result.code() == Status::Code::kLocked) {
+        stats.busy++;
+      } else if (op.result.ok()) {
         stats.applied++;
         stats.already_shared += op.changed ? 0 : 1;
       } else if (op.result.code() == Status::Code::kMismatch) {
@@ -227,6 +233,14 @@ Result<MergeApplyStats> ApplyMergeRequests(Volume* vol, File* target, VerifyMode
   // The shares are durable before the requests go: a crash in between
   // applies them again, which finds them shared (idempotent).
   RETURN_IF_ERROR(vol->Sync());
+  if (stats.busy > 0) {
+    // Some shares were held back: the file stays as it is for the next
+    // apply, which finds the ones done now already shared (idempotent, as
+    // after a crash) and, the holder having handed the group over at its
+    // flush point, applies the rest. Clearing only the done ones would
+    // mean rewriting the file's groups; keeping them costs a re-check.
+    return stats;
+  }
   RETURN_IF_ERROR(mr->Truncate(0));
   RETURN_IF_ERROR(vol->Sync());
   opened->reset();  // releases the request file's lock

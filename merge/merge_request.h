@@ -146,6 +146,10 @@ struct MergeApplyStats {
   uint64_t already_shared = 0;         // of `applied`: it already did
   uint64_t failed_verification = 0;    // target block no longer holds the witness content
   uint64_t stale = 0;                  // target recreated (other generation), truncated, dedup=off
+  // Shares held back because their block's allocation group is held by
+  // another process or host (never waited for): the request file is kept
+  // whole for the next apply.
+  uint64_t busy = 0;
   uint64_t corrupt_groups = 0;         // skipped runs of bad blocks
   void Add(const MergeApplyStats& o);
 };
@@ -159,6 +163,10 @@ struct MergeApplyStats {
 // durable (Sync) before the request file is emptied and removed, so a
 // crash at any instant re-applies at worst (sharing is idempotent). No
 // request file: zero stats. A request file held elsewhere: counted busy.
+// Never waits for another host: a share whose block's allocation group is
+// held elsewhere is held back (Volume::BlockOpsOptions::no_wait), counted
+// in `busy`, and then the request file is kept as it is, to be applied
+// again (the done shares are found already shared then).
 Result<MergeApplyStats> ApplyMergeRequests(Volume* vol, File* target, VerifyMode verify);
 
 }  // namespace dede

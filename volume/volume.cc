@@ -326,8 +326,8 @@ VolumeImpl::~VolumeImpl() {
     // for its next owner (counted by fsck meanwhile).
     (void)DrainDrops(Drain::kNow);
   }
-  for (uint32_t g : drop_wanted_) (void)locks_->Release(WantedLock(GroupLock(g)));
-  drop_wanted_.clear();
+  for (uint32_t g : wanted_groups_) (void)locks_->Release(WantedLock(GroupLock(g)));
+  wanted_groups_.clear();
   Status st = (read_only_ || !poisoned_.ok()) ? poisoned_ : Checkpoint();
   if (!st.ok()) {
     // Same as CloseFile: locks stay held (the lock manager drops them when
@@ -696,7 +696,12 @@ Status VolumeImpl::WaitLock(LockId id) {
   const auto start = std::chrono::steady_clock::now();
   const auto defer_until =
       start + ((earlier.ok() && *earlier) ? kDeferToEarlierWaiters : std::chrono::milliseconds(0));
-  bool announced = locks_->Acquire(want, LockMode::kShared, false).ok();
+  // A group we announced already (wanted_groups_) keeps that announcement:
+  // releasing ours here would withdraw it (one kWanted per process);
+  // NoteCached withdraws it once the group is ours.
+  const bool standing =
+      id.kind == LockKind::kGroup && wanted_groups_.count(static_cast<uint32_t>(id.id)) > 0;
+  bool announced = !standing && locks_->Acquire(want, LockMode::kShared, false).ok();
   bool blocked_announced = locks_->Acquire(blocked, LockMode::kShared, false).ok();
   const auto deadline = start + lock_wait_;
   Status st;
@@ -733,7 +738,19 @@ Status VolumeImpl::WaitLock(LockId id) {
   return st;
 }
 
-void VolumeImpl::NoteCached(LockId id) { cached_locks_.insert(id); }
+void VolumeImpl::NoteCached(LockId id) {
+  cached_locks_.insert(id);
+  if (id.kind == LockKind::kGroup && wanted_groups_.erase(static_cast<uint32_t>(id.id))) {
+    (void)locks_->Release(WantedLock(id));
+  }
+}
+
+void VolumeImpl::AnnounceWant(uint32_t g) {
+  if (!wanted_groups_.count(g) &&
+      locks_->Acquire(WantedLock(GroupLock(g)), LockMode::kShared, false).ok()) {
+    wanted_groups_.insert(g);
+  }
+}
 
 Status VolumeImpl::ReleaseCachedLock(LockId id) {
   if (!cached_locks_.count(id)) return Status::Ok();
@@ -983,7 +1000,7 @@ Result<bool> VolumeImpl::LeaveToOthers(uint32_t g) {
   // for ever; they do leave it to a process blocked waiting (kWaiting),
   // or two such hosts could pass it between them while the blocked one
   // runs out of time.
-  if (drop_wanted_.count(g)) return locks_->IsHeldElsewhere(WaitingLock(gl));
+  if (wanted_groups_.count(g)) return locks_->IsHeldElsewhere(WaitingLock(gl));
   return locks_->IsHeldElsewhere(WantedLock(gl));
 }
 
@@ -1041,13 +1058,7 @@ Status VolumeImpl::DrainDrops(Drain how) {
     }
   }
   // Held elsewhere: ask the holder to hand the group back at its next
-  // flush point; we look again at ours. Nobody waits.
-  auto want = [&](uint32_t g) REQUIRES(mu_) {
-    if (!drop_wanted_.count(g) &&
-        locks_->Acquire(WantedLock(GroupLock(g)), LockMode::kShared, false).ok()) {
-      drop_wanted_.insert(g);
-    }
-  };
+  // flush point (AnnounceWant); we look again at ours. Nobody waits.
   for (const auto& [g, addrs] : by_group) {
     const LockId gl = GroupLock(g);
     if (!cached_locks_.count(gl)) {
@@ -1062,7 +1073,7 @@ Status VolumeImpl::DrainDrops(Drain how) {
           // Any failure to get the lock is retried later too: a flush
           // must not fail for a drop that can wait.
           if (!got.ok()) NoteBusy(g);
-          want(g);
+          AnnounceWant(g);
           continue;
         }
       }
@@ -1080,7 +1091,6 @@ Status VolumeImpl::DrainDrops(Drain how) {
         break;
       }
     }
-    if (drop_wanted_.erase(g)) (void)locks_->Release(WantedLock(gl));
     if (wait) {
       // Not held through the wait for the next group: nothing of ours
       // reaches a flush point meanwhile to hand it over.
@@ -2247,7 +2257,8 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
 
 Volume::ReadBuffer::~ReadBuffer() { std::free(data_); }
 
-Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, ReadBuffer* buffer) {
+Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, ReadBuffer* buffer,
+                                 const BlockOpsOptions& options) {
   using Kind = BlockOp::Kind;
   if (ops->empty()) return Status::Ok();
   if (mode == VerifyMode::kHashWitness && sb_.hash_algo != HashAlgo::kSha256) {
@@ -2471,20 +2482,79 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
     PutInode(in);
     return Status::Ok();
   };
+  //
+  // With options.no_wait, an operation whose source block's group is held
+  // elsewhere is held back (kLocked) before it changes anything, and so is
+  // every later operation that involves a position a held-back one would
+  // have changed: the decisions above assumed every earlier operation
+  // applied, and the pointer checks below would otherwise find a pointer
+  // that an operation held back did not change (and poison the volume).
+  // An operation that involves only positions untouched by held-back ones
+  // finds exactly the pointers it was decided on.
+  const bool no_wait = options.no_wait;
+  std::unordered_set<const Ptrs*> held_back;  // positions held-back operations involve
+  std::set<uint32_t> busy_groups;             // found held elsewhere during this call
+  auto hold_back = [&](BlockOp& op, const OpPlan& p, const char* why) {
+    op.result = Status::Locked(std::string("block op: ") + why);
+    op.changed = false;
+    if (p.src != nullptr) held_back.insert(p.src);
+    if (p.dst != nullptr) held_back.insert(p.dst);
+  };
   size_t k = 0;
   while (k < ops->size()) {
     MutexLock l(&mu_);
     for (size_t n = 0; n < kOpsPerLock && k < ops->size(); k++) {
       BlockOp& op = (*ops)[k];
+      const OpPlan& p = plan[k];
       const uint64_t sp = decided[k].first;
       const uint64_t dp = decided[k].second;
+      // (Operations refused while planning have no positions.)
+      if (!held_back.empty() && p.dst != nullptr &&
+          (held_back.count(p.dst) || (p.src != nullptr && held_back.count(p.src)))) {
+        hold_back(op, p, "an earlier operation on one of its blocks was held back");
+        continue;
+      }
       if (!op.result.ok() || (sp == 0 && dp == 0)) continue;
       n++;
       RETURN_IF_ERROR(CheckWritable());
-      RETURN_IF_ERROR(EnsureRoom(32));
-      // Group locks before any change: not getting one changes nothing.
+      uint32_t src_group = 0;
+      const bool src_in_group =
+          op.kind != Kind::kPunchIfZero && GroupOf(PtrAddr(sp), &src_group);
+      if (no_wait) {
+        if (src_in_group && busy_groups.count(src_group)) {
+          hold_back(op, p, "the source block's allocation group is held elsewhere");
+          continue;
+        }
+        // EnsureRoom would wait for groups when the drop list is full.
+        RETURN_IF_ERROR(EnsureJournalRoom(32));
+        if (sb_.drop_blocks > 0 && DropRoom() < 32) {
+          RETURN_IF_ERROR(DrainDrops(Drain::kNow));
+          if (DropRoom() < 32) {
+            hold_back(op, p, "the drop list is full and cannot be drained without waiting");
+            continue;
+          }
+        }
+        if (src_in_group && !cached_locks_.count(GroupLock(src_group))) {
+          bool taken = false;
+          if (!LooksBusy(src_group)) {
+            ASSIGN_OR_RETURN(GroupTry got, TryTakeGroup(src_group));
+            taken = got == GroupTry::kTaken;
+          }
+          if (!taken) {
+            // Ask the holder to hand it over at its flush point; the group
+            // then waits for us (TryTakeGroup's reserving hand-over).
+            AnnounceWant(src_group);
+            busy_groups.insert(src_group);
+            hold_back(op, p, "the source block's allocation group is held elsewhere");
+            continue;
+          }
+        }
+      } else {
+        RETURN_IF_ERROR(EnsureRoom(32));
+        // Group locks before any change: not getting one changes nothing.
+        if (op.kind != Kind::kPunchIfZero) RETURN_IF_ERROR(AcquireGroupOf(PtrAddr(sp)));
+      }
       // (The destination's old block is only dropped: never waited for.)
-      if (op.kind != Kind::kPunchIfZero) RETURN_IF_ERROR(AcquireGroupOf(PtrAddr(sp)));
       RETURN_IF_ERROR(PrepareDrop(PtrAddr(dp)));
       Inode& din = inodes[plan[k].dst_file];
       auto apply = [&]() REQUIRES(mu_) -> Status {

@@ -253,11 +253,33 @@ class Volume {
     uint8_t* data_ = nullptr;  // 4 KiB-aligned, blocks_ blocks
     size_t blocks_ = 0;
   };
+  // How one ApplyBlockOps call treats allocation groups held elsewhere.
+  struct BlockOpsOptions {
+    // Never wait for another process or host (issue 5; docs/LOCKING.md
+    // "Increments without waiting"). A share or clone adds a reference to
+    // its source block, and the count lives in the block's allocation
+    // group. By default a group held elsewhere is waited for (announced,
+    // bounded by OpenOptions::lock_wait_s). With `no_wait` such an
+    // operation is not applied: its result is kLocked, `changed` false,
+    // and nothing changed for it; the wait is announced instead (kWanted,
+    // kept until this process gets the group), so the holder hands the
+    // group over at its next flush point and a later call finds it free.
+    // A later operation of the batch that involves a block position such
+    // an operation would have changed is kLocked too (it was planned on
+    // what that one would have left). The decision is made before the
+    // operation changes anything. The other operations are applied as
+    // usual. A full drop list that cannot be drained without waiting
+    // holds operations back the same way.
+    bool no_wait = false;
+  };
   // Without `buffer`, each call allocates (and frees) its own.
-  virtual Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode,
-                               ReadBuffer* buffer) = 0;
+  virtual Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, ReadBuffer* buffer,
+                               const BlockOpsOptions& options) = 0;
+  Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, ReadBuffer* buffer) {
+    return ApplyBlockOps(ops, mode, buffer, BlockOpsOptions{});
+  }
   Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
-    return ApplyBlockOps(ops, mode, nullptr);
+    return ApplyBlockOps(ops, mode, nullptr, BlockOpsOptions{});
   }
 
   // Flush point (see top of file).

@@ -69,8 +69,8 @@ class VolumeImpl : public Volume {
                          VerifyMode mode, const Fingerprint* witness) override;
   Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) EXCLUDES(mu_) override;
   using Volume::ApplyBlockOps;
-  Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, ReadBuffer* buffer)
-      EXCLUDES(mu_) override;
+  Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, ReadBuffer* buffer,
+                       const BlockOpsOptions& options) EXCLUDES(mu_) override;
   Status Sync() EXCLUDES(mu_) override;
   Result<VolumeStats> Stats() EXCLUDES(mu_) override;
   DropCounters drop_counters() EXCLUDES(mu_) override {
@@ -134,7 +134,15 @@ class VolumeImpl : public Volume {
   // Lets go of one cached lock whose blocks are home (checkpointed): drops
   // its cached blocks and allocation state, releases it.
   Status ForgetCachedLock(LockId id) REQUIRES(mu_);
+  // Records a cached lock just taken; for a group, withdraws this
+  // process's announcement for it (wanted_groups_): it got what it waited
+  // for.
   void NoteCached(LockId id) REQUIRES(mu_);
+  // Announces, without waiting, that this process wants group g
+  // (kWanted(group) shared, kept in wanted_groups_): its holder hands it
+  // over at its next flush point, and keeps leaving it to us until we take
+  // it (TryTakeGroup). A failed announcement is only a lost hint.
+  void AnnounceWant(uint32_t g) REQUIRES(mu_);
   Status RecoverDeadHosts() REQUIRES(mu_);
   Status ScanDeadHosts() REQUIRES(mu_);
   void DropCache(LockId owner) REQUIRES(mu_);
@@ -319,8 +327,13 @@ class VolumeImpl : public Volume {
   // a flush point (monotonic ns; 0 = at the next one).
   uint64_t adopt_due_ns_ GUARDED_BY(mu_) = 0;
   static constexpr uint64_t kAdoptIntervalNs = 60'000'000'000;
-  // kWanted(group) held for groups with deferred entries.
-  std::set<uint32_t> drop_wanted_ GUARDED_BY(mu_);
+  // Groups whose kWanted this process holds (shared): announced for
+  // deferred drops (DrainDrops) and for increments held back by
+  // ApplyBlockOps' no_wait, in one set because the lock backends keep one
+  // kWanted per process and group (a second set's release would withdraw
+  // the first's announcement). Released when the group is taken
+  // (NoteCached) and at close.
+  std::set<uint32_t> wanted_groups_ GUARDED_BY(mu_);
   // LooksBusy/NoteBusy: group -> monotonic ns before which it is not tried.
   std::map<uint32_t, uint64_t> busy_until_ GUARDED_BY(mu_);
   std::chrono::seconds lock_wait_{60};  // bound on waiting for a volume lock

@@ -301,6 +301,7 @@ struct PassRun {
     j["stale_records"] = s.stale_records;
     j["stale_entries"] = s.stale_entries;
     j["busy_targets"] = s.busy_targets;
+    j["records_parked_busy"] = s.records_parked_busy;
     j["gc_unique_entries"] = s.gc_unique_entries;
     j["shards_rewritten"] = s.shards_rewritten;
     j["shards_deferred"] = s.shards_deferred;

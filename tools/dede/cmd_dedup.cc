@@ -54,10 +54,12 @@ json StatsJson(const DedupStats& s) {
   j["stale_records"] = s.stale_records;
   j["stale_entries"] = s.stale_entries;
   j["busy_targets"] = s.busy_targets;
+  j["records_parked_busy"] = s.records_parked_busy;
   j["merge_requests_posted"] = s.merge_requests_posted;
   j["merge_posts_busy"] = s.merge_posts_busy;
   j["merge_requests_applied"] = s.merge_requests_applied;
   j["merge_requests_failed_verification"] = s.merge_requests_failed_verification;
+  j["merge_requests_busy"] = s.merge_requests_busy;
   j["merge_requests_stale"] = s.merge_requests_stale;
   j["merge_corrupt_groups"] = s.merge_corrupt_groups;
   j["merge_files_removed"] = s.merge_files_removed;
@@ -212,7 +214,8 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
             << "\n  merge requests      " << s.merge_requests_posted << " posted, "
             << s.merge_posts_busy << " posts busy; " << s.merge_requests_applied << " applied, "
             << s.merge_requests_failed_verification << " failed verification, "
-            << s.merge_requests_stale << " stale"
+            << s.merge_requests_stale << " stale, " << s.merge_requests_busy << " held back"
+            << "\n  parked (group busy) " << s.records_parked_busy << " records"
             << "\n  shards              " << s.shards_rewritten << " rewritten, "
             << s.shards_deferred << " deferred, " << s.shards_split << " split"
             << "\n  time                " << HumanDuration(double(s.total_ns) / 1e9) << std::endl;

@@ -1,0 +1,354 @@
+// Increments without waiting (issue 5, docs/LOCKING.md "Increments
+// without waiting"): a share or clone adds a reference to its source
+// block, whose count lives in the block's allocation group. When another
+// host holds that group, Volume::ApplyBlockOps with no_wait holds the
+// operation back (kLocked, nothing changed) instead of waiting for the
+// holder, and announces the wait so the holder hands the group over at its
+// next flush point. A dedup pass parks the records held back in their
+// shard's pending file; a later pass completes them.
+//
+// Two Volume objects on one MemDevice, with lock managers on one lock file,
+// play two hosts. Host 2 holds the group and never flushes on its own (a
+// single-threaded test): a waiting host 1 would wait the whole lock wait
+// (60 s, left at its default on purpose) and then fail.
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "agent/dedup_pass.h"
+#include "kmod/writemon/write_log.h"
+#include "kmod/writemon/write_monitor.h"
+#include "tests/dedup_accounting.h"
+#include "volume/fsck.h"
+#include "volume/lock_manager.h"
+#include "volume/mem_device.h"
+#include "volume/volume.h"
+
+using namespace dede;
+
+namespace {
+
+constexpr uint64_t kB = kBlockSize;
+using Op = Volume::BlockOp;
+using Kind = Volume::BlockOp::Kind;
+using Code = Status::Code;
+
+LockId WantedGroup(uint64_t g) {
+  return LockId{LockKind::kWanted, (uint64_t{static_cast<uint16_t>(LockKind::kGroup)} << 40) | g};
+}
+
+// A pseudo-random block per id.
+std::vector<uint8_t> Content(uint64_t id) {
+  std::vector<uint8_t> out(kB);
+  uint64_t x = (id + 1) * 0x9e3779b97f4a7c15ULL;
+  for (size_t i = 0; i < kB; i += 8) {
+    x ^= x << 13;
+    x ^= x >> 7;
+    x ^= x << 17;
+    std::memcpy(out.data() + i, &x, 8);
+  }
+  return out;
+}
+
+std::vector<uint8_t> ReadBlock(File* f, uint64_t block) {
+  std::vector<uint8_t> out(kB);
+  REQUIRE(f->Read(block * kB, out.data(), kB).ok());
+  return out;
+}
+
+uint32_t Refs(File* f, uint64_t block) {
+  Result<uint32_t> r = f->BlockRefCount(block);
+  INFO(r.status().ToString());
+  REQUIRE(r.ok());
+  return r.value();
+}
+
+void RequireFsckClean(Volume* vol) {
+  auto rep = CheckVolume(vol, false);
+  REQUIRE(rep.ok());
+  std::string problems;
+  for (const auto& p : rep->problems) problems += p.where + ": " + p.what + "; ";
+  INFO("fsck: " << problems);
+  REQUIRE(rep->clean());
+}
+
+double Seconds(std::chrono::steady_clock::time_point since) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - since).count();
+}
+
+// LooksBusy: a group found held elsewhere is not tried again for 100 ms.
+void PastBusyMemo() { std::this_thread::sleep_for(std::chrono::milliseconds(150)); }
+
+// Two hosts and an observer (a third lock manager on the same lock file,
+// to see announcements). Groups of 4 MiB: host 1 allocates from group 0
+// up, host 2 from group 1 up (its share of the groups starts there).
+struct Hosts {
+  MemDevice dev{64ull << 20};
+  std::string lock_path;
+  std::shared_ptr<LockManager> lm1, lm2, observer;
+  std::unique_ptr<Volume> v1, v2;
+
+  Hosts() {
+    FormatOptions fo;
+    fo.group_refblocks = 1;
+    REQUIRE(FormatVolume(&dev, fo, false).ok());
+    lock_path = "/tmp/dede-nowait-" + std::to_string(getpid()) + "-" + std::to_string(rand());
+    lm1 = NewLocks();
+    lm2 = NewLocks();
+    observer = NewLocks();
+    v1 = Open(1, lm1);
+    v2 = Open(2, lm2);
+    REQUIRE(v1->superblock().group_count >= 4);
+  }
+  ~Hosts() { ::unlink(lock_path.c_str()); }
+
+  std::shared_ptr<LockManager> NewLocks() {
+    auto lm = OpenLocalLockManager(lock_path);
+    REQUIRE(lm.ok());
+    return std::shared_ptr<LockManager>(std::move(lm.value()));
+  }
+  std::unique_ptr<Volume> Open(uint32_t host, std::shared_ptr<LockManager> lm) {
+    OpenOptions oo;
+    oo.host_id = host;
+    oo.locks = std::move(lm);
+    oo.lock_wait_s = 60;  // a wait would be seen, not cut short
+    auto v = Volume::Open(&dev, oo);
+    INFO("open as host " << host << ": " << v.status().ToString());
+    REQUIRE(v.ok());
+    return std::move(v.value());
+  }
+
+  // Creates `name` on `vol` with one block per content id and closes it
+  // (closing hands the volume's cached group locks back).
+  static void Make(Volume* vol, const std::string& name, const std::vector<uint64_t>& contents,
+                   WriteMonitor* monitor = nullptr) {
+    auto id = vol->Create(name, contents.size() * kB);
+    REQUIRE(id.ok());
+    auto f = vol->OpenFile(name);
+    REQUIRE(f.ok());
+    if (monitor != nullptr) monitor->AddFile(*id, true);
+    for (size_t b = 0; b < contents.size(); b++) {
+      const std::vector<uint8_t> c = Content(contents[b]);
+      REQUIRE((*f)->Write(b * kB, c.data(), kB).ok());
+      if (monitor != nullptr) monitor->OnWrite(*id, b * kB, c.data(), kB);
+    }
+    REQUIRE((*f)->Flush().ok());
+    if (monitor != nullptr) {
+      REQUIRE(AppendToWriteLog(vol, monitor->Take(*id)).ok());
+      REQUIRE(vol->Sync().ok());
+    }
+  }
+
+  // Host 2 writes a file of its own and keeps it open: it holds the group
+  // it allocated from (group 1) until a flush point where someone waits.
+  std::unique_ptr<File> Host2TakesItsGroup() {
+    auto id = v2->Create("h", kB);
+    REQUIRE(id.ok());
+    auto f = v2->OpenFile("h");
+    REQUIRE(f.ok());
+    const std::vector<uint8_t> c = Content(999);
+    REQUIRE((*f)->Write(0, c.data(), kB).ok());
+    return std::move(*f);
+  }
+
+  bool Announced(uint64_t g) {
+    auto held = observer->IsHeldElsewhere(WantedGroup(g));
+    REQUIRE(held.ok());
+    return *held;
+  }
+};
+
+std::unique_ptr<File> OpenOn(Volume* vol, const std::string& name) {
+  auto f = vol->OpenFile(name);
+  INFO("open " << name << ": " << f.status().ToString());
+  REQUIRE(f.ok());
+  return std::move(*f);
+}
+
+Op Share(File* src, uint64_t si, File* dst, uint64_t di) {
+  Op op;
+  op.kind = Kind::kShare;
+  op.src = src;
+  op.src_index = si;
+  op.dst = dst;
+  op.dst_index = di;
+  return op;
+}
+
+}  // namespace
+
+TEST_CASE("no-wait block ops hold back an operation whose group another host holds",
+          "[volume][blockops][nowait]") {
+  Hosts h;
+  // "a" is written by host 2: its blocks are in group 1. "b" (same content
+  // as a:0), "c" and "d" (one shared content) and "e" (a:0's content
+  // again) by host 1, in group 0.
+  Hosts::Make(h.v2.get(), "a", {1, 2});
+  Hosts::Make(h.v1.get(), "b", {1});
+  Hosts::Make(h.v1.get(), "c", {3});
+  Hosts::Make(h.v1.get(), "d", {3});
+  Hosts::Make(h.v1.get(), "e", {1});
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();
+  REQUIRE_FALSE(h.Announced(1));
+
+  std::unique_ptr<File> a = OpenOn(h.v1.get(), "a");
+  std::unique_ptr<File> b = OpenOn(h.v1.get(), "b");
+  std::unique_ptr<File> c = OpenOn(h.v1.get(), "c");
+  std::unique_ptr<File> d = OpenOn(h.v1.get(), "d");
+  std::unique_ptr<File> e = OpenOn(h.v1.get(), "e");
+  // 0: a:0 -> b:0 needs group 1 (host 2's). 1: c:0 -> d:0 needs group 0.
+  // 2: b:0 -> e:0 was planned on b:0 after operation 0 (a:0's block): with
+  // 0 held back it must be held back too (applied as planned, its pointer
+  // check would find b's own block and poison the volume).
+  std::vector<Op> ops = {Share(a.get(), 0, b.get(), 0), Share(c.get(), 0, d.get(), 0),
+                         Share(b.get(), 0, e.get(), 0)};
+  Volume::BlockOpsOptions no_wait;
+  no_wait.no_wait = true;
+  Volume::ReadBuffer buf;
+  auto t0 = std::chrono::steady_clock::now();
+  Status st = h.v1->ApplyBlockOps(&ops, VerifyMode::kByteCompare, &buf, no_wait);
+  const double took = Seconds(t0);
+  INFO("ApplyBlockOps: " << st.ToString() << " in " << took << " s");
+  REQUIRE(st.ok());
+  CHECK(took < 5.0);
+  INFO("op 0: " << ops[0].result.ToString() << "; op 1: " << ops[1].result.ToString()
+                << "; op 2: " << ops[2].result.ToString());
+  CHECK(ops[0].result.code() == Code::kLocked);
+  CHECK_FALSE(ops[0].changed);
+  CHECK(ops[1].result.ok());
+  CHECK(ops[1].changed);
+  CHECK(ops[2].result.code() == Code::kLocked);
+  CHECK_FALSE(ops[2].changed);
+  // Nothing changed for the held-back operations: b and e keep their own
+  // blocks (counts in group 0, which host 1 holds).
+  CHECK(Refs(b.get(), 0) == 1);
+  CHECK(Refs(e.get(), 0) == 1);
+  CHECK(Refs(d.get(), 0) == 2);
+  CHECK(ReadBlock(b.get(), 0) == Content(1));
+  // Host 1 announced that it wants group 1.
+  CHECK(h.Announced(1));
+  REQUIRE(h.v1->Sync().ok());
+
+  // Host 2's flush point hands the group over; host 1's retry applies
+  // both and withdraws its announcement.
+  REQUIRE(h.v2->Sync().ok());
+  PastBusyMemo();
+  std::vector<Op> again = {Share(a.get(), 0, b.get(), 0), Share(b.get(), 0, e.get(), 0)};
+  t0 = std::chrono::steady_clock::now();
+  st = h.v1->ApplyBlockOps(&again, VerifyMode::kByteCompare, &buf, no_wait);
+  INFO("retry: " << st.ToString() << "; op 0: " << again[0].result.ToString() << "; op 1: "
+                 << again[1].result.ToString());
+  REQUIRE(st.ok());
+  CHECK(Seconds(t0) < 5.0);
+  CHECK(again[0].result.ok());
+  CHECK(again[0].changed);
+  CHECK(again[1].result.ok());
+  CHECK(again[1].changed);
+  CHECK_FALSE(h.Announced(1));
+  CHECK(Refs(a.get(), 0) == 3);  // a, b, e
+  CHECK(ReadBlock(b.get(), 0) == Content(1));
+  CHECK(ReadBlock(e.get(), 0) == Content(1));
+  REQUIRE(h.v1->Sync().ok());
+
+  a.reset();
+  b.reset();
+  c.reset();
+  d.reset();
+  e.reset();
+  hf.reset();
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
+  auto stats = h.v1->Stats();
+  REQUIRE(stats.ok());
+  CHECK(stats->shared_blocks == 2);  // a:0's block (3 refs), c:0's (2)
+}
+
+TEST_CASE("a dedup pass parks records whose group another host holds and a later pass shares them",
+          "[dedup][nowait]") {
+  Hosts h;
+  WriteMonitorOptions mo;
+  mo.algo = h.v1->superblock().hash_algo;
+  WriteMonitor monitor(mo);
+  // Both files written (and logged) by host 2, so their blocks are in
+  // group 1; they share content 1000 at x:3 and y:5.
+  constexpr uint64_t kFileBlocks = 8;
+  std::vector<uint64_t> xs, ys;
+  for (uint64_t b = 0; b < kFileBlocks; b++) {
+    xs.push_back(b == 3 ? 1000 : 100 + b);
+    ys.push_back(b == 5 ? 1000 : 200 + b);
+  }
+  Hosts::Make(h.v2.get(), "x", xs, &monitor);
+  Hosts::Make(h.v2.get(), "y", ys, &monitor);
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();
+
+  auto physical = [&]() {
+    auto stats = h.v1->Stats();
+    REQUIRE(stats.ok());
+    auto list = h.v1->List();
+    REQUIRE(list.ok());
+    return test::PhysicalDataBlocks(*stats, *list);
+  };
+  // (Counted from host 1 once host 2 has handed its groups back: host 2's
+  // counts are in its journal until then.)
+  const uint64_t exact = 2 * kFileBlocks - 1 + 1;  // 15 distinct in x and y, h's block
+
+  DedupOptions opts;
+  opts.rewrite_fraction = 0;  // every shard with records is rewritten
+  DedupStats first;
+  {
+    VolumeFileAccess access(h.v1.get());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto pass = RunDedupPass(h.v1.get(), &access, opts);
+    const double took = Seconds(t0);
+    INFO("pass: " << pass.status().ToString() << " in " << took << " s");
+    REQUIRE(pass.ok());
+    CHECK(took < 5.0);
+    first = *pass;
+  }
+  CHECK(first.logs_consumed == 2);
+  CHECK(first.records_parked_busy == 1);  // the second record of content 1000
+  CHECK(first.shared_new == 0);
+  CHECK(first.stale_records == 0);
+  CHECK(first.stale_entries == 0);
+  CHECK(first.unique_added == 2 * kFileBlocks - 1);
+  CHECK(h.Announced(1));
+
+  // Host 2's flush point hands group 1 over; the next pass (no new
+  // records: only the parked one) completes the share.
+  REQUIRE(h.v2->Sync().ok());
+  PastBusyMemo();
+  DedupStats second;
+  {
+    VolumeFileAccess access(h.v1.get());
+    auto pass = RunDedupPass(h.v1.get(), &access, opts);
+    INFO("pass: " << pass.status().ToString());
+    REQUIRE(pass.ok());
+    second = *pass;
+  }
+  CHECK(second.pending_records_applied == 1);
+  CHECK(second.records_parked_busy == 0);
+  CHECK(second.shared_new == 1);
+  CHECK(second.stale_records == 0);
+  auto stats = h.v1->Stats();
+  REQUIRE(stats.ok());
+  CHECK(stats->pending_drops == 0);  // the logs' blocks, dropped in group 1
+  CHECK(physical() == exact);
+  {
+    auto x = OpenOn(h.v1.get(), "x");
+    auto y = OpenOn(h.v1.get(), "y");
+    CHECK(Refs(x.get(), 3) == 3);  // x, y, the arena
+    CHECK(ReadBlock(x.get(), 3) == Content(1000));
+    CHECK(ReadBlock(y.get(), 5) == Content(1000));
+  }
+  CHECK_FALSE(h.Announced(1));
+  hf.reset();
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
+}
