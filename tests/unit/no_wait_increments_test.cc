@@ -5,7 +5,8 @@
 // operation back (kLocked, nothing changed) instead of waiting for the
 // holder, and announces the wait so the holder hands the group over at its
 // next flush point. A dedup pass parks the records held back in their
-// shard's pending file; a later pass completes them.
+// shard's pending file; a later pass completes them. Merge-request
+// application keeps a request file whose share was held back.
 //
 // Two Volume objects on one MemDevice, with lock managers on one lock file,
 // play two hosts. Host 2 holds the group and never flushes on its own (a
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "agent/dedup_pass.h"
+#include "merge/merge_request.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "tests/dedup_accounting.h"
@@ -348,6 +350,62 @@ TEST_CASE("a dedup pass parks records whose group another host holds and a later
     CHECK(ReadBlock(y.get(), 5) == Content(1000));
   }
   CHECK_FALSE(h.Announced(1));
+  hf.reset();
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
+}
+
+TEST_CASE("merge-request application keeps requests whose group another host holds",
+          "[merge][nowait]") {
+  Hosts h;
+  // The request's clone references a block of host 2's file "s" (group
+  // 1); the target "t" is host 1's and holds the same content.
+  Hosts::Make(h.v2.get(), "s", {7});
+  Hosts::Make(h.v1.get(), "t", {7});
+  std::unique_ptr<File> t = OpenOn(h.v1.get(), "t");
+  {
+    std::unique_ptr<File> s = OpenOn(h.v1.get(), "s");
+    const std::vector<uint8_t> c = Content(7);
+    const Fingerprint fp = ComputeFingerprint(h.v1->superblock().hash_algo, c.data(), kB);
+    REQUIRE(PostMergeRequests(h.v1.get(), t->id(), {MergeRequest{0, fp, 0}}, s.get()).ok());
+    REQUIRE(h.v1->Sync().ok());
+  }
+  // Closing "s" handed group 1 back; host 2 takes it again.
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();
+  auto has_requests = [&]() {
+    auto list = h.v1->List();
+    REQUIRE(list.ok());
+    for (const FileInfo& fi : *list) {
+      if (fi.name == MergeRequestFileName(t->id().ino)) return true;
+    }
+    return false;
+  };
+  REQUIRE(has_requests());
+
+  auto t0 = std::chrono::steady_clock::now();
+  auto first = ApplyMergeRequests(h.v1.get(), t.get(), VerifyMode::kByteCompare);
+  INFO("apply: " << first.status().ToString() << " in " << Seconds(t0) << " s");
+  REQUIRE(first.ok());
+  CHECK(Seconds(t0) < 5.0);
+  CHECK(first->busy == 1);
+  CHECK(first->applied == 0);
+  CHECK(first->failed_verification == 0);
+  CHECK(Refs(t.get(), 0) == 1);  // t keeps its own block (group 0)
+  CHECK(has_requests());         // kept for the next apply
+  CHECK(h.Announced(1));
+
+  REQUIRE(h.v2->Sync().ok());  // hands group 1 over
+  PastBusyMemo();
+  auto second = ApplyMergeRequests(h.v1.get(), t.get(), VerifyMode::kByteCompare);
+  INFO("apply: " << second.status().ToString());
+  REQUIRE(second.ok());
+  CHECK(second->busy == 0);
+  CHECK(second->applied == 1);
+  CHECK(second->already_shared == 0);
+  CHECK_FALSE(has_requests());
+  CHECK(Refs(t.get(), 0) == 2);  // s and t (the request's clone went with its file)
+  CHECK(ReadBlock(t.get(), 0) == Content(7));
+  t.reset();
   hf.reset();
   h.v2.reset();
   RequireFsckClean(h.v1.get());
