@@ -206,11 +206,12 @@ TEST_CASE("no-wait block ops hold back an operation whose group another host hol
   std::unique_ptr<File> d = OpenOn(h.v1.get(), "d");
   std::unique_ptr<File> e = OpenOn(h.v1.get(), "e");
   // 0: a:0 -> b:0 needs group 1 (host 2's). 1: c:0 -> d:0 needs group 0.
-  // 2: b:0 -> e:0 was planned on b:0 after operation 0 (a:0's block): with
-  // 0 held back it must be held back too (applied as planned, its pointer
-  // check would find b's own block and poison the volume).
+  // 2: e:0 -> b:0 needs only group 0 too, but it was planned on b:0 as
+  // operation 0 would have left it (a:0's block): with 0 held back it must
+  // be held back too (applied as planned, its pointer check would find b's
+  // own block and poison the volume).
   std::vector<Op> ops = {Share(a.get(), 0, b.get(), 0), Share(c.get(), 0, d.get(), 0),
-                         Share(b.get(), 0, e.get(), 0)};
+                         Share(e.get(), 0, b.get(), 0)};
   Volume::BlockOpsOptions no_wait;
   no_wait.no_wait = true;
   Volume::ReadBuffer buf;
@@ -321,6 +322,23 @@ TEST_CASE("a dedup pass parks records whose group another host holds and a later
   CHECK(first.stale_entries == 0);
   CHECK(first.unique_added == 2 * kFileBlocks - 1);
   CHECK(h.Announced(1));
+
+  // A pass while host 2 still holds the group: the parked record is taken
+  // from the pending file, held back again, and parked again in a pending
+  // file that outlives the retire of the one it came from.
+  {
+    VolumeFileAccess access(h.v1.get());
+    const auto t0 = std::chrono::steady_clock::now();
+    auto pass = RunDedupPass(h.v1.get(), &access, opts);
+    INFO("pass: " << pass.status().ToString());
+    REQUIRE(pass.ok());
+    CHECK(Seconds(t0) < 5.0);
+    CHECK(pass->pending_records_applied == 1);
+    CHECK(pass->records_parked_busy == 1);
+    CHECK(pass->shared_new == 0);
+    CHECK(pass->stale_records == 0);
+    CHECK(pass->stale_entries == 0);
+  }
 
   // Host 2's flush point hands group 1 over; the next pass (no new
   // records: only the parked one) completes the share.
