@@ -746,7 +746,9 @@ class Pass {
     }
     const uint64_t entries = reader ? reader->header().entry_count : 0;
     const uint64_t fresh = e - b;
-    if (parking_ || (!opts_.force && entries > 0 &&
+    const bool busy_parked = opts_.busy_parked_shards != nullptr &&
+                             opts_.busy_parked_shards->count(slot.range.lo) > 0;
+    if (parking_ || (!opts_.force && !busy_parked && entries > 0 &&
                      double(pending.size() + fresh) <= opts_.rewrite_fraction * double(entries))) {
       // Batching: not worth a rewrite yet. Park the records.
       if (fresh > 0) {
@@ -834,6 +836,7 @@ class Pass {
       pending_file->reset();
       RETURN_IF_ERROR(retire(PendingFileName(slot.range)));
     }
+    if (opts_.busy_parked_shards != nullptr) opts_.busy_parked_shards->erase(slot.range.lo);
     for (const ShardRange& r : outs) {
       std::vector<PendingRecord> park;
       for (const PendingRecord& pr : parked_busy_) {
@@ -859,6 +862,7 @@ class Pass {
       RETURN_IF_ERROR(AppendPendingFrame(pf->get(), park, algo_, uuid_));
       stats_.pending_records_written += park.size();
       stats_.records_parked_busy += park.size();
+      if (opts_.busy_parked_shards != nullptr) opts_.busy_parked_shards->insert(r.lo);
     }
     parked_busy_.clear();
     return Status::Ok();

@@ -31,6 +31,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "agent/export_table.h"
@@ -90,6 +91,15 @@ struct DedupOptions {
   // it goes back into its file's log for a later pass, so hot blocks do not
   // churn through copy-on-write. 0: every record is used.
   uint64_t stable_after_ns = 0;
+  // Shards (by their range's lo) whose pending files hold records parked
+  // because an allocation group was busy elsewhere (records_parked_busy).
+  // The pass rewrites these at its next visit whatever the batching
+  // fraction says, so the held-back records get their turn as soon as the
+  // holder has handed the group over, and it updates the set: a shard
+  // rewritten leaves it, one that parks busy records joins it. dedupd keeps
+  // it across its passes; nullptr: parked records wait for the batching
+  // fraction like any other (a hint only: nothing is lost either way).
+  std::set<uint64_t>* busy_parked_shards = nullptr;
   // Wall clock for stable_after_ns and shard headers; nullptr: the real one.
   Clock* clock = nullptr;
   // Throttling: the pass's threads charge their device I/O to `io_budget`

@@ -15,6 +15,7 @@
 #include <functional>
 #include <memory>
 #include <mutex>
+#include <set>
 
 #include "agent/control_server.h"
 #include "agent/dedup_pass.h"
@@ -346,6 +347,10 @@ int Run(const Config& cfg) {
   // index entries go at once.
   std::atomic<bool> sweep_next_pass{false};
   std::mutex pass_mu;
+  // Shards holding records parked because an allocation group was busy on
+  // another host: the next pass rewrites them (DedupOptions). Used only by
+  // passes, under pass_mu.
+  std::set<uint64_t> busy_parked_shards;
   struct PassState {
     std::mutex mu;
     std::string window, progress;
@@ -393,6 +398,7 @@ int Run(const Config& cfg) {
     po.settle_io = [&] { throttle.Settle(); };
     po.batch_ops = IoThrottle::BatchOpsFor(policy.rate_bytes_per_s, po.batch_ops);
     po.force = sweep_next_pass.exchange(false);
+    po.busy_parked_shards = &busy_parked_shards;
     po.progress = [&](const std::string& line) {
       std::lock_guard<std::mutex> l(pass_state.mu);
       pass_state.progress = line;

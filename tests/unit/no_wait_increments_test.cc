@@ -19,6 +19,7 @@
 #include <cstring>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 #include <thread>
 #include <vector>
@@ -281,7 +282,9 @@ TEST_CASE("a dedup pass parks records whose group another host holds and a later
   WriteMonitor monitor(mo);
   // Both files written (and logged) by host 2, so their blocks are in
   // group 1; they share content 1000 at x:3 and y:5.
-  constexpr uint64_t kFileBlocks = 8;
+  // 32 blocks each: 63 entries, so one parked record is well below the
+  // batching fraction (5%) and only the busy-parked hint gets it applied.
+  constexpr uint64_t kFileBlocks = 32;
   std::vector<uint64_t> xs, ys;
   for (uint64_t b = 0; b < kFileBlocks; b++) {
     xs.push_back(b == 3 ? 1000 : 100 + b);
@@ -300,10 +303,11 @@ TEST_CASE("a dedup pass parks records whose group another host holds and a later
   };
   // (Counted from host 1 once host 2 has handed its groups back: host 2's
   // counts are in its journal until then.)
-  const uint64_t exact = 2 * kFileBlocks - 1 + 1;  // 15 distinct in x and y, h's block
+  const uint64_t exact = 2 * kFileBlocks - 1 + 1;  // distinct in x and y, and h's block
 
-  DedupOptions opts;
-  opts.rewrite_fraction = 0;  // every shard with records is rewritten
+  DedupOptions opts;  // the default batching fraction
+  std::set<uint64_t> busy_parked;
+  opts.busy_parked_shards = &busy_parked;
   DedupStats first;
   {
     VolumeFileAccess access(h.v1.get());
@@ -321,6 +325,7 @@ TEST_CASE("a dedup pass parks records whose group another host holds and a later
   CHECK(first.stale_records == 0);
   CHECK(first.stale_entries == 0);
   CHECK(first.unique_added == 2 * kFileBlocks - 1);
+  CHECK(busy_parked.size() == 1);
   CHECK(h.Announced(1));
 
   // A pass while host 2 still holds the group: the parked record is taken
@@ -333,7 +338,8 @@ TEST_CASE("a dedup pass parks records whose group another host holds and a later
     INFO("pass: " << pass.status().ToString());
     REQUIRE(pass.ok());
     CHECK(Seconds(t0) < 5.0);
-    CHECK(pass->pending_records_applied == 1);
+    CHECK(pass->pending_records_applied == 1);  // not deferred by the fraction
+    CHECK(pass->shards_deferred == 0);
     CHECK(pass->records_parked_busy == 1);
     CHECK(pass->shared_new == 0);
     CHECK(pass->stale_records == 0);
@@ -354,6 +360,7 @@ TEST_CASE("a dedup pass parks records whose group another host holds and a later
   }
   CHECK(second.pending_records_applied == 1);
   CHECK(second.records_parked_busy == 0);
+  CHECK(busy_parked.empty());
   CHECK(second.shared_new == 1);
   CHECK(second.stale_records == 0);
   auto stats = h.v1->Stats();
