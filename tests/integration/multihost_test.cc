@@ -213,6 +213,16 @@ TEST_CASE("all hosts write and dedup at once and no byte is wrong", "[multihost]
   std::printf("multihost soak: %llu reference drops deferred (group held by another host), "
               "%llu applied\n",
               static_cast<unsigned long long>(deferred), static_cast<unsigned long long>(applied));
+  // Increments are not waited for either (LOCKING "Increments without
+  // waiting"): records parked and merge requests held back for that.
+  std::string all_logs;
+  for (int h = 1; h <= kHosts; h++) all_logs += c.dedupd(h).Log();
+  std::printf("multihost soak: %llu records parked, %llu merge requests held back (allocation "
+              "group held by another host)\n",
+              static_cast<unsigned long long>(
+                  LogSum(all_logs, R"((\d+) records parked \(allocation group busy)")),
+              static_cast<unsigned long long>(
+                  LogSum(all_logs, R"((\d+) held back \(allocation group busy)")));
   for (int h = 1; h <= kHosts; h++) c.Stop(h);
   c.FsckClean(1);
 }
