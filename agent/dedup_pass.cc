@@ -746,8 +746,8 @@ class Pass {
     }
     const uint64_t entries = reader ? reader->header().entry_count : 0;
     const uint64_t fresh = e - b;
-    const bool busy_parked = opts_.busy_parked_shards != nullptr &&
-                             opts_.busy_parked_shards->count(slot.range.lo) > 0;
+    const bool busy_parked =
+        opts_.busy_parked_shards != nullptr && opts_.busy_parked_shards->count(slot.range.lo) > 0;
     if (parking_ || (!opts_.force && !busy_parked && entries > 0 &&
                      double(pending.size() + fresh) <= opts_.rewrite_fraction * double(entries))) {
       // Batching: not worth a rewrite yet. Park the records.

@@ -2518,8 +2518,7 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
       n++;
       RETURN_IF_ERROR(CheckWritable());
       uint32_t src_group = 0;
-      const bool src_in_group =
-          op.kind != Kind::kPunchIfZero && GroupOf(PtrAddr(sp), &src_group);
+      const bool src_in_group = op.kind != Kind::kPunchIfZero && GroupOf(PtrAddr(sp), &src_group);
       if (no_wait) {
         if (src_in_group && busy_groups.count(src_group)) {
           hold_back(op, p, "the source block's allocation group is held elsewhere");

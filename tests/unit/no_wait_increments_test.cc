@@ -25,9 +25,9 @@
 #include <vector>
 
 #include "agent/dedup_pass.h"
-#include "merge/merge_request.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
+#include "merge/merge_request.h"
 #include "tests/dedup_accounting.h"
 #include "volume/fsck.h"
 #include "volume/lock_manager.h"
@@ -87,7 +87,9 @@ double Seconds(std::chrono::steady_clock::time_point since) {
 }
 
 // LooksBusy: a group found held elsewhere is not tried again for 100 ms.
-void PastBusyMemo() { std::this_thread::sleep_for(std::chrono::milliseconds(150)); }
+void PastBusyMemo() {
+  std::this_thread::sleep_for(std::chrono::milliseconds(150));
+}
 
 // Two hosts and an observer (a third lock manager on the same lock file,
 // to see announcements). Groups of 4 MiB: host 1 allocates from group 0
@@ -247,8 +249,8 @@ TEST_CASE("no-wait block ops hold back an operation whose group another host hol
   std::vector<Op> again = {Share(a.get(), 0, b.get(), 0), Share(b.get(), 0, e.get(), 0)};
   t0 = std::chrono::steady_clock::now();
   st = h.v1->ApplyBlockOps(&again, VerifyMode::kByteCompare, &buf, no_wait);
-  INFO("retry: " << st.ToString() << "; op 0: " << again[0].result.ToString() << "; op 1: "
-                 << again[1].result.ToString());
+  INFO("retry: " << st.ToString() << "; op 0: " << again[0].result.ToString()
+                 << "; op 1: " << again[1].result.ToString());
   REQUIRE(st.ok());
   CHECK(Seconds(t0) < 5.0);
   CHECK(again[0].result.ok());
