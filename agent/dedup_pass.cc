@@ -688,11 +688,51 @@ class Pass {
     return true;
   }
 
+  // The index files of a range (its shard versions, pending file and
+  // arena) are written only by the holder of the range's shard lock. Every
+  // other process that has one open while we hold that lock is a reader:
+  // `dede stats`, fsck, or a dedupd summing up the volume after its own
+  // pass (SummarizeSpace opens the arenas and pending files). A reader
+  // holds the file for milliseconds, so the calls below give readers
+  // kReaderGrace before they report the file busy; failing the pass at
+  // the first kLocked made a pass that started while another host was
+  // summing up fail outright (the three-host cross-dedup test, under load).
+  static constexpr auto kReaderGrace = std::chrono::seconds(5);
+
+  template <typename Fn>
+  auto RetryWhileReaderHolds(Fn fn) -> decltype(fn()) {
+    const auto deadline = std::chrono::steady_clock::now() + kReaderGrace;
+    while (true) {
+      auto r = fn();
+      if (StatusOf(r).code() != Status::Code::kLocked ||
+          std::chrono::steady_clock::now() >= deadline) {
+        return r;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  static const Status& StatusOf(const Status& s) { return s; }
+  template <typename T>
+  static Status StatusOf(const Result<T>& r) {
+    return r.status();
+  }
+
+  // Opens (creating it if it does not exist) an index file of a range whose
+  // shard lock we hold.
   Result<std::unique_ptr<File>> OpenOrCreate(const std::string& name, FileKind kind) {
-    Result<std::unique_ptr<File>> f = vol_->OpenFile(name);
-    if (f.ok() || f.status().code() != Status::Code::kNotFound) return f;
-    RETURN_IF_ERROR(vol_->Create(name, 0, kind).status());
-    return vol_->OpenFile(name);
+    return RetryWhileReaderHolds([&]() -> Result<std::unique_ptr<File>> {
+      Result<std::unique_ptr<File>> f = vol_->OpenFile(name);
+      if (f.ok() || f.status().code() != Status::Code::kNotFound) return f;
+      RETURN_IF_ERROR(vol_->Create(name, 0, kind).status());
+      return vol_->OpenFile(name);
+    });
+  }
+
+  // Removes an index file of a range whose shard lock we hold; one that
+  // does not exist is fine.
+  Status RemoveIndexFile(const std::string& name) {
+    Status st = RetryWhileReaderHolds([&] { return vol_->Remove(name); });
+    return st.code() == Status::Code::kNotFound ? Status::Ok() : st;
   }
 
   // One shard update (or deferral) with the shard's lock held. False: the
@@ -723,7 +763,7 @@ class Pass {
         LOG(kWarning) << what << ": " << r.status().message() << "; removing '" << slot.name
                       << "'";
         cur.reset();
-        RETURN_IF_ERROR(vol_->Remove(slot.name));
+        RETURN_IF_ERROR(RemoveIndexFile(slot.name));
         stats_.incomplete_versions_removed++;
         return false;
       }
@@ -733,7 +773,8 @@ class Pass {
     std::unique_ptr<File> pending_file;
     std::vector<PendingRecord> pending;
     if (has_pending) {
-      Result<std::unique_ptr<File>> pf = vol_->OpenFile(PendingFileName(slot.range));
+      Result<std::unique_ptr<File>> pf =
+          RetryWhileReaderHolds([&] { return vol_->OpenFile(PendingFileName(slot.range)); });
       if (pf.ok()) {
         pending_file = std::move(*pf);
         PendingScanStats ps;
@@ -847,11 +888,6 @@ class Pass {
       // hold; a reader (stats, fsck) has one for a moment at most.
       const std::string pname = PendingFileName(r);
       Result<std::unique_ptr<File>> pf = OpenOrCreate(pname, FileKind::kIndexShard);
-      for (int attempt = 0; attempt < 40 && pf.status().code() == Status::Code::kLocked;
-           attempt++) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        pf = OpenOrCreate(pname, FileKind::kIndexShard);
-      }
       if (!pf.ok()) {
         if (pf.status().code() != Status::Code::kLocked) return pf.status();
         LOG(kWarning) << "index shard " << r.ToString() << ": " << park.size()
@@ -881,14 +917,12 @@ class Pass {
       // entry. Start it afresh (files keep their data; only the arena's
       // references go).
       arenas[0].f.reset();
-      Status rm = vol_->Remove(ArenaFileName(slot.range.lo));
-      if (!rm.ok() && rm.code() != Status::Code::kNotFound) return rm;
+      RETURN_IF_ERROR(RemoveIndexFile(ArenaFileName(slot.range.lo)));
       ASSIGN_OR_RETURN(arenas[0].f, OpenOrCreate(ArenaFileName(slot.range.lo), FileKind::kArena));
     }
     if (outs.size() == 2) {
       const std::string upper = ArenaFileName(outs[1].lo);
-      Status rm = vol_->Remove(upper);  // a leftover of a split that died
-      if (!rm.ok() && rm.code() != Status::Code::kNotFound) return rm;
+      RETURN_IF_ERROR(RemoveIndexFile(upper));  // a leftover of a split that died
       ASSIGN_OR_RETURN(arenas[1].f, OpenOrCreate(upper, FileKind::kArena));
     }
     SettleIo();
@@ -896,8 +930,7 @@ class Pass {
     std::vector<std::unique_ptr<ShardWriter>> writers;
     for (const ShardRange& r : outs) {
       const std::string name = ShardFileName(r, version);
-      Status rm = vol_->Remove(name);  // an incomplete leftover of the same name
-      if (!rm.ok() && rm.code() != Status::Code::kNotFound) return rm;
+      RETURN_IF_ERROR(RemoveIndexFile(name));  // an incomplete leftover of the same name
       ASSIGN_OR_RETURN(FileId id, vol_->Create(name, 0, FileKind::kIndexShard));
       (void)id;
       ASSIGN_OR_RETURN(std::unique_ptr<File> f, vol_->OpenFile(name));

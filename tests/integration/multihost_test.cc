@@ -50,12 +50,22 @@ TEST_CASE("cross-host dedup reaches the exact figure through merge requests in a
       // their timer (--merge-interval 1); wait for the exact figure.
       auto t0 = Clock::now();
       uint64_t physical = 0;
+      nlohmann::json waited;
       while (true) {
-        nlohmann::json s = c.Stats(1);
-        physical = s["physical_data_blocks"].get<uint64_t>();
+        waited = c.Stats(1);
+        physical = waited["physical_data_blocks"].get<uint64_t>();
         if (physical == exact_blocks || Since(t0) > 60) break;
         std::this_thread::sleep_for(std::chrono::milliseconds(500));
       }
+      INFO("dede stats after " << Since(t0) << " s: " << waited.dump());
+      std::string drops_now;
+      for (int h = 1; h <= kHosts; h++) {
+        drops_now += " host " + std::to_string(h) + " " +
+                     nlohmann::json::parse(c.DedeOk(h, {"status", "--control",
+                                                        c.dedupd(h).control(), "--json"}))["drops"]
+                         .dump();
+      }
+      INFO("reference drops:" << drops_now);
       std::string logs;
       for (int h = 1; h <= kHosts; h++) logs += c.dedupd(h).Log();
       INFO(logs);

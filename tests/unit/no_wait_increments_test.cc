@@ -14,6 +14,7 @@
 // (60 s, left at its default on purpose) and then fail.
 #include <unistd.h>
 
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstring>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "agent/dedup_pass.h"
+#include "index/shard_format.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "merge/merge_request.h"
@@ -434,6 +436,74 @@ TEST_CASE("merge-request application keeps requests whose group another host hol
   CHECK(ReadBlock(t.get(), 0) == Content(7));
   t.reset();
   hf.reset();
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
+}
+
+TEST_CASE("a dedup pass gives a reader holding its shard's arena a moment instead of failing",
+          "[dedup][nowait]") {
+  // `dede stats`, fsck and every dedupd after its own pass (the volume's
+  // figures for the pass history) open the arena and pending files for a
+  // moment. A pass on another host that met such a reader used to fail at
+  // once ("file '.dede-arena-...' is in use"), losing its whole window's
+  // work; the three-host cross-dedup test hit it under load.
+  Hosts h;
+  WriteMonitorOptions mo;
+  mo.algo = h.v1->superblock().hash_algo;
+  WriteMonitor monitor(mo);
+  Hosts::Make(h.v1.get(), "x", {1, 2, 1000, 3}, &monitor);
+  Hosts::Make(h.v1.get(), "y", {4, 1000, 5}, &monitor);
+  DedupOptions opts;
+  opts.force = true;  // every pass rewrites the shard, so it opens the arena
+  {
+    VolumeFileAccess access(h.v1.get());
+    auto pass = RunDedupPass(h.v1.get(), &access, opts);
+    INFO("first pass: " << pass.status().ToString());
+    REQUIRE(pass.ok());
+    REQUIRE(pass->shared_new == 1);  // content 1000: the arena exists now
+  }
+  Hosts::Make(h.v1.get(), "z", {1000, 6}, &monitor);
+
+  // Host 2 reads the arena for 400 ms while host 1's pass starts.
+  std::atomic<bool> opened{false}, pass_done{false};
+  std::string reader_error;
+  std::thread reader([&] {
+    auto f = h.v2->OpenFile(ArenaFileName(0));
+    if (!f.ok()) {
+      reader_error = f.status().ToString();
+      opened = true;
+      return;
+    }
+    opened = true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    f->reset();
+    // Host 2's flush points hand over whatever it cached (the namespace)
+    // when host 1 asks, as dedupd's would.
+    while (!pass_done) {
+      (void)h.v2->Sync();
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  });
+  while (!opened) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  REQUIRE(reader_error.empty());
+  Result<DedupStats> second = Status::Ok();
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    VolumeFileAccess access(h.v1.get());
+    second = RunDedupPass(h.v1.get(), &access, opts);
+  }
+  const double took = Seconds(t0);
+  pass_done = true;
+  reader.join();
+  INFO("second pass: " << second.status().ToString() << " in " << took << " s");
+  REQUIRE(second.ok());
+  CHECK(second->shared_hits == 1);  // z:0 shares the arena block
+  CHECK(took >= 0.3);               // it did meet the reader
+  CHECK(took < 5.0);
+  auto z = OpenOn(h.v1.get(), "z");
+  CHECK(Refs(z.get(), 0) == 4);  // x:2, y:1, z:0 and the arena
+  CHECK(ReadBlock(z.get(), 0) == Content(1000));
+  z.reset();
   h.v2.reset();
   RequireFsckClean(h.v1.get());
 }
