@@ -1017,8 +1017,15 @@ class Pass {
     };
     auto finish = [&](std::optional<IndexEntry> st) -> Status {
       if (st && st->kind == EntryKind::kShared) {
-        // Garbage: an arena block no file refers to any more.
-        ASSIGN_OR_RETURN(uint32_t refs, arenas[0].f->BlockRefCount(st->arena));
+        // Garbage: an arena block no file refers to any more. Never waits
+        // for another host's group (issue 5): unanswered, the entry stays
+        // (it is true, or at worst names garbage until a later pass).
+        Result<uint32_t> counted = arenas[0].f->TryBlockRefCount(st->arena);
+        if (!counted.ok() && counted.status().code() != Status::Code::kLocked) {
+          return counted.status();
+        }
+        if (!counted.ok()) stats_.gc_checks_busy++;
+        const uint32_t refs = counted.ok() ? *counted : 2;
         if (refs <= 1) {
           if (refs == 1) arenas[0].to_punch.push_back(st->arena);
           stats_.gc_arena_blocks++;
@@ -1074,7 +1081,12 @@ class Pass {
       const uint64_t arena_blocks = arenas[0].f->size() / kBlockSize;
       for (uint64_t i = 0; i < arena_blocks; i++) {
         if (i < arena_used.size() && arena_used[i]) continue;
-        ASSIGN_OR_RETURN(uint32_t refs, arenas[0].f->BlockRefCount(i));
+        Result<uint32_t> counted = arenas[0].f->TryBlockRefCount(i);
+        if (!counted.ok() && counted.status().code() != Status::Code::kLocked) {
+          return counted.status();
+        }
+        if (!counted.ok()) stats_.gc_checks_busy++;  // swept by a later sweep
+        const uint32_t refs = counted.ok() ? *counted : 0;
         if (refs > 0) {
           arenas[0].to_punch.push_back(i);
           stats_.arena_blocks_swept++;
@@ -1345,7 +1357,14 @@ class Pass {
           continue;
         }
         if (g.anchor_arena == kNoArena && g.state->kind == EntryKind::kShared) {
-          ASSIGN_OR_RETURN(uint32_t refs, arena->f->BlockRefCount(g.state->arena));
+          // (A group held elsewhere leaves the question open: the record
+          // counts as stale, the entry stays.)
+          Result<uint32_t> counted = arena->f->TryBlockRefCount(g.state->arena);
+          if (!counted.ok() && counted.status().code() != Status::Code::kLocked) {
+            return counted.status();
+          }
+          if (!counted.ok()) stats_.gc_checks_busy++;
+          const uint32_t refs = counted.ok() ? *counted : 1;
           if (refs == 0) {
             // The arena block is gone (a damaged or lost index version):
             // the entry names nothing; the record becomes the hint.

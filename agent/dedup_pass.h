@@ -150,6 +150,10 @@ struct DedupStats {
   uint64_t gc_arena_blocks = 0;      // arena blocks dropped (no one else refers)
   uint64_t gc_unique_entries = 0;    // stale Unique hints removed
   uint64_t arena_blocks_swept = 0;   // arena blocks no entry named (damage, crashes)
+  // Reference counts of arena blocks the pass did not read because their
+  // allocation group was held elsewhere (never waited for): those entries
+  // are kept, and those blocks left for a later pass's check.
+  uint64_t gc_checks_busy = 0;
   // Index.
   uint64_t shards_rewritten = 0;
   uint64_t shards_deferred = 0;      // below the batching fraction

@@ -458,7 +458,8 @@ int Run(const Config& cfg) {
                  << st->merge_posts_busy << " posts busy), " << st->merge_requests_applied
                  << " applied, " << st->zero_blocks_freed << " zero blocks freed, "
                  << st->files_busy << " files busy, " << st->records_parked_busy
-                 << " records parked (allocation group busy elsewhere), "
+                 << " records parked (allocation group busy elsewhere), " << st->gc_checks_busy
+                 << " garbage checks left for later (group busy), "
                  << st->shards_rewritten
                  << " shards rewritten (" << st->shards_split << " split, " << st->shard_waits
                  << " waits) in " << double(st->total_ns) / 1e9 << " s; "

@@ -120,7 +120,11 @@ class FileImpl : public File {
   uint64_t cow_copies() override { return st_->cow_copies.load(std::memory_order_relaxed); }
   Result<uint32_t> BlockRefCount(uint64_t index) override {
     ReaderLock l(&st_->rw);
-    return vol_->RefCountAt(st_.get(), index);
+    return vol_->RefCountAt(st_.get(), index, /*may_wait=*/true);
+  }
+  Result<uint32_t> TryBlockRefCount(uint64_t index) override {
+    ReaderLock l(&st_->rw);
+    return vol_->RefCountAt(st_.get(), index, /*may_wait=*/false);
   }
   Status Punch(uint64_t index) override {
     WriterLock l(&st_->rw);
@@ -2086,15 +2090,29 @@ Status VolumeImpl::TruncateFile(OpenFileState* f, uint64_t size) {
   return Status::Ok();
 }
 
-Result<uint32_t> VolumeImpl::RefCountAt(OpenFileState* f, uint64_t index) {
+Result<uint32_t> VolumeImpl::RefCountAt(OpenFileState* f, uint64_t index, bool may_wait) {
   MutexLock l(&mu_);
   ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
   ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, index));
   if (p == 0) return uint32_t{0};
-  // Exact, taking the group (waiting if another host holds it): the pass
-  // decides garbage on it, and the group it takes here is the one its
-  // next drops land in, which then need no deferral.
-  return GetRef(PtrAddr(p));
+  // Exact, taking the group: the pass decides garbage on it, and the group
+  // it takes here is the one its next drops land in, which then need no
+  // deferral. A count read from the home block of a group another host
+  // holds could be stale (its holder's journal may hold newer counts), so
+  // without waiting there is no answer.
+  const uint64_t addr = PtrAddr(p);
+  uint32_t g;
+  if (!may_wait && !read_only_ && GroupOf(addr, &g) && !cached_locks_.count(GroupLock(g))) {
+    GroupTry got = GroupTry::kBusy;
+    if (!LooksBusy(g)) {
+      ASSIGN_OR_RETURN(got, TryTakeGroup(g));
+    }
+    if (got == GroupTry::kBusy) {
+      return Status::Locked("allocation group " + std::to_string(g) + " of block " +
+                            std::to_string(addr) + " is held by another process or host");
+    }
+  }
+  return GetRef(addr);
 }
 
 Result<FileUsage> VolumeImpl::UsageOf(OpenFileState* f) {

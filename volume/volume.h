@@ -155,6 +155,10 @@ class File {
   // hand it back. Usage() does not wait: while another host holds a group,
   // it counts from what that host last wrote home (docs/LOCKING.md).
   virtual Result<uint32_t> BlockRefCount(uint64_t index) = 0;
+  // BlockRefCount that never waits for another process or host: kLocked
+  // when the block's allocation group is held elsewhere (nothing is
+  // announced: the caller can do without the answer until later).
+  virtual Result<uint32_t> TryBlockRefCount(uint64_t index) = 0;
   // Drop this file's reference to block `index` (it becomes a hole).
   virtual Status Punch(uint64_t index) = 0;
   virtual Result<FileUsage> Usage() = 0;

@@ -84,7 +84,8 @@ class VolumeImpl : public Volume {
   Status TrimData(OpenFileState* f, uint64_t offset, uint64_t len) EXCLUDES(mu_);
   Status TruncateFile(OpenFileState* f, uint64_t size) EXCLUDES(mu_);
   Status SetFlag(OpenFileState* f, uint32_t flag, bool on) EXCLUDES(mu_);
-  Result<uint32_t> RefCountAt(OpenFileState* f, uint64_t index) EXCLUDES(mu_);
+  // may_wait false: kLocked when the block's group is held elsewhere.
+  Result<uint32_t> RefCountAt(OpenFileState* f, uint64_t index, bool may_wait) EXCLUDES(mu_);
   Status PunchBlock(OpenFileState* f, uint64_t index) EXCLUDES(mu_);
   Result<FileUsage> UsageOf(OpenFileState* f) EXCLUDES(mu_);
   Result<Inode> InodeOf(OpenFileState* f) EXCLUDES(mu_);

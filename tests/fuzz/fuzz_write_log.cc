@@ -182,6 +182,7 @@ class MemFile : public File {
   Status Flush() override { return Status::Ok(); }
   uint64_t cow_copies() override { return 0; }
   Result<uint32_t> BlockRefCount(uint64_t) override { return uint32_t{1}; }
+  Result<uint32_t> TryBlockRefCount(uint64_t) override { return uint32_t{1}; }
   Status Punch(uint64_t) override { return Status::Invalid("read-only"); }
   Result<FileUsage> Usage() override { return FileUsage{}; }
 

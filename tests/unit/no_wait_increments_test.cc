@@ -507,3 +507,69 @@ TEST_CASE("a dedup pass gives a reader holding its shard's arena a moment instea
   h.v2.reset();
   RequireFsckClean(h.v1.get());
 }
+
+TEST_CASE("TryBlockRefCount answers kLocked at once when another host holds the group",
+          "[volume][nowait]") {
+  Hosts h;
+  Hosts::Make(h.v2.get(), "a", {1});  // its block is in group 1
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();
+  std::unique_ptr<File> a = OpenOn(h.v1.get(), "a");
+  auto t0 = std::chrono::steady_clock::now();
+  Result<uint32_t> busy = a->TryBlockRefCount(0);
+  INFO("TryBlockRefCount: " << busy.status().ToString() << " in " << Seconds(t0) << " s");
+  REQUIRE(busy.status().code() == Code::kLocked);
+  CHECK(Seconds(t0) < 5.0);
+  CHECK_FALSE(h.Announced(1));  // a count can wait for a later pass: no want
+  hf.reset();                   // closing hands host 2's groups back
+  PastBusyMemo();
+  Result<uint32_t> counted = a->TryBlockRefCount(0);
+  INFO(counted.status().ToString());
+  REQUIRE(counted.ok());
+  CHECK(*counted == 1);
+}
+
+TEST_CASE("a dedup pass leaves the garbage check of an arena block in a busy group for later",
+          "[dedup][nowait]") {
+  Hosts h;
+  WriteMonitorOptions mo;
+  mo.algo = h.v1->superblock().hash_algo;
+  WriteMonitor monitor(mo);
+  // Host 2 writes x and y (group 1) with one common content; host 1's pass
+  // shares them through the arena (group 1 is free then).
+  Hosts::Make(h.v2.get(), "x", {1, 1000, 2}, &monitor);
+  Hosts::Make(h.v2.get(), "y", {3, 1000}, &monitor);
+  DedupOptions opts;
+  opts.force = true;
+  auto pass = [&]() {
+    VolumeFileAccess access(h.v1.get());
+    const auto t0 = std::chrono::steady_clock::now();
+    Result<DedupStats> st = RunDedupPass(h.v1.get(), &access, opts);
+    INFO("pass: " << st.status().ToString() << " in " << Seconds(t0) << " s");
+    REQUIRE(st.ok());
+    CHECK(Seconds(t0) < 5.0);
+    REQUIRE(h.v1->Sync().ok());
+    return *st;
+  };
+  REQUIRE(pass().shared_new == 1);
+  // Host 2 overwrites both copies (no records: the shared content is now
+  // only the arena's, garbage) and keeps group 1.
+  {
+    auto x = OpenOn(h.v2.get(), "x");
+    auto y = OpenOn(h.v2.get(), "y");
+    const std::vector<uint8_t> c4 = Content(4), c5 = Content(5);
+    REQUIRE(x->Write(1 * kB, c4.data(), kB).ok());
+    REQUIRE(y->Write(1 * kB, c5.data(), kB).ok());
+    REQUIRE(h.v2->Sync().ok());
+  }
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();
+  const DedupStats busy = pass();
+  CHECK(busy.gc_checks_busy == 1);
+  CHECK(busy.gc_arena_blocks == 0);  // kept: its count could not be read
+  hf.reset();
+  PastBusyMemo();
+  const DedupStats later = pass();
+  CHECK(later.gc_checks_busy == 0);
+  CHECK(later.gc_arena_blocks == 1);
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
+}

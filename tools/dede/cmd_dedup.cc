@@ -64,6 +64,7 @@ json StatsJson(const DedupStats& s) {
   j["merge_corrupt_groups"] = s.merge_corrupt_groups;
   j["merge_files_removed"] = s.merge_files_removed;
   j["gc_arena_blocks"] = s.gc_arena_blocks;
+  j["gc_checks_busy"] = s.gc_checks_busy;
   j["gc_unique_entries"] = s.gc_unique_entries;
   j["shards_rewritten"] = s.shards_rewritten;
   j["shards_deferred"] = s.shards_deferred;
@@ -210,7 +211,8 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
             << s.shared_hits << "\n  zero blocks freed   " << s.zero_blocks_freed
             << "\n  new unique entries  " << s.unique_added << "\n  stale (skipped)     "
             << s.stale_records + s.stale_entries << "\n  garbage collected   "
-            << s.gc_arena_blocks << " arena blocks, " << s.gc_unique_entries << " entries"
+            << s.gc_arena_blocks << " arena blocks, " << s.gc_unique_entries << " entries ("
+            << s.gc_checks_busy << " checks left for later: group busy)"
             << "\n  merge requests      " << s.merge_requests_posted << " posted, "
             << s.merge_posts_busy << " posts busy; " << s.merge_requests_applied << " applied, "
             << s.merge_requests_failed_verification << " failed verification, "
