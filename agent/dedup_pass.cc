@@ -200,6 +200,7 @@ class Pass {
     const uint64_t t1 = clock_->MonotonicNanos();
     stats_.gather_ns = t1 - t0;
     RETURN_IF_ERROR(MergeRound(opts_.force || sweep_for_opt_out_));
+    RETURN_IF_ERROR(RevisitBusyShards());
     // Everything the logs held is now in durable shard versions or pending
     // files (ShardWriter::Finish syncs; pending appends sync here), except
     // the records too young to use, which go back into their logs. (A crash
@@ -277,8 +278,20 @@ class Pass {
     if (!(fi.id == e.file) || fi.kind != FileKind::kRegular || !fi.dedup) return false;
     if ((e.block + 1) * kBlockSize > fi.size) return false;
     auto pi = file_index_.find(e.file.ino);
-    if (pi != file_index_.end() && files_[pi->second].Touched(e.block)) return false;
+    if (pi != file_index_.end() && TouchedThisPass(pi->second, e.block)) return false;
     return true;
+  }
+
+  // Did this pass's logs change the block after the hint (an older entry or
+  // parked record) about it was made? On a revisit (RevisitBusyShards) the
+  // answer is no: the shard's first rewrite in this pass already dropped
+  // every hint its logs superseded, and what it wrote since (the Unique
+  // entries and parked records made from this pass's own records) is
+  // current, though its blocks are "touched". (A hint another host added in
+  // between could be stale: every share verifies the content under the
+  // files' locks, so a stale hint costs a failed compare, never data.)
+  bool TouchedThisPass(uint32_t file_index, uint64_t block) const {
+    return !revisiting_ && files_[file_index].Touched(block);
   }
 
   // ------------------------------------------------------------ gather
@@ -630,6 +643,64 @@ class Pass {
     return Status::Ok();
   }
 
+  // The shards that parked records this pass because an allocation group
+  // was busy elsewhere are rewritten again, up to busy_revisits times, after
+  // a pause that holds no lock of ours: each pause starts and ends with a
+  // flush point (Sync), which hands our cached locks to hosts that asked
+  // and takes the groups we announced once their holders have handed them
+  // over at their own flush points. So the held-back work is done within
+  // the pass, without ever waiting for another host inside a lock; what is
+  // still held back after the last revisit waits for the next pass.
+  Status RevisitBusyShards() {
+    uint64_t delay_ms = opts_.busy_revisit_delay_ms;
+    for (uint32_t round = 0; round < opts_.busy_revisits && !busy_parked_here_.empty(); round++) {
+      RETURN_IF_ERROR(vol_->Sync());
+      Progress("revisiting " + std::to_string(busy_parked_here_.size()) +
+               " index shards whose records waited for a busy allocation group");
+      const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(delay_ms);
+      while (std::chrono::steady_clock::now() < until) {
+        if ((opts_.cancel != nullptr && opts_.cancel->load()) ||
+            (opts_.stop != nullptr && opts_.stop->load())) {
+          return Status::Ok();  // the parked records wait for the next pass
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      }
+      delay_ms *= 2;
+      RETURN_IF_ERROR(vol_->Sync());
+      const std::set<uint64_t> los = std::move(busy_parked_here_);
+      busy_parked_here_.clear();
+      revisiting_ = true;
+      const size_t no_records = records_.size();
+      for (uint64_t lo : los) {
+        uint64_t p = lo;
+        size_t i = no_records;
+        for (int tries = 0;; tries++) {
+          ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
+          const ShardRange guess = map.SlotFor(p).range;
+          Status locked = LockShard(ShardLockId(guess));
+          if (!locked.ok()) {
+            revisiting_ = false;
+            return locked;
+          }
+          Result<bool> done = ProcessUnderLock(&p, guess, &i);
+          UnlockShard(ShardLockId(guess));
+          if (!done.ok()) {
+            revisiting_ = false;
+            return done.status();
+          }
+          if (*done) break;
+          if (tries > 1000) {
+            revisiting_ = false;
+            return Status::Corruption("index shard map keeps changing");
+          }
+        }
+        stats_.shards_revisited++;
+      }
+      revisiting_ = false;
+    }
+    return Status::Ok();
+  }
+
   // Processes the live slot covering prefix *p if its lock is the one held
   // (`guess`), advancing *p and *i past it; false: call again with a fresh
   // map.
@@ -788,7 +859,8 @@ class Pass {
     const uint64_t entries = reader ? reader->header().entry_count : 0;
     const uint64_t fresh = e - b;
     const bool busy_parked =
-        opts_.busy_parked_shards != nullptr && opts_.busy_parked_shards->count(slot.range.lo) > 0;
+        revisiting_ ||
+        (opts_.busy_parked_shards != nullptr && opts_.busy_parked_shards->count(slot.range.lo) > 0);
     if (parking_ || (!opts_.force && !busy_parked && entries > 0 &&
                      double(pending.size() + fresh) <= opts_.rewrite_fraction * double(entries))) {
       // Batching: not worth a rewrite yet. Park the records.
@@ -816,7 +888,10 @@ class Pass {
     std::vector<PassRecord> recs(records_.begin() + long(b), records_.begin() + long(e));
     for (const PendingRecord& pr : pending) {
       const uint32_t fi = FileIndexOf(pr.file);
-      if (fi == kNoFile || files_[fi].Touched(pr.block)) continue;
+      if (fi == kNoFile) continue;
+      // A block this pass's logs changed: the parked record is superseded
+      // (but see TouchedThisPass: not on a revisit).
+      if (TouchedThisPass(fi, pr.block)) continue;
       if (!slot.range.Contains(KeyPrefix(pr.fp))) continue;
       recs.push_back(PassRecord{pr.fp, pr.block, fi});
       stats_.pending_records_applied++;
@@ -899,6 +974,7 @@ class Pass {
       stats_.pending_records_written += park.size();
       stats_.records_parked_busy += park.size();
       if (opts_.busy_parked_shards != nullptr) opts_.busy_parked_shards->insert(r.lo);
+      busy_parked_here_.insert(r.lo);
     }
     parked_busy_.clear();
     return Status::Ok();
@@ -1496,6 +1572,10 @@ class Pass {
   std::map<uint64_t, MergePost> merge_posts_;
   // Records of the shard update in progress held back by a busy group.
   std::vector<PendingRecord> parked_busy_;
+  // Shards (range lo) that parked records held back by a busy group during
+  // this pass, and whether RevisitBusyShards is rewriting them now.
+  std::set<uint64_t> busy_parked_here_;
+  bool revisiting_ = false;
   bool swept_all_ = false;
   uint64_t rehashed_ = 0;
   DedupStats stats_;

@@ -100,6 +100,14 @@ struct DedupOptions {
   // it across its passes; nullptr: parked records wait for the batching
   // fraction like any other (a hint only: nothing is lost either way).
   std::set<uint64_t>* busy_parked_shards = nullptr;
+  // Before it ends, the pass rewrites the shards that parked such records
+  // again, up to this many times, the first after busy_revisit_delay_ms
+  // and each later one after twice the pause before it (1.5 + 3 + 6 s by
+  // default): the holder of the group hands it over at its next flush
+  // point (dedupd's --sync-interval, 1 s by default). No lock of the pass
+  // is held during a pause; cancel and stop end it. 0: no revisits.
+  uint32_t busy_revisits = 3;
+  uint64_t busy_revisit_delay_ms = 1500;
   // Wall clock for stable_after_ns and shard headers; nullptr: the real one.
   Clock* clock = nullptr;
   // Throttling: the pass's threads charge their device I/O to `io_budget`
@@ -134,7 +142,8 @@ struct DedupStats {
   // Records whose share or clone needed an allocation group another
   // process or host holds (never waited for; docs/LOCKING.md "Increments
   // without waiting"): kept in their shard's pending file for a later pass.
-  uint64_t records_parked_busy = 0;
+  uint64_t records_parked_busy = 0;  // each park counted (a revisit may park again)
+  uint64_t shards_revisited = 0;     // rewritten again for their parked records
   // Merge requests (DeDe 3.3.2): Unique(G, c) with G held elsewhere. The
   // record's block still becomes the arena block; G:c is left to G's
   // holder through a request in G's request file.

@@ -407,6 +407,7 @@ int Run(const Config& cfg) {
     const SanlockLockManager::Counters locks_before =
         sanlock_locks ? sanlock_locks->counters() : SanlockLockManager::Counters{};
     const uint64_t io_before = throttle.bytes();
+    const Volume::WaitCounters waits_before = vol->wait_counters();
     Result<DedupStats> st = Status::Ok();
     {
       ScopedDedupPriority priority(policy.priority);
@@ -458,7 +459,8 @@ int Run(const Config& cfg) {
                  << st->merge_posts_busy << " posts busy), " << st->merge_requests_applied
                  << " applied, " << st->zero_blocks_freed << " zero blocks freed, "
                  << st->files_busy << " files busy, " << st->records_parked_busy
-                 << " records parked (allocation group busy elsewhere), " << st->gc_checks_busy
+                 << " records parked (allocation group busy elsewhere; " << st->shards_revisited
+                 << " shards revisited), " << st->gc_checks_busy
                  << " garbage checks left for later (group busy), "
                  << st->shards_rewritten
                  << " shards rewritten (" << st->shards_split << " split, " << st->shard_waits
@@ -511,8 +513,17 @@ int Run(const Config& cfg) {
                  << " ms mean, " << c.lease_retries - locks_before.lease_retries
                  << " lease retries";
     }
+    // Waits for locks other processes or hosts held, during the pass (all
+    // threads of this process: VM writes and merge application count too).
+    const Volume::WaitCounters waits_after = vol->wait_counters();
+    LOG(kInfo) << "dedup pass " << passes << " waits: "
+               << waits_after.waits - waits_before.waits
+               << " for locks held by other processes or hosts, "
+               << double(waits_after.wait_ns - waits_before.wait_ns) / 1e6 << " ms in all, "
+               << waits_after.timeouts - waits_before.timeouts << " timed out";
     // Reference drops this host gave up without waiting for another host's
-    // group (all threads since start; applied at later flush points).
+    // group (all threads since start; applied at later flush points). The
+    // last line of every pass (tests wait for it).
     const Volume::DropCounters drops = vol->drop_counters();
     LOG(kInfo) << "reference drops: " << drops.deferred << " deferred, " << drops.applied
                << " applied, " << drops.pending << " pending, " << drops.adopted
@@ -667,6 +678,10 @@ int Run(const Config& cfg) {
                   {"pending", drops.pending},
                   {"adopted", drops.adopted},
                   {"groups_yielded", drops.yielded}};
+    const Volume::WaitCounters waits = vol->wait_counters();
+    j["lock_waits"] = {{"waits", waits.waits},
+                       {"wait_s", double(waits.wait_ns) / 1e9},
+                       {"timeouts", waits.timeouts}};
     j["throttle"] = {{"rate_bytes_per_s", throttle.rate()},
                      {"io_bytes", throttle.bytes()},
                      {"waited_s", double(throttle.waited_ns()) / 1e9}};

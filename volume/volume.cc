@@ -633,6 +633,20 @@ Status VolumeImpl::Sync() {
   if (clock_->MonotonicNanos() >= adopt_due_ns_) RETURN_IF_ERROR(AdoptOrphanDrops());
   // Deferred drops are applied at flush points, in the same commit.
   if (drop_count_ > 0) RETURN_IF_ERROR(DrainDrops(Drain::kIfDue));
+  // A want announced for an increment held back (ApplyBlockOps no_wait)
+  // is collected here: once its holder has handed the group over, take
+  // it, which withdraws the announcement (NoteCached). Left standing until
+  // the held-back work runs again (a dedup pass in the next window), it
+  // would make the holder hand back every cached lock at each of its
+  // flush points and leave the group unused (LeaveToOthers) meanwhile.
+  if (!wanted_groups_.empty()) {
+    const std::vector<uint32_t> wanted(wanted_groups_.begin(), wanted_groups_.end());
+    for (uint32_t g : wanted) {
+      if (cached_locks_.count(GroupLock(g)) || LooksBusy(g)) continue;
+      Result<GroupTry> got = TryTakeGroup(g);
+      if (!got.ok()) NoteBusy(g);  // tried again at a later flush point
+    }
+  }
   if (txn_.empty()) {
     // In-place writes change no metadata but must be durable all the same
     // (and so must a commit EnsureRoom made without a flush).
@@ -739,6 +753,11 @@ Status VolumeImpl::WaitLock(LockId id) {
   }
   if (announced) (void)locks_->Release(want);
   if (blocked_announced) (void)locks_->Release(blocked);
+  lock_waits_++;
+  lock_wait_ns_ += static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
+  if (st.code() == Status::Code::kLocked) lock_wait_timeouts_++;
   return st;
 }
 

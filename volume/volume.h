@@ -304,6 +304,16 @@ class Volume {
     uint64_t yielded = 0;
   };
   virtual DropCounters drop_counters() = 0;
+
+  // Waits of this process for a volume lock another process or host held
+  // (a group, the namespace, an inode): how many, their total time, and
+  // how many ran out of time. Since open; never blocks.
+  struct WaitCounters {
+    uint64_t waits = 0;
+    uint64_t wait_ns = 0;
+    uint64_t timeouts = 0;
+  };
+  virtual WaitCounters wait_counters() = 0;
 };
 
 // Friendly wrapper used by the tools: open a device spec and the volume.

@@ -77,6 +77,9 @@ class VolumeImpl : public Volume {
     MutexLock l(&mu_);
     return DropCounters{drops_deferred_, drops_applied_, drop_count_, drops_adopted_, groups_yielded_};
   }
+  WaitCounters wait_counters() override {
+    return WaitCounters{lock_waits_.load(), lock_wait_ns_.load(), lock_wait_timeouts_.load()};
+  }
 
   // ---- used by FileImpl (file rw lock held by the caller as documented)
   Status ReadData(OpenFileState* f, uint64_t offset, uint8_t* buf, size_t len) EXCLUDES(mu_);
@@ -324,6 +327,9 @@ class VolumeImpl : public Volume {
   uint64_t drops_applied_ GUARDED_BY(mu_) = 0;
   uint64_t drops_adopted_ GUARDED_BY(mu_) = 0;
   uint64_t groups_yielded_ GUARDED_BY(mu_) = 0;  // TryTakeGroup left a group to a waiter
+  // WaitLock's statistics (wait_counters()); atomic so that reading them
+  // does not wait for a thread that waits under mu_.
+  std::atomic<uint64_t> lock_waits_{0}, lock_wait_ns_{0}, lock_wait_timeouts_{0};
   // AdoptOrphanDrops runs at Start and then at most once per interval at
   // a flush point (monotonic ns; 0 = at the next one).
   uint64_t adopt_due_ns_ GUARDED_BY(mu_) = 0;

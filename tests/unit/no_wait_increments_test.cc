@@ -312,6 +312,9 @@ TEST_CASE("a dedup pass parks records whose group another host holds and a later
   DedupOptions opts;  // the default batching fraction
   std::set<uint64_t> busy_parked;
   opts.busy_parked_shards = &busy_parked;
+  // Host 2 never reaches a flush point during these passes: revisits
+  // within a pass would only wait (the next test has them).
+  opts.busy_revisits = 0;
   DedupStats first;
   {
     VolumeFileAccess access(h.v1.get());
@@ -570,6 +573,103 @@ TEST_CASE("a dedup pass leaves the garbage check of an arena block in a busy gro
   const DedupStats later = pass();
   CHECK(later.gc_checks_busy == 0);
   CHECK(later.gc_arena_blocks == 1);
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
+}
+
+TEST_CASE("a want announced for a held-back increment is collected at the next flush point",
+          "[volume][nowait]") {
+  // Left standing until the held-back work runs again (the next window's
+  // pass), the announcement would make the holder hand back every cached
+  // lock at each of its flush points.
+  Hosts h;
+  Hosts::Make(h.v2.get(), "a", {1});  // group 1
+  Hosts::Make(h.v1.get(), "b", {1});  // group 0
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();
+  std::unique_ptr<File> a = OpenOn(h.v1.get(), "a");
+  std::unique_ptr<File> b = OpenOn(h.v1.get(), "b");
+  std::vector<Op> ops = {Share(a.get(), 0, b.get(), 0)};
+  Volume::BlockOpsOptions no_wait;
+  no_wait.no_wait = true;
+  Volume::ReadBuffer buf;
+  REQUIRE(h.v1->ApplyBlockOps(&ops, VerifyMode::kByteCompare, &buf, no_wait).ok());
+  REQUIRE(ops[0].result.code() == Code::kLocked);
+  REQUIRE(h.Announced(1));
+  REQUIRE(h.v1->Sync().ok());
+  CHECK(h.Announced(1));  // still held by host 2: the want stands
+  REQUIRE(h.v2->Sync().ok());  // host 2 hands group 1 over
+  PastBusyMemo();
+  REQUIRE(h.v1->Sync().ok());  // host 1 takes it: the want is withdrawn
+  CHECK_FALSE(h.Announced(1));
+  // Host 1 holds group 1 now: the held-back share runs without waiting.
+  std::vector<Op> again = {Share(a.get(), 0, b.get(), 0)};
+  REQUIRE(h.v1->ApplyBlockOps(&again, VerifyMode::kByteCompare, &buf, no_wait).ok());
+  INFO(again[0].result.ToString());
+  CHECK(again[0].result.ok());
+  CHECK(Refs(a.get(), 0) == 2);
+  a.reset();
+  b.reset();
+  hf.reset();
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
+}
+
+TEST_CASE("a dedup pass revisits the shard whose records waited for a busy group and shares them",
+          "[dedup][nowait]") {
+  Hosts h;
+  WriteMonitorOptions mo;
+  mo.algo = h.v1->superblock().hash_algo;
+  WriteMonitor monitor(mo);
+  Hosts::Make(h.v2.get(), "x", {100, 101, 102, 1000}, &monitor);  // group 1
+  Hosts::Make(h.v2.get(), "y", {200, 1000, 201}, &monitor);
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();
+  // Host 2 behaves like a dedupd: once host 1 has announced that it wants
+  // group 1, host 2's flush points (every 20 ms) hand it over.
+  std::atomic<bool> done{false};
+  std::thread flusher([&] {
+    bool asked = false;
+    while (!done) {
+      if (!asked) {
+        Result<bool> held = h.observer->IsHeldElsewhere(WantedGroup(1));
+        asked = held.ok() && *held;
+      }
+      if (asked) (void)h.v2->Sync();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  });
+  DedupOptions opts;
+  opts.busy_revisit_delay_ms = 300;
+  std::set<uint64_t> busy_parked;
+  opts.busy_parked_shards = &busy_parked;
+  Result<DedupStats> pass = Status::Ok();
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    VolumeFileAccess access(h.v1.get());
+    pass = RunDedupPass(h.v1.get(), &access, opts);
+  }
+  const double took = Seconds(t0);
+  done = true;
+  flusher.join();
+  INFO("pass: " << pass.status().ToString() << " in " << took << " s");
+  REQUIRE(pass.ok());
+  INFO("parked " << pass->records_parked_busy << ", revisited " << pass->shards_revisited
+                 << ", pending applied " << pass->pending_records_applied << ", unique added "
+                 << pass->unique_added << ", busy targets " << pass->busy_targets
+                 << ", shards rewritten " << pass->shards_rewritten << ", deferred "
+                 << pass->shards_deferred);
+  CHECK(took < 5.0);
+  CHECK(pass->records_parked_busy >= 1);  // held back at first...
+  CHECK(pass->shards_revisited >= 1);
+  CHECK(pass->shared_new == 1);           // ...and shared by the same pass
+  CHECK(pass->stale_records == 0);
+  CHECK(busy_parked.empty());             // nothing left for the next pass
+  CHECK_FALSE(h.Announced(1));
+  {
+    auto x = OpenOn(h.v1.get(), "x");
+    CHECK(Refs(x.get(), 3) == 3);  // x, y, the arena
+    CHECK(ReadBlock(x.get(), 3) == Content(1000));
+  }
+  hf.reset();
   h.v2.reset();
   RequireFsckClean(h.v1.get());
 }

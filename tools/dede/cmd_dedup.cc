@@ -65,6 +65,7 @@ json StatsJson(const DedupStats& s) {
   j["merge_files_removed"] = s.merge_files_removed;
   j["gc_arena_blocks"] = s.gc_arena_blocks;
   j["gc_checks_busy"] = s.gc_checks_busy;
+  j["shards_revisited"] = s.shards_revisited;
   j["gc_unique_entries"] = s.gc_unique_entries;
   j["shards_rewritten"] = s.shards_rewritten;
   j["shards_deferred"] = s.shards_deferred;
@@ -217,7 +218,8 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
             << s.merge_posts_busy << " posts busy; " << s.merge_requests_applied << " applied, "
             << s.merge_requests_failed_verification << " failed verification, "
             << s.merge_requests_stale << " stale, " << s.merge_requests_busy << " held back"
-            << "\n  parked (group busy) " << s.records_parked_busy << " records"
+            << "\n  parked (group busy) " << s.records_parked_busy << " records ("
+            << s.shards_revisited << " shard revisits)"
             << "\n  shards              " << s.shards_rewritten << " rewritten, "
             << s.shards_deferred << " deferred, " << s.shards_split << " split"
             << "\n  time                " << HumanDuration(double(s.total_ns) / 1e9) << std::endl;
