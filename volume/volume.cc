@@ -551,12 +551,15 @@ Status VolumeImpl::EnsureJournalRoom(size_t blocks) {
   return Status::Ok();
 }
 
-Status VolumeImpl::EnsureRoom(size_t blocks) {
+Status VolumeImpl::EnsureRoom(size_t blocks, bool may_wait) {
   RETURN_IF_ERROR(EnsureJournalRoom(blocks));
   if (sb_.drop_blocks == 0 || DropRoom() >= blocks) return Status::Ok();
   // The list is (nearly) full: apply what we can without waiting, then,
   // as a last resort, wait for the groups (holding no cached lock).
   RETURN_IF_ERROR(DrainDrops(Drain::kNow));
+  if (DropRoom() < blocks && !may_wait) {
+    return Status::Locked("the drop list is full and cannot be drained without waiting");
+  }
   if (DropRoom() < blocks) RETURN_IF_ERROR(DrainDrops(Drain::kWaiting));
   if (DropRoom() < blocks) {
     return Status::NoSpace("the drop list of host " + std::to_string(host_) + " is full");
@@ -652,8 +655,21 @@ Status VolumeImpl::Sync() {
     // (and so must a commit EnsureRoom made without a flush).
     RETURN_IF_ERROR(Poison(dev_->Flush()));
     decref_uncommitted_.clear();
+    // Quiet (nothing committed at this flush point or the one before):
+    // write the journal's images home. Other processes read the home
+    // blocks of groups this one holds (dede stats, ls -l, fsck, another
+    // host's Usage), and a host that goes idle holding its groups would
+    // otherwise show them its state as of its last busy moment for as long
+    // as it stays idle (a held group is checkpointed only when handed
+    // over or when the journal fills). It also shortens the replay after
+    // a crash. Busy hosts are not slowed: only quiet flush points do it.
+    if (!dirty_.empty() && ++quiet_flush_points_ >= 2) {
+      RETURN_IF_ERROR(Checkpoint());
+      quiet_flush_points_ = 0;
+    }
   } else {
     RETURN_IF_ERROR(Commit(/*durable=*/true));
+    quiet_flush_points_ = 0;
   }
   // Journal space is reclaimed on demand (EnsureRoom); a flush point is
   // where we hand cached locks to processes that announced they wait: all
@@ -2561,14 +2577,10 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
           hold_back(op, p, "the source block's allocation group is held elsewhere");
           continue;
         }
-        // EnsureRoom would wait for groups when the drop list is full.
-        RETURN_IF_ERROR(EnsureJournalRoom(32));
-        if (sb_.drop_blocks > 0 && DropRoom() < 32) {
-          RETURN_IF_ERROR(DrainDrops(Drain::kNow));
-          if (DropRoom() < 32) {
-            hold_back(op, p, "the drop list is full and cannot be drained without waiting");
-            continue;
-          }
+        if (Status room = EnsureRoom(32, /*may_wait=*/false); !room.ok()) {
+          if (room.code() != Status::Code::kLocked) return room;
+          hold_back(op, p, room.message().c_str());
+          continue;
         }
         if (src_in_group && !cached_locks_.count(GroupLock(src_group))) {
           bool taken = false;

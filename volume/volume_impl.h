@@ -120,8 +120,9 @@ class VolumeImpl : public Volume {
   // Room for an operation that dirties up to `blocks` metadata blocks and
   // drops up to `blocks` references: journal space (EnsureJournalRoom) and
   // free drop-list entries (may drain the list, waiting as a last resort:
-  // call it before taking the groups the operation needs).
-  Status EnsureRoom(size_t blocks) REQUIRES(mu_);
+  // call it before taking the groups the operation needs). may_wait false:
+  // kLocked where that last resort would wait for another host's group.
+  Status EnsureRoom(size_t blocks, bool may_wait = true) REQUIRES(mu_);
   Status EnsureJournalRoom(size_t blocks) REQUIRES(mu_);
   size_t MaxTxnBlocks() const;
   Status Poison(Status s) REQUIRES(mu_);
@@ -317,6 +318,9 @@ class VolumeImpl : public Volume {
   // meanwhile (a wait elsewhere in this process still may: then they scan
   // again).
   int namespace_pins_ GUARDED_BY(mu_) = 0;
+  // Consecutive flush points with nothing to commit (Sync checkpoints a
+  // quiet volume's journal).
+  int quiet_flush_points_ GUARDED_BY(mu_) = 0;
   // This host's drop list: drop_list_[i] holds the entries of block
   // sb_.DropListStart(host_) + i (cached, owned by the host-slot lock,
   // which this process holds for the volume's lifetime: nobody else

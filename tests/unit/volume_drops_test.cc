@@ -22,6 +22,7 @@
 #include <vector>
 
 #include "util/clock.h"
+#include "tests/fsck_problems.h"
 #include "volume/fsck.h"
 #include "volume/lock_manager.h"
 #include "volume/mem_device.h"
@@ -43,14 +44,6 @@ std::vector<uint8_t> Pattern(uint8_t seed, uint64_t blocks) {
   std::vector<uint8_t> v(blocks * kB);
   for (size_t i = 0; i < v.size(); i++) v[i] = static_cast<uint8_t>(seed + i * 7 + i / kB);
   return v;
-}
-
-std::string Problems(Volume* vol) {
-  auto rep = CheckVolume(vol, false);
-  if (!rep.ok()) return "fsck failed: " + rep.status().ToString();
-  std::string s;
-  for (const auto& p : rep->problems) s += "\n  " + p.where + ": " + p.what;
-  return s;
 }
 
 uint64_t Pending(Volume* vol) {
@@ -201,7 +194,7 @@ TEST_CASE("volume drops: a copy-on-write break does not wait for a group another
   CHECK_FALSE(wanted.value());
   r.CheckContents(v2.get());
   r.v1.reset();  // fsck wants the volume to itself
-  std::string problems = Problems(v2.get());
+  std::string problems = test::FsckProblems(v2.get());
   INFO("fsck:" << problems);
   CHECK(problems.empty());
 }
@@ -220,7 +213,7 @@ TEST_CASE("volume drops: pending drops survive a crash and the slot's next owner
   // Host 1 recovers host 2's journal; host 2's list stays with its slot,
   // and fsck counts its entries as the references they are.
   CHECK(Pending(r.v1.get()) == kShared);
-  std::string problems = Problems(r.v1.get());
+  std::string problems = test::FsckProblems(r.v1.get());
   INFO("fsck with host 2's drops pending:" << problems);
   CHECK(problems.empty());
   r.CheckContents(r.v1.get());
@@ -244,7 +237,7 @@ TEST_CASE("volume drops: pending drops survive a crash and the slot's next owner
   CHECK(st->shared_blocks == 0);
   r.CheckContents(v2.get());
   r.v1.reset();
-  problems = Problems(v2.get());
+  problems = test::FsckProblems(v2.get());
   INFO("fsck after host 2 applied its drops:" << problems);
   CHECK(problems.empty());
 }
@@ -269,7 +262,7 @@ TEST_CASE("volume drops: a crash before the flush loses the drop with the pointe
   v2 = r.OpenAs(&r.base, 2, r.lm2);
   r.clock.Advance(1'000'000'000);
   REQUIRE(v2->Sync().ok());
-  std::string problems = Problems(v2.get());
+  std::string problems = test::FsckProblems(v2.get());
   INFO("fsck:" << problems);
   CHECK(problems.empty());
   std::vector<uint8_t> got(kShared * kB);
@@ -297,7 +290,7 @@ TEST_CASE("volume drops: fsck reports a damaged drop list and repair clears it",
   blk[100] ^= 0x40;  // inside the entries: the crc fails
   REQUIRE(r.base.Write(addr * kB, blk.data(), kB).ok());
 
-  std::string problems = Problems(r.v1.get());
+  std::string problems = test::FsckProblems(r.v1.get());
   INFO("fsck:" << problems);
   CHECK(problems.find("drop list of host 2 block " + std::to_string(addr)) != std::string::npos);
   // Its entries are lost, so their blocks now count one reference too many.
@@ -305,7 +298,7 @@ TEST_CASE("volume drops: fsck reports a damaged drop list and repair clears it",
   auto rep = CheckVolume(r.v1.get(), true);
   REQUIRE(rep.ok());
   CHECK_FALSE(rep->clean());
-  problems = Problems(r.v1.get());
+  problems = test::FsckProblems(r.v1.get());
   INFO("fsck after repair:" << problems);
   CHECK(problems.empty());
   CHECK(Pending(r.v1.get()) == 0);
@@ -377,7 +370,7 @@ TEST_CASE("volume drops: another host adopts and applies the drops of a host tha
   CHECK(v2->drop_counters().pending == 0);
   v2.reset();
   r.v1.reset();
-  std::string problems = Problems(v3.get());
+  std::string problems = test::FsckProblems(v3.get());
   INFO("fsck:" << problems);
   CHECK(problems.empty());
 }
@@ -411,7 +404,7 @@ TEST_CASE("volume drops: a live host's list is never adopted and a free slot's i
   DrainAll(r, v3.get());
   r.CheckContents(v3.get());
   r.v1.reset();
-  std::string problems = Problems(v3.get());
+  std::string problems = test::FsckProblems(v3.get());
   INFO("fsck:" << problems);
   CHECK(problems.empty());
 }
@@ -568,7 +561,7 @@ TEST_CASE("volume drops: a holder leaves a wanted group to the host waiting for 
   b.value().reset();
   c.value().reset();
   r.CheckContents(r.v1.get());
-  std::string problems = Problems(r.v1.get());
+  std::string problems = test::FsckProblems(r.v1.get());
   INFO("fsck:" << problems);
   CHECK(problems.empty());
 }
@@ -602,10 +595,39 @@ TEST_CASE("volume drops: two hosts with drops in one group do not leave it to ea
   CHECK(r.v1->drop_counters().pending == 0);
   CHECK(v2->drop_counters().pending == 0);
   r.v1.reset();
-  std::string problems = Problems(v2.get());
+  std::string problems = test::FsckProblems(v2.get());
   INFO("fsck:" << problems);
   CHECK(problems.empty());
   auto st = v2->Stats();
   REQUIRE(st.ok());
   CHECK(st->shared_blocks == 0);
+}
+
+TEST_CASE("volume: a quiet host's flush points write its journal home for other readers",
+          "[volume][drops]") {
+  // A host that holds its groups and goes idle: without a checkpoint, the
+  // counts other processes read (dede stats, another host's Usage) are its
+  // state as of its last busy moment, for as long as it stays idle.
+  Rig r;
+  auto a = r.v1->OpenFile("a");
+  REQUIRE(a.ok());
+  // Un-share a's blocks (copy-on-write), in host 1's cache and journal.
+  const std::vector<uint8_t> z = Pattern(0x33, kShared);
+  REQUIRE(a.value()->Write(0, z.data(), z.size()).ok());
+  REQUIRE(r.v1->Sync().ok());  // committed (durable in the journal), not home
+  auto shared_seen_by_reader = [&]() {
+    OpenOptions oo;
+    oo.read_only = true;
+    oo.locks = r.NewLocks();
+    auto ro = Volume::Open(&r.base, oo);
+    REQUIRE(ro.ok());
+    auto st = ro.value()->Stats();
+    REQUIRE(st.ok());
+    return st->shared_blocks;
+  };
+  CHECK(shared_seen_by_reader() == kShared);  // stale: the home blocks
+  REQUIRE(r.v1->Sync().ok());  // quiet flush points: the journal goes home
+  REQUIRE(r.v1->Sync().ok());
+  CHECK(shared_seen_by_reader() == 0);
+  a.value().reset();
 }

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "util/fingerprint.h"
+#include "tests/fsck_problems.h"
 #include "volume/fsck.h"
 #include "volume/lock_manager.h"
 #include "volume/mem_device.h"
@@ -56,14 +57,6 @@ struct Host {
     if (failures.size() < 20) failures.push_back("host " + std::to_string(id) + ": " + what + ": " + st.ToString());
   }
 };
-
-std::string Problems(Volume* vol) {
-  auto rep = CheckVolume(vol, false);
-  if (!rep.ok()) return "fsck failed: " + rep.status().ToString();
-  std::string s;
-  for (const auto& p : rep->problems) s += "\n  " + p.where + ": " + p.what;
-  return s;
-}
 
 }  // namespace
 
@@ -256,7 +249,7 @@ TEST_CASE("volume stress: three hosts write, share, log and remove at once and f
     }
   }
   for (int h = kHosts - 1; h >= 1; h--) hosts[h].vol.reset();
-  const std::string problems = Problems(hosts[0].vol.get());
+  const std::string problems = test::FsckProblems(hosts[0].vol.get());
   INFO(problems);
   CHECK(problems.empty());
   hosts[0].vol.reset();
