@@ -81,6 +81,16 @@ void AddLockStats(const std::string& log, LockTotals* t) {
   }
 }
 
+// What the passes held back or left for later instead of waiting for
+// another host, and the waits that remain.
+nlohmann::json HeldBackAndWaits(const LockTotals& t) {
+  return {{"records_parked_busy", t.parked_busy},
+          {"gc_checks_busy", t.gc_checks_busy},
+          {"merge_requests_held_back", t.merge_held_back},
+          {"lock_waits", t.lock_waits},
+          {"lock_wait_ms", t.lock_wait_ms}};
+}
+
 std::vector<uint64_t> VmIds(int h, int v, uint64_t blocks) {
   // Three quarters of every VM come from one pool shared by all (the OS
   // image), the rest is the VM's own.
@@ -168,11 +178,7 @@ TEST_CASE("bench: dedup pass over iSCSI with 1, 2 and 3 hosts", "[.][bench-multi
             {"shards_after", shards_after},
             {"shards_split", locks.splits},
             {"shard_waits", locks.waits},
-            {"records_parked_busy", locks.parked_busy},
-            {"gc_checks_busy", locks.gc_checks_busy},
-            {"merge_requests_held_back", locks.merge_held_back},
-            {"lock_waits", locks.lock_waits},
-            {"lock_wait_ms", locks.lock_wait_ms}});
+            {"held_back_and_waits", HeldBackAndWaits(locks)}});
       for (int h = 1; h <= kHosts; h++) c.Stop(h);
     }
   }
@@ -338,11 +344,7 @@ TEST_CASE("bench: index shards split as hosts update the index at once", "[.][be
           {"pass_overlap", pass_seconds / wall},
           {"lock_acquire_mean_ms", locks.acquired ? locks.acquire_ms / double(locks.acquired) : 0},
           {"lease_retries", locks.retries},
-          {"records_parked_busy", locks.parked_busy},
-          {"gc_checks_busy", locks.gc_checks_busy},
-          {"merge_requests_held_back", locks.merge_held_back},
-          {"lock_waits", locks.lock_waits},
-          {"lock_wait_ms", locks.lock_wait_ms}});
+          {"held_back_and_waits", HeldBackAndWaits(locks)}});
   }
   for (int h = 1; h <= kHosts; h++) c.Stop(h);
   c.FsckClean(1);
