@@ -627,13 +627,8 @@ class Pass {
         if (!next) break;
         p = *next;
       }
-      ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
-      const ShardRange guess = map.SlotFor(p).range;
-      RETURN_IF_ERROR(LockShard(ShardLockId(guess)));
-      Result<bool> done = ProcessUnderLock(&p, guess, &i);
-      UnlockShard(ShardLockId(guess));
-      if (!done.ok()) return done.status();
-      if (!*done) {
+      ASSIGN_OR_RETURN(const bool done, ProcessSlotAt(&p, &i));
+      if (!done) {
         // The map changed under us, or a broken version was removed.
         if (++retries > 1000) return Status::Corruption("index shard map keeps changing");
         continue;
@@ -641,6 +636,17 @@ class Pass {
       retries = 0;
     }
     return Status::Ok();
+  }
+
+  // One try at the live slot covering prefix *p under its shard lock
+  // (ProcessUnderLock); false: the map changed meanwhile, try again.
+  Result<bool> ProcessSlotAt(uint64_t* p, size_t* i) {
+    ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
+    const ShardRange guess = map.SlotFor(*p).range;
+    RETURN_IF_ERROR(LockShard(ShardLockId(guess)));
+    Result<bool> done = ProcessUnderLock(p, guess, i);
+    UnlockShard(ShardLockId(guess));
+    return done;
   }
 
   // The shards that parked records this pass because an allocation group
@@ -669,34 +675,28 @@ class Pass {
       RETURN_IF_ERROR(vol_->Sync());
       const std::set<uint64_t> los = std::move(busy_parked_here_);
       busy_parked_here_.clear();
-      revisiting_ = true;
-      const size_t no_records = records_.size();
-      for (uint64_t lo : los) {
-        uint64_t p = lo;
-        size_t i = no_records;
-        for (int tries = 0;; tries++) {
-          ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
-          const ShardRange guess = map.SlotFor(p).range;
-          Status locked = LockShard(ShardLockId(guess));
-          if (!locked.ok()) {
-            revisiting_ = false;
-            return locked;
-          }
-          Result<bool> done = ProcessUnderLock(&p, guess, &i);
-          UnlockShard(ShardLockId(guess));
-          if (!done.ok()) {
-            revisiting_ = false;
-            return done.status();
-          }
-          if (*done) break;
-          if (tries > 1000) {
-            revisiting_ = false;
-            return Status::Corruption("index shard map keeps changing");
-          }
-        }
-        stats_.shards_revisited++;
+      RETURN_IF_ERROR(Revisit(los));
+    }
+    return Status::Ok();
+  }
+
+  // Rewrites the shards starting at `los` with their pending records only
+  // (records_ is empty by now), as a revisit (revisiting_).
+  Status Revisit(const std::set<uint64_t>& los) {
+    revisiting_ = true;
+    struct EndRevisit {
+      bool* flag;
+      ~EndRevisit() { *flag = false; }
+    } end_revisit{&revisiting_};
+    for (uint64_t lo : los) {
+      uint64_t p = lo;
+      size_t i = records_.size();
+      for (int tries = 0;; tries++) {
+        ASSIGN_OR_RETURN(const bool done, ProcessSlotAt(&p, &i));
+        if (done) break;
+        if (tries > 1000) return Status::Corruption("index shard map keeps changing");
       }
-      revisiting_ = false;
+      stats_.shards_revisited++;
     }
     return Status::Ok();
   }
@@ -786,6 +786,18 @@ class Pass {
   template <typename T>
   static Status StatusOf(const Result<T>& r) {
     return r.status();
+  }
+
+  // The reference count of arena block `index` without waiting for another
+  // host's group (File::TryBlockRefCount); nullopt, counted in
+  // gc_checks_busy, when that group is held elsewhere: the caller leaves
+  // its question for a later pass.
+  Result<std::optional<uint32_t>> ArenaRefsIfFree(File* arena, uint64_t index) {
+    Result<uint32_t> counted = arena->TryBlockRefCount(index);
+    if (counted.ok()) return std::optional<uint32_t>(*counted);
+    if (counted.status().code() != Status::Code::kLocked) return counted.status();
+    stats_.gc_checks_busy++;
+    return std::optional<uint32_t>();
   }
 
   // Opens (creating it if it does not exist) an index file of a range whose
@@ -1096,12 +1108,9 @@ class Pass {
         // Garbage: an arena block no file refers to any more. Never waits
         // for another host's group (issue 5): unanswered, the entry stays
         // (it is true, or at worst names garbage until a later pass).
-        Result<uint32_t> counted = arenas[0].f->TryBlockRefCount(st->arena);
-        if (!counted.ok() && counted.status().code() != Status::Code::kLocked) {
-          return counted.status();
-        }
-        if (!counted.ok()) stats_.gc_checks_busy++;
-        const uint32_t refs = counted.ok() ? *counted : 2;
+        ASSIGN_OR_RETURN(const std::optional<uint32_t> counted,
+                         ArenaRefsIfFree(arenas[0].f.get(), st->arena));
+        const uint32_t refs = counted.value_or(2);
         if (refs <= 1) {
           if (refs == 1) arenas[0].to_punch.push_back(st->arena);
           stats_.gc_arena_blocks++;
@@ -1157,12 +1166,9 @@ class Pass {
       const uint64_t arena_blocks = arenas[0].f->size() / kBlockSize;
       for (uint64_t i = 0; i < arena_blocks; i++) {
         if (i < arena_used.size() && arena_used[i]) continue;
-        Result<uint32_t> counted = arenas[0].f->TryBlockRefCount(i);
-        if (!counted.ok() && counted.status().code() != Status::Code::kLocked) {
-          return counted.status();
-        }
-        if (!counted.ok()) stats_.gc_checks_busy++;  // swept by a later sweep
-        const uint32_t refs = counted.ok() ? *counted : 0;
+        ASSIGN_OR_RETURN(const std::optional<uint32_t> counted,
+                         ArenaRefsIfFree(arenas[0].f.get(), i));
+        const uint32_t refs = counted.value_or(0);  // busy: swept by a later sweep
         if (refs > 0) {
           arenas[0].to_punch.push_back(i);
           stats_.arena_blocks_swept++;
@@ -1435,12 +1441,9 @@ class Pass {
         if (g.anchor_arena == kNoArena && g.state->kind == EntryKind::kShared) {
           // (A group held elsewhere leaves the question open: the record
           // counts as stale, the entry stays.)
-          Result<uint32_t> counted = arena->f->TryBlockRefCount(g.state->arena);
-          if (!counted.ok() && counted.status().code() != Status::Code::kLocked) {
-            return counted.status();
-          }
-          if (!counted.ok()) stats_.gc_checks_busy++;
-          const uint32_t refs = counted.ok() ? *counted : 1;
+          ASSIGN_OR_RETURN(const std::optional<uint32_t> counted,
+                           ArenaRefsIfFree(arena->f.get(), g.state->arena));
+          const uint32_t refs = counted.value_or(1);
           if (refs == 0) {
             // The arena block is gone (a damaged or lost index version):
             // the entry names nothing; the record becomes the hint.
