@@ -72,6 +72,7 @@ struct Config {
   uint64_t log_flush_bytes = 1 << 20;
   uint64_t monitor_memory = uint64_t{64} << 20;
   bool write_monitor = true;
+  uint64_t read_ahead = uint64_t{2} << 20;
   double dedup_interval = 0;  // 0: only on SIGUSR1
   double dedup_fraction = 0.05;
   std::string lease_path;   // sanlock volumes: the LUN as a path
@@ -98,7 +99,7 @@ int UsageError(const std::string& msg) {
 
 // Returns an exit code, or -1 to go on.
 int ParseArgs(int argc, char** argv, Config* cfg) {
-  std::string tcp_port, flush_bytes, memory, log_level, config_file, metrics_port;
+  std::string tcp_port, flush_bytes, memory, log_level, config_file, metrics_port, read_ahead;
   bool no_write_monitor = false;
   po::options_description opts("options");
   opts.add_options()
@@ -118,6 +119,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("log-flush-bytes", po::value(&flush_bytes)->value_name("SIZE"), "flush a file's records once they fill SIZE of log (default 1M)")
       ("monitor-memory", po::value(&memory)->value_name("SIZE"), "memory cap of the write monitor's buffers (default 64M)")
       ("no-write-monitor", po::bool_switch(&no_write_monitor), "serve without fingerprinting writes (benchmarks)")
+      ("read-ahead", po::value(&read_ahead)->value_name("SIZE"), "after a sequential READ of up to SIZE with no other READ in flight, read the next one ahead while the reply is sent (default 2M; 0: off)")
       ("dedup-interval", po::value(&cfg->dedup_interval)->value_name("SEC"), "run a dedup pass every SEC seconds (default 0: only when sent SIGUSR1)")
       ("dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"), "rewrite an index shard when its new records exceed F times its entries (default 0.05)")
       ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
@@ -165,6 +167,11 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
     auto v = ParseSize(memory);
     if (!v || *v < (1 << 20)) return UsageError("--monitor-memory: need a size of at least 1M");
     cfg->monitor_memory = *v;
+  }
+  if (!read_ahead.empty()) {
+    auto v = ParseSize(read_ahead);
+    if (!v || *v > (uint64_t{64} << 20)) return UsageError("--read-ahead: need a size of at most 64M (0: off)");
+    cfg->read_ahead = *v;
   }
   if (!log_level.empty()) {
     auto l = ParseLogLevel(log_level);
@@ -266,7 +273,7 @@ int Run(const Config& cfg) {
   WriteMonitor monitor(mo);
   LogFlusher flusher(vol, &monitor);
   ExportTable table(vol, cfg.write_monitor ? &monitor : nullptr,
-                    cfg.write_monitor ? &flusher : nullptr);
+                    cfg.write_monitor ? &flusher : nullptr, cfg.read_ahead);
 
   asio::io_context io(1);
   NbdServerOptions so;
@@ -611,6 +618,11 @@ int Run(const Config& cfg) {
       x["clients"] = clients;
       x["dedup"] = e->dedup();
       x["cow_copies"] = e->cow_copies();
+      const ReadAheadStats ra = e->read_ahead_stats();
+      x["read_ahead"] = {{"prefetches", ra.prefetches},
+                         {"hits", ra.hits},
+                         {"wasted", ra.wasted},
+                         {"bytes", ra.bytes_prefetched}};
       if (cfg.write_monitor) {
         const MonitorFileStats fs = monitor.FileStats(e->id());
         x["buffered_records"] = fs.buffered_records;
@@ -672,6 +684,11 @@ int Run(const Config& cfg) {
                      {"io_bytes", pass_state.io_bytes_total}};
     }
     j["cow_copies"] = cow_total();
+    const ReadAheadStats ra = table.read_ahead_totals();
+    j["read_ahead"] = {{"prefetches", ra.prefetches},
+                       {"hits", ra.hits},
+                       {"wasted", ra.wasted},
+                       {"bytes", ra.bytes_prefetched}};
     const Volume::DropCounters drops = vol->drop_counters();
     j["drops"] = {{"deferred", drops.deferred},
                   {"applied", drops.applied},
@@ -752,6 +769,12 @@ int Run(const Config& cfg) {
       m.Counter("dede_export_cow_copies_total",
                 "Copy-on-write specializations of the export's shared blocks",
                 x["cow_copies"].get<double>(), l);
+      m.Counter("dede_export_read_ahead_hits_total",
+                "READs of the export answered from its read-ahead window",
+                x["read_ahead"]["hits"].get<double>(), l);
+      m.Counter("dede_export_read_ahead_wasted_total",
+                "Read-ahead windows of the export dropped unused",
+                x["read_ahead"]["wasted"].get<double>(), l);
       if (x.contains("dropped_records")) {
         m.Counter("dede_export_dropped_records_total", "Write-monitor records shed for the export",
                   x["dropped_records"].get<double>(), l);
@@ -789,6 +812,10 @@ int Run(const Config& cfg) {
               j["throttle"]["waited_s"].get<double>(), host);
     m.Gauge("dede_dedup_rate_cap_bytes_per_second", "The policy's dedup rate cap (0: none)",
             j["throttle"]["rate_bytes_per_s"].get<double>(), host);
+    m.Counter("dede_read_ahead_hits_total", "READs answered from a read-ahead window on this host",
+              j["read_ahead"]["hits"].get<double>(), host);
+    m.Counter("dede_read_ahead_wasted_total", "Read-ahead windows dropped unused on this host",
+              j["read_ahead"]["wasted"].get<double>(), host);
     m.Counter("dede_cow_copies_total", "Copy-on-write specializations on this host",
               j["cow_copies"].get<double>(), host);
     m.Gauge("dede_pending_reference_drops", "Reference drops waiting in this host's drop list",

@@ -63,16 +63,20 @@ class RangeGuard {
 // -------------------------------------------------------------------- Export
 
 Export::Export(std::string name, std::unique_ptr<File> file, const FileInfo& info, Volume* vol,
-               WriteMonitor* monitor)
+               WriteMonitor* monitor, size_t read_ahead_bytes)
     : name_(std::move(name)),
       id_(info.id),
       size_(info.size),
       dedup_(info.dedup),
       file_(std::move(file)),
       vol_(vol),
-      monitor_(monitor) {}
+      monitor_(monitor),
+      read_ahead_([f = file_.get()](uint64_t off, void* buf, size_t len) { return f->Read(off, buf, len); },
+                  info.size, read_ahead_bytes) {}
 
-Status Export::Read(uint64_t offset, void* buf, size_t len) { return file_->Read(offset, buf, len); }
+Status Export::Read(uint64_t offset, size_t len, IoBytes* out) {
+  return read_ahead_.Read(offset, len, out);
+}
 
 Status Export::SetDedup(bool on) {
   MutexLock l(&dedup_mu_);
@@ -104,6 +108,7 @@ Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua,
   {
     RangeGuard g(&ranges_, offset, len);
     st = file_->Write(offset, buf, len);
+    read_ahead_.Invalidate(offset, len);
     if (written) {
       // Answer now: fingerprinting is off the client's latency path. FUA's
       // flush point comes first, since the answer promises durability.
@@ -129,6 +134,7 @@ Status Export::Trim(uint64_t offset, uint64_t len, bool fua) {
   {
     RangeGuard g(&ranges_, offset, len);
     st = file_->Trim(offset, len);
+    read_ahead_.Invalidate(offset, len);
     if (monitor_) monitor_->OnInvalidate(id_, offset, len);
   }
   if (st.ok() && fua) st = vol_->Sync();
@@ -147,6 +153,7 @@ Status Export::WriteZeroes(uint64_t offset, uint64_t len, bool fua, bool no_hole
       st = file_->Write(offset + done, zeros.data(), n);
       done += n;
     }
+    read_ahead_.Invalidate(offset, len);
     // Zero blocks are never worth sharing: drop, don't hash.
     if (monitor_) monitor_->OnInvalidate(id_, offset, len);
   }
@@ -158,8 +165,9 @@ Status Export::Flush() { return vol_->Sync(); }
 
 // --------------------------------------------------------------- ExportTable
 
-ExportTable::ExportTable(Volume* vol, WriteMonitor* monitor, LogFlusher* flusher)
-    : vol_(vol), monitor_(monitor), flusher_(flusher) {}
+ExportTable::ExportTable(Volume* vol, WriteMonitor* monitor, LogFlusher* flusher,
+                         size_t read_ahead_bytes)
+    : vol_(vol), monitor_(monitor), flusher_(flusher), read_ahead_bytes_(read_ahead_bytes) {}
 
 ExportTable::~ExportTable() { CloseAll(); }
 
@@ -214,7 +222,7 @@ Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name)
     return file.status().WithContext("opening export '" + name + "'");
   }
   ASSIGN_OR_RETURN(FileInfo info, (*file)->Info());
-  auto e = std::make_shared<Export>(name, std::move(*file), info, vol_, monitor_);
+  auto e = std::make_shared<Export>(name, std::move(*file), info, vol_, monitor_, read_ahead_bytes_);
   if (monitor_) monitor_->AddFile(info.id, info.dedup);
   e->clients_ = 1;
   LOG(kInfo) << "export '" << name << "' opened (" << info.size << " bytes, dedup "
@@ -241,12 +249,18 @@ void ExportTable::Close(const std::shared_ptr<Export>& e) {
   // Writes already answered may still be feeding the monitor: they hold
   // their block ranges until it has their records. Wait for all of them.
   e->ranges_.Lock(0, UINT64_MAX);
+  e->read_ahead_.Stop();
   if (flusher_) {
     Status st = flusher_->FlushFile(e->id());
     if (!st.ok()) LOG(kWarning) << "export '" << e->name() << "': " << st.ToString();
   }
   if (monitor_) monitor_->RemoveFile(e->id());
   closed_cow_copies_.fetch_add(e->cow_copies(), std::memory_order_relaxed);
+  const ReadAheadStats ra = e->read_ahead_stats();
+  closed_ra_prefetches_ += ra.prefetches;
+  closed_ra_hits_ += ra.hits;
+  closed_ra_wasted_ += ra.wasted;
+  closed_ra_bytes_ += ra.bytes_prefetched;
   // The next holder (maybe on another host) must find everything on disk.
   Status st = vol_->Sync();
   if (!st.ok()) LOG(kError) << "export '" << e->name() << "': flush on close: " << st.ToString();
@@ -270,6 +284,22 @@ std::vector<std::pair<std::shared_ptr<Export>, int>> ExportTable::SnapshotWithCl
   std::vector<std::pair<std::shared_ptr<Export>, int>> out;
   for (const auto& [name, e] : exports_) out.emplace_back(e, e->clients_);
   return out;
+}
+
+ReadAheadStats ExportTable::read_ahead_totals() {
+  ReadAheadStats t;
+  for (const auto& e : Snapshot()) {
+    const ReadAheadStats s = e->read_ahead_stats();
+    t.prefetches += s.prefetches;
+    t.hits += s.hits;
+    t.wasted += s.wasted;
+    t.bytes_prefetched += s.bytes_prefetched;
+  }
+  t.prefetches += closed_ra_prefetches_;
+  t.hits += closed_ra_hits_;
+  t.wasted += closed_ra_wasted_;
+  t.bytes_prefetched += closed_ra_bytes_;
+  return t;
 }
 
 std::shared_ptr<Export> ExportTable::FindOpen(const std::string& name) {

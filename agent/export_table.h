@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "agent/log_flusher.h"
+#include "agent/read_ahead.h"
 #include "kmod/writemon/write_monitor.h"
 #include "util/mutex.h"
 #include "util/status.h"
@@ -49,8 +50,10 @@ class BlockRangeLock {
 
 class Export {
  public:
+  // `read_ahead_bytes`: the longest READ after which a sequential reader's
+  // next request is prefetched (read_ahead.h); 0: never.
   Export(std::string name, std::unique_ptr<File> file, const FileInfo& info, Volume* vol,
-         WriteMonitor* monitor);
+         WriteMonitor* monitor, size_t read_ahead_bytes = 0);
   const std::string& name() const { return name_; }
   FileId id() const { return id_; }
   uint64_t size() const { return size_; }
@@ -65,7 +68,12 @@ class Export {
   // and had to copy it (since the export opened).
   uint64_t cow_copies() { return file_->cow_copies(); }
 
-  Status Read(uint64_t offset, void* buf, size_t len);
+  // A READ into `out` (resized to `len`), from the read-ahead window when
+  // it holds the range. Then, once the client has been answered,
+  // ReadAheadAfter() with the same range may prefetch the next one.
+  Status Read(uint64_t offset, size_t len, IoBytes* out);
+  void ReadAheadAfter(uint64_t offset, size_t len) { read_ahead_.After(offset, len); }
+  ReadAheadStats read_ahead_stats() { return read_ahead_.stats(); }
   // `fua`: durable (volume flush point) before returning. `written`, if
   // given, is called as soon as the data is on the volume (and durable with
   // fua) with the outcome, so the client can be answered before the write
@@ -91,13 +99,18 @@ class Export {
   Volume* const vol_;
   WriteMonitor* const monitor_;  // nullptr: monitoring disabled
   BlockRangeLock ranges_;
+  // Every content change invalidates it after its device I/O, before it is
+  // acknowledged (Write, Trim, WriteZeroes).
+  ReadAhead read_ahead_;
   int clients_ = 0;  // guarded by ExportTable::mu_
 };
 
 class ExportTable {
  public:
   // `monitor` and `flusher` may be nullptr (monitoring off).
-  ExportTable(Volume* vol, WriteMonitor* monitor, LogFlusher* flusher);
+  // `read_ahead_bytes` goes to every Export (0: no read-ahead).
+  ExportTable(Volume* vol, WriteMonitor* monitor, LogFlusher* flusher,
+              size_t read_ahead_bytes = 0);
   ~ExportTable();
 
   // The names clients may ask for: the volume's regular files.
@@ -120,6 +133,8 @@ class ExportTable {
   std::vector<std::pair<std::shared_ptr<Export>, int>> SnapshotWithClients() EXCLUDES(mu_);
   // Copy-on-write specializations of exports closed since start.
   uint64_t closed_cow_copies() const { return closed_cow_copies_.load(); }
+  // Read-ahead counters of every export served since start, open or closed.
+  ReadAheadStats read_ahead_totals() EXCLUDES(mu_);
   // The open export of `name`, or nullptr (nothing is opened).
   std::shared_ptr<Export> FindOpen(const std::string& name) EXCLUDES(mu_);
 
@@ -129,6 +144,7 @@ class ExportTable {
   Volume* const vol_;
   WriteMonitor* const monitor_;
   LogFlusher* const flusher_;
+  const size_t read_ahead_bytes_;
   // Lock order: ExportTable::mu_ is never held across volume I/O; opening
   // and closing run under open_mu_ (held across I/O, never taken by the
   // data path) so two clients racing for a new export open it once.
@@ -136,6 +152,8 @@ class ExportTable {
   Mutex mu_;
   std::map<std::string, std::shared_ptr<Export>> exports_ GUARDED_BY(mu_);
   std::atomic<uint64_t> closed_cow_copies_{0};
+  std::atomic<uint64_t> closed_ra_prefetches_{0}, closed_ra_hits_{0}, closed_ra_wasted_{0},
+      closed_ra_bytes_{0};
 };
 
 // The NBD error number for a failed volume operation.

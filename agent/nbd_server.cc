@@ -258,8 +258,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       bool fua = req.flags & nbd::kCmdFlagFua;
       switch (req.type) {
         case nbd::kCmdRead:
-          data.resize(req.length);
-          st = e->Read(req.offset, data.data(), req.length);
+          st = e->Read(req.offset, req.length, &data);
           break;
         case nbd::kCmdWrite:
           // Answered as soon as the data is on the volume; the write monitor
@@ -281,6 +280,9 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       reply(st);
       // The payload buffer goes back to the pool here, on the worker.
       req.payload = IoBytes();
+      // While the reply crosses the socket, a sequential reader's next
+      // request may be read ahead on this worker (read_ahead.h).
+      if (req.type == nbd::kCmdRead && st.ok()) e->ReadAheadAfter(req.offset, req.length);
     });
   }
 

@@ -531,6 +531,71 @@ TEST_CASE("TCP on 127.0.0.1 by option", "[nbd]") {
   REQUIRE(d.Stop() == 0);
 }
 
+// dedupd reads a QD1 sequential reader's next request ahead (read_ahead.h).
+// One qemu-io process (one connection, one request at a time) walks the
+// file in 64 KiB READs, each checking the content the model expects, while
+// WRITEs, WRITE_ZEROES and TRIMs land on the chunk being read or the one
+// the window holds: a window that survived a change would fail a check.
+TEST_CASE("read-ahead answers a sequential reader and never hides a write, zero or trim",
+          "[nbd]") {
+  constexpr uint64_t kChunk = 64 * 1024;
+  constexpr uint64_t kChunks = 64;
+  TestVolume tv({{"vm", kChunks * kChunk}});
+  DedupdProcess d(tv.vol, 1, tv.sock);
+  std::vector<int> model(kChunks, 0x11);
+  std::vector<std::string> cmds = {"write -P 0x11 0 " + std::to_string(kChunks * kChunk)};
+  std::mt19937 rng(5);
+  int changes = 0;
+  for (int pass = 0; pass < 3; pass++) {
+    for (uint64_t pos = 0; pos < kChunks; pos++) {
+      if (rng() % 100 < 35) {
+        const uint64_t c = std::min(kChunks - 1, pos + rng() % 2);
+        const std::string at = std::to_string(c * kChunk) + " " + std::to_string(kChunk);
+        switch (rng() % 3) {
+          case 0: {
+            const int p = 1 + static_cast<int>(rng() % 254);
+            cmds.push_back("write -P " + std::to_string(p) + " " + at);
+            model[c] = p;
+            break;
+          }
+          case 1:
+            cmds.push_back("write -z " + at);
+            model[c] = 0;
+            break;
+          default:
+            cmds.push_back("discard " + at);
+            model[c] = 0;
+            break;
+        }
+        changes++;
+      }
+      cmds.push_back("read -P " + std::to_string(model[pos]) + " " +
+                     std::to_string(pos * kChunk) + " " + std::to_string(kChunk));
+    }
+  }
+  // Then 1 MiB READs of unchanging content: the windows are used.
+  cmds.push_back("write -P 0x77 0 " + std::to_string(kChunks * kChunk));
+  for (uint64_t off = 0; off < kChunks * kChunk; off += 1 << 20) {
+    cmds.push_back("read -P 0x77 " + std::to_string(off) + " 1M");
+  }
+  std::vector<std::string> argv = {RequireProgram("qemu-io"), "-f", "raw", "-d", "unmap"};
+  for (const auto& c : cmds) {
+    argv.push_back("-c");
+    argv.push_back(c);
+  }
+  argv.push_back(d.Uri("vm"));
+  ProcessResult r = RunOk(argv);
+  REQUIRE(r.out.find("Pattern verification failed") == std::string::npos);
+  REQUIRE(changes > 40);
+  ProcessResult st = RunOk({BinaryPath("dede"), "status", "--control", d.control(), "--json"});
+  const nlohmann::json ra = nlohmann::json::parse(st.out)["read_ahead"];
+  INFO(ra.dump());
+  CHECK(ra["hits"].get<uint64_t>() >= 100);   // most READs without a change before them
+  CHECK(ra["wasted"].get<uint64_t>() >= 10);  // changes that hit a window
+  REQUIRE(d.Stop() == 0);
+  RequireFsckClean(tv.vol);
+}
+
 TEST_CASE("under memory pressure the monitor sheds records and the log says so", "[nbd]") {
   const uint64_t size = 64 * kMiB;
   TestVolume tv({{"vm", size}});

@@ -333,6 +333,14 @@ void PrintRest(const json& r) {
   if (auto v = Uint(r, "cow_copies")) {
     Line("cow", std::to_string(*v) + (*v == 1 ? " copy" : " copies") + " of shared blocks");
   }
+  if (const json* ra = Object(r, "read_ahead")) {
+    auto hits = Uint(*ra, "hits"), wasted = Uint(*ra, "wasted"), bytes = Uint(*ra, "bytes");
+    if (hits && wasted && bytes) {
+      Line("read-ahead", std::to_string(*hits) + " READs answered from windows, " +
+                             HumanSize(*bytes) + " read ahead, " + std::to_string(*wasted) +
+                             " windows unused");
+    }
+  }
   if (const json* t = Object(r, "throttle")) {
     std::vector<std::string> parts;
     if (auto rate = Uint(*t, "rate_bytes_per_s")) {

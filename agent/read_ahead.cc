@@ -1,0 +1,129 @@
+#include "agent/read_ahead.h"
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+namespace dede {
+
+ReadAhead::ReadAhead(ReadFn read, uint64_t file_size, size_t max_bytes)
+    : read_(std::move(read)), file_size_(file_size), max_bytes_(max_bytes) {}
+
+// The condition variable needs the native mutex, which the analysis cannot
+// follow through std::unique_lock; every GUARDED_BY field below is touched
+// with mu_ locked, checked by hand.
+Status ReadAhead::Read(uint64_t offset, size_t len, IoBytes* out) NO_THREAD_SAFETY_ANALYSIS {
+  IoBytes window;
+  uint64_t window_offset = 0;
+  {
+    std::unique_lock<std::mutex> l(mu_.native());
+    last_sequential_ = offset == next_expected_;
+    next_expected_ = offset + len;
+    reads_in_flight_++;
+    if (max_bytes_ > 0 && len > 0) {
+      // A window being read for this READ: wait for it rather than read
+      // the same blocks twice.
+      cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS {
+        return state_ != State::kReading || !Overlaps(offset, len);
+      });
+      if (state_ == State::kReady) {
+        if (Covers(offset, len)) {
+          window = std::move(win_);
+          window_offset = win_offset_;
+          stats_.hits++;
+        } else {
+          stats_.wasted++;  // the stream moved on: one window only
+        }
+        win_ = IoBytes();
+        state_ = State::kEmpty;
+      }
+    }
+  }
+  Status st;
+  if (!window.empty()) {
+    if (window_offset == offset && window.size() == len) {
+      *out = std::move(window);
+    } else {
+      out->resize(len);
+      std::memcpy(out->data(), window.data() + (offset - window_offset), len);
+    }
+  } else {
+    out->resize(len);
+    st = read_(offset, out->data(), len);
+  }
+  MutexLock l(&mu_);
+  reads_in_flight_--;
+  return st;
+}
+
+void ReadAhead::After(uint64_t offset, size_t len) NO_THREAD_SAFETY_ANALYSIS {
+  if (max_bytes_ == 0 || len == 0 || len > max_bytes_) return;
+  const uint64_t start = offset + len;
+  size_t n;
+  {
+    MutexLock l(&mu_);
+    // Another READ started since this one (next_expected_ moved) or is
+    // still running: the client keeps the device busy itself.
+    if (stopped_ || state_ != State::kEmpty || reads_in_flight_ > 0 || !last_sequential_ ||
+        next_expected_ != start || start >= file_size_) {
+      return;
+    }
+    n = static_cast<size_t>(std::min<uint64_t>(len, file_size_ - start));
+    state_ = State::kReading;
+    stale_ = false;
+    win_offset_ = start;
+    win_len_ = n;
+  }
+  IoBytes buf;
+  buf.resize(n);
+  Status st = read_(start, buf.data(), n);
+  IoBytes drop;  // freed outside mu_
+  {
+    MutexLock l(&mu_);
+    stats_.prefetches++;
+    stats_.bytes_prefetched += n;
+    if (st.ok() && !stale_) {
+      win_ = std::move(buf);
+      state_ = State::kReady;
+    } else {
+      // A failed read is not an error of any request: a READ of these
+      // blocks reads them itself and reports what it finds.
+      drop = std::move(buf);
+      stats_.wasted++;
+      state_ = State::kEmpty;
+    }
+  }
+  cv_.notify_all();
+}
+
+void ReadAhead::Invalidate(uint64_t offset, uint64_t len) {
+  if (max_bytes_ == 0) return;
+  IoBytes drop;  // freed outside mu_
+  MutexLock l(&mu_);
+  if (state_ == State::kEmpty || !Overlaps(offset, std::max<uint64_t>(len, 1))) return;
+  if (state_ == State::kReading) {
+    stale_ = true;
+  } else {
+    drop = std::move(win_);
+    win_ = IoBytes();
+    state_ = State::kEmpty;
+    stats_.wasted++;
+  }
+}
+
+void ReadAhead::Stop() NO_THREAD_SAFETY_ANALYSIS {
+  IoBytes drop;  // freed outside mu_
+  std::unique_lock<std::mutex> l(mu_.native());
+  stopped_ = true;
+  cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS { return state_ != State::kReading; });
+  drop = std::move(win_);
+  win_ = IoBytes();
+  state_ = State::kEmpty;
+}
+
+ReadAheadStats ReadAhead::stats() {
+  MutexLock l(&mu_);
+  return stats_;
+}
+
+}  // namespace dede

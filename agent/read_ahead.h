@@ -1,0 +1,103 @@
+// ReadAhead: one export's sequential read-ahead window.
+//
+// At queue depth 1 a sequential reader (a VM copying or booting from its
+// disk, `qemu-img convert`, fio QD1) leaves the device idle while each
+// reply crosses the socket and the next request comes back: the device
+// read and the socket copy run one after the other. After such a read has
+// been answered, the worker that served it reads the next request's worth
+// of the file into this window, so the device works while the reply is in
+// flight; the next READ that the window covers is answered from memory.
+//
+// When it prefetches: the READ continued the previous READ exactly (offset
+// == the previous one's end) and no other READ of the export was in flight
+// when it finished. Deeper queues already keep the device busy, so they
+// never pay for a read nobody asked for. The window is one request long,
+// capped at `max_bytes`, and never crosses the end of the file.
+//
+// Coherence: the window holds file content, so every change of content
+// must pass Invalidate() after its device I/O finished and before it is
+// acknowledged (Export's WRITE, TRIM and WRITE_ZEROES do). A window being
+// read when Invalidate() overlaps it is marked stale and dropped when its
+// read ends; a window read that starts after the invalidation reads the
+// new content. Dedup passes and merge requests change which physical block
+// holds a file block, never its content, so they need not invalidate.
+// A READ served from the window therefore never returns data older than a
+// write that was acknowledged before the READ arrived.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+
+#include "util/io_buffer.h"
+#include "util/mutex.h"
+#include "util/status.h"
+
+namespace dede {
+
+struct ReadAheadStats {
+  uint64_t prefetches = 0;      // windows read
+  uint64_t hits = 0;            // READs answered from a window
+  uint64_t wasted = 0;          // windows dropped unused (invalidated, skipped, failed)
+  uint64_t bytes_prefetched = 0;
+};
+
+class ReadAhead {
+ public:
+  // Reads file content into a buffer: the export's File::Read.
+  using ReadFn = std::function<Status(uint64_t offset, void* buf, size_t len)>;
+
+  // `max_bytes` 0 disables read-ahead (Read() then always reads through).
+  ReadAhead(ReadFn read, uint64_t file_size, size_t max_bytes);
+
+  // A READ: fills `out` with [offset, offset + len) from the window when it
+  // covers the range (waiting for a window still being read), else from
+  // the file.
+  Status Read(uint64_t offset, size_t len, IoBytes* out) EXCLUDES(mu_);
+
+  // After the READ of [offset, offset + len) was answered: prefetches the
+  // next window on the calling thread when the READ was sequential at
+  // queue depth 1 (see above). Blocking: device I/O.
+  void After(uint64_t offset, size_t len) EXCLUDES(mu_);
+
+  // Content of [offset, offset + len) changed (or may have): drop what the
+  // window holds of it.
+  void Invalidate(uint64_t offset, uint64_t len) EXCLUDES(mu_);
+
+  // No more prefetches; waits for one in progress. The export calls it
+  // before closing its file: a prefetch may outlive its request's client.
+  void Stop() EXCLUDES(mu_);
+
+  ReadAheadStats stats() EXCLUDES(mu_);
+
+ private:
+  enum class State { kEmpty, kReading, kReady };
+
+  bool Covers(uint64_t offset, size_t len) const REQUIRES(mu_) {
+    return offset >= win_offset_ && offset + len <= win_offset_ + win_len_;
+  }
+  bool Overlaps(uint64_t offset, uint64_t len) const REQUIRES(mu_) {
+    return offset < win_offset_ + win_len_ && win_offset_ < offset + len;
+  }
+
+  const ReadFn read_;
+  const uint64_t file_size_;
+  const size_t max_bytes_;
+
+  Mutex mu_;
+  std::condition_variable cv_;  // with mu_: a kReading window ended
+  State state_ GUARDED_BY(mu_) = State::kEmpty;
+  bool stale_ GUARDED_BY(mu_) = false;  // kReading: invalidated meanwhile
+  bool stopped_ GUARDED_BY(mu_) = false;
+  uint64_t win_offset_ GUARDED_BY(mu_) = 0;
+  size_t win_len_ GUARDED_BY(mu_) = 0;
+  IoBytes win_ GUARDED_BY(mu_);
+  // The end of the last READ to start, and READs between Read()'s start and
+  // return: a READ starting at next_expected_ continues the stream.
+  uint64_t next_expected_ GUARDED_BY(mu_) = 0;
+  bool last_sequential_ GUARDED_BY(mu_) = false;
+  int reads_in_flight_ GUARDED_BY(mu_) = 0;
+  ReadAheadStats stats_ GUARDED_BY(mu_);
+};
+
+}  // namespace dede

@@ -1,0 +1,391 @@
+// Tests for an export's sequential read-ahead (agent/read_ahead.h): when it
+// prefetches and when it must not, that a READ waits for a window being
+// read instead of reading twice, and that no READ ever sees content older
+// than a write acknowledged before it (invalidation of ready and in-flight
+// windows, and a randomized check with concurrent readers and a writer).
+#include "agent/read_ahead.h"
+
+#include <atomic>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <thread>
+#include <vector>
+
+using namespace dede;
+
+namespace {
+
+constexpr size_t kK = 1024;
+
+// A file in memory whose reads are counted and can be held at a gate:
+// `hold_next` makes the next read copy its data, then block until
+// Release() (a device read that has its data but has not returned yet).
+class FakeFile {
+ public:
+  explicit FakeFile(size_t size) : bytes_(size) {
+    for (size_t i = 0; i < size; i++) bytes_[i] = static_cast<uint8_t>(i * 7 + i / 4096);
+  }
+  ReadAhead::ReadFn Reader() {
+    return [this](uint64_t off, void* buf, size_t len) {
+      bool hold;
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        reads_++;
+        if (fail_next_) {
+          fail_next_ = false;
+          return Status::IoError("injected read error");
+        }
+        std::memcpy(buf, bytes_.data() + off, len);
+        hold = hold_next_;
+        hold_next_ = false;
+        if (hold) held_ = true;
+      }
+      if (hold) {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.notify_all();
+        cv_.wait(l, [&] { return !held_; });
+      }
+      return Status::Ok();
+    };
+  }
+  void HoldNext() {
+    std::lock_guard<std::mutex> l(mu_);
+    hold_next_ = true;
+  }
+  void WaitHeld() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return held_; });
+  }
+  void Release() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      held_ = false;
+    }
+    cv_.notify_all();
+  }
+  void FailNext() {
+    std::lock_guard<std::mutex> l(mu_);
+    fail_next_ = true;
+  }
+  void Write(uint64_t off, uint8_t value, size_t len) {
+    std::lock_guard<std::mutex> l(mu_);
+    std::memset(bytes_.data() + off, value, len);
+  }
+  std::vector<uint8_t> Content(uint64_t off, size_t len) {
+    std::lock_guard<std::mutex> l(mu_);
+    return {bytes_.begin() + off, bytes_.begin() + off + len};
+  }
+  int reads() {
+    std::lock_guard<std::mutex> l(mu_);
+    return reads_;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::vector<uint8_t> bytes_;
+  int reads_ = 0;
+  bool hold_next_ = false, held_ = false, fail_next_ = false;
+};
+
+std::vector<uint8_t> Vec(const IoBytes& b) { return {b.begin(), b.end()}; }
+
+// One READ the way the NBD worker does it: read, answer, then After().
+IoBytes ReadAndAfter(ReadAhead* ra, uint64_t off, size_t len) {
+  IoBytes out;
+  REQUIRE(ra->Read(off, len, &out).ok());
+  ra->After(off, len);
+  return out;
+}
+
+}  // namespace
+
+TEST_CASE("read-ahead: a sequential QD1 reader's next READ is answered from the window",
+          "[read_ahead]") {
+  FakeFile f(1 << 20);
+  ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
+  CHECK(Vec(ReadAndAfter(&ra, 0, 64 * kK)) == f.Content(0, 64 * kK));
+  CHECK(f.reads() == 2);  // the READ and the prefetch of [64K, 128K)
+  CHECK(ra.stats().prefetches == 1);
+  for (uint64_t off = 64 * kK; off < 512 * kK; off += 64 * kK) {
+    CHECK(Vec(ReadAndAfter(&ra, off, 64 * kK)) == f.Content(off, 64 * kK));
+  }
+  // Every READ after the first came from a window; each hit prefetched the
+  // next one, so the device saw one read per request all the same.
+  ReadAheadStats s = ra.stats();
+  CHECK(s.hits == 7);
+  CHECK(s.prefetches == 8);
+  CHECK(s.wasted == 0);
+  CHECK(f.reads() == 9);
+  CHECK(s.bytes_prefetched == 8 * 64 * kK);
+}
+
+TEST_CASE("read-ahead: random, too long, past the end, or disabled: no prefetch", "[read_ahead]") {
+  FakeFile f(1 << 20);
+  SECTION("a READ that does not continue the previous one") {
+    ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
+    ReadAndAfter(&ra, 128 * kK, 4 * kK);  // the stream starts at 0: not sequential
+    ReadAndAfter(&ra, 512 * kK, 4 * kK);
+    ReadAndAfter(&ra, 8 * kK, 4 * kK);
+    CHECK(ra.stats().prefetches == 0);
+    CHECK(f.reads() == 3);
+  }
+  SECTION("a READ longer than the cap") {
+    ReadAhead ra(f.Reader(), 1 << 20, 64 * kK);
+    ReadAndAfter(&ra, 0, 128 * kK);
+    CHECK(ra.stats().prefetches == 0);
+  }
+  SECTION("the window is cut at the end of the file, and nothing is read past it") {
+    ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
+    ReadAndAfter(&ra, 0, 960 * kK);  // over the cap: no prefetch
+    ra.After(0, 0);
+    CHECK(ra.stats().prefetches == 0);
+    ReadAhead rb(f.Reader(), 1 << 20, 512 * kK);
+    ReadAndAfter(&rb, 0, 300 * kK);
+    ReadAndAfter(&rb, 300 * kK, 300 * kK);
+    ReadAndAfter(&rb, 600 * kK, 300 * kK);  // prefetches [900K, 1M): cut to 124K
+    IoBytes tail;
+    REQUIRE(rb.Read(900 * kK, 124 * kK, &tail).ok());
+    CHECK(Vec(tail) == f.Content(900 * kK, 124 * kK));
+    rb.After(900 * kK, 124 * kK);  // at the end: nothing to prefetch
+    CHECK(rb.stats().hits == 3);
+    CHECK(rb.stats().prefetches == 3);
+    CHECK(rb.stats().bytes_prefetched == 2 * 300 * kK + 124 * kK);
+    CHECK(rb.stats().wasted == 0);
+  }
+  SECTION("max_bytes 0") {
+    ReadAhead ra(f.Reader(), 1 << 20, 0);
+    for (uint64_t off = 0; off < 256 * kK; off += 64 * kK) ReadAndAfter(&ra, off, 64 * kK);
+    CHECK(ra.stats().prefetches == 0);
+    CHECK(f.reads() == 4);
+  }
+}
+
+TEST_CASE("read-ahead: no prefetch while another READ is in flight (deeper queues)",
+          "[read_ahead]") {
+  FakeFile f(1 << 20);
+  ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
+  IoBytes a;
+  REQUIRE(ra.Read(0, 64 * kK, &a).ok());
+  // The client's next READ started before the first one's After().
+  f.HoldNext();
+  // (Catch's assertions are not thread-safe: threads report through flags.)
+  std::atomic<bool> second_ok{false};
+  std::thread second([&] {
+    IoBytes b;
+    second_ok = ra.Read(64 * kK, 64 * kK, &b).ok() && Vec(b) == f.Content(64 * kK, 64 * kK);
+  });
+  f.WaitHeld();
+  ra.After(0, 64 * kK);
+  CHECK(ra.stats().prefetches == 0);
+  f.Release();
+  second.join();
+  CHECK(second_ok.load());
+  CHECK(f.reads() == 2);
+}
+
+TEST_CASE("read-ahead: a READ of a window being read waits for it instead of reading again",
+          "[read_ahead]") {
+  FakeFile f(1 << 20);
+  ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
+  ReadAndAfter(&ra, 0, 64 * kK);  // prefetches [64K, 128K)
+  ReadAndAfter(&ra, 64 * kK, 64 * kK);
+  REQUIRE(ra.stats().hits == 1);
+  // The next prefetch is held in its device read.
+  f.HoldNext();
+  std::thread prefetch([&] {
+    IoBytes b;
+    (void)ra.Read(128 * kK, 64 * kK, &b);  // a hit: no device read
+    ra.After(128 * kK, 64 * kK);           // held in its device read
+  });
+  f.WaitHeld();
+  std::atomic<bool> done{false}, reader_ok{false};
+  std::thread reader([&] {
+    IoBytes b;
+    reader_ok = ra.Read(192 * kK, 64 * kK, &b).ok() && Vec(b) == f.Content(192 * kK, 64 * kK);
+    done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK_FALSE(done.load());  // waiting for the window
+  const int reads_before = f.reads();
+  f.Release();
+  prefetch.join();
+  reader.join();
+  CHECK(reader_ok.load());
+  CHECK(f.reads() == reads_before);  // answered from the window: no second read
+  CHECK(ra.stats().hits == 3);
+}
+
+TEST_CASE("read-ahead: a write drops the window, ready or still being read", "[read_ahead]") {
+  FakeFile f(1 << 20);
+  ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
+  SECTION("ready window, write inside it") {
+    ReadAndAfter(&ra, 0, 64 * kK);  // window [64K, 128K) ready
+    f.Write(70 * kK, 0xee, 100);
+    ra.Invalidate(70 * kK, 100);
+    IoBytes b;
+    REQUIRE(ra.Read(64 * kK, 64 * kK, &b).ok());
+    CHECK(Vec(b) == f.Content(64 * kK, 64 * kK));
+    CHECK(b[6 * kK] == 0xee);
+    CHECK(ra.stats().hits == 0);
+    CHECK(ra.stats().wasted == 1);
+  }
+  SECTION("ready window, write elsewhere: kept") {
+    ReadAndAfter(&ra, 0, 64 * kK);
+    f.Write(0, 0xee, 4 * kK);
+    ra.Invalidate(0, 4 * kK);
+    f.Write(128 * kK, 0xee, 4 * kK);
+    ra.Invalidate(128 * kK, 4 * kK);
+    ReadAndAfter(&ra, 64 * kK, 64 * kK);
+    CHECK(ra.stats().hits == 1);
+  }
+  SECTION("window still being read: the old data it already has is not used") {
+    IoBytes a;
+    REQUIRE(ra.Read(0, 64 * kK, &a).ok());
+    // The prefetch copies the old content, then is held before it returns.
+    f.HoldNext();
+    std::thread prefetch([&] { ra.After(0, 64 * kK); });
+    f.WaitHeld();
+    f.Write(64 * kK, 0x5a, 64 * kK);  // the write's device I/O ...
+    ra.Invalidate(64 * kK, 64 * kK);  // ... then its invalidation, before its answer
+    f.Release();
+    prefetch.join();
+    IoBytes b;
+    REQUIRE(ra.Read(64 * kK, 64 * kK, &b).ok());
+    CHECK(Vec(b) == std::vector<uint8_t>(64 * kK, 0x5a));
+    CHECK(ra.stats().hits == 0);
+    CHECK(ra.stats().wasted == 1);
+  }
+}
+
+TEST_CASE("read-ahead: a failed prefetch is no error; the READ reads for itself",
+          "[read_ahead]") {
+  FakeFile f(1 << 20);
+  ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
+  IoBytes a;
+  REQUIRE(ra.Read(0, 64 * kK, &a).ok());
+  f.FailNext();
+  ra.After(0, 64 * kK);
+  CHECK(ra.stats().wasted == 1);
+  IoBytes b;
+  REQUIRE(ra.Read(64 * kK, 64 * kK, &b).ok());
+  CHECK(Vec(b) == f.Content(64 * kK, 64 * kK));
+  CHECK(ra.stats().hits == 0);
+}
+
+TEST_CASE("read-ahead: Stop waits for a prefetch in progress and ends read-ahead",
+          "[read_ahead]") {
+  FakeFile f(1 << 20);
+  ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
+  IoBytes a;
+  REQUIRE(ra.Read(0, 64 * kK, &a).ok());
+  f.HoldNext();
+  std::thread prefetch([&] { ra.After(0, 64 * kK); });
+  f.WaitHeld();
+  std::atomic<bool> stopped{false};
+  std::thread stopper([&] {
+    ra.Stop();
+    stopped = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  CHECK_FALSE(stopped.load());
+  f.Release();
+  prefetch.join();
+  stopper.join();
+  CHECK(stopped.load());
+  const int reads = f.reads();
+  IoBytes b;
+  REQUIRE(ra.Read(64 * kK, 64 * kK, &b).ok());
+  ra.After(64 * kK, 64 * kK);
+  CHECK(f.reads() == reads + 1);  // read through, nothing prefetched
+  CHECK(ra.stats().prefetches == 1);
+}
+
+// Each 4 KiB block carries its generation in its first 8 bytes. A writer
+// bumps random ranges (device write, then Invalidate, then "acknowledged");
+// sequential QD1 readers check that every block they get is at least as new
+// as what was acknowledged when their READ began.
+TEST_CASE("read-ahead: concurrent writes never make a READ return older content",
+          "[read_ahead]") {
+  constexpr size_t kBlocks = 256;
+  constexpr size_t kB4 = 4 * kK;
+  std::mutex mu;
+  std::vector<uint64_t> device(kBlocks, 0);  // generation per block
+  std::vector<std::atomic<uint64_t>> acked(kBlocks);
+  for (auto& a : acked) a = 0;
+  std::atomic<uint64_t> read_errors{0};
+  auto reader_fn = [&](uint64_t off, void* buf, size_t len) {
+    if (off % kB4 != 0 || len % kB4 != 0) {
+      read_errors++;
+      return Status::Invalid("unaligned");
+    }
+    auto* p = static_cast<uint8_t*>(buf);
+    for (size_t i = 0; i < len / kB4; i++) {
+      uint64_t g;
+      {
+        std::lock_guard<std::mutex> l(mu);
+        g = device[off / kB4 + i];
+      }
+      std::memcpy(p + i * kB4, &g, 8);
+      std::this_thread::yield();  // let writes land between blocks
+    }
+    return Status::Ok();
+  };
+  ReadAhead ra(reader_fn, kBlocks * kB4, 64 * kK);
+  std::atomic<bool> stop{false};
+  std::atomic<uint64_t> violations{0};
+  std::thread writer([&] {
+    std::mt19937 r(11);
+    uint64_t gen = 0;
+    while (!stop) {
+      const size_t first = r() % kBlocks, n = 1 + r() % 8;
+      const size_t last = std::min(kBlocks, first + n);
+      ++gen;
+      {
+        std::lock_guard<std::mutex> l(mu);
+        for (size_t b = first; b < last; b++) device[b] = gen;
+      }
+      ra.Invalidate(first * kB4, (last - first) * kB4);
+      for (size_t b = first; b < last; b++) acked[b] = gen;
+      std::this_thread::yield();
+    }
+  });
+  // Two readers: usually one in flight at a time, sometimes both (then no
+  // prefetch); both must see acknowledged data.
+  auto reader = [&](uint32_t seed) {
+    std::mt19937 r(seed);
+    for (int pass = 0; pass < 40; pass++) {
+      const size_t req = (1 + r() % 4) * kB4 * 4;
+      for (uint64_t off = 0; off + req <= kBlocks * kB4; off += req) {
+        std::vector<uint64_t> floor(req / kB4);
+        for (size_t i = 0; i < floor.size(); i++) floor[i] = acked[off / kB4 + i];
+        IoBytes out;
+        if (!ra.Read(off, req, &out).ok()) {
+          read_errors++;
+          continue;
+        }
+        for (size_t i = 0; i < floor.size(); i++) {
+          uint64_t g;
+          std::memcpy(&g, out.data() + i * kB4, 8);
+          if (g < floor[i]) violations++;
+        }
+        ra.After(off, req);
+      }
+    }
+  };
+  std::thread r1(reader, 1);
+  std::thread r2(reader, 2);
+  r1.join();
+  r2.join();
+  stop = true;
+  writer.join();
+  CHECK(violations == 0);
+  CHECK(read_errors == 0);
+  // The check ran with read-ahead really in use.
+  CHECK(ra.stats().hits > 0);
+  CHECK(ra.stats().wasted > 0);
+}
