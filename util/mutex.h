@@ -22,6 +22,7 @@
 #define REQUIRES_SHARED(...) DEDE_TSA(requires_shared_capability(__VA_ARGS__))
 #define ACQUIRE(...) DEDE_TSA(acquire_capability(__VA_ARGS__))
 #define ACQUIRE_SHARED(...) DEDE_TSA(acquire_shared_capability(__VA_ARGS__))
+#define TRY_ACQUIRE(...) DEDE_TSA(try_acquire_capability(__VA_ARGS__))
 #define RELEASE(...) DEDE_TSA(release_capability(__VA_ARGS__))
 #define RELEASE_SHARED(...) DEDE_TSA(release_shared_capability(__VA_ARGS__))
 #define EXCLUDES(...) DEDE_TSA(locks_excluded(__VA_ARGS__))
@@ -32,6 +33,8 @@ namespace dede {
 class CAPABILITY("mutex") Mutex {
  public:
   void Lock() ACQUIRE() { mu_.lock(); }
+  // True with the mutex held; false (not held) if another thread holds it.
+  bool TryLock() TRY_ACQUIRE(true) { return mu_.try_lock(); }
   void Unlock() RELEASE() { mu_.unlock(); }
   std::mutex& native() { return mu_; }
 

@@ -147,6 +147,8 @@ constexpr uint64_t kOpBytes = std::max<uint64_t>(kNodeBytes, 64);
 // memory that is already mapped instead of faulting in fresh pages.
 constexpr size_t kChunkOps = 1024;
 
+constexpr uint32_t kMaxCoalesceBackoff = 64;
+
 }  // namespace
 
 struct WriteMonitor::ChunkPool {
@@ -236,7 +238,31 @@ struct WriteMonitor::FileBuffer {
   // Changed under mu; read without it on the write path to skip hashing.
   std::atomic<bool> dedup;
   std::atomic<uint64_t> hashed{0};
+  // Whether coalescing this file's ops pays: 1 after a coalesce that
+  // removed at least an eighth of them, doubled (up to kMaxCoalesceBackoff)
+  // after each one that did not. One sequential writer whose requests the
+  // workers finish out of order never rewrites a block, yet its ops are
+  // not increasing: sorting them early only costs CPU (4x the hash, in
+  // dede-bench-monitor's "shuffled" pattern). Append then waits that many
+  // times longer before coalescing, and DueFiles trusts the bound instead
+  // of sorting to size the file exactly. Kept across Takes.
+  std::atomic<uint32_t> coalesce_backoff{1};
 
+  void NoteCoalesce(uint64_t ops_before, uint64_t entries_after) {
+    if (ops_before == 0) return;
+    const uint32_t b = coalesce_backoff.load(std::memory_order_relaxed);
+    const bool paid = entries_after * 8 < ops_before * 7;
+    coalesce_backoff.store(paid ? 1 : std::min(2 * b, kMaxCoalesceBackoff),
+                           std::memory_order_relaxed);
+  }
+
+  // Held by whoever replaces the file's ops or state wholesale: a
+  // coalesce, Take, PutBack, the at-cap path of Append, Discard. A coalesce
+  // holds it across its sort or tree build and releases `mu` meanwhile, so
+  // writes keep appending (sorting 100k ops takes tens of milliseconds;
+  // under `mu` every worker's append waited for it, docs/BENCHMARKS.md).
+  // Lock order: restructure_mu, then mu, then the pool's mutex.
+  Mutex restructure_mu;
   Mutex mu;
   bool removed GUARDED_BY(mu) = false;
   OpList ops GUARDED_BY(mu);  // since the last coalesce, in call order
@@ -251,8 +277,17 @@ struct WriteMonitor::FileBuffer {
   uint64_t dropped_total GUARDED_BY(mu) = 0;
   uint64_t dropped_pending GUARDED_BY(mu) = 0;  // not yet taken in a batch
   uint64_t dropped_since_ns GUARDED_BY(mu) = 0;
+  // While a coalesce runs with `mu` released (`detached`): the ops and state
+  // it took out are still charged and counted through these. Appends go to
+  // the emptied `ops` meanwhile (after the taken ones, in call order) and
+  // never coalesce themselves.
+  bool detached GUARDED_BY(mu) = false;
+  uint64_t detached_charge GUARDED_BY(mu) = 0;
+  uint64_t detached_records GUARDED_BY(mu) = 0;
 
-  uint64_t Charge() const REQUIRES(mu) { return ops.size() * kOpBytes + state.nodes() * kNodeBytes; }
+  uint64_t Charge() const REQUIRES(mu) {
+    return ops.size() * kOpBytes + state.nodes() * kNodeBytes + detached_charge;
+  }
 
   // Brings the shared counter in line with what the file holds now.
   void Recharge(std::atomic<uint64_t>* total) REQUIRES(mu) {
@@ -285,26 +320,14 @@ struct WriteMonitor::FileBuffer {
   // at least twice what the last in-place sort left, so hot rewrites cost
   // O(log n) per op, not a re-sort per write.
   size_t sorted_ops GUARDED_BY(mu) = 0;
+  // `threshold`: the monitor's, times the backoff (CoalesceAt).
   bool CoalesceDue(size_t threshold) const REQUIRES(mu) {
-    return ops.size() >= std::max(threshold, 2 * sorted_ops) && !Sequential();
-  }
-
-  // Coalesces a RecordsOnly buffer into its sorted, one-per-block op list
-  // (which is Sequential).
-  void SortInPlace(ChunkPool* pool, std::atomic<uint64_t>* total) REQUIRES(mu) {
-    OpList sorted(pool);
-    SortRecords(ops, sorted_ops, [&sorted](const Op& op) { sorted.push_back(op); });
-    const size_t n = sorted.size();
-    ops.swap(sorted);  // `sorted` returns the old chunks to the pool
-    record_ops = n;
-    ops_increasing = true;
-    sorted_ops = n;
-    Recharge(total);
+    return !detached && ops.size() >= std::max(threshold, 2 * sorted_ops) && !Sequential();
   }
 
   // Calls f for the latest op of each block of `list` (records only), in
   // block order. The first `sorted_prefix` ops are known to be in strictly
-  // increasing block order (what the last SortInPlace left).
+  // increasing block order (what the last coalescing sort left).
   template <typename F>
   static void SortRecords(const OpList& list, size_t sorted_prefix, F&& f) {
     struct Key {
@@ -364,7 +387,16 @@ struct WriteMonitor::FileBuffer {
     }
   }
 
-  uint64_t BufferedRecords() const REQUIRES(mu) { return state.records.size() + record_ops; }
+  // The log bytes of what is buffered, every op counted as a new entry
+  // after the coalesced state: exact when the ops are Sequential or empty.
+  uint64_t LogBytesBound(size_t record_bytes, size_t range_bytes) const REQUIRES(mu) {
+    return (state.records.size() + record_ops) * record_bytes +
+           (state.ranges.size() + ops.size() - record_ops) * range_bytes;
+  }
+
+  uint64_t BufferedRecords() const REQUIRES(mu) {
+    return state.records.size() + record_ops + detached_records;
+  }
 
   static void ApplyOp(State* s, const Op& op) {
     if (op.count == 0) {
@@ -385,7 +417,16 @@ WriteMonitor::WriteMonitor(const WriteMonitorOptions& opts)
       // flusher lags, coalescing at twice that keeps hot rewrites from
       // filling the cap with superseded ops.
       coalesce_ops_(std::max<size_t>(2 * (opts.flush_bytes / WriteLogRecordBytes(opts.algo) + 1),
-                                     4 * kOpsPerRound)) {}
+                                     4 * kOpsPerRound)),
+      // Backed off, a file still coalesces before its ops fill a quarter
+      // of the cap: a writer that turns to hot rewrites then costs memory
+      // for a while, never the other files' room.
+      max_coalesce_ops_(std::max<size_t>(coalesce_ops_, opts.memory_cap_bytes / kOpBytes / 4)) {}
+
+size_t WriteMonitor::CoalesceAt(const FileBuffer& fb) const {
+  const uint64_t backoff = fb.coalesce_backoff.load(std::memory_order_relaxed);
+  return static_cast<size_t>(std::min<uint64_t>(coalesce_ops_ * backoff, max_coalesce_ops_));
+}
 
 WriteMonitor::~WriteMonitor() = default;
 
@@ -430,6 +471,7 @@ void WriteMonitor::RemoveFile(FileId id) {
   }
   // A write that found the file before it left the map may still come:
   // `removed` turns it away.
+  MutexLock restructure(&fb->restructure_mu);
   MutexLock l(&fb->mu);
   fb->removed = true;
   fb->Discard(&buffered_bytes_);
@@ -438,6 +480,7 @@ void WriteMonitor::RemoveFile(FileId id) {
 void WriteMonitor::SetDedup(FileId id, bool on) {
   std::shared_ptr<FileBuffer> fb = Find(id);
   if (fb == nullptr) return;
+  MutexLock restructure(&fb->restructure_mu);
   MutexLock l(&fb->mu);
   fb->dedup.store(on, std::memory_order_relaxed);
   if (!on) fb->Discard(&buffered_bytes_);
@@ -501,27 +544,88 @@ void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed
   fb->hashed.fetch_add(hashed, std::memory_order_relaxed);
   hashed_blocks_.fetch_add(hashed, std::memory_order_relaxed);
   const uint64_t charge = n * kOpBytes;
-  const bool fits = Reserve(charge);
-  MutexLock l(&fb->mu);
-  if (fb->removed || !fb->dedup.load(std::memory_order_relaxed)) {
-    if (fits) Release(charge);
+  if (!Reserve(charge)) {
+    AppendAtCap(fb, ops, n);
     return;
   }
-  if (fits) {
+  bool coalesce;
+  {
+    MutexLock l(&fb->mu);
+    if (fb->removed || !fb->dedup.load(std::memory_order_relaxed)) {
+      Release(charge);
+      return;
+    }
     // The common case: append, nothing else. Sequential ops have nothing
     // to coalesce.
     fb->Append(ops, n);
     fb->charged += charge;
-    if (fb->CoalesceDue(coalesce_ops_)) {
-      if (fb->RecordsOnly()) {
-        fb->SortInPlace(pool_.get(), &buffered_bytes_);
-      } else {
-        fb->Coalesce(&buffered_bytes_);
-      }
-    }
-    return;
+    coalesce = fb->CoalesceDue(CoalesceAt(*fb));
   }
+  // Whoever holds restructure_mu is coalescing or taking the buffer
+  // already: this write need not wait for it.
+  if (coalesce && fb->restructure_mu.TryLock()) {
+    CoalesceOutsideLock(fb);
+    fb->restructure_mu.Unlock();
+  }
+}
 
+void WriteMonitor::CoalesceOutsideLock(FileBuffer* fb) {
+  OpList ops(pool_.get());
+  State state;
+  size_t sorted_prefix;
+  bool records_only;
+  {
+    MutexLock l(&fb->mu);
+    if (fb->removed || fb->ops.empty() || fb->Sequential()) return;
+    records_only = fb->RecordsOnly();
+    sorted_prefix = fb->sorted_ops;
+    fb->detached_charge = fb->Charge();
+    fb->detached_records = fb->BufferedRecords();
+    ops.swap(fb->ops);
+    std::swap(state, fb->state);
+    fb->ClearOps();
+    fb->detached = true;
+  }
+  OpList sorted(pool_.get());
+  if (records_only) {
+    FileBuffer::SortRecords(ops, sorted_prefix, [&sorted](const Op& op) { sorted.push_back(op); });
+    fb->NoteCoalesce(ops.size(), sorted.size());
+  } else {
+    const uint64_t before = ops.size() + state.records.size() + state.ranges.size();
+    ops.ForEach([&state](const Op& op) { FileBuffer::ApplyOp(&state, op); });
+    fb->NoteCoalesce(before, state.records.size() + state.ranges.size());
+  }
+  ops.clear();
+  MutexLock l(&fb->mu);
+  // Nothing else replaced ops or state meanwhile (restructure_mu): `state`
+  // is still empty and `ops` holds what was appended since, all newer.
+  fb->detached = false;
+  fb->detached_charge = 0;
+  fb->detached_records = 0;
+  if (records_only) {
+    // The sorted records first, then the newer ops after them.
+    const size_t n = sorted.size();
+    uint64_t records = n;
+    bool increasing = true;
+    fb->ops.ForEach([&](const Op& op) {
+      records += op.count == 0;
+      increasing = increasing && op.count == 0 && (sorted.empty() || op.block > sorted.back().block);
+      sorted.push_back(op);
+    });
+    fb->ops.swap(sorted);
+    fb->record_ops = records;
+    fb->ops_increasing = increasing;
+    fb->sorted_ops = n;
+  } else {
+    fb->state = std::move(state);  // before `ops`, as they were appended
+  }
+  fb->Recharge(&buffered_bytes_);
+}
+
+void WriteMonitor::AppendAtCap(FileBuffer* fb, const Op* ops, size_t n) {
+  MutexLock restructure(&fb->restructure_mu);
+  MutexLock l(&fb->mu);
+  if (fb->removed || !fb->dedup.load(std::memory_order_relaxed)) return;
   // At the cap. Coalesce first: afterwards ops apply straight to the state
   // (in call order, as `ops` is empty), so a rewrite of a buffered block
   // costs nothing and only growth needs room.
@@ -567,33 +671,35 @@ std::vector<FileId> WriteMonitor::DueFiles(bool all) {
   }
   std::vector<FileId> due;
   for (const auto& fb : files) {
+    MutexLock restructure(&fb->restructure_mu);
+    {
+      MutexLock l(&fb->mu);
+      if (fb->removed) continue;
+      if (all) {
+        if (!fb->ops.empty() || !fb->state.empty() || fb->dropped_pending > 0) due.push_back(fb->id);
+        continue;
+      }
+      // Cheap bound first; coalesce only when it passes the threshold, then
+      // decide on the real sizes.
+      const uint64_t b = fb->LogBytesBound(record_bytes_, range_bytes_);
+      if (b < opts_.flush_bytes || b == 0) continue;
+      if (fb->Sequential()) {
+        due.push_back(fb->id);
+        continue;
+      }
+      // Coalescing this file has not paid lately: the bound less an eighth
+      // will do, and Take coalesces once.
+      const bool backed_off = fb->coalesce_backoff.load(std::memory_order_relaxed) > 1;
+      if (backed_off && b / 8 * 7 >= opts_.flush_bytes) {
+        due.push_back(fb->id);
+        continue;
+      }
+    }
+    // Random writes: a sort (records only; the result is Sequential, so
+    // Take needs no coalescing) or the tree, with the file's lock released.
+    CoalesceOutsideLock(fb.get());
     MutexLock l(&fb->mu);
-    if (fb->removed) continue;
-    if (all) {
-      if (!fb->ops.empty() || !fb->state.empty() || fb->dropped_pending > 0) due.push_back(fb->id);
-      continue;
-    }
-    // Cheap bound first (every pending op a new entry); coalesce only when
-    // the bound passes the threshold, then decide on the real sizes.
-    auto bytes = [&](uint64_t records, uint64_t ranges) {
-      return records * record_bytes_ + ranges * range_bytes_;
-    };
-    const uint64_t bound = bytes(fb->state.records.size() + fb->record_ops,
-                                 fb->state.ranges.size() + fb->ops.size() - fb->record_ops);
-    if (bound < opts_.flush_bytes || bound == 0) continue;
-    if (fb->Sequential()) {
-      due.push_back(fb->id);  // the bound is exact
-      continue;
-    }
-    if (fb->RecordsOnly()) {
-      // Random writes: a sort, and the result is Sequential, so Take
-      // needs no coalescing.
-      fb->SortInPlace(pool_.get(), &buffered_bytes_);
-      if (fb->ops.size() * record_bytes_ >= opts_.flush_bytes) due.push_back(fb->id);
-      continue;
-    }
-    fb->Coalesce(&buffered_bytes_);
-    if (bytes(fb->state.records.size(), fb->state.ranges.size()) >= opts_.flush_bytes) {
+    if (!fb->removed && fb->LogBytesBound(record_bytes_, range_bytes_) >= opts_.flush_bytes) {
       due.push_back(fb->id);
     }
   }
@@ -612,6 +718,7 @@ MonitorBatch WriteMonitor::Take(FileId id, std::vector<BlockRecord> reuse) {
   bool sequential, records_only;
   size_t sorted_prefix;
   {
+    MutexLock restructure(&fb->restructure_mu);  // nothing detached by a coalesce
     MutexLock l(&fb->mu);
     sequential = fb->Sequential();
     records_only = fb->RecordsOnly();
@@ -644,10 +751,13 @@ MonitorBatch WriteMonitor::Take(FileId id, std::vector<BlockRecord> reuse) {
       batch.records.push_back(BlockRecord{op.block, op.time_ns, op.fp});
       note_time(op.time_ns);
     });
+    fb->NoteCoalesce(ops.size(), batch.records.size());
     return batch;
   }
   // Coalesced outside the file's lock: writes go on into a fresh buffer.
+  const uint64_t before = ops.size() + state.records.size() + state.ranges.size();
   ops.ForEach([&state](const Op& op) { FileBuffer::ApplyOp(&state, op); });
+  fb->NoteCoalesce(before, state.records.size() + state.ranges.size());
   batch.records.reserve(state.records.size());
   batch.invalidated.reserve(state.ranges.size());
   for (const auto& [first, r] : state.ranges) {
@@ -664,6 +774,7 @@ MonitorBatch WriteMonitor::Take(FileId id, std::vector<BlockRecord> reuse) {
 void WriteMonitor::PutBack(MonitorBatch batch) {
   std::shared_ptr<FileBuffer> fb = Find(batch.file);
   if (fb == nullptr) return;
+  MutexLock restructure(&fb->restructure_mu);
   MutexLock l(&fb->mu);
   if (fb->removed || !fb->dedup.load(std::memory_order_relaxed)) return;
   fb->Coalesce(&buffered_bytes_);

@@ -23,7 +23,8 @@
 // may keep stale fingerprints from before: harmless for the same reason.
 //
 // Threads: every method may be called from any thread. Hashing runs outside
-// the monitor's lock. Records of one block are applied in the order the
+// the monitor's lock, and so does coalescing: writes to a file go on being
+// appended while its buffer is sorted or folded. Records of one block are applied in the order the
 // monitor is called; callers serialise writes to the same block (dedupd's
 // per-export block range lock) and call OnWrite before releasing it, so the
 // buffer's order is the device's order.
@@ -174,6 +175,15 @@ class WriteMonitor {
   // Adds the ops of one call to `fb` (appended while under the cap; else
   // applied one by one to the coalesced state, shed when there is no room).
   void Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed);
+  // Append's path once the cap is reached. Takes fb's restructure_mu.
+  void AppendAtCap(FileBuffer* fb, const Op* ops, size_t n);
+  // Coalesces fb's ops (a sort when they are all records, else into the
+  // tree) with fb's mu released, so writes keep appending. The caller holds
+  // fb's restructure_mu (not annotated: FileBuffer is defined in the .cc).
+  void CoalesceOutsideLock(FileBuffer* fb);
+  // Pending ops at which Append coalesces `fb`: coalesce_ops_ times its
+  // backoff, at most max_coalesce_ops_.
+  size_t CoalesceAt(const FileBuffer& fb) const;
   // Charges `bytes` to the shared budget if it stays within the cap.
   bool Reserve(uint64_t bytes);
   void Release(uint64_t bytes);
@@ -184,7 +194,8 @@ class WriteMonitor {
   Clock* const clock_;
   const size_t record_bytes_;   // WriteLogRecordBytes(algo)
   const size_t range_bytes_;    // WriteLogRangeBytes()
-  const size_t coalesce_ops_;   // pending ops that trigger an in-place coalesce
+  const size_t coalesce_ops_;   // pending ops at which Append coalesces
+  const size_t max_coalesce_ops_;  // the same, however far backed off
   // Guards the map only: the write path takes it shared, just long enough
   // to find the file; AddFile/RemoveFile take it exclusively.
   SharedMutex mu_;

@@ -772,3 +772,140 @@ TEST_CASE("writemon: Take fills the records vector it is given and nothing else"
     spare = std::move(batch.records);
   }
 }
+
+// A coalesce (the sort of a records-only buffer, or the fold into the tree
+// when invalidations are mixed in) runs with the file's lock released, so
+// writes to other blocks keep appending. Writes that arrive meanwhile are
+// newer than every detached op: after the coalesce they must still win,
+// and nothing may be lost, double counted or left charged. Each thread
+// rewrites a small span of its own (callers serialise writes per block),
+// so rewrites of detached blocks are frequent.
+TEST_CASE("writemon: writes during an unlocked coalesce stay newer", "[writemon]") {
+  for (const bool mixed : {false, true}) {
+    for (const bool flusher_running : {false, true}) {
+      INFO("mixed " << mixed << ", flusher " << flusher_running);
+      WriteMonitorOptions o;
+      o.flush_bytes = 64 << 10;  // coalesce past ~4k ops: sorts take a while
+      WriteMonitor m(o);
+      m.AddFile(kF, true);
+      constexpr int kThreads = 6;
+      constexpr uint64_t kSpan = 64;
+      std::vector<std::map<uint64_t, Fingerprint>> truth(kThreads);
+      std::map<uint64_t, Fingerprint> log;
+      std::atomic<bool> done{false};
+      std::atomic<uint64_t> max_records{0};
+      std::thread flusher([&] {
+        while (!done.load()) {
+          if (flusher_running) {
+            for (FileId id : m.DueFiles(false)) ApplyToLog(&log, m.Take(id));
+          }
+          // Counted while coalesces run: detached records included.
+          const uint64_t r = m.FileStats(kF).buffered_records;
+          if (r > max_records.load()) max_records.store(r);
+          std::this_thread::sleep_for(std::chrono::microseconds(50));
+        }
+      });
+      std::vector<std::thread> writers;
+      for (int t = 0; t < kThreads; t++) {
+        writers.emplace_back([&, t] {
+          std::mt19937_64 rng(500 + t + 10 * mixed);
+          std::vector<uint8_t> buf(4 * kB);
+          const uint64_t base = t * kSpan;
+          for (int i = 0; i < 40000; i++) {
+            const uint64_t n = 1 + rng() % 4;
+            const uint64_t b = base + rng() % (kSpan - n);
+            for (size_t k = 0; k < n * kB; k += 8) {
+              const uint64_t v = rng();
+              std::memcpy(buf.data() + k, &v, 8);
+            }
+            if (mixed && rng() % 16 == 0) {
+              m.OnInvalidate(kF, b * kB, n * kB);
+              for (uint64_t k = 0; k < n; k++) truth[t].erase(b + k);
+            } else {
+              m.OnWrite(kF, b * kB, buf.data(), n * kB);
+              for (uint64_t k = 0; k < n; k++) {
+                truth[t][b + k] = Fp(HashAlgo::kXxh128, buf.data() + k * kB);
+              }
+            }
+          }
+        });
+      }
+      for (auto& w : writers) w.join();
+      done.store(true);
+      flusher.join();
+      std::map<uint64_t, Fingerprint> all;
+      for (const auto& t : truth) all.insert(t.begin(), t.end());
+      // Without a flusher, in-place coalescing alone keeps the buffer near
+      // the distinct blocks (kThreads * kSpan) plus the ops since the last
+      // sort, far below the 240k writes.
+      if (!flusher_running) CHECK(m.FileStats(kF).buffered_records < 40000);
+      CHECK(max_records.load() < 200000);
+      ApplyToLog(&log, m.Take(kF));
+      CHECK(log == all);
+      CHECK(m.FileStats(kF).buffered_records == 0);
+      CHECK(m.FileStats(kF).dropped_records == 0);
+      CHECK(m.Stats().buffered_bytes == 0);
+    }
+  }
+}
+
+// One sequential writer whose requests workers finish out of order never
+// rewrites a block, so coalescing its ops gains nothing and the monitor
+// backs off (coalesces later, sizes by the bound). When the same file turns
+// to hot rewrites, the first coalesce that pays must end the backoff: the
+// buffer shrinks back to a few hundred ops instead of growing to a quarter
+// of the cap between coalesces. The log must be right throughout.
+TEST_CASE("writemon: backing off from a shuffled sequential writer, then hot rewrites", "[writemon]") {
+  ManualClock clock;
+  WriteMonitorOptions o = Opts(&clock);
+  o.flush_bytes = 4 << 10;         // ~110 records: coalesce_ops_ is its minimum, 256
+  o.memory_cap_bytes = 8 << 20;    // a quarter: ~50k ops
+  WriteMonitor m(o);
+  m.AddFile(kF, true);
+  std::mt19937_64 rng(21);
+  std::vector<uint8_t> buf(16 * kB);
+  std::map<uint64_t, Fingerprint> truth, log;
+  auto write = [&](uint64_t block, uint64_t n) {
+    for (size_t k = 0; k < n * kB; k += 8) {
+      const uint64_t v = rng();
+      std::memcpy(buf.data() + k, &v, 8);
+    }
+    clock.Advance(kMs);
+    m.OnWrite(kF, block * kB, buf.data(), n * kB);
+    for (uint64_t k = 0; k < n; k++) truth[block + k] = Fp(o.algo, buf.data() + k * kB);
+  };
+  auto flush = [&](bool all) {
+    for (FileId id : m.DueFiles(all)) {
+      const MonitorBatch b = m.Take(id);
+      CheckBatchShape(b);
+      ApplyToLog(&log, b);
+    }
+  };
+  // Phase 1: 16-block requests in shuffled runs of 16, flushed now and then.
+  uint64_t next = 0;
+  for (int run = 0; run < 400; run++) {
+    uint64_t order[16];
+    for (int i = 0; i < 16; i++) order[i] = next + 16 * i;
+    next += 256;
+    std::shuffle(order, order + 16, rng);
+    for (uint64_t b : order) write(b, 16);
+    if (run % 8 == 7) flush(false);
+  }
+  flush(true);
+  CHECK(log == truth);
+  // Phase 2: hot rewrites of 100 blocks, no flusher. The first coalesce
+  // comes late (backed off: ~16k ops); once it has paid, the buffer stays
+  // at the normal threshold (~260 ops), never near 16k again.
+  uint64_t most_later = 0;
+  for (int i = 0; i < 300000; i++) {
+    write(rng() % 100, 1);
+    if (i >= 100000 && i % 97 == 0) {
+      most_later = std::max<uint64_t>(most_later, m.FileStats(kF).buffered_records);
+    }
+  }
+  CHECK(m.FileStats(kF).dropped_records == 0);
+  CHECK(most_later < 1000);
+  flush(true);
+  CHECK(log == truth);
+  CHECK(m.Stats().buffered_bytes == 0);
+}

@@ -12,9 +12,12 @@
 //            At the end DueFiles(true) and the same for the rest.
 //
 // Patterns: "seq" = 64 KiB sequential writes over a --seq-gib GiB file
-// (wrapping around); "rand" = 4 KiB writes at random blocks of a --rand-gib
-// GiB file. "hash" rows are the bare ComputeFingerprint loop over the same
-// blocks: the floor any monitor has to pay.
+// (wrapping around); "shuffled" = the same writes reaching the monitor in
+// a shuffled order within each run of 16 (what dedupd's workers hand it for
+// one sequential writer at iodepth 16: never increasing, never a rewrite);
+// "rand" = 4 KiB writes at random blocks of a --rand-gib GiB file. "hash"
+// rows are the bare ComputeFingerprint loop over the same blocks: the
+// floor any monitor has to pay.
 //
 // Times are per-thread CPU (CLOCK_THREAD_CPUTIME_ID). The write buffer is
 // reused (one word of each block changes per write), so it is cache-warm
@@ -90,26 +93,50 @@ struct Result {
   uint64_t dropped = 0;
 };
 
+enum class Pat { kSeq, kShuffled, kRand };
+
+const char* PatName(Pat p) {
+  return p == Pat::kSeq ? "seq" : p == Pat::kShuffled ? "shuffled" : "rand";
+}
+
 // The writes of a pattern: (offset, length) generator.
 class Pattern {
  public:
-  Pattern(bool seq, uint64_t file_bytes) : seq_(seq), file_bytes_(file_bytes) {}
-  size_t len() const { return seq_ ? 64 * 1024 : kBlock; }
+  static constexpr size_t kShuffleRun = 16;
+  Pattern(Pat pat, uint64_t file_bytes) : pat_(pat), file_bytes_(file_bytes) {}
+  size_t len() const { return pat_ == Pat::kRand ? kBlock : 64 * 1024; }
   uint64_t Next() {
-    if (seq_) {
-      const uint64_t off = pos_;
-      pos_ += len();
-      if (pos_ >= file_bytes_) pos_ = 0;
-      return off;
+    switch (pat_) {
+      case Pat::kSeq:
+        return NextSeq();
+      case Pat::kShuffled:
+        if (run_used_ == kShuffleRun) {
+          for (size_t i = 0; i < kShuffleRun; i++) run_[i] = NextSeq();
+          for (size_t i = kShuffleRun - 1; i > 0; i--) {
+            std::swap(run_[i], run_[SplitMix(&rng_) % (i + 1)]);
+          }
+          run_used_ = 0;
+        }
+        return run_[run_used_++];
+      case Pat::kRand:
+        break;
     }
     return SplitMix(&rng_) % (file_bytes_ / kBlock) * kBlock;
   }
 
  private:
-  bool seq_;
+  uint64_t NextSeq() {
+    const uint64_t off = pos_;
+    pos_ += len();
+    if (pos_ >= file_bytes_) pos_ = 0;
+    return off;
+  }
+  Pat pat_;
   uint64_t file_bytes_;
   uint64_t pos_ = 0;
   uint64_t rng_ = 12345;
+  uint64_t run_[kShuffleRun] = {};
+  size_t run_used_ = kShuffleRun;
 };
 
 // Changes one word per block so fingerprints differ from write to write.
@@ -117,8 +144,12 @@ void Mutate(uint8_t* buf, size_t len, uint64_t n) {
   for (size_t o = 0; o < len; o += kBlock) std::memcpy(buf + o, &n, sizeof n);
 }
 
-double HashOnly(const Config& c, bool seq, uint8_t* buf) {
-  Pattern pat(seq, (seq ? c.seq_file : c.rand_file) << 30);
+uint64_t FileBytes(const Config& c, Pat p) {
+  return (p == Pat::kRand ? c.rand_file : c.seq_file) << 30;
+}
+
+double HashOnly(const Config& c, Pat p, uint8_t* buf) {
+  Pattern pat(p, FileBytes(c, p));
   const uint64_t writes = static_cast<uint64_t>(c.gib * kGiB) / pat.len();
   uint64_t acc = 0;
   const double t0 = ThreadCpu();
@@ -188,7 +219,7 @@ void Flush(WriteMonitor* mon, Volume* vol, bool all, Result* r) {
   }
 }
 
-Result RunMonitor(const Config& c, bool seq, uint8_t* buf) {
+Result RunMonitor(const Config& c, Pat p, uint8_t* buf) {
   Result r;
   WriteMonitorOptions opts;
   opts.memory_cap_bytes = c.cap_mib << 20;
@@ -211,7 +242,7 @@ Result RunMonitor(const Config& c, bool seq, uint8_t* buf) {
     id = created.value();
   }
   mon.AddFile(id, true);
-  Pattern pat(seq, (seq ? c.seq_file : c.rand_file) << 30);
+  Pattern pat(p, FileBytes(c, p));
   const uint64_t writes = static_cast<uint64_t>(c.gib * kGiB) / pat.len();
   r.written = static_cast<double>(writes * pat.len());
 
@@ -280,13 +311,13 @@ int Main(int argc, char** argv) {
   po::options_description desc("options");
   Config c;
   int reps = 3;
-  std::string patterns = "seq,rand";
+  std::string patterns = "seq,rand";  // the defaults kept from before "shuffled"
   uint64_t tick_mib = 64;
   desc.add_options()("help,h", "show this help and exit")(
       "reps", po::value<int>(&reps)->default_value(3), "repetitions; the median is reported")(
       "gib", po::value<double>(&c.gib)->default_value(4), "GiB written per phase")(
       "patterns", po::value<std::string>(&patterns)->default_value("seq,rand"),
-      "seq, rand or both")(
+      "comma-separated: seq, shuffled, rand")(
       "threads", po::value<int>(&c.threads)->default_value(1),
       "1: the writer flushes every --tick-mib; 2: a flusher thread every --tick-ms")(
       "tick-mib", po::value<uint64_t>(&tick_mib)->default_value(64),
@@ -315,9 +346,22 @@ int Main(int argc, char** argv) {
   if (c.threads != 1 && c.threads != 2) return Usage("--threads must be 1 or 2", desc);
   if (!(c.gib > 0) || c.seq_file == 0 || c.rand_file == 0) return Usage("sizes must be > 0", desc);
   c.tick_bytes = tick_mib << 20;
-  std::vector<bool> pats;
-  if (patterns.find("seq") != std::string::npos) pats.push_back(true);
-  if (patterns.find("rand") != std::string::npos) pats.push_back(false);
+  std::vector<Pat> pats;
+  {
+    std::string rest = patterns + ",";
+    for (size_t at; (at = rest.find(',')) != std::string::npos; rest.erase(0, at + 1)) {
+      const std::string name = rest.substr(0, at);
+      if (name == "seq") {
+        pats.push_back(Pat::kSeq);
+      } else if (name == "shuffled") {
+        pats.push_back(Pat::kShuffled);
+      } else if (name == "rand") {
+        pats.push_back(Pat::kRand);
+      } else if (!name.empty()) {
+        return Usage("unknown pattern '" + name + "'", desc);
+      }
+    }
+  }
   if (pats.empty()) return Usage("no pattern", desc);
 
   std::vector<uint8_t> buf(64 * 1024);
@@ -330,12 +374,12 @@ int Main(int argc, char** argv) {
   std::printf("write monitor, xxh128, %.1f GiB per phase, %d thread(s), %d reps (median)\n", c.gib,
               c.threads, reps);
   std::fflush(stdout);
-  for (bool seq : pats) {
+  for (Pat p : pats) {
     std::vector<double> hash, onwrite, due, take, encode, total;
     Result last;
     for (int rep = 0; rep < reps; rep++) {
-      Result r = RunMonitor(c, seq, buf.data());
-      const double h = c.threads == 1 ? r.hash : HashOnly(c, seq, buf.data());
+      Result r = RunMonitor(c, p, buf.data());
+      const double h = c.threads == 1 ? r.hash : HashOnly(c, p, buf.data());
       const double g = r.written / kGiB;
       hash.push_back(h / g);
       onwrite.push_back(r.onwrite / g);
@@ -346,15 +390,17 @@ int Main(int argc, char** argv) {
       last = r;
       if (c.verbose) {
         std::printf("  rep %d %s: hash %.4f onwrite %.4f due %.4f take %.4f encode %.4f\n", rep + 1,
-                    seq ? "seq" : "rand", hash.back(), onwrite.back(), due.back(), take.back(),
+                    PatName(p), hash.back(), onwrite.back(), due.back(), take.back(),
                     encode.back());
         std::fflush(stdout);
       }
     }
     const double h = Median(hash), w = Median(onwrite);
-    std::printf("\n%s (%s over a %" PRIu64 " GiB file), CPU s/GiB written:\n",
-                seq ? "seq" : "rand", seq ? "64 KiB sequential" : "4 KiB random",
-                seq ? c.seq_file : c.rand_file);
+    std::printf("\n%s (%s over a %" PRIu64 " GiB file), CPU s/GiB written:\n", PatName(p),
+                p == Pat::kSeq        ? "64 KiB sequential"
+                : p == Pat::kShuffled ? "64 KiB sequential, shuffled in runs of 16"
+                                      : "4 KiB random",
+                FileBytes(c, p) >> 30);
     std::printf("  %-28s %8.4f\n", "hash only (ComputeFingerprint)", h);
     std::printf("  %-28s %8.4f\n", "OnWrite total", w);
     std::printf("  %-28s %8.4f\n", "  OnWrite - hash", w - h);
