@@ -73,6 +73,7 @@ struct Config {
   uint64_t monitor_memory = uint64_t{64} << 20;
   bool write_monitor = true;
   uint64_t read_ahead = uint64_t{2} << 20;
+  uint64_t read_ahead_memory = uint64_t{64} << 20;
   double dedup_interval = 0;  // 0: only on SIGUSR1
   double dedup_fraction = 0.05;
   std::string lease_path;   // sanlock volumes: the LUN as a path
@@ -99,7 +100,8 @@ int UsageError(const std::string& msg) {
 
 // Returns an exit code, or -1 to go on.
 int ParseArgs(int argc, char** argv, Config* cfg) {
-  std::string tcp_port, flush_bytes, memory, log_level, config_file, metrics_port, read_ahead;
+  std::string tcp_port, flush_bytes, memory, log_level, config_file, metrics_port, read_ahead,
+      read_ahead_memory;
   bool no_write_monitor = false;
   po::options_description opts("options");
   opts.add_options()
@@ -120,6 +122,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("monitor-memory", po::value(&memory)->value_name("SIZE"), "memory cap of the write monitor's buffers (default 64M)")
       ("no-write-monitor", po::bool_switch(&no_write_monitor), "serve without fingerprinting writes (benchmarks)")
       ("read-ahead", po::value(&read_ahead)->value_name("SIZE"), "after a sequential READ of up to SIZE with no other READ in flight, read the next one ahead while the reply is sent (default 2M; 0: off)")
+      ("read-ahead-memory", po::value(&read_ahead_memory)->value_name("SIZE"), "memory all read-ahead windows of this host may hold at once; a prefetch that does not fit is skipped (default 64M)")
       ("dedup-interval", po::value(&cfg->dedup_interval)->value_name("SEC"), "run a dedup pass every SEC seconds (default 0: only when sent SIGUSR1)")
       ("dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"), "rewrite an index shard when its new records exceed F times its entries (default 0.05)")
       ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
@@ -172,6 +175,11 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
     auto v = ParseSize(read_ahead);
     if (!v || *v > (uint64_t{64} << 20)) return UsageError("--read-ahead: need a size of at most 64M (0: off)");
     cfg->read_ahead = *v;
+  }
+  if (!read_ahead_memory.empty()) {
+    auto v = ParseSize(read_ahead_memory);
+    if (!v) return UsageError("--read-ahead-memory: need a size such as 64M");
+    cfg->read_ahead_memory = *v;
   }
   if (!log_level.empty()) {
     auto l = ParseLogLevel(log_level);
@@ -273,7 +281,8 @@ int Run(const Config& cfg) {
   WriteMonitor monitor(mo);
   LogFlusher flusher(vol, &monitor);
   ExportTable table(vol, cfg.write_monitor ? &monitor : nullptr,
-                    cfg.write_monitor ? &flusher : nullptr, cfg.read_ahead);
+                    cfg.write_monitor ? &flusher : nullptr, cfg.read_ahead,
+                    cfg.read_ahead_memory);
 
   asio::io_context io(1);
   NbdServerOptions so;
@@ -688,7 +697,10 @@ int Run(const Config& cfg) {
     j["read_ahead"] = {{"prefetches", ra.prefetches},
                        {"hits", ra.hits},
                        {"wasted", ra.wasted},
-                       {"bytes", ra.bytes_prefetched}};
+                       {"bytes", ra.bytes_prefetched},
+                       {"no_budget", ra.no_budget},
+                       {"memory_used", table.read_ahead_budget().used()},
+                       {"memory_cap", table.read_ahead_budget().cap()}};
     const Volume::DropCounters drops = vol->drop_counters();
     j["drops"] = {{"deferred", drops.deferred},
                   {"applied", drops.applied},
@@ -816,6 +828,11 @@ int Run(const Config& cfg) {
               j["read_ahead"]["hits"].get<double>(), host);
     m.Counter("dede_read_ahead_wasted_total", "Read-ahead windows dropped unused on this host",
               j["read_ahead"]["wasted"].get<double>(), host);
+    m.Counter("dede_read_ahead_skipped_total",
+              "Prefetches skipped because the host's read-ahead memory was held",
+              j["read_ahead"]["no_budget"].get<double>(), host);
+    m.Gauge("dede_read_ahead_memory_bytes", "Memory the host's read-ahead windows hold now",
+            j["read_ahead"]["memory_used"].get<double>(), host);
     m.Counter("dede_cow_copies_total", "Copy-on-write specializations on this host",
               j["cow_copies"].get<double>(), host);
     m.Gauge("dede_pending_reference_drops", "Reference drops waiting in this host's drop list",

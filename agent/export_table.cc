@@ -63,7 +63,7 @@ class RangeGuard {
 // -------------------------------------------------------------------- Export
 
 Export::Export(std::string name, std::unique_ptr<File> file, const FileInfo& info, Volume* vol,
-               WriteMonitor* monitor, size_t read_ahead_bytes)
+               WriteMonitor* monitor, size_t read_ahead_bytes, ReadAheadBudget* budget)
     : name_(std::move(name)),
       id_(info.id),
       size_(info.size),
@@ -72,7 +72,7 @@ Export::Export(std::string name, std::unique_ptr<File> file, const FileInfo& inf
       vol_(vol),
       monitor_(monitor),
       read_ahead_([f = file_.get()](uint64_t off, void* buf, size_t len) { return f->Read(off, buf, len); },
-                  info.size, read_ahead_bytes) {}
+                  info.size, read_ahead_bytes, budget) {}
 
 Status Export::Read(uint64_t offset, size_t len, IoBytes* out) {
   return read_ahead_.Read(offset, len, out);
@@ -166,8 +166,12 @@ Status Export::Flush() { return vol_->Sync(); }
 // --------------------------------------------------------------- ExportTable
 
 ExportTable::ExportTable(Volume* vol, WriteMonitor* monitor, LogFlusher* flusher,
-                         size_t read_ahead_bytes)
-    : vol_(vol), monitor_(monitor), flusher_(flusher), read_ahead_bytes_(read_ahead_bytes) {}
+                         size_t read_ahead_bytes, uint64_t read_ahead_memory)
+    : vol_(vol),
+      monitor_(monitor),
+      flusher_(flusher),
+      read_ahead_bytes_(read_ahead_bytes),
+      read_ahead_budget_(read_ahead_memory) {}
 
 ExportTable::~ExportTable() { CloseAll(); }
 
@@ -222,7 +226,8 @@ Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name)
     return file.status().WithContext("opening export '" + name + "'");
   }
   ASSIGN_OR_RETURN(FileInfo info, (*file)->Info());
-  auto e = std::make_shared<Export>(name, std::move(*file), info, vol_, monitor_, read_ahead_bytes_);
+  auto e = std::make_shared<Export>(name, std::move(*file), info, vol_, monitor_, read_ahead_bytes_,
+                                    &read_ahead_budget_);
   if (monitor_) monitor_->AddFile(info.id, info.dedup);
   e->clients_ = 1;
   LOG(kInfo) << "export '" << name << "' opened (" << info.size << " bytes, dedup "
@@ -261,6 +266,7 @@ void ExportTable::Close(const std::shared_ptr<Export>& e) {
   closed_ra_hits_ += ra.hits;
   closed_ra_wasted_ += ra.wasted;
   closed_ra_bytes_ += ra.bytes_prefetched;
+  closed_ra_no_budget_ += ra.no_budget;
   // The next holder (maybe on another host) must find everything on disk.
   Status st = vol_->Sync();
   if (!st.ok()) LOG(kError) << "export '" << e->name() << "': flush on close: " << st.ToString();
@@ -294,11 +300,13 @@ ReadAheadStats ExportTable::read_ahead_totals() {
     t.hits += s.hits;
     t.wasted += s.wasted;
     t.bytes_prefetched += s.bytes_prefetched;
+    t.no_budget += s.no_budget;
   }
   t.prefetches += closed_ra_prefetches_;
   t.hits += closed_ra_hits_;
   t.wasted += closed_ra_wasted_;
   t.bytes_prefetched += closed_ra_bytes_;
+  t.no_budget += closed_ra_no_budget_;
   return t;
 }
 

@@ -51,9 +51,10 @@ class BlockRangeLock {
 class Export {
  public:
   // `read_ahead_bytes`: the longest READ after which a sequential reader's
-  // next request is prefetched (read_ahead.h); 0: never.
+  // next request is prefetched (read_ahead.h); 0: never. `budget`: the
+  // host's read-ahead memory (may be nullptr: unbounded).
   Export(std::string name, std::unique_ptr<File> file, const FileInfo& info, Volume* vol,
-         WriteMonitor* monitor, size_t read_ahead_bytes = 0);
+         WriteMonitor* monitor, size_t read_ahead_bytes = 0, ReadAheadBudget* budget = nullptr);
   const std::string& name() const { return name_; }
   FileId id() const { return id_; }
   uint64_t size() const { return size_; }
@@ -108,9 +109,10 @@ class Export {
 class ExportTable {
  public:
   // `monitor` and `flusher` may be nullptr (monitoring off).
-  // `read_ahead_bytes` goes to every Export (0: no read-ahead).
+  // `read_ahead_bytes` goes to every Export (0: no read-ahead); their
+  // windows together hold at most `read_ahead_memory` bytes.
   ExportTable(Volume* vol, WriteMonitor* monitor, LogFlusher* flusher,
-              size_t read_ahead_bytes = 0);
+              size_t read_ahead_bytes = 0, uint64_t read_ahead_memory = uint64_t{64} << 20);
   ~ExportTable();
 
   // The names clients may ask for: the volume's regular files.
@@ -135,6 +137,7 @@ class ExportTable {
   uint64_t closed_cow_copies() const { return closed_cow_copies_.load(); }
   // Read-ahead counters of every export served since start, open or closed.
   ReadAheadStats read_ahead_totals() EXCLUDES(mu_);
+  const ReadAheadBudget& read_ahead_budget() const { return read_ahead_budget_; }
   // The open export of `name`, or nullptr (nothing is opened).
   std::shared_ptr<Export> FindOpen(const std::string& name) EXCLUDES(mu_);
 
@@ -145,6 +148,8 @@ class ExportTable {
   WriteMonitor* const monitor_;
   LogFlusher* const flusher_;
   const size_t read_ahead_bytes_;
+  // Before exports_: every Export's window returns its bytes here.
+  ReadAheadBudget read_ahead_budget_;
   // Lock order: ExportTable::mu_ is never held across volume I/O; opening
   // and closing run under open_mu_ (held across I/O, never taken by the
   // data path) so two clients racing for a new export open it once.
@@ -153,7 +158,7 @@ class ExportTable {
   std::map<std::string, std::shared_ptr<Export>> exports_ GUARDED_BY(mu_);
   std::atomic<uint64_t> closed_cow_copies_{0};
   std::atomic<uint64_t> closed_ra_prefetches_{0}, closed_ra_hits_{0}, closed_ra_wasted_{0},
-      closed_ra_bytes_{0};
+      closed_ra_bytes_{0}, closed_ra_no_budget_{0};
 };
 
 // The NBD error number for a failed volume operation.

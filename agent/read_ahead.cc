@@ -6,8 +6,18 @@
 
 namespace dede {
 
-ReadAhead::ReadAhead(ReadFn read, uint64_t file_size, size_t max_bytes)
-    : read_(std::move(read)), file_size_(file_size), max_bytes_(max_bytes) {}
+bool ReadAheadBudget::TryTake(uint64_t n) {
+  uint64_t cur = used_.load(std::memory_order_relaxed);
+  do {
+    if (cur > cap_ || n > cap_ - cur) return false;
+  } while (!used_.compare_exchange_weak(cur, cur + n, std::memory_order_relaxed));
+  return true;
+}
+
+ReadAhead::ReadAhead(ReadFn read, uint64_t file_size, size_t max_bytes, ReadAheadBudget* budget)
+    : read_(std::move(read)), file_size_(file_size), max_bytes_(max_bytes), budget_(budget) {}
+
+ReadAhead::~ReadAhead() { Stop(); }
 
 // The condition variable needs the native mutex, which the analysis cannot
 // follow through std::unique_lock; every GUARDED_BY field below is touched
@@ -36,6 +46,7 @@ Status ReadAhead::Read(uint64_t offset, size_t len, IoBytes* out) NO_THREAD_SAFE
         }
         win_ = IoBytes();
         state_ = State::kEmpty;
+        ReturnBudget();
       }
     }
   }
@@ -69,6 +80,11 @@ void ReadAhead::After(uint64_t offset, size_t len) NO_THREAD_SAFETY_ANALYSIS {
       return;
     }
     n = static_cast<size_t>(std::min<uint64_t>(len, file_size_ - start));
+    if (budget_ != nullptr && !budget_->TryTake(n)) {
+      stats_.no_budget++;
+      return;
+    }
+    charged_ = budget_ != nullptr ? n : 0;
     state_ = State::kReading;
     stale_ = false;
     win_offset_ = start;
@@ -91,6 +107,7 @@ void ReadAhead::After(uint64_t offset, size_t len) NO_THREAD_SAFETY_ANALYSIS {
       drop = std::move(buf);
       stats_.wasted++;
       state_ = State::kEmpty;
+      ReturnBudget();
     }
   }
   cv_.notify_all();
@@ -108,6 +125,7 @@ void ReadAhead::Invalidate(uint64_t offset, uint64_t len) {
     win_ = IoBytes();
     state_ = State::kEmpty;
     stats_.wasted++;
+    ReturnBudget();
   }
 }
 
@@ -119,6 +137,7 @@ void ReadAhead::Stop() NO_THREAD_SAFETY_ANALYSIS {
   drop = std::move(win_);
   win_ = IoBytes();
   state_ = State::kEmpty;
+  ReturnBudget();
 }
 
 ReadAheadStats ReadAhead::stats() {

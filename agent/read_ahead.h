@@ -23,8 +23,14 @@
 // holds a file block, never its content, so they need not invalidate.
 // A READ served from the window therefore never returns data older than a
 // write that was acknowledged before the READ arrived.
+//
+// Memory: a window holds its bytes from the start of its read until a READ
+// takes it or it is dropped; a reader that stops after a prefetch leaves it
+// in place until its next READ or the export closes. All exports of a host
+// share a ReadAheadBudget: a prefetch that does not fit is skipped.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
@@ -36,10 +42,26 @@
 namespace dede {
 
 struct ReadAheadStats {
-  uint64_t prefetches = 0;      // windows read
-  uint64_t hits = 0;            // READs answered from a window
-  uint64_t wasted = 0;          // windows dropped unused (invalidated, skipped, failed)
+  uint64_t prefetches = 0;  // windows read
+  uint64_t hits = 0;        // READs answered from a window
+  uint64_t wasted = 0;      // windows dropped unused (invalidated, skipped, failed)
   uint64_t bytes_prefetched = 0;
+  uint64_t no_budget = 0;   // prefetches skipped: the host's budget was spent
+};
+
+// Bytes all of a host's windows may hold at once. Thread-safe.
+class ReadAheadBudget {
+ public:
+  explicit ReadAheadBudget(uint64_t cap_bytes) : cap_(cap_bytes) {}
+  // Takes `n` bytes if they fit under the cap.
+  bool TryTake(uint64_t n);
+  void Give(uint64_t n) { used_.fetch_sub(n, std::memory_order_relaxed); }
+  uint64_t used() const { return used_.load(std::memory_order_relaxed); }
+  uint64_t cap() const { return cap_; }
+
+ private:
+  const uint64_t cap_;
+  std::atomic<uint64_t> used_{0};
 };
 
 class ReadAhead {
@@ -48,7 +70,9 @@ class ReadAhead {
   using ReadFn = std::function<Status(uint64_t offset, void* buf, size_t len)>;
 
   // `max_bytes` 0 disables read-ahead (Read() then always reads through).
-  ReadAhead(ReadFn read, uint64_t file_size, size_t max_bytes);
+  // `budget`: shared by the host's exports, outlives this; nullptr: none.
+  ReadAhead(ReadFn read, uint64_t file_size, size_t max_bytes, ReadAheadBudget* budget = nullptr);
+  ~ReadAhead();
 
   // A READ: fills `out` with [offset, offset + len) from the window when it
   // covers the range (waiting for a window still being read), else from
@@ -79,10 +103,16 @@ class ReadAhead {
   bool Overlaps(uint64_t offset, uint64_t len) const REQUIRES(mu_) {
     return offset < win_offset_ + win_len_ && win_offset_ < offset + len;
   }
+  // The window is gone (taken, dropped, failed): its bytes go back.
+  void ReturnBudget() REQUIRES(mu_) {
+    if (budget_ != nullptr && charged_ > 0) budget_->Give(charged_);
+    charged_ = 0;
+  }
 
   const ReadFn read_;
   const uint64_t file_size_;
   const size_t max_bytes_;
+  ReadAheadBudget* const budget_;
 
   Mutex mu_;
   std::condition_variable cv_;  // with mu_: a kReading window ended
@@ -92,6 +122,7 @@ class ReadAhead {
   uint64_t win_offset_ GUARDED_BY(mu_) = 0;
   size_t win_len_ GUARDED_BY(mu_) = 0;
   IoBytes win_ GUARDED_BY(mu_);
+  uint64_t charged_ GUARDED_BY(mu_) = 0;  // budget bytes the window holds
   // The end of the last READ to start, and READs between Read()'s start and
   // return: a READ starting at next_expected_ continues the stream.
   uint64_t next_expected_ GUARDED_BY(mu_) = 0;

@@ -592,8 +592,39 @@ TEST_CASE("read-ahead answers a sequential reader and never hides a write, zero 
   INFO(ra.dump());
   CHECK(ra["hits"].get<uint64_t>() >= 100);   // most READs without a change before them
   CHECK(ra["wasted"].get<uint64_t>() >= 10);  // changes that hit a window
+  // qemu-io has gone, so the export closed and its window's memory is back.
+  CHECK(ra["memory_cap"].get<uint64_t>() == 64 * kMiB);
+  CHECK(ra["memory_used"].get<uint64_t>() == 0);
+  CHECK(ra["no_budget"].get<uint64_t>() == 0);
   REQUIRE(d.Stop() == 0);
   RequireFsckClean(tv.vol);
+}
+
+// --read-ahead-memory bounds what all windows of the host hold: with less
+// than one window's worth, every prefetch is skipped (and counted), and
+// the READs read for themselves.
+TEST_CASE("read-ahead skips prefetches that do not fit the host's read-ahead memory", "[nbd]") {
+  constexpr uint64_t kSize = 16 * kMiB;
+  TestVolume tv({{"vm", kSize}});
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--read-ahead-memory", "512K"});
+  std::vector<std::string> argv = {RequireProgram("qemu-io"), "-f", "raw",
+                                   "-c", "write -P 0x3c 0 " + std::to_string(kSize)};
+  for (uint64_t off = 0; off < kSize; off += kMiB) {
+    argv.push_back("-c");
+    argv.push_back("read -P 0x3c " + std::to_string(off) + " 1M");
+  }
+  argv.push_back(d.Uri("vm"));
+  ProcessResult r = RunOk(argv);
+  REQUIRE(r.out.find("Pattern verification failed") == std::string::npos);
+  ProcessResult st = RunOk({BinaryPath("dede"), "status", "--control", d.control(), "--json"});
+  const nlohmann::json ra = nlohmann::json::parse(st.out)["read_ahead"];
+  INFO(ra.dump());
+  CHECK(ra["memory_cap"].get<uint64_t>() == 512 * 1024);
+  CHECK(ra["prefetches"].get<uint64_t>() == 0);
+  CHECK(ra["hits"].get<uint64_t>() == 0);
+  CHECK(ra["no_budget"].get<uint64_t>() >= 14);  // every 1 MiB READ but the last
+  CHECK(ra["memory_used"].get<uint64_t>() == 0);
+  REQUIRE(d.Stop() == 0);
 }
 
 TEST_CASE("under memory pressure the monitor sheds records and the log says so", "[nbd]") {

@@ -389,3 +389,54 @@ TEST_CASE("read-ahead: concurrent writes never make a READ return older content"
   CHECK(ra.stats().hits > 0);
   CHECK(ra.stats().wasted > 0);
 }
+
+// All exports of a host share one budget: a window holds its bytes from
+// its read until a READ takes it or it is dropped, and a prefetch that does
+// not fit is skipped (and counted), never waited for.
+TEST_CASE("read-ahead: windows of all exports stay within the host's budget", "[read_ahead]") {
+  FakeFile f(1 << 20), g(1 << 20);
+  ReadAheadBudget budget(64 * kK);  // one window
+  ReadAhead a(f.Reader(), 1 << 20, 256 * kK, &budget);
+  ReadAhead b(g.Reader(), 1 << 20, 256 * kK, &budget);
+  ReadAndAfter(&a, 0, 64 * kK);
+  CHECK(budget.used() == 64 * kK);
+  ReadAndAfter(&b, 0, 64 * kK);  // no room: b reads through next time
+  CHECK(b.stats().no_budget == 1);
+  CHECK(b.stats().prefetches == 0);
+  CHECK(budget.used() == 64 * kK);
+  // b's next READ reads the file itself and is still right.
+  CHECK(Vec(ReadAndAfter(&b, 64 * kK, 64 * kK)) == g.Content(64 * kK, 64 * kK));
+  CHECK(b.stats().hits == 0);
+  CHECK(b.stats().no_budget == 2);
+  // a's READ takes its window and its After reads the next one: the bytes
+  // went back and were taken again.
+  CHECK(Vec(ReadAndAfter(&a, 64 * kK, 64 * kK)) == f.Content(64 * kK, 64 * kK));
+  CHECK(a.stats().hits == 1);
+  CHECK(budget.used() == 64 * kK);
+  SECTION("an invalidated window gives its bytes back") {
+    a.Invalidate(128 * kK, 4 * kK);
+    CHECK(budget.used() == 0);
+    ReadAndAfter(&b, 128 * kK, 64 * kK);
+    CHECK(b.stats().prefetches == 1);
+    CHECK(budget.used() == 64 * kK);
+  }
+  SECTION("a failed prefetch gives its bytes back") {
+    IoBytes out;
+    REQUIRE(a.Read(128 * kK, 64 * kK, &out).ok());  // takes the window: 0 used
+    CHECK(budget.used() == 0);
+    f.FailNext();
+    a.After(128 * kK, 64 * kK);
+    CHECK(a.stats().wasted == 1);
+    CHECK(budget.used() == 0);
+  }
+  SECTION("a stream that moves on drops its window and its bytes") {
+    IoBytes out;
+    REQUIRE(a.Read(512 * kK, 64 * kK, &out).ok());
+    CHECK(a.stats().wasted == 1);
+    CHECK(budget.used() == 0);
+  }
+  SECTION("Stop gives the bytes back") {
+    a.Stop();
+    CHECK(budget.used() == 0);
+  }
+}

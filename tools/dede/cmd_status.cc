@@ -336,9 +336,14 @@ void PrintRest(const json& r) {
   if (const json* ra = Object(r, "read_ahead")) {
     auto hits = Uint(*ra, "hits"), wasted = Uint(*ra, "wasted"), bytes = Uint(*ra, "bytes");
     if (hits && wasted && bytes) {
-      Line("read-ahead", std::to_string(*hits) + " READs answered from windows, " +
-                             HumanSize(*bytes) + " read ahead, " + std::to_string(*wasted) +
-                             " windows unused");
+      std::string text = std::to_string(*hits) + " READs answered from windows, " +
+                         HumanSize(*bytes) + " read ahead, " + std::to_string(*wasted) +
+                         " windows unused";
+      auto skipped = Uint(*ra, "no_budget"), used = Uint(*ra, "memory_used"),
+           cap = Uint(*ra, "memory_cap");
+      if (used && cap) text += "; " + HumanSize(*used) + " of " + HumanSize(*cap) + " held";
+      if (skipped && *skipped > 0) text += ", " + std::to_string(*skipped) + " skipped for memory";
+      Line("read-ahead", text);
     }
   }
   if (const json* t = Object(r, "throttle")) {
