@@ -540,6 +540,11 @@ TEST_CASE("read-ahead answers a sequential reader and never hides a write, zero 
           "[nbd]") {
   constexpr uint64_t kChunk = 64 * 1024;
   constexpr uint64_t kChunks = 64;
+  // The worker prefetches after it has answered a READ, and not if the next
+  // READ has already come (then there is no point). On a loaded machine
+  // (ctest -j2) the client often wins that race; a pause after each READ
+  // lets the prefetch start first, so the counts below mean something.
+  constexpr int kPauseMs = 10;
   TestVolume tv({{"vm", kChunks * kChunk}});
   DedupdProcess d(tv.vol, 1, tv.sock);
   std::vector<int> model(kChunks, 0x11);
@@ -571,12 +576,14 @@ TEST_CASE("read-ahead answers a sequential reader and never hides a write, zero 
       }
       cmds.push_back("read -P " + std::to_string(model[pos]) + " " +
                      std::to_string(pos * kChunk) + " " + std::to_string(kChunk));
+      cmds.push_back("sleep " + std::to_string(kPauseMs));
     }
   }
   // Then 1 MiB READs of unchanging content: the windows are used.
   cmds.push_back("write -P 0x77 0 " + std::to_string(kChunks * kChunk));
   for (uint64_t off = 0; off < kChunks * kChunk; off += 1 << 20) {
     cmds.push_back("read -P 0x77 " + std::to_string(off) + " 1M");
+    cmds.push_back("sleep " + std::to_string(kPauseMs));
   }
   std::vector<std::string> argv = {RequireProgram("qemu-io"), "-f", "raw", "-d", "unmap"};
   for (const auto& c : cmds) {
@@ -612,6 +619,10 @@ TEST_CASE("read-ahead skips prefetches that do not fit the host's read-ahead mem
   for (uint64_t off = 0; off < kSize; off += kMiB) {
     argv.push_back("-c");
     argv.push_back("read -P 0x3c " + std::to_string(off) + " 1M");
+    // Lets the worker reach its prefetch before the next READ comes (see
+    // the test above): only then does the budget decide.
+    argv.push_back("-c");
+    argv.push_back("sleep 20");
   }
   argv.push_back(d.Uri("vm"));
   ProcessResult r = RunOk(argv);
