@@ -633,7 +633,9 @@ TEST_CASE("read-ahead skips prefetches that do not fit the host's read-ahead mem
   CHECK(ra["memory_cap"].get<uint64_t>() == 512 * 1024);
   CHECK(ra["prefetches"].get<uint64_t>() == 0);
   CHECK(ra["hits"].get<uint64_t>() == 0);
-  CHECK(ra["no_budget"].get<uint64_t>() >= 14);  // every 1 MiB READ but the last
+  // Every 1 MiB READ but the last wants a window; on a loaded machine the
+  // next READ may still come first now and then (it then needs none).
+  CHECK(ra["no_budget"].get<uint64_t>() >= 8);
   CHECK(ra["memory_used"].get<uint64_t>() == 0);
   REQUIRE(d.Stop() == 0);
 }
