@@ -246,6 +246,7 @@ void ExportTable::Release(const std::shared_ptr<Export>& e) {
     // CloseAll (shutdown) may have closed it already.
     if (it == exports_.end() || it->second != e) return;
     exports_.erase(it);
+    closing_.push_back(e);
   }
   Close(e);
 }
@@ -261,12 +262,12 @@ void ExportTable::Close(const std::shared_ptr<Export>& e) {
   }
   if (monitor_) monitor_->RemoveFile(e->id());
   closed_cow_copies_.fetch_add(e->cow_copies(), std::memory_order_relaxed);
-  const ReadAheadStats ra = e->read_ahead_stats();
-  closed_ra_prefetches_ += ra.prefetches;
-  closed_ra_hits_ += ra.hits;
-  closed_ra_wasted_ += ra.wasted;
-  closed_ra_bytes_ += ra.bytes_prefetched;
-  closed_ra_no_budget_ += ra.no_budget;
+  {
+    const ReadAheadStats ra = e->read_ahead_stats();  // final: Stop() ran
+    MutexLock l(&mu_);
+    AddReadAheadStats(&closed_ra_, ra);
+    closing_.erase(std::remove(closing_.begin(), closing_.end(), e), closing_.end());
+  }
   // The next holder (maybe on another host) must find everything on disk.
   Status st = vol_->Sync();
   if (!st.ok()) LOG(kError) << "export '" << e->name() << "': flush on close: " << st.ToString();
@@ -281,6 +282,7 @@ void ExportTable::CloseAll() {
   {
     MutexLock l(&mu_);
     all.swap(exports_);
+    for (auto& [name, e] : all) closing_.push_back(e);
   }
   for (auto& [name, e] : all) Close(e);
 }
@@ -293,20 +295,17 @@ std::vector<std::pair<std::shared_ptr<Export>, int>> ExportTable::SnapshotWithCl
 }
 
 ReadAheadStats ExportTable::read_ahead_totals() {
+  std::vector<std::shared_ptr<Export>> live;
   ReadAheadStats t;
-  for (const auto& e : Snapshot()) {
-    const ReadAheadStats s = e->read_ahead_stats();
-    t.prefetches += s.prefetches;
-    t.hits += s.hits;
-    t.wasted += s.wasted;
-    t.bytes_prefetched += s.bytes_prefetched;
-    t.no_budget += s.no_budget;
+  {
+    // Copied together: a closing export is either still listed here or
+    // already in closed_ra_, never both, never neither.
+    MutexLock l(&mu_);
+    for (const auto& [name, e] : exports_) live.push_back(e);
+    live.insert(live.end(), closing_.begin(), closing_.end());
+    t = closed_ra_;
   }
-  t.prefetches += closed_ra_prefetches_;
-  t.hits += closed_ra_hits_;
-  t.wasted += closed_ra_wasted_;
-  t.bytes_prefetched += closed_ra_bytes_;
-  t.no_budget += closed_ra_no_budget_;
+  for (const auto& e : live) AddReadAheadStats(&t, e->read_ahead_stats());
   return t;
 }
 

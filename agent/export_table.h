@@ -157,8 +157,11 @@ class ExportTable {
   Mutex mu_;
   std::map<std::string, std::shared_ptr<Export>> exports_ GUARDED_BY(mu_);
   std::atomic<uint64_t> closed_cow_copies_{0};
-  std::atomic<uint64_t> closed_ra_prefetches_{0}, closed_ra_hits_{0}, closed_ra_wasted_{0},
-      closed_ra_bytes_{0}, closed_ra_no_budget_{0};
+  // Exports taken out of exports_ whose Close has not yet folded their
+  // read-ahead counters into closed_ra_ (Close does both under mu_), so
+  // read_ahead_totals() never loses a closing export's counts.
+  std::vector<std::shared_ptr<Export>> closing_ GUARDED_BY(mu_);
+  ReadAheadStats closed_ra_ GUARDED_BY(mu_);
 };
 
 // The NBD error number for a failed volume operation.

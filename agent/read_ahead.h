@@ -49,6 +49,14 @@ struct ReadAheadStats {
   uint64_t no_budget = 0;   // prefetches skipped: the host's budget was spent
 };
 
+inline void AddReadAheadStats(ReadAheadStats* to, const ReadAheadStats& s) {
+  to->prefetches += s.prefetches;
+  to->hits += s.hits;
+  to->wasted += s.wasted;
+  to->bytes_prefetched += s.bytes_prefetched;
+  to->no_budget += s.no_budget;
+}
+
 // Bytes all of a host's windows may hold at once. Thread-safe.
 class ReadAheadBudget {
  public:
