@@ -361,6 +361,7 @@ class Pass {
                        ReplayWriteLog(log->get(), algo_, uuid_, owner_info.id));
       stats_.log_corrupt_frames += st.stats.corrupt_frames;
       stats_.log_dropped_records += st.stats.dropped_records;
+      if (st.saturated) stats_.logs_saturated++;
       logs_.push_back(ConsumedLog{std::move(*log), MonitorBatch{}});
       MonitorBatch& deferred = logs_.back().deferred;
       deferred.file = owner_info.id;
@@ -412,12 +413,27 @@ class Pass {
         records_.push_back(r);
       }
       // Blocks changed without a fingerprint (partial writes, zeroing,
-      // discards) are read and hashed here, so what the monitor could not
-      // see is deduplicated too.
+      // discards, a saturated log) are read and hashed here, so what the
+      // monitor could not see is deduplicated too. What the pass's rehash
+      // budget leaves over goes back into the log for the next pass (a
+      // saturated log of a big file takes several passes).
+      struct LaterRange {
+        uint64_t first, last, time_ns;
+      };
+      std::vector<LaterRange> later;
+      for (const auto& [first, last] : young_ranges) {
+        later.push_back({first, last, young_ranges_ns});
+        stats_.young_ranges_deferred++;
+      }
       for (const InvalidRange& ir : st.invalidated) {
         if (Young(ir.time_ns)) continue;
         const uint64_t end = std::min(ir.first + ir.count, whole);
-        for (uint64_t blk = ir.first; blk < end && rehashed_ < opts_.rehash_limit;) {
+        for (uint64_t blk = ir.first; blk < end;) {
+          if (rehashed_ >= opts_.rehash_limit) {
+            later.push_back({blk, end - 1, ir.time_ns});
+            stats_.rehash_ranges_deferred++;
+            break;
+          }
           if (in_young_range(blk)) {
             blk++;
             continue;
@@ -431,16 +447,28 @@ class Pass {
           SettleIo();
         }
       }
-      // The young ranges go back into the log, minus the blocks a record
-      // describes (the log's own invariant: a record never lies in a range).
-      for (const auto& [first, last] : young_ranges) {
-        uint64_t b = first;
-        while (b <= last) {
+      // Those ranges go back into the log, merged (a frame's ranges are
+      // disjoint and do not touch) and minus the blocks a record describes
+      // (the log's own invariant: a record never lies in a range).
+      std::sort(later.begin(), later.end(),
+                [](const LaterRange& a, const LaterRange& b) { return a.first < b.first; });
+      std::vector<LaterRange> write_back;
+      for (const LaterRange& r : later) {
+        if (!write_back.empty() && r.first <= write_back.back().last + 1) {
+          write_back.back().last = std::max(write_back.back().last, r.last);
+          write_back.back().time_ns = std::max(write_back.back().time_ns, r.time_ns);
+        } else {
+          write_back.push_back(r);
+        }
+      }
+      for (const LaterRange& r : write_back) {
+        uint64_t b = r.first;
+        while (b <= r.last) {
           auto rec = st.records.lower_bound(b);
-          const uint64_t stop = rec == st.records.end() ? last + 1 : std::min(rec->first, last + 1);
+          const uint64_t stop =
+              rec == st.records.end() ? r.last + 1 : std::min(rec->first, r.last + 1);
           if (stop > b) {
-            deferred.invalidated.push_back(InvalidRange{b, stop - b, young_ranges_ns});
-            stats_.young_ranges_deferred++;
+            deferred.invalidated.push_back(InvalidRange{b, stop - b, r.time_ns});
           }
           b = stop + 1;
         }
@@ -449,10 +477,9 @@ class Pass {
         deferred.first_ns = deferred.first_ns ? std::min(deferred.first_ns, r.time_ns) : r.time_ns;
         deferred.last_ns = std::max(deferred.last_ns, r.time_ns);
       }
-      if (!deferred.invalidated.empty()) {
-        deferred.first_ns = deferred.first_ns ? std::min(deferred.first_ns, young_ranges_ns)
-                                              : young_ranges_ns;
-        deferred.last_ns = std::max(deferred.last_ns, young_ranges_ns);
+      for (const InvalidRange& r : deferred.invalidated) {
+        deferred.first_ns = deferred.first_ns ? std::min(deferred.first_ns, r.time_ns) : r.time_ns;
+        deferred.last_ns = std::max(deferred.last_ns, r.time_ns);
       }
       RETURN_IF_ERROR(FlushZeroBlocks());
       Coalesce(&pf->touched);

@@ -128,6 +128,7 @@ struct DedupStats {
   uint64_t log_records = 0;
   uint64_t log_corrupt_frames = 0;
   uint64_t log_dropped_records = 0;  // the monitor shed these: not in the log
+  uint64_t logs_saturated = 0;       // logs that reached their size limit (whole file rehashed)
   uint64_t blocks_rehashed = 0;      // changed without a record (or rescanned): read and hashed
   uint64_t files_rescanned = 0;
   // Transitions.
@@ -182,6 +183,7 @@ struct DedupStats {
   uint64_t records_parked_at_stop = 0; // records parked in pending files by the stop
   uint64_t young_records_deferred = 0; // younger than stable_after: back into the logs
   uint64_t young_ranges_deferred = 0;  // changed ranges too young to rehash: back into the logs
+  uint64_t rehash_ranges_deferred = 0; // changed ranges past the rehash limit: back into the logs
   // Time.
   uint64_t gather_ns = 0;
   uint64_t merge_ns = 0;

@@ -46,6 +46,15 @@ constexpr int kExitOk = 0;
 constexpr int kExitError = 1;
 constexpr int kExitUsage = 2;
 
+// The status reply's read-ahead counters, per export and host-wide.
+nlohmann::json ReadAheadJson(const ReadAheadStats& ra) {
+  return {{"prefetches", ra.prefetches},
+          {"hits", ra.hits},
+          {"wasted", ra.wasted},
+          {"bytes", ra.bytes_prefetched},
+          {"no_budget", ra.no_budget}};
+}
+
 const char kUsage[] =
     "usage: dedupd --volume VOL --host-id N --socket PATH [options]\n"
     "\n"
@@ -71,6 +80,7 @@ struct Config {
   double log_flush_interval = 30.0;
   uint64_t log_flush_bytes = 1 << 20;
   uint64_t monitor_memory = uint64_t{64} << 20;
+  WriteLogLimit write_log_limit;
   bool write_monitor = true;
   uint64_t read_ahead = uint64_t{2} << 20;
   uint64_t read_ahead_memory = uint64_t{64} << 20;
@@ -101,7 +111,7 @@ int UsageError(const std::string& msg) {
 // Returns an exit code, or -1 to go on.
 int ParseArgs(int argc, char** argv, Config* cfg) {
   std::string tcp_port, flush_bytes, memory, log_level, config_file, metrics_port, read_ahead,
-      read_ahead_memory;
+      read_ahead_memory, write_log_min;
   bool no_write_monitor = false;
   po::options_description opts("options");
   opts.add_options()
@@ -120,6 +130,8 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("log-flush-interval", po::value(&cfg->log_flush_interval)->value_name("SEC"), "append buffered records to write logs every SEC seconds (default 30)")
       ("log-flush-bytes", po::value(&flush_bytes)->value_name("SIZE"), "flush a file's records once they fill SIZE of log (default 1M)")
       ("monitor-memory", po::value(&memory)->value_name("SIZE"), "memory cap of the write monitor's buffers (default 64M)")
+      ("write-log-limit", po::value(&cfg->write_log_limit.percent)->value_name("PERCENT"), "a file's write log may grow to PERCENT of the file's size (at least --write-log-min) before it stops taking records and marks the whole file changed for the next dedup pass (default 3; 0: no limit)")
+      ("write-log-min", po::value(&write_log_min)->value_name("SIZE"), "the least size limit of a write log (default 4M)")
       ("no-write-monitor", po::bool_switch(&no_write_monitor), "serve without fingerprinting writes (benchmarks)")
       ("read-ahead", po::value(&read_ahead)->value_name("SIZE"), "after a sequential READ of up to SIZE with no other READ in flight, read the next one ahead while the reply is sent (default 2M; 0: off)")
       ("read-ahead-memory", po::value(&read_ahead_memory)->value_name("SIZE"), "memory all read-ahead windows of this host may hold at once; a prefetch that does not fit is skipped (default 64M)")
@@ -170,6 +182,12 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
     auto v = ParseSize(memory);
     if (!v || *v < (1 << 20)) return UsageError("--monitor-memory: need a size of at least 1M");
     cfg->monitor_memory = *v;
+  }
+  if (cfg->write_log_limit.percent > 100) return UsageError("--write-log-limit: 0..100 (percent)");
+  if (!write_log_min.empty()) {
+    auto v = ParseSize(write_log_min);
+    if (!v || *v < 4096) return UsageError("--write-log-min: need a size of at least 4K");
+    cfg->write_log_limit.min_bytes = *v;
   }
   if (!read_ahead.empty()) {
     auto v = ParseSize(read_ahead);
@@ -279,7 +297,7 @@ int Run(const Config& cfg) {
   mo.memory_cap_bytes = cfg.monitor_memory;
   mo.flush_bytes = cfg.log_flush_bytes;
   WriteMonitor monitor(mo);
-  LogFlusher flusher(vol, &monitor);
+  LogFlusher flusher(vol, &monitor, cfg.write_log_limit);
   ExportTable table(vol, cfg.write_monitor ? &monitor : nullptr,
                     cfg.write_monitor ? &flusher : nullptr, cfg.read_ahead,
                     cfg.read_ahead_memory);
@@ -379,11 +397,7 @@ int Run(const Config& cfg) {
   const uint64_t started_wall_ns = Clock::Real()->NowNanos();
   // COW specializations of all exports since start (closed exports' counts
   // are folded in when they close).
-  auto cow_total = [&] {
-    uint64_t n = 0;
-    for (const auto& e : table.Snapshot()) n += e->cow_copies();
-    return n + table.closed_cow_copies();
-  };
+  auto cow_total = [&] { return table.cow_copies_total(); };
   uint64_t passes = 0;
   auto run_pass = [&](PassTrigger trigger) {
     std::lock_guard<std::mutex> running(pass_mu);
@@ -627,16 +641,13 @@ int Run(const Config& cfg) {
       x["clients"] = clients;
       x["dedup"] = e->dedup();
       x["cow_copies"] = e->cow_copies();
-      const ReadAheadStats ra = e->read_ahead_stats();
-      x["read_ahead"] = {{"prefetches", ra.prefetches},
-                         {"hits", ra.hits},
-                         {"wasted", ra.wasted},
-                         {"bytes", ra.bytes_prefetched}};
+      x["read_ahead"] = ReadAheadJson(e->read_ahead_stats());
       if (cfg.write_monitor) {
         const MonitorFileStats fs = monitor.FileStats(e->id());
         x["buffered_records"] = fs.buffered_records;
         x["dropped_records"] = fs.dropped_records;
         x["hashed_blocks"] = fs.hashed_blocks;
+        x["write_log_saturated"] = flusher.Saturated(e->id());
       }
       exports.push_back(x);
     }
@@ -656,8 +667,20 @@ int Run(const Config& cfg) {
                       {"records_buffered", ms.buffered_records},
                       {"records_dropped", ms.dropped_records},
                       {"hashed_blocks", ms.hashed_blocks}};
+      const FlusherStats fl = flusher.stats();
+      j["write_logs"] = {{"appends", fl.flushes},
+                         {"bytes", fl.bytes},
+                         {"records", fl.records},
+                         {"deferred", fl.deferred},
+                         {"failed", fl.failed},
+                         {"saturations", fl.saturations},
+                         {"capped_batches", fl.capped_batches},
+                         {"capped_entries", fl.capped_entries},
+                         {"limit_percent", flusher.limit().percent},
+                         {"limit_min_bytes", flusher.limit().min_bytes}};
     } else {
       j["monitor"] = nullptr;
+      j["write_logs"] = nullptr;
     }
     const DedupPolicy pol = scheduler.policy();
     nlohmann::json windows = nlohmann::json::array();
@@ -693,14 +716,9 @@ int Run(const Config& cfg) {
                      {"io_bytes", pass_state.io_bytes_total}};
     }
     j["cow_copies"] = cow_total();
-    const ReadAheadStats ra = table.read_ahead_totals();
-    j["read_ahead"] = {{"prefetches", ra.prefetches},
-                       {"hits", ra.hits},
-                       {"wasted", ra.wasted},
-                       {"bytes", ra.bytes_prefetched},
-                       {"no_budget", ra.no_budget},
-                       {"memory_used", table.read_ahead_budget().used()},
-                       {"memory_cap", table.read_ahead_budget().cap()}};
+    j["read_ahead"] = ReadAheadJson(table.read_ahead_totals());
+    j["read_ahead"]["memory_used"] = table.read_ahead_budget().used();
+    j["read_ahead"]["memory_cap"] = table.read_ahead_budget().cap();
     const Volume::DropCounters drops = vol->drop_counters();
     j["drops"] = {{"deferred", drops.deferred},
                   {"applied", drops.applied},
@@ -801,6 +819,17 @@ int Run(const Config& cfg) {
                 j["monitor"]["hashed_blocks"].get<double>(), host);
       m.Counter("dede_monitor_dropped_records_total", "Write-monitor records shed at the cap",
                 j["monitor"]["records_dropped"].get<double>(), host);
+      m.Counter("dede_write_log_bytes_total", "Bytes appended to write logs",
+                j["write_logs"]["bytes"].get<double>(), host);
+      m.Counter("dede_write_log_failed_batches_total",
+                "Write-monitor batches lost to failed log appends",
+                j["write_logs"]["failed"].get<double>(), host);
+      m.Counter("dede_write_log_saturations_total",
+                "Write logs that reached their size limit (the file is rehashed by the next pass)",
+                j["write_logs"]["saturations"].get<double>(), host);
+      m.Counter("dede_write_log_capped_entries_total",
+                "Write-monitor entries not logged because their log was at its limit",
+                j["write_logs"]["capped_entries"].get<double>(), host);
     }
     m.Gauge("dede_leases_held", "Locks and leases this dedupd holds", double(j["leases"].size()), host);
     m.Gauge("dede_in_window", "1 inside a dedup window (or when the policy has none)",

@@ -229,6 +229,7 @@ Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name)
   auto e = std::make_shared<Export>(name, std::move(*file), info, vol_, monitor_, read_ahead_bytes_,
                                     &read_ahead_budget_);
   if (monitor_) monitor_->AddFile(info.id, info.dedup);
+  if (flusher_) flusher_->TrackFile(info.id, info.size);
   e->clients_ = 1;
   LOG(kInfo) << "export '" << name << "' opened (" << info.size << " bytes, dedup "
              << (info.dedup ? "on" : "off") << ")";
@@ -260,12 +261,14 @@ void ExportTable::Close(const std::shared_ptr<Export>& e) {
     Status st = flusher_->FlushFile(e->id());
     if (!st.ok()) LOG(kWarning) << "export '" << e->name() << "': " << st.ToString();
   }
+  if (flusher_) flusher_->ForgetFile(e->id());
   if (monitor_) monitor_->RemoveFile(e->id());
-  closed_cow_copies_.fetch_add(e->cow_copies(), std::memory_order_relaxed);
   {
     const ReadAheadStats ra = e->read_ahead_stats();  // final: Stop() ran
     MutexLock l(&mu_);
     AddReadAheadStats(&closed_ra_, ra);
+    // Final too: every write has released its range (Lock above).
+    closed_cow_copies_ += e->cow_copies();
     closing_.erase(std::remove(closing_.begin(), closing_.end(), e), closing_.end());
   }
   // The next holder (maybe on another host) must find everything on disk.
@@ -307,6 +310,17 @@ ReadAheadStats ExportTable::read_ahead_totals() {
   }
   for (const auto& e : live) AddReadAheadStats(&t, e->read_ahead_stats());
   return t;
+}
+
+uint64_t ExportTable::cow_copies_total() {
+  // Under mu_ throughout: a listed export's file is open (Close resets it
+  // only after taking the export off closing_), and a closing export is
+  // counted either here or in closed_cow_copies_, never both.
+  MutexLock l(&mu_);
+  uint64_t n = closed_cow_copies_;
+  for (const auto& [name, e] : exports_) n += e->cow_copies();
+  for (const auto& e : closing_) n += e->cow_copies();
+  return n;
 }
 
 std::shared_ptr<Export> ExportTable::FindOpen(const std::string& name) {

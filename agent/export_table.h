@@ -133,8 +133,9 @@ class ExportTable {
   // The open exports with their client counts (a dedup pass or merge-request
   // job borrowing an export counts as a client).
   std::vector<std::pair<std::shared_ptr<Export>, int>> SnapshotWithClients() EXCLUDES(mu_);
-  // Copy-on-write specializations of exports closed since start.
-  uint64_t closed_cow_copies() const { return closed_cow_copies_.load(); }
+  // Copy-on-write specializations of every export served since start,
+  // open or closed.
+  uint64_t cow_copies_total() EXCLUDES(mu_);
   // Read-ahead counters of every export served since start, open or closed.
   ReadAheadStats read_ahead_totals() EXCLUDES(mu_);
   const ReadAheadBudget& read_ahead_budget() const { return read_ahead_budget_; }
@@ -156,10 +157,11 @@ class ExportTable {
   Mutex open_mu_ ACQUIRED_BEFORE(mu_);
   Mutex mu_;
   std::map<std::string, std::shared_ptr<Export>> exports_ GUARDED_BY(mu_);
-  std::atomic<uint64_t> closed_cow_copies_{0};
+  uint64_t closed_cow_copies_ GUARDED_BY(mu_) = 0;
   // Exports taken out of exports_ whose Close has not yet folded their
-  // read-ahead counters into closed_ra_ (Close does both under mu_), so
-  // read_ahead_totals() never loses a closing export's counts.
+  // read-ahead and copy-on-write counts into closed_ra_ and
+  // closed_cow_copies_ (Close does both under mu_), so the totals never
+  // lose a closing export's counts.
   std::vector<std::shared_ptr<Export>> closing_ GUARDED_BY(mu_);
   ReadAheadStats closed_ra_ GUARDED_BY(mu_);
 };

@@ -12,12 +12,45 @@ Status LogFlusher::FlushLocked(FileId id) {
     spare_records_ = std::move(batch.records);
     return Status::Ok();
   }
+  uint64_t max_log_bytes = 0;
+  {
+    MutexLock l(&files_mu_);
+    auto it = files_.find({id.ino, id.generation});
+    if (it != files_.end()) max_log_bytes = it->second.max_log_bytes;
+  }
   uint64_t bytes = EncodedWriteLogBytes(batch, monitor_->algo());
-  Status st = AppendToWriteLog(vol_, batch);
+  LogAppendOutcome outcome = LogAppendOutcome::kAppended;
+  Status st = AppendToWriteLog(vol_, batch, max_log_bytes, &outcome);
   if (st.ok()) {
-    stats_.flushes++;
-    stats_.bytes += bytes;
-    stats_.records += batch.records.size();
+    const uint64_t entries =
+        batch.records.size() + batch.invalidated.size() + batch.dropped_records;
+    switch (outcome) {
+      case LogAppendOutcome::kAppended:
+        stats_.flushes++;
+        stats_.bytes += bytes;
+        stats_.records += batch.records.size();
+        break;
+      case LogAppendOutcome::kSaturated:
+        stats_.saturations++;
+        stats_.bytes += kBlockSize;
+        stats_.capped_batches++;
+        stats_.capped_entries += entries;
+        LOG(kWarning) << "write log of file " << id.ino << "." << id.generation
+                      << " reached its limit of " << max_log_bytes
+                      << " bytes: it now marks the whole file changed and takes no more "
+                         "records until a dedup pass consumes it (that pass rehashes the "
+                         "file)";
+        break;
+      case LogAppendOutcome::kAlreadySaturated:
+        stats_.capped_batches++;
+        stats_.capped_entries += entries;
+        break;
+    }
+    {
+      MutexLock l(&files_mu_);
+      auto it = files_.find({id.ino, id.generation});
+      if (it != files_.end()) it->second.saturated = outcome != LogAppendOutcome::kAppended;
+    }
     spare_records_ = std::move(batch.records);
     return st;
   }
@@ -62,6 +95,23 @@ Status LogFlusher::FlushAll() {
 Status LogFlusher::FlushFile(FileId id) {
   MutexLock l(&mu_);
   return FlushLocked(id);
+}
+
+void LogFlusher::TrackFile(FileId id, uint64_t file_bytes) {
+  MutexLock l(&files_mu_);
+  TrackedFile& f = files_[{id.ino, id.generation}];
+  f.max_log_bytes = limit_.For(file_bytes);
+}
+
+void LogFlusher::ForgetFile(FileId id) {
+  MutexLock l(&files_mu_);
+  files_.erase({id.ino, id.generation});
+}
+
+bool LogFlusher::Saturated(FileId id) {
+  MutexLock l(&files_mu_);
+  auto it = files_.find({id.ino, id.generation});
+  return it != files_.end() && it->second.saturated;
 }
 
 FlusherStats LogFlusher::stats() {

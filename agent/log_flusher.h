@@ -6,8 +6,12 @@
 // what makes the newest record win.
 #pragma once
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <map>
+#include <utility>
+#include <vector>
 
 #include "kmod/writemon/write_monitor.h"
 #include "util/mutex.h"
@@ -22,11 +26,39 @@ struct FlusherStats {
   uint64_t records = 0;       // records appended
   uint64_t deferred = 0;      // batches put back (log locked elsewhere)
   uint64_t failed = 0;        // batches lost to errors (records counted dropped)
+  // Logs at their size limit (write_log.h, "saturated"): saturation frames
+  // written, and batches (with their entries) not written because their
+  // log was saturated. Their blocks are rehashed by the next pass.
+  uint64_t saturations = 0;
+  uint64_t capped_batches = 0;
+  uint64_t capped_entries = 0;
+};
+
+// How big a file's write log may grow before it saturates: `percent` of
+// the file's size, but at least `min_bytes`; percent 0: no limit.
+struct WriteLogLimit {
+  uint32_t percent = 3;
+  uint64_t min_bytes = uint64_t{4} << 20;
+  // The limit for a file of `file_bytes` (0: none).
+  uint64_t For(uint64_t file_bytes) const {
+    if (percent == 0) return 0;
+    return std::max(min_bytes, file_bytes / 100 * percent);
+  }
 };
 
 class LogFlusher {
  public:
-  LogFlusher(Volume* vol, WriteMonitor* monitor) : vol_(vol), monitor_(monitor) {}
+  LogFlusher(Volume* vol, WriteMonitor* monitor, WriteLogLimit limit = WriteLogLimit{})
+      : vol_(vol), monitor_(monitor), limit_(limit) {}
+
+  // The file's size, which sets its log's limit; files never tracked have
+  // no limit. The export table tracks a file while it is open and forgets
+  // it once its last batch is flushed.
+  void TrackFile(FileId id, uint64_t file_bytes) EXCLUDES(files_mu_);
+  void ForgetFile(FileId id) EXCLUDES(files_mu_);
+  // Whether the file's log was saturated at its last flush.
+  bool Saturated(FileId id) EXCLUDES(files_mu_);
+  const WriteLogLimit& limit() const { return limit_; }
 
   // Flushes files past the monitor's flush size.
   Status Tick() EXCLUDES(mu_);
@@ -38,8 +70,13 @@ class LogFlusher {
 
  private:
   Status FlushLocked(FileId id) REQUIRES(mu_);
+  struct TrackedFile {
+    uint64_t max_log_bytes = 0;
+    bool saturated = false;
+  };
   Volume* const vol_;
   WriteMonitor* const monitor_;
+  const WriteLogLimit limit_;
   // Held across the log append (volume I/O): it serialises flushes only;
   // the write path never takes it.
   Mutex mu_;
@@ -47,6 +84,10 @@ class LogFlusher {
   // The last appended batch's records vector, handed to the next Take so
   // its memory is reused rather than faulted in afresh.
   std::vector<BlockRecord> spare_records_ GUARDED_BY(mu_);
+  // Lock order: mu_ before files_mu_; files_mu_ is never held across I/O
+  // (the export table takes it when opening and closing files).
+  Mutex files_mu_ ACQUIRED_AFTER(mu_);
+  std::map<std::pair<uint64_t, uint64_t>, TrackedFile> files_ GUARDED_BY(files_mu_);
 };
 
 }  // namespace dede

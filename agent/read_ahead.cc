@@ -25,6 +25,7 @@ ReadAhead::~ReadAhead() { Stop(); }
 Status ReadAhead::Read(uint64_t offset, size_t len, IoBytes* out) NO_THREAD_SAFETY_ANALYSIS {
   IoBytes window;
   uint64_t window_offset = 0;
+  IoBytes unused;  // a window the stream moved past: freed after unlocking
   {
     std::unique_lock<std::mutex> l(mu_.native());
     last_sequential_ = offset == next_expected_;
@@ -42,6 +43,7 @@ Status ReadAhead::Read(uint64_t offset, size_t len, IoBytes* out) NO_THREAD_SAFE
           window_offset = win_offset_;
           stats_.hits++;
         } else {
+          unused = std::move(win_);
           stats_.wasted++;  // the stream moved on: one window only
         }
         win_ = IoBytes();
@@ -50,6 +52,7 @@ Status ReadAhead::Read(uint64_t offset, size_t len, IoBytes* out) NO_THREAD_SAFE
       }
     }
   }
+  unused = IoBytes();
   Status st;
   if (!window.empty()) {
     if (window_offset == offset && window.size() == len) {

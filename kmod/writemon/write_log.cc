@@ -496,6 +496,7 @@ Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid,
       while (it != state.records.end() && it->first < end) it = state.records.erase(it);
     }
     for (const BlockRecord& r : f.records) state.records.insert_or_assign(r.block, r);
+    state.saturated = IsSaturationFrame(f);
   }
   state.stats = reader.stats();
   return state;
@@ -515,7 +516,14 @@ Status CheckIsLogOf(File* log, FileId owner) {
 }
 }  // namespace
 
-Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch) {
+bool IsSaturationFrame(const WriteLogFrame& frame) {
+  return frame.records.empty() && frame.invalidated.size() == 1 &&
+         frame.invalidated[0].first == 0 &&
+         frame.invalidated[0].count == kWriteLogWholeFileBlocks;
+}
+
+Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch, uint64_t max_log_bytes,
+                        LogAppendOutcome* outcome) {
   if (batch.empty()) return Status::Ok();
   const Superblock& sb = vol->superblock();
   RETURN_IF_ERROR(CheckBatch(batch, sb.hash_algo));
@@ -530,10 +538,42 @@ Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch) {
     opened = vol->OpenFile(name);
   }
   if (!opened.ok()) return opened.status();  // kLocked: the caller keeps the batch
-  return AppendToOpenWriteLog(vol, opened.value().get(), batch);
+  return AppendToOpenWriteLog(vol, opened.value().get(), batch, max_log_bytes, outcome);
 }
 
-Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch) {
+namespace {
+// Whether the log of `owner` (size `size`) ends in a saturation frame. A
+// saturation frame takes one 4 KiB block, so it is the last block; a log
+// whose size is not block-aligned ends in a torn append, not in one.
+Result<bool> EndsSaturated(File* log, uint64_t size, const Superblock& sb, FileId owner) {
+  if (size < kBlockSize || size % kBlockSize != 0) return false;
+  thread_local std::vector<uint8_t> tail;
+  tail.resize(kBlockSize);
+  const uint64_t at = size - kBlockSize;
+  RETURN_IF_ERROR(log->Read(at, tail.data(), kBlockSize));
+  Result<WriteLogFrame> f =
+      DecodeWriteLogFrame(tail.data(), kBlockSize, sb.hash_algo, sb.uuid, owner, at, nullptr);
+  return f.ok() && IsSaturationFrame(*f);
+}
+
+// The frame that stands for `batch` (and everything after it) in a log at
+// its limit: every block may have changed, as of the batch's newest change.
+MonitorBatch SaturationBatch(const MonitorBatch& batch) {
+  MonitorBatch sat;
+  sat.file = batch.file;
+  const uint64_t t = std::max(batch.first_ns, batch.last_ns);
+  sat.invalidated.push_back(InvalidRange{0, kWriteLogWholeFileBlocks, t});
+  sat.first_ns = sat.last_ns = t;
+  sat.dropped_records = batch.records.size() + batch.invalidated.size() + batch.dropped_records;
+  sat.dropped_since_ns = batch.dropped_since_ns ? batch.dropped_since_ns : batch.first_ns;
+  if (sat.dropped_since_ns == 0) sat.dropped_since_ns = t;
+  return sat;
+}
+}  // namespace
+
+Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch,
+                            uint64_t max_log_bytes, LogAppendOutcome* outcome) {
+  if (outcome != nullptr) *outcome = LogAppendOutcome::kAppended;
   if (batch.empty()) return Status::Ok();
   const Superblock& sb = vol->superblock();
   RETURN_IF_ERROR(CheckBatch(batch, sb.hash_algo));
@@ -542,6 +582,20 @@ Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch) {
   ASSIGN_OR_RETURN(FileInfo info, log->Info());
   // Frames start on 4 KiB boundaries, whatever a torn append left behind.
   const uint64_t offset = RoundUpToBlock(info.size);
+  if (max_log_bytes > 0) {
+    // Checked first, whatever this batch's size: a small batch could fit
+    // under the limit after a saturation frame, and appending it would
+    // end the saturation without a pass. (One 4 KiB read per append.)
+    ASSIGN_OR_RETURN(bool saturated, EndsSaturated(log, info.size, sb, batch.file));
+    if (saturated) {
+      if (outcome != nullptr) *outcome = LogAppendOutcome::kAlreadySaturated;
+      return Status::Ok();
+    }
+    if (offset + EncodedWriteLogBytes(batch, sb.hash_algo) > max_log_bytes) {
+      if (outcome != nullptr) *outcome = LogAppendOutcome::kSaturated;
+      return AppendToOpenWriteLog(vol, log, SaturationBatch(batch));
+    }
+  }
   // Appends come from a few long-lived threads (the flusher, passes): each
   // keeps its encoding buffer, so an append does not fault in fresh pages
   // (7-30 us each on these guests). A buffer grown past 8 MiB by a rare

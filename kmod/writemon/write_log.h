@@ -136,18 +136,46 @@ struct WriteLogState {
   // with `records`, the blocks whose content the log says changed.
   std::vector<InvalidRange> invalidated;
   WriteLogScanStats stats;
+  bool saturated = false;  // the last valid frame is a saturation frame
 };
 Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid, FileId owner);
+
+// A log's size limit. Without a pass consuming it, a log grows by about 1%
+// of every byte its file is written (one record per 4 KiB block written,
+// rewrites included), so a busy VM's log would fill the volume and take
+// the space its thin files need. A log that would pass its limit is
+// *saturated* instead: the appender writes one saturation frame (below)
+// and then drops further batches without writing, until a pass consumes
+// the log. Nothing is lost for correctness: the saturation frame says
+// every block may have changed, so that pass rehashes the file.
+//
+// The saturation frame is an ordinary frame (no format change): one
+// invalidated range covering every block index [0, 2^52), no records, and
+// the batch it replaced counted as dropped. A log whose last frame is one
+// is saturated; any later change is already described by it. An append
+// with a limit reads the log's last 4 KiB block to tell.
+inline constexpr uint64_t kWriteLogWholeFileBlocks = uint64_t{1} << 52;
+bool IsSaturationFrame(const WriteLogFrame& frame);
+
+// What an append with a limit did.
+enum class LogAppendOutcome {
+  kAppended,           // the batch's frames were written
+  kSaturated,          // it did not fit: a saturation frame was written instead
+  kAlreadySaturated,   // the log ends in a saturation frame: nothing written
+};
 
 // Appends `batch` to the log of batch.file, creating the log if needed.
 // Opens the log (taking its lock), writes the frames at its end (its size
 // rounded up to 4 KiB) in one write, closes it. An empty batch writes
 // nothing. Does not Sync: the volume's next flush point makes it durable.
+// `max_log_bytes` (0: none) is the log's size limit (see above); `outcome`
+// (may be nullptr) says what was done when OK.
 // kLocked if someone else holds the log right now (the caller keeps the
 // batch); kInvalid if the batch breaks the MonitorBatch invariants or its
 // fingerprints are not the volume's algorithm; kCorruption if the name is
 // taken by a file that is not this file's write log.
-Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch);
+Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch, uint64_t max_log_bytes = 0,
+                        LogAppendOutcome* outcome = nullptr);
 
 // Records in the log of `file` that it was set dedup=off: every block is
 // marked changed, so the next dedup pass knows the file's index entries
@@ -157,7 +185,8 @@ Status AppendOptOutMarker(Volume* vol, FileId file, uint64_t size_bytes, uint64_
 
 // AppendToWriteLog on a log the caller already holds open (a dedup pass
 // writing back records it deferred). Does not Sync.
-Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch);
+Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch,
+                            uint64_t max_log_bytes = 0, LogAppendOutcome* outcome = nullptr);
 
 // Opens the log of `owner` read-only style for scanning: kNotFound if there
 // is none (kCorruption if the name is taken by something else). Returns

@@ -9,6 +9,7 @@
 
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <csignal>
 #include <cstring>
 #include <ctime>
 #include <fstream>
@@ -228,6 +229,121 @@ TEST_CASE("dedup=off on a live export: no records after the switch and no entrie
   CHECK(std::memcmp(b.data(), zd.data(), kMiB) == 0);
   CHECK(std::memcmp(b.data() + kMiB, xd.data(), kMiB) == 0);
   CHECK(std::memcmp(b.data() + 2 * kMiB, zd.data(), kMiB) == 0);
+  RunOk({BinaryPath("dede"), "fsck", vol});
+}
+
+// Waits until `pred(status)` holds (30 s at most).
+template <typename Pred>
+json WaitStatus(const DedupdProcess& d, Pred pred, const char* what) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (true) {
+    json s = Status(d);
+    if (pred(s)) return s;
+    INFO("waiting for " << what << "; status " << s.dump());
+    REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(30));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+TEST_CASE("a write log at its size limit saturates; the next pass rehashes the file and dedups it",
+          "[ops]") {
+  TempDir dir;
+  const std::string vol = dir.file("vol.img");
+  CreateSparseFile(vol, 512 * kMiB);
+  Dede({"format", vol});
+  Dede({"create", vol, "vm", "--size", "8M"});
+  const std::string x = dir.file("x.bin");
+  WriteRandomFile(x, kMiB, 7);
+  // 1% of 8 MiB: ~82 KiB of log, where writing the whole file once logs
+  // 2048 records of 28 bytes (56 KiB).
+  DedupdProcess d(vol, 1, dir.file("nbd.sock"),
+                  {"--write-log-limit", "1", "--write-log-min", "64K", "--log-flush-interval",
+                   "0.1", "--metrics-port", "0"});
+  const std::string qemu_io = RequireProgram("qemu-io");
+  auto write_all = [&](const std::string& then) {
+    std::vector<std::string> argv = {qemu_io, "-f", "raw"};
+    for (int i = 0; i < 8; i++) {
+      argv.push_back("-c");
+      argv.push_back("write -s " + x + " " + std::to_string(i) + "M 1M");
+    }
+    if (!then.empty()) argv.insert(argv.end(), {"-c", then});
+    argv.push_back(d.Uri("vm"));
+    return argv;
+  };
+  RunOk(write_all(""));
+  RunOk(write_all(""));
+  json s = WaitStatus(d, [](const json& j) { return j["write_logs"]["saturations"] >= 1; },
+                      "the log to saturate");
+  const uint64_t capped_before = s["write_logs"]["capped_entries"].get<uint64_t>();
+  // Writes after the saturation are not logged. The VM stays connected
+  // for a while, so its export shows the full log.
+  const std::string vm_log = dir.file("vm.qemu-io.log");
+  const int vm = StartProcess(write_all("sleep 20000"), {}, vm_log);
+  s = WaitStatus(
+      d,
+      [&](const json& j) {
+        return j["write_logs"]["capped_entries"].get<uint64_t>() >= capped_before + 2048;
+      },
+      "later batches to be capped");
+  const json* e = ExportOf(s, "vm");
+  REQUIRE(e != nullptr);
+  CHECK((*e)["write_log_saturated"] == true);
+  ::kill(vm, SIGTERM);
+  int vm_status = 0;
+  REQUIRE(::waitpid(vm, &vm_status, 0) == vm);
+  CHECK(s["write_logs"]["saturations"] == 1);
+  CHECK(s["write_logs"]["failed"] == 0);
+  CHECK(s["write_logs"]["limit_percent"] == 1);
+  const std::string text = Dede({"status", "--control", d.control()});
+  CHECK(text.find("1 reached the size limit") != std::string::npos);
+  {
+    // The log stays within its limit plus the one saturation frame.
+    OpenOptions oo;
+    oo.read_only = true;
+    auto ov = OpenVolumeSpec(vol, oo);
+    REQUIRE(ov.ok());
+    auto info = ov->volume->Lookup(WriteLogName(ov->volume->Lookup("vm")->id));
+    REQUIRE(info.ok());
+    CHECK(info->size <= 8 * kMiB / 100 + 4096);
+    CHECK(info->size > 64 * 1024);
+  }
+  json ls = json::parse(Dede({"ls", vol, "-l", "--json"}));
+  REQUIRE(ls.size() == 1);
+  if (!ls[0]["log_records"].is_null()) {  // null: the flusher held the log just then
+    CHECK(ls[0]["log_saturated"] == true);
+    CHECK(ls[0]["log_records"] == 0);
+    CHECK(ls[0]["log_dropped_records"].get<uint64_t>() > 0);
+  }
+  // The pass finds the whole file changed, reads and hashes it, and shares
+  // the eight copies of X: every block of the file ends up shared.
+  PassNow(vol, d);
+  s = Status(d);
+  CHECK(s["passes"]["blocks_shared"].get<uint64_t>() >= 7 * 256);
+  const std::vector<uint8_t> back = ReadBack(dir, d, "vm");
+  // The log was consumed: new writes are logged again.
+  const uint64_t records_before = s["write_logs"]["records"].get<uint64_t>();
+  RunOk({qemu_io, "-f", "raw", "-c", "write -s " + x + " 0 64k", d.Uri("vm")});
+  s = WaitStatus(
+      d,
+      [&](const json& j) { return j["write_logs"]["records"].get<uint64_t>() == records_before + 16; },
+      "a logged batch after the pass");
+  CHECK(s["write_logs"]["saturations"] == 1);
+  const std::string metrics = HttpGet(s["metrics_port"].get<int>(), "/metrics");
+  CHECK(metrics.find("dede_write_log_saturations_total{host=\"1\"} 1") != std::string::npos);
+  REQUIRE(d.Stop() == 0);
+
+  const std::vector<uint8_t> xd = ReadWholeFile(x);
+  REQUIRE(back.size() == 8 * kMiB);
+  for (int i = 0; i < 8; i++) {
+    INFO("MiB " << i);
+    CHECK(std::memcmp(back.data() + i * kMiB, xd.data(), kMiB) == 0);
+  }
+  ls = json::parse(Dede({"ls", vol, "-l", "--json"}));
+  REQUIRE(ls.size() == 1);
+  // All shared but the 16 blocks rewritten after the pass (copied on write).
+  CHECK(ls[0]["shared_blocks"] == 2048 - 16);
+  CHECK(ls[0]["log_saturated"] == false);
+  CHECK(ls[0]["log_records"] == 16);
   RunOk({BinaryPath("dede"), "fsck", vol});
 }
 

@@ -121,10 +121,11 @@ class Scene {
     REQUIRE(f->Write(first * kB, data.data(), data.size()).ok());
     monitor_->OnWrite(f->id(), first * kB, data.data(), data.size());
   }
-  void FlushLogs() {
+  // `max_log_bytes`: the logs' size limit (write_log.h), 0: none.
+  void FlushLogs(uint64_t max_log_bytes = 0) {
     for (auto& [name, f] : files_) {
       MonitorBatch b = monitor_->Take(f->id());
-      if (!b.empty()) REQUIRE(AppendToWriteLog(vol_.get(), b).ok());
+      if (!b.empty()) REQUIRE(AppendToWriteLog(vol_.get(), b, max_log_bytes).ok());
     }
     REQUIRE(vol_->Sync().ok());
   }
@@ -417,6 +418,51 @@ TEST_CASE("stable-after keeps young records in their logs until they are old eno
   REQUIRE(last.ok());
   CHECK(last->young_records_deferred == 0);
   CHECK(scene.SharedBlocks("b") == kDisk);
+  CHECK(scene.ReadAll("a", kDisk) == disk);
+  CHECK(scene.ReadAll("b", kDisk) == disk);
+}
+
+TEST_CASE("saturated logs are rehashed over several passes when the rehash limit is reached",
+          "[schedule]") {
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  constexpr uint64_t kDisk = 64;
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 31);
+  scene.Create("a", kDisk);
+  scene.Create("b", kDisk);
+  scene.Write("a", 0, disk);
+  scene.Write("b", 0, disk);
+  // Any batch is over a 1-byte limit: both logs saturate at once and
+  // carry no record, only "every block changed".
+  scene.FlushLogs(1);
+  clock.Advance(kMinute);
+
+  DedupOptions o;
+  o.rehash_limit = 48;
+  auto first = scene.Pass(o);
+  REQUIRE(first.ok());
+  CHECK(first->logs_saturated == 2);
+  CHECK(first->log_records == 0);
+  CHECK(first->blocks_rehashed == 48);
+  // One file's rest and the whole other file wait for the next pass.
+  CHECK(first->rehash_ranges_deferred == 2);
+
+  auto second = scene.Pass(o);
+  REQUIRE(second.ok());
+  CHECK(second->logs_saturated == 0);
+  CHECK(second->blocks_rehashed == 48);
+  CHECK(second->rehash_ranges_deferred == 1);
+
+  auto third = scene.Pass(o);
+  REQUIRE(third.ok());
+  CHECK(third->blocks_rehashed == 2 * kDisk - 96);
+  CHECK(third->rehash_ranges_deferred == 0);
+  CHECK(scene.SharedBlocks("a") == kDisk);
+  CHECK(scene.SharedBlocks("b") == kDisk);
+
+  auto fourth = scene.Pass(o);
+  REQUIRE(fourth.ok());
+  CHECK(fourth->blocks_rehashed == 0);
   CHECK(scene.ReadAll("a", kDisk) == disk);
   CHECK(scene.ReadAll("b", kDisk) == disk);
 }

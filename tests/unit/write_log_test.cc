@@ -680,3 +680,145 @@ TEST_CASE("writelog: appends refuse bad batches and foreign files", "[writemon]"
   CHECK(foreign->records.empty());
   CHECK(foreign->stats.corrupt_frames == 1);
 }
+
+namespace {
+uint64_t LogSize(Volume* vol, FileId owner) {
+  auto log = OpenWriteLog(vol, owner);
+  REQUIRE(log.ok());
+  return (*log)->size();
+}
+
+WriteLogState Replay(Volume* vol, FileId owner) {
+  auto log = OpenWriteLog(vol, owner);
+  REQUIRE(log.ok());
+  auto st = ReplayWriteLog(log->get(), vol->superblock().hash_algo, vol->superblock().uuid, owner);
+  REQUIRE(st.ok());
+  return std::move(*st);
+}
+}  // namespace
+
+TEST_CASE("writelog: a log at its limit saturates and takes no more records", "[writemon]") {
+  const HashAlgo algo = HashAlgo::kXxh128;
+  MemVolume mv(algo);
+  Volume* vol = mv.vol.get();
+  auto created = vol->Create("vm", 64 << 20);
+  REQUIRE(created.ok());
+  const FileId owner = *created;
+  // 100 records: 128 + 100 x 28 bytes, one 4 KiB frame per batch.
+  const uint64_t limit = 3 * kB;
+  LogAppendOutcome outcome = LogAppendOutcome::kSaturated;
+  for (int i = 0; i < 3; i++) {
+    REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 100, 2, i * 10000), limit, &outcome)
+                .ok());
+    CHECK(outcome == LogAppendOutcome::kAppended);
+  }
+  REQUIRE(LogSize(vol, owner) == 3 * kB);
+  CHECK_FALSE(Replay(vol, owner).saturated);
+
+  // The fourth would pass the limit: a saturation frame takes its place.
+  MonitorBatch fourth = SampleBatch(algo, owner, 100, 2, 30000);
+  fourth.dropped_records = 7;
+  fourth.dropped_since_ns = kT0 - 5 * kMs;
+  REQUIRE(AppendToWriteLog(vol, fourth, limit, &outcome).ok());
+  CHECK(outcome == LogAppendOutcome::kSaturated);
+  CHECK(LogSize(vol, owner) == 4 * kB);
+  WriteLogState st = Replay(vol, owner);
+  CHECK(st.saturated);
+  // Every earlier record is superseded: the whole file changed.
+  CHECK(st.records.empty());
+  REQUIRE(!st.invalidated.empty());
+  CHECK(st.invalidated.back().first == 0);
+  CHECK(st.invalidated.back().count == kWriteLogWholeFileBlocks);
+  CHECK(st.invalidated.back().time_ns == fourth.last_ns);
+  CHECK(st.stats.dropped_records == 100 + 2 + 7);
+  CHECK(st.stats.dropped_since_ns == kT0 - 5 * kMs);
+  CHECK(st.stats.corrupt_frames == 0);
+
+  // From now on nothing is written, however small the batch, even one
+  // that would fit under the limit.
+  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 1, 0, 40000), 100 * kB, &outcome).ok());
+  CHECK(outcome == LogAppendOutcome::kAlreadySaturated);
+  for (int i = 0; i < 3; i++) {
+    REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 1, 0, 50000 + i), limit, &outcome).ok());
+    CHECK(outcome == LogAppendOutcome::kAlreadySaturated);
+  }
+  CHECK(LogSize(vol, owner) == 4 * kB);
+  // Without a limit (a pass writing back what it deferred) it appends.
+  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 1, 0, 60000), 0, &outcome).ok());
+  CHECK(outcome == LogAppendOutcome::kAppended);
+  CHECK(LogSize(vol, owner) == 5 * kB);
+  CHECK_FALSE(Replay(vol, owner).saturated);
+  // That append was past the limit, and the tail is no saturation frame
+  // any more: the next limited append saturates again.
+  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 1, 0, 70000), limit, &outcome).ok());
+  CHECK(outcome == LogAppendOutcome::kSaturated);
+  CHECK(Replay(vol, owner).saturated);
+
+  // A pass consumed the log (truncated it): appends go in again.
+  {
+    auto log = OpenWriteLog(vol, owner);
+    REQUIRE(log.ok());
+    REQUIRE((*log)->Truncate(0).ok());
+  }
+  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 100, 0), limit, &outcome).ok());
+  CHECK(outcome == LogAppendOutcome::kAppended);
+  WriteLogState after = Replay(vol, owner);
+  CHECK_FALSE(after.saturated);
+  CHECK(after.records.size() == 100);
+}
+
+TEST_CASE("writelog: saturation is read from the log's own tail", "[writemon]") {
+  const HashAlgo algo = HashAlgo::kSha256;
+  MemVolume mv(algo);
+  Volume* vol = mv.vol.get();
+  auto created = vol->Create("vm", 64 << 20);
+  REQUIRE(created.ok());
+  const FileId owner = *created;
+  const uint64_t limit = kB;
+  LogAppendOutcome outcome;
+  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 50, 0), limit, &outcome).ok());
+  REQUIRE(outcome == LogAppendOutcome::kAppended);
+  SECTION("a torn tail is not a saturation frame") {
+    {
+      auto log = OpenWriteLog(vol, owner);
+      REQUIRE(log.ok());
+      std::vector<uint8_t> junk(100, 0x5a);
+      REQUIRE((*log)->Truncate(kB + junk.size()).ok());
+      REQUIRE((*log)->Write(kB, junk.data(), junk.size()).ok());
+    }
+    REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 50, 0, 1000), limit, &outcome).ok());
+    CHECK(outcome == LogAppendOutcome::kSaturated);
+    CHECK(LogSize(vol, owner) == 3 * kB);
+    WriteLogState st = Replay(vol, owner);
+    CHECK(st.saturated);
+    CHECK(st.stats.corrupt_frames == 1);
+  }
+  SECTION("a corrupt saturation frame does not count") {
+    REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 50, 0, 1000), limit, &outcome).ok());
+    REQUIRE(outcome == LogAppendOutcome::kSaturated);
+    {
+      auto log = OpenWriteLog(vol, owner);
+      REQUIRE(log.ok());
+      uint8_t b = 0;
+      REQUIRE((*log)->Read(kB + 200, &b, 1).ok());
+      b ^= 1;
+      REQUIRE((*log)->Write(kB + 200, &b, 1).ok());
+    }
+    // The appender cannot tell it was one: it writes another.
+    REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 50, 0, 2000), limit, &outcome).ok());
+    CHECK(outcome == LogAppendOutcome::kSaturated);
+    CHECK(LogSize(vol, owner) == 3 * kB);
+    REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 50, 0, 3000), limit, &outcome).ok());
+    CHECK(outcome == LogAppendOutcome::kAlreadySaturated);
+  }
+  SECTION("an opt-out marker is not a saturation frame") {
+    // It covers the file's blocks, not every block index, and is written
+    // whatever the limit.
+    REQUIRE(AppendOptOutMarker(vol, owner, 64 << 20, kT0).ok());
+    CHECK(LogSize(vol, owner) == 2 * kB);
+    CHECK_FALSE(Replay(vol, owner).saturated);
+    REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 50, 0, 1000), limit, &outcome).ok());
+    CHECK(outcome == LogAppendOutcome::kSaturated);
+    CHECK(Replay(vol, owner).saturated);
+  }
+}

@@ -43,6 +43,7 @@ json StatsJson(const DedupStats& s) {
   j["log_records"] = s.log_records;
   j["log_corrupt_frames"] = s.log_corrupt_frames;
   j["log_dropped_records"] = s.log_dropped_records;
+  j["logs_saturated"] = s.logs_saturated;
   j["blocks_rehashed"] = s.blocks_rehashed;
   j["files_rescanned"] = s.files_rescanned;
   j["arena_blocks_swept"] = s.arena_blocks_swept;
@@ -84,6 +85,7 @@ json StatsJson(const DedupStats& s) {
   j["records_parked_at_stop"] = s.records_parked_at_stop;
   j["young_records_deferred"] = s.young_records_deferred;
   j["young_ranges_deferred"] = s.young_ranges_deferred;
+  j["rehash_ranges_deferred"] = s.rehash_ranges_deferred;
   j["gather_seconds"] = double(s.gather_ns) / 1e9;
   j["merge_seconds"] = double(s.merge_ns) / 1e9;
   j["seconds"] = double(s.total_ns) / 1e9;

@@ -68,6 +68,7 @@ struct Listing {
   // not consumed yet.
   enum class LogState { kNone, kRead, kBusy } log = LogState::kNone;
   uint64_t log_records = 0;  // distinct blocks with a fingerprint
+  bool log_saturated = false;  // at its size limit: the whole file counts as changed
   WriteLogScanStats log_stats;
 };
 
@@ -86,6 +87,7 @@ Status ReadPendingLog(Volume* vol, const FileInfo& info, Listing* l) {
   ASSIGN_OR_RETURN(WriteLogState state, ReplayWriteLog(log->get(), sb.hash_algo, sb.uuid, info.id));
   l->log = Listing::LogState::kRead;
   l->log_records = state.records.size();
+  l->log_saturated = state.saturated;
   l->log_stats = state.stats;
   return Status::Ok();
 }
@@ -133,7 +135,9 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
       "'in use'.\n"
       "logged: blocks whose fingerprint waits in the file's write log for the\n"
       "next dedup pass (a running dedupd also buffers some in memory); '!' after\n"
-      "it: records were dropped under load, the next pass verifies everything.");
+      "it: records were dropped under load, the next pass verifies everything.\n"
+      "'all!': the log reached its size limit (dedupd --write-log-limit); the\n"
+      "next pass reads and hashes the whole file.");
   if (auto rc = parser.Parse(args)) return *rc;
   const bool long_form = parser.flag("long");
 
@@ -204,6 +208,7 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
           j["log_records"] = l.log_records;
           j["log_dropped_records"] = l.log_stats.dropped_records;
           j["log_corrupt_frames"] = l.log_stats.corrupt_frames;
+          j["log_saturated"] = l.log_saturated;
         } else if (l.log == Listing::LogState::kNone) {
           j["log_records"] = 0;
         } else {
@@ -240,7 +245,9 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
       case Listing::LogState::kNone: row.push_back(l.info.kind == FileKind::kRegular ? "0" : "-"); break;
       case Listing::LogState::kBusy: row.push_back("busy"); break;
       case Listing::LogState::kRead:
-        row.push_back(std::to_string(l.log_records) + (l.log_stats.dropped_records ? "!" : ""));
+        row.push_back(l.log_saturated ? std::string("all!")
+                                      : std::to_string(l.log_records) +
+                                            (l.log_stats.dropped_records ? "!" : ""));
         break;
     }
     row.push_back(l.info.name + (l.in_use ? "  (in use)" : ""));

@@ -153,7 +153,7 @@ void PrintExports(const json& r) {
   const Column kColumns[] = {{"clients", "CLIENTS"},           {"dedup", "DEDUP"},
                              {"hashed_blocks", "HASHED"},      {"log_records", "LOG RECORDS"},
                              {"buffered_records", "BUFFERED"}, {"dropped_records", "DROPPED"},
-                             {"cow_copies", "COW COPIES"}};
+                             {"cow_copies", "COW COPIES"}, {"write_log_saturated", "LOG FULL"}};
   std::vector<const Column*> columns;
   for (const Column& c : kColumns) {
     for (const json& e : *exports) {
@@ -172,6 +172,9 @@ void PrintExports(const json& r) {
       if (std::string(c->key) == "dedup") {
         auto dedup = Bool(e, "dedup");
         row.push_back(dedup ? (*dedup ? "on" : "off") : "-");
+      } else if (std::string(c->key) == "write_log_saturated") {
+        auto full = Bool(e, "write_log_saturated");
+        row.push_back(full ? (*full ? "yes" : "no") : "-");
       } else {
         row.push_back(NumberText(e, c->key));
       }
@@ -187,7 +190,8 @@ void PrintExports(const json& r) {
     for (size_t i = 0; i < row.size(); i++) {
       std::string pad(width[i] - row[i].size(), ' ');
       // Names and on/off left-aligned, numbers right-aligned.
-      const bool left = i == 0 || std::string(columns[i - 1]->key) == "dedup";
+      const bool left = i == 0 || std::string(columns[i - 1]->key) == "dedup" ||
+                        std::string(columns[i - 1]->key) == "write_log_saturated";
       line += " " + (left ? row[i] + pad : pad + row[i]);
       if (i + 1 < row.size()) line += " ";
     }
@@ -232,6 +236,22 @@ void PrintMonitor(const json& r) {
   if (auto v = Uint(*m, "hashed_blocks")) parts.push_back(Count(*v, "block") + " hashed");
   if (auto v = Uint(*m, "files")) parts.push_back(Count(*v, "file"));
   if (!parts.empty()) Line("monitor", Join(parts, ", "));
+
+  const json* w = Object(r, "write_logs");
+  if (w == nullptr) return;
+  std::vector<std::string> logs;
+  if (auto v = Uint(*w, "bytes")) logs.push_back(HumanSize(*v) + " appended");
+  if (auto v = Uint(*w, "failed"); v && *v > 0) logs.push_back(std::to_string(*v) + (*v == 1 ? " batch" : " batches") + " lost");
+  if (auto v = Uint(*w, "saturations"); v && *v > 0) {
+    std::string text = std::to_string(*v) + " reached the size limit";
+    if (auto e = Uint(*w, "capped_entries")) text += " (" + std::to_string(*e) + (*e == 1 ? " entry" : " entries") + " not logged)";
+    logs.push_back(text);
+  }
+  if (auto pct = Uint(*w, "limit_percent")) {
+    logs.push_back(*pct == 0 ? std::string("no size limit")
+                             : "limit " + std::to_string(*pct) + "% of the file");
+  }
+  if (!logs.empty()) Line("write logs", Join(logs, ", "));
 }
 
 void PrintPolicy(const json& r) {
