@@ -29,6 +29,7 @@ Status ReadAhead::Read(uint64_t offset, size_t len, IoBytes* out) NO_THREAD_SAFE
   {
     std::unique_lock<std::mutex> l(mu_.native());
     last_sequential_ = offset == next_expected_;
+    last_start_ = offset;
     next_expected_ = offset + len;
     reads_in_flight_++;
     if (max_bytes_ > 0 && len > 0) {
@@ -72,17 +73,29 @@ Status ReadAhead::Read(uint64_t offset, size_t len, IoBytes* out) NO_THREAD_SAFE
 
 void ReadAhead::After(uint64_t offset, size_t len) NO_THREAD_SAFETY_ANALYSIS {
   if (max_bytes_ == 0 || len == 0 || len > max_bytes_) return;
-  const uint64_t start = offset + len;
+  const uint64_t end = offset + len;
+  uint64_t start;
   size_t n;
   {
     MutexLock l(&mu_);
-    // Another READ started since this one (next_expected_ moved) or is
-    // still running: the client keeps the device busy itself.
-    if (stopped_ || state_ != State::kEmpty || reads_in_flight_ > 0 || !last_sequential_ ||
-        next_expected_ != start || start >= file_size_) {
+    if (stopped_ || state_ != State::kEmpty || !last_sequential_) return;
+    if (reads_in_flight_ == 0 && next_expected_ == end) {
+      // The reader waits for this reply: read its next request now.
+      start = end;
+      n = len;
+    } else if (reads_in_flight_ == 1 && last_start_ == end && next_expected_ - end <= max_bytes_) {
+      // Its next request arrived before this call (a loaded host answers
+      // late) and is being read: read the one after it, or the stream
+      // would go unprefetched until a reply beats the next request again.
+      start = next_expected_;
+      n = static_cast<size_t>(next_expected_ - end);
+    } else {
+      // Other READs in flight (a deeper queue keeps the device busy
+      // itself), or the stream moved elsewhere.
       return;
     }
-    n = static_cast<size_t>(std::min<uint64_t>(len, file_size_ - start));
+    if (start >= file_size_ || n == 0) return;
+    n = static_cast<size_t>(std::min<uint64_t>(n, file_size_ - start));
     if (budget_ != nullptr && !budget_->TryTake(n)) {
       stats_.no_budget++;
       return;

@@ -11,8 +11,12 @@
 // When it prefetches: the READ continued the previous READ exactly (offset
 // == the previous one's end) and no other READ of the export was in flight
 // when it finished. Deeper queues already keep the device busy, so they
-// never pay for a read nobody asked for. The window is one request long,
-// capped at `max_bytes`, and never crosses the end of the file.
+// never pay for a read nobody asked for. One exception: when the only READ
+// in flight is this stream's next one (on a loaded host the client's next
+// request often arrives before the worker gets to After()), the window is
+// the request after that one, so the stream gets ahead again instead of
+// going unprefetched. The window is one request long, capped at
+// `max_bytes`, and never crosses the end of the file.
 //
 // Coherence: the window holds file content, so every change of content
 // must pass Invalidate() after its device I/O finished and before it is
@@ -135,6 +139,7 @@ class ReadAhead {
   // return: a READ starting at next_expected_ continues the stream.
   uint64_t next_expected_ GUARDED_BY(mu_) = 0;
   bool last_sequential_ GUARDED_BY(mu_) = false;
+  uint64_t last_start_ GUARDED_BY(mu_) = 0;  // offset of the last READ to start
   int reads_in_flight_ GUARDED_BY(mu_) = 0;
   ReadAheadStats stats_ GUARDED_BY(mu_);
 };

@@ -165,27 +165,71 @@ TEST_CASE("read-ahead: random, too long, past the end, or disabled: no prefetch"
   }
 }
 
-TEST_CASE("read-ahead: no prefetch while another READ is in flight (deeper queues)",
+TEST_CASE("read-ahead: no prefetch while other READs are in flight (deeper queues)",
           "[read_ahead]") {
   FakeFile f(1 << 20);
   ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
   IoBytes a;
   REQUIRE(ra.Read(0, 64 * kK, &a).ok());
-  // The client's next READ started before the first one's After().
+  // Two more READs started before the first one's After(): a queue.
+  IoBytes b;
+  REQUIRE(ra.Read(64 * kK, 64 * kK, &b).ok());  // (returned, but not yet answered)
   f.HoldNext();
   // (Catch's assertions are not thread-safe: threads report through flags.)
+  std::atomic<bool> third_ok{false};
+  std::thread third([&] {
+    IoBytes c;
+    third_ok = ra.Read(128 * kK, 64 * kK, &c).ok() && Vec(c) == f.Content(128 * kK, 64 * kK);
+  });
+  f.WaitHeld();
+  ra.After(0, 64 * kK);  // the stream moved on twice: nothing
+  CHECK(ra.stats().prefetches == 0);
+  f.Release();
+  third.join();
+  CHECK(third_ok.load());
+  CHECK(f.reads() == 3);
+}
+
+TEST_CASE("read-ahead: when the next READ arrived first, the window is the one after it",
+          "[read_ahead]") {
+  FakeFile f(1 << 20);
+  ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
+  IoBytes a;
+  REQUIRE(ra.Read(0, 64 * kK, &a).ok());
+  // The client's next READ started before the first one's After() (a
+  // loaded host): it reads for itself, held in its device read.
+  f.HoldNext();
   std::atomic<bool> second_ok{false};
   std::thread second([&] {
     IoBytes b;
     second_ok = ra.Read(64 * kK, 64 * kK, &b).ok() && Vec(b) == f.Content(64 * kK, 64 * kK);
   });
   f.WaitHeld();
-  ra.After(0, 64 * kK);
-  CHECK(ra.stats().prefetches == 0);
+  ra.After(0, 64 * kK);  // prefetches [128K, 192K), past the READ in flight
+  CHECK(ra.stats().prefetches == 1);
   f.Release();
   second.join();
   CHECK(second_ok.load());
-  CHECK(f.reads() == 2);
+  ra.After(64 * kK, 64 * kK);  // a window is there already: nothing more
+  CHECK(ra.stats().prefetches == 1);
+  // The stream is ahead again: the third READ comes from the window and
+  // prefetches the fourth.
+  CHECK(Vec(ReadAndAfter(&ra, 128 * kK, 64 * kK)) == f.Content(128 * kK, 64 * kK));
+  CHECK(Vec(ReadAndAfter(&ra, 192 * kK, 64 * kK)) == f.Content(192 * kK, 64 * kK));
+  const ReadAheadStats s = ra.stats();
+  CHECK(s.hits == 2);
+  CHECK(s.prefetches == 3);
+  CHECK(s.wasted == 0);
+  CHECK(f.reads() == 5);  // two READs, three prefetches: nothing read twice
+
+  SECTION("not when the READ in flight went elsewhere") {
+    ReadAhead rb(f.Reader(), 1 << 20, 256 * kK);
+    IoBytes x, y;
+    REQUIRE(rb.Read(0, 64 * kK, &x).ok());
+    REQUIRE(rb.Read(512 * kK, 64 * kK, &y).ok());  // in flight (not yet answered)
+    rb.After(0, 64 * kK);
+    CHECK(rb.stats().prefetches == 0);
+  }
 }
 
 TEST_CASE("read-ahead: a READ of a window being read waits for it instead of reading again",
