@@ -157,6 +157,10 @@ void PrintExports(const json& r) {
   std::vector<const Column*> columns;
   for (const Column& c : kColumns) {
     for (const json& e : *exports) {
+      // A full log is rare: its column shows only when some export has one.
+      if (std::string(c.key) == "write_log_saturated" && !Bool(e, c.key).value_or(false)) {
+        continue;
+      }
       if (Field(e, c.key) != nullptr) {
         columns.push_back(&c);
         break;
