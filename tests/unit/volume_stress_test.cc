@@ -97,10 +97,15 @@ TEST_CASE("volume stress: three hosts write, share, log and remove at once and f
     witness[p] = ComputeFingerprint(fo.hash_algo, Filled(static_cast<uint8_t>(p), 1).data(), kB);
   }
 
-  std::atomic<bool> stop{false};
+  // The flush threads outlive the others: a thread that began waiting for
+  // a lock another host caches just before `stop` gets it only at that
+  // host's next flush point (as in dedupd, whose flush timer runs until
+  // its exports have drained). Stopping them together made such a wait
+  // run out its 60 s and fail the test on a loaded machine.
+  std::atomic<bool> stop{false}, stop_flushing{false};
   const auto t0 = std::chrono::steady_clock::now();
   const double kSeconds = 8;
-  std::vector<std::thread> threads;
+  std::vector<std::thread> threads, flushers;
   for (int h = 0; h < kHosts; h++) {
     Host* host = &hosts[h];
     // The VM writer: 1-8 block writes of one pattern, now and then a trim.
@@ -207,8 +212,8 @@ TEST_CASE("volume stress: three hosts write, share, log and remove at once and f
       }
     });
     // Flush points, as dedupd's sync interval makes them.
-    threads.emplace_back([host, &stop] {
-      while (!stop) {
+    flushers.emplace_back([host, &stop_flushing] {
+      while (!stop_flushing) {
         Status st = host->vol->Sync();
         if (!st.ok()) return host->Fail("sync", st);
         std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -226,13 +231,18 @@ TEST_CASE("volume stress: three hosts write, share, log and remove at once and f
   }
   stop = true;
   for (auto& t : threads) t.join();
+  stop_flushing = true;
+  for (auto& t : flushers) t.join();
 
   for (Host& host : hosts) {
     INFO("host " << host.id << ": " << host.writes << " writes, " << host.trims << " trims, "
                  << host.appends << " log appends, " << host.removes << " log removes, "
                  << host.shared << " blocks shared in " << host.arena_turns << " arena turns");
+    const Volume::WaitCounters waits = host.vol->wait_counters();
+    INFO(waits.waits << " lock waits, " << waits.timeouts << " ran out of time");
     for (const std::string& f : host.failures) UNSCOPED_INFO(f);
     CHECK(host.failures.empty());
+    CHECK(waits.timeouts == 0);
     CHECK(host.writes > 100);
     CHECK(host.removes > 0);
     CHECK(host.shared > 0);
