@@ -397,7 +397,7 @@ int Run(const Config& cfg) {
   const uint64_t started_wall_ns = Clock::Real()->NowNanos();
   // COW specializations of all exports since start (closed exports' counts
   // are folded in when they close).
-  auto cow_total = [&] { return table.cow_copies_total(); };
+  auto cow_total = [&] { return table.totals().cow_copies; };
   uint64_t passes = 0;
   auto run_pass = [&](PassTrigger trigger) {
     std::lock_guard<std::mutex> running(pass_mu);
@@ -715,8 +715,9 @@ int Run(const Config& cfg) {
                      {"merge_requests_applied", pass_state.merge_applied_total},
                      {"io_bytes", pass_state.io_bytes_total}};
     }
-    j["cow_copies"] = cow_total();
-    j["read_ahead"] = ReadAheadJson(table.read_ahead_totals());
+    const ExportTable::Totals totals = table.totals();
+    j["cow_copies"] = totals.cow_copies;
+    j["read_ahead"] = ReadAheadJson(totals.read_ahead);
     j["read_ahead"]["memory_used"] = table.read_ahead_budget().used();
     j["read_ahead"]["memory_cap"] = table.read_ahead_budget().cap();
     const Volume::DropCounters drops = vol->drop_counters();

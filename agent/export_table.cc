@@ -264,11 +264,11 @@ void ExportTable::Close(const std::shared_ptr<Export>& e) {
   if (flusher_) flusher_->ForgetFile(e->id());
   if (monitor_) monitor_->RemoveFile(e->id());
   {
-    const ReadAheadStats ra = e->read_ahead_stats();  // final: Stop() ran
+    // Final: Stop() ran, and every write has released its range (Lock
+    // above).
     MutexLock l(&mu_);
-    AddReadAheadStats(&closed_ra_, ra);
-    // Final too: every write has released its range (Lock above).
-    closed_cow_copies_ += e->cow_copies();
+    AddReadAheadStats(&closed_.read_ahead, e->read_ahead_stats());
+    closed_.cow_copies += e->cow_copies();
     closing_.erase(std::remove(closing_.begin(), closing_.end(), e), closing_.end());
   }
   // The next holder (maybe on another host) must find everything on disk.
@@ -297,30 +297,20 @@ std::vector<std::pair<std::shared_ptr<Export>, int>> ExportTable::SnapshotWithCl
   return out;
 }
 
-ReadAheadStats ExportTable::read_ahead_totals() {
-  std::vector<std::shared_ptr<Export>> live;
-  ReadAheadStats t;
-  {
-    // Copied together: a closing export is either still listed here or
-    // already in closed_ra_, never both, never neither.
-    MutexLock l(&mu_);
-    for (const auto& [name, e] : exports_) live.push_back(e);
-    live.insert(live.end(), closing_.begin(), closing_.end());
-    t = closed_ra_;
-  }
-  for (const auto& e : live) AddReadAheadStats(&t, e->read_ahead_stats());
-  return t;
-}
-
-uint64_t ExportTable::cow_copies_total() {
+ExportTable::Totals ExportTable::totals() {
   // Under mu_ throughout: a listed export's file is open (Close resets it
   // only after taking the export off closing_), and a closing export is
-  // counted either here or in closed_cow_copies_, never both.
+  // counted either here or in closed_, never both, never neither.
+  // ReadAhead::mu_ is a leaf below mu_.
   MutexLock l(&mu_);
-  uint64_t n = closed_cow_copies_;
-  for (const auto& [name, e] : exports_) n += e->cow_copies();
-  for (const auto& e : closing_) n += e->cow_copies();
-  return n;
+  Totals t = closed_;
+  auto add = [&t](const std::shared_ptr<Export>& e) {
+    t.cow_copies += e->cow_copies();
+    AddReadAheadStats(&t.read_ahead, e->read_ahead_stats());
+  };
+  for (const auto& [name, e] : exports_) add(e);
+  for (const auto& e : closing_) add(e);
+  return t;
 }
 
 std::shared_ptr<Export> ExportTable::FindOpen(const std::string& name) {

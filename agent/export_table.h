@@ -133,11 +133,12 @@ class ExportTable {
   // The open exports with their client counts (a dedup pass or merge-request
   // job borrowing an export counts as a client).
   std::vector<std::pair<std::shared_ptr<Export>, int>> SnapshotWithClients() EXCLUDES(mu_);
-  // Copy-on-write specializations of every export served since start,
-  // open or closed.
-  uint64_t cow_copies_total() EXCLUDES(mu_);
-  // Read-ahead counters of every export served since start, open or closed.
-  ReadAheadStats read_ahead_totals() EXCLUDES(mu_);
+  // Counters summed over every export served since start, open or closed.
+  struct Totals {
+    uint64_t cow_copies = 0;  // copy-on-write specializations
+    ReadAheadStats read_ahead;
+  };
+  Totals totals() EXCLUDES(mu_);
   const ReadAheadBudget& read_ahead_budget() const { return read_ahead_budget_; }
   // The open export of `name`, or nullptr (nothing is opened).
   std::shared_ptr<Export> FindOpen(const std::string& name) EXCLUDES(mu_);
@@ -157,13 +158,11 @@ class ExportTable {
   Mutex open_mu_ ACQUIRED_BEFORE(mu_);
   Mutex mu_;
   std::map<std::string, std::shared_ptr<Export>> exports_ GUARDED_BY(mu_);
-  uint64_t closed_cow_copies_ GUARDED_BY(mu_) = 0;
   // Exports taken out of exports_ whose Close has not yet folded their
-  // read-ahead and copy-on-write counts into closed_ra_ and
-  // closed_cow_copies_ (Close does both under mu_), so the totals never
+  // counts into closed_ (Close does it under mu_), so the totals never
   // lose a closing export's counts.
   std::vector<std::shared_ptr<Export>> closing_ GUARDED_BY(mu_);
-  ReadAheadStats closed_ra_ GUARDED_BY(mu_);
+  Totals closed_ GUARDED_BY(mu_);
 };
 
 // The NBD error number for a failed volume operation.

@@ -15,15 +15,12 @@ Status LogFlusher::FlushLocked(FileId id) {
   uint64_t max_log_bytes = 0;
   {
     MutexLock l(&files_mu_);
-    auto it = files_.find({id.ino, id.generation});
-    if (it != files_.end()) max_log_bytes = it->second.max_log_bytes;
+    if (TrackedFile* f = FindTracked(id)) max_log_bytes = f->max_log_bytes;
   }
   uint64_t bytes = EncodedWriteLogBytes(batch, monitor_->algo());
   LogAppendOutcome outcome = LogAppendOutcome::kAppended;
   Status st = AppendToWriteLog(vol_, batch, max_log_bytes, &outcome);
   if (st.ok()) {
-    const uint64_t entries =
-        batch.records.size() + batch.invalidated.size() + batch.dropped_records;
     switch (outcome) {
       case LogAppendOutcome::kAppended:
         stats_.flushes++;
@@ -34,7 +31,7 @@ Status LogFlusher::FlushLocked(FileId id) {
         stats_.saturations++;
         stats_.bytes += kBlockSize;
         stats_.capped_batches++;
-        stats_.capped_entries += entries;
+        stats_.capped_entries += batch.entries();
         LOG(kWarning) << "write log of file " << id.ino << "." << id.generation
                       << " reached its limit of " << max_log_bytes
                       << " bytes: it now marks the whole file changed and takes no more "
@@ -43,13 +40,12 @@ Status LogFlusher::FlushLocked(FileId id) {
         break;
       case LogAppendOutcome::kAlreadySaturated:
         stats_.capped_batches++;
-        stats_.capped_entries += entries;
+        stats_.capped_entries += batch.entries();
         break;
     }
     {
       MutexLock l(&files_mu_);
-      auto it = files_.find({id.ino, id.generation});
-      if (it != files_.end()) it->second.saturated = outcome != LogAppendOutcome::kAppended;
+      if (TrackedFile* f = FindTracked(id)) f->saturated = outcome != LogAppendOutcome::kAppended;
     }
     spare_records_ = std::move(batch.records);
     return st;
@@ -64,9 +60,8 @@ Status LogFlusher::FlushLocked(FileId id) {
   // Everything in the batch is lost, invalidations included (a lost
   // invalidation may leave a stale record in the log): the file is marked so
   // the next pass verifies everything.
-  uint64_t lost = batch.records.size() + batch.invalidated.size() + batch.dropped_records;
-  uint64_t since = batch.dropped_since_ns ? batch.dropped_since_ns : batch.first_ns;
-  monitor_->MarkDropped(id, lost, since);
+  const uint64_t lost = batch.entries();
+  monitor_->MarkDropped(id, lost, batch.oldest_ns());
   LOG(kWarning) << "write log of file " << id.ino << "." << id.generation << ": " << lost
                 << " records lost: " << st.ToString();
   return st;
@@ -97,21 +92,25 @@ Status LogFlusher::FlushFile(FileId id) {
   return FlushLocked(id);
 }
 
+LogFlusher::TrackedFile* LogFlusher::FindTracked(FileId id) {
+  auto it = files_.find(KeyOf(id));
+  return it == files_.end() ? nullptr : &it->second;
+}
+
 void LogFlusher::TrackFile(FileId id, uint64_t file_bytes) {
   MutexLock l(&files_mu_);
-  TrackedFile& f = files_[{id.ino, id.generation}];
-  f.max_log_bytes = limit_.For(file_bytes);
+  files_[KeyOf(id)].max_log_bytes = limit_.For(file_bytes);
 }
 
 void LogFlusher::ForgetFile(FileId id) {
   MutexLock l(&files_mu_);
-  files_.erase({id.ino, id.generation});
+  files_.erase(KeyOf(id));
 }
 
 bool LogFlusher::Saturated(FileId id) {
   MutexLock l(&files_mu_);
-  auto it = files_.find({id.ino, id.generation});
-  return it != files_.end() && it->second.saturated;
+  const TrackedFile* f = FindTracked(id);
+  return f != nullptr && f->saturated;
 }
 
 FlusherStats LogFlusher::stats() {

@@ -74,6 +74,9 @@ class LogFlusher {
     uint64_t max_log_bytes = 0;
     bool saturated = false;
   };
+  using TrackedKey = std::pair<uint64_t, uint64_t>;  // {ino, generation}
+  static TrackedKey KeyOf(FileId id) { return {id.ino, id.generation}; }
+  TrackedFile* FindTracked(FileId id) REQUIRES(files_mu_);
   Volume* const vol_;
   WriteMonitor* const monitor_;
   const WriteLogLimit limit_;
@@ -87,7 +90,7 @@ class LogFlusher {
   // Lock order: mu_ before files_mu_; files_mu_ is never held across I/O
   // (the export table takes it when opening and closing files).
   Mutex files_mu_ ACQUIRED_AFTER(mu_);
-  std::map<std::pair<uint64_t, uint64_t>, TrackedFile> files_ GUARDED_BY(files_mu_);
+  std::map<TrackedKey, TrackedFile> files_ GUARDED_BY(files_mu_);
 };
 
 }  // namespace dede

@@ -564,8 +564,8 @@ MonitorBatch SaturationBatch(const MonitorBatch& batch) {
   const uint64_t t = std::max(batch.first_ns, batch.last_ns);
   sat.invalidated.push_back(InvalidRange{0, kWriteLogWholeFileBlocks, t});
   sat.first_ns = sat.last_ns = t;
-  sat.dropped_records = batch.records.size() + batch.invalidated.size() + batch.dropped_records;
-  sat.dropped_since_ns = batch.dropped_since_ns ? batch.dropped_since_ns : batch.first_ns;
+  sat.dropped_records = batch.entries();
+  sat.dropped_since_ns = batch.oldest_ns();
   if (sat.dropped_since_ns == 0) sat.dropped_since_ns = t;
   return sat;
 }

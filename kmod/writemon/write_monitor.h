@@ -76,6 +76,10 @@ struct MonitorBatch {
   bool empty() const {
     return records.empty() && invalidated.empty() && dropped_records == 0;
   }
+  // Every entry the batch stands for (what is lost if it is not logged).
+  uint64_t entries() const { return records.size() + invalidated.size() + dropped_records; }
+  // When the oldest of those entries happened.
+  uint64_t oldest_ns() const { return dropped_since_ns ? dropped_since_ns : first_ns; }
 };
 
 struct WriteMonitorOptions {

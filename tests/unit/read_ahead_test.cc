@@ -10,6 +10,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <random>
 #include <thread>
@@ -94,6 +95,29 @@ class FakeFile {
 
 std::vector<uint8_t> Vec(const IoBytes& b) { return {b.begin(), b.end()}; }
 
+// Runs `fn` on a thread and returns once that thread's first device read
+// is held at the file's gate (it has its data but has not returned);
+// Release() lets it finish. (Catch's assertions are not thread-safe: `fn`
+// reports through flags.)
+class HeldOnThread {
+ public:
+  HeldOnThread(FakeFile* f, std::function<void()> fn) : f_(f) {
+    f_->HoldNext();
+    thread_ = std::thread(std::move(fn));
+    f_->WaitHeld();
+  }
+  ~HeldOnThread() { Release(); }
+  void Release() {
+    if (!thread_.joinable()) return;
+    f_->Release();
+    thread_.join();
+  }
+
+ private:
+  FakeFile* f_;
+  std::thread thread_;
+};
+
 // One READ the way the NBD worker does it: read, answer, then After().
 IoBytes ReadAndAfter(ReadAhead* ra, uint64_t off, size_t len) {
   IoBytes out;
@@ -174,18 +198,14 @@ TEST_CASE("read-ahead: no prefetch while other READs are in flight (deeper queue
   // Two more READs started before the first one's After(): a queue.
   IoBytes b;
   REQUIRE(ra.Read(64 * kK, 64 * kK, &b).ok());  // (returned, but not yet answered)
-  f.HoldNext();
-  // (Catch's assertions are not thread-safe: threads report through flags.)
   std::atomic<bool> third_ok{false};
-  std::thread third([&] {
+  HeldOnThread third(&f, [&] {
     IoBytes c;
     third_ok = ra.Read(128 * kK, 64 * kK, &c).ok() && Vec(c) == f.Content(128 * kK, 64 * kK);
   });
-  f.WaitHeld();
   ra.After(0, 64 * kK);  // the stream moved on twice: nothing
   CHECK(ra.stats().prefetches == 0);
-  f.Release();
-  third.join();
+  third.Release();
   CHECK(third_ok.load());
   CHECK(f.reads() == 3);
 }
@@ -198,17 +218,14 @@ TEST_CASE("read-ahead: when the next READ arrived first, the window is the one a
   REQUIRE(ra.Read(0, 64 * kK, &a).ok());
   // The client's next READ started before the first one's After() (a
   // loaded host): it reads for itself, held in its device read.
-  f.HoldNext();
   std::atomic<bool> second_ok{false};
-  std::thread second([&] {
+  HeldOnThread second(&f, [&] {
     IoBytes b;
     second_ok = ra.Read(64 * kK, 64 * kK, &b).ok() && Vec(b) == f.Content(64 * kK, 64 * kK);
   });
-  f.WaitHeld();
   ra.After(0, 64 * kK);  // prefetches [128K, 192K), past the READ in flight
   CHECK(ra.stats().prefetches == 1);
-  f.Release();
-  second.join();
+  second.Release();
   CHECK(second_ok.load());
   ra.After(64 * kK, 64 * kK);  // a window is there already: nothing more
   CHECK(ra.stats().prefetches == 1);
@@ -240,13 +257,11 @@ TEST_CASE("read-ahead: a READ of a window being read waits for it instead of rea
   ReadAndAfter(&ra, 64 * kK, 64 * kK);
   REQUIRE(ra.stats().hits == 1);
   // The next prefetch is held in its device read.
-  f.HoldNext();
-  std::thread prefetch([&] {
+  HeldOnThread prefetch(&f, [&] {
     IoBytes b;
     (void)ra.Read(128 * kK, 64 * kK, &b);  // a hit: no device read
     ra.After(128 * kK, 64 * kK);           // held in its device read
   });
-  f.WaitHeld();
   std::atomic<bool> done{false}, reader_ok{false};
   std::thread reader([&] {
     IoBytes b;
@@ -256,8 +271,7 @@ TEST_CASE("read-ahead: a READ of a window being read waits for it instead of rea
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   CHECK_FALSE(done.load());  // waiting for the window
   const int reads_before = f.reads();
-  f.Release();
-  prefetch.join();
+  prefetch.Release();
   reader.join();
   CHECK(reader_ok.load());
   CHECK(f.reads() == reads_before);  // answered from the window: no second read
@@ -291,13 +305,10 @@ TEST_CASE("read-ahead: a write drops the window, ready or still being read", "[r
     IoBytes a;
     REQUIRE(ra.Read(0, 64 * kK, &a).ok());
     // The prefetch copies the old content, then is held before it returns.
-    f.HoldNext();
-    std::thread prefetch([&] { ra.After(0, 64 * kK); });
-    f.WaitHeld();
+    HeldOnThread prefetch(&f, [&] { ra.After(0, 64 * kK); });
     f.Write(64 * kK, 0x5a, 64 * kK);  // the write's device I/O ...
     ra.Invalidate(64 * kK, 64 * kK);  // ... then its invalidation, before its answer
-    f.Release();
-    prefetch.join();
+    prefetch.Release();
     IoBytes b;
     REQUIRE(ra.Read(64 * kK, 64 * kK, &b).ok());
     CHECK(Vec(b) == std::vector<uint8_t>(64 * kK, 0x5a));
@@ -327,9 +338,7 @@ TEST_CASE("read-ahead: Stop waits for a prefetch in progress and ends read-ahead
   ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
   IoBytes a;
   REQUIRE(ra.Read(0, 64 * kK, &a).ok());
-  f.HoldNext();
-  std::thread prefetch([&] { ra.After(0, 64 * kK); });
-  f.WaitHeld();
+  HeldOnThread prefetch(&f, [&] { ra.After(0, 64 * kK); });
   std::atomic<bool> stopped{false};
   std::thread stopper([&] {
     ra.Stop();
@@ -337,8 +346,7 @@ TEST_CASE("read-ahead: Stop waits for a prefetch in progress and ends read-ahead
   });
   std::this_thread::sleep_for(std::chrono::milliseconds(50));
   CHECK_FALSE(stopped.load());
-  f.Release();
-  prefetch.join();
+  prefetch.Release();
   stopper.join();
   CHECK(stopped.load());
   const int reads = f.reads();
