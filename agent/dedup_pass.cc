@@ -357,6 +357,7 @@ class Pass {
         }
         return log.status();
       }
+      if (opts_.log_taken) opts_.log_taken(owner_info.id);
       ASSIGN_OR_RETURN(WriteLogState st,
                        ReplayWriteLog(log->get(), algo_, uuid_, owner_info.id));
       stats_.log_corrupt_frames += st.stats.corrupt_frames;

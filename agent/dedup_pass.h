@@ -117,6 +117,11 @@ struct DedupOptions {
   std::function<void()> settle_io;
   // Called now and then with a one-line status (progress on a terminal).
   std::function<void(const std::string&)> progress;
+  // Called with a file's id when the pass has taken its write log (locked
+  // it to consume it), before it reads any of the file's blocks: dedupd
+  // resumes the write monitor for a file paused because its log was full
+  // (WriteMonitor::LogTaken).
+  std::function<void(FileId)> log_taken;
 };
 
 struct DedupStats {

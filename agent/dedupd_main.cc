@@ -429,6 +429,7 @@ int Run(const Config& cfg) {
     po.batch_ops = IoThrottle::BatchOpsFor(policy.rate_bytes_per_s, po.batch_ops);
     po.force = sweep_next_pass.exchange(false);
     po.busy_parked_shards = &busy_parked_shards;
+    po.log_taken = [&monitor](FileId id) { monitor.LogTaken(id); };
     po.progress = [&](const std::string& line) {
       std::lock_guard<std::mutex> l(pass_state.mu);
       pass_state.progress = line;
@@ -647,6 +648,7 @@ int Run(const Config& cfg) {
         x["buffered_records"] = fs.buffered_records;
         x["dropped_records"] = fs.dropped_records;
         x["hashed_blocks"] = fs.hashed_blocks;
+        x["unrecorded_blocks"] = fs.unrecorded_blocks;
         x["write_log_saturated"] = flusher.Saturated(e->id());
       }
       exports.push_back(x);
@@ -666,7 +668,9 @@ int Run(const Config& cfg) {
                       {"buffer_cap_bytes", ms.memory_cap_bytes},
                       {"records_buffered", ms.buffered_records},
                       {"records_dropped", ms.dropped_records},
-                      {"hashed_blocks", ms.hashed_blocks}};
+                      {"hashed_blocks", ms.hashed_blocks},
+                      {"log_full_files", ms.log_full_files},
+                      {"unrecorded_blocks", ms.unrecorded_blocks}};
       const FlusherStats fl = flusher.stats();
       j["write_logs"] = {{"appends", fl.flushes},
                          {"bytes", fl.bytes},
@@ -820,6 +824,10 @@ int Run(const Config& cfg) {
                 j["monitor"]["hashed_blocks"].get<double>(), host);
       m.Counter("dede_monitor_dropped_records_total", "Write-monitor records shed at the cap",
                 j["monitor"]["records_dropped"].get<double>(), host);
+      m.Counter("dede_monitor_unrecorded_blocks_total",
+                "Blocks written while their file's write log was full (not hashed; the next "
+                "pass rehashes the file)",
+                j["monitor"]["unrecorded_blocks"].get<double>(), host);
       m.Counter("dede_write_log_bytes_total", "Bytes appended to write logs",
                 j["write_logs"]["bytes"].get<double>(), host);
       m.Counter("dede_write_log_failed_batches_total",

@@ -43,10 +43,14 @@ Status LogFlusher::FlushLocked(FileId id) {
         stats_.capped_entries += batch.entries();
         break;
     }
+    const bool full = outcome != LogAppendOutcome::kAppended;
     {
       MutexLock l(&files_mu_);
-      if (TrackedFile* f = FindTracked(id)) f->saturated = outcome != LogAppendOutcome::kAppended;
+      if (TrackedFile* f = FindTracked(id)) f->saturated = full;
     }
+    // Nothing more is worth hashing for this file until a pass takes the
+    // log (WriteMonitor::LogTaken).
+    if (full) monitor_->PauseForFullLog(id, batch.log_epoch);
     spare_records_ = std::move(batch.records);
     return st;
   }
@@ -98,8 +102,25 @@ LogFlusher::TrackedFile* LogFlusher::FindTracked(FileId id) {
 }
 
 void LogFlusher::TrackFile(FileId id, uint64_t file_bytes) {
-  MutexLock l(&files_mu_);
-  files_[KeyOf(id)].max_log_bytes = limit_.For(file_bytes);
+  const uint64_t max_log_bytes = limit_.For(file_bytes);
+  {
+    MutexLock l(&files_mu_);
+    files_[KeyOf(id)].max_log_bytes = max_log_bytes;
+  }
+  if (max_log_bytes == 0) return;
+  // A log left full (by this host's last session with the file, or by the
+  // host the VM ran on before): the monitor need not hash anything until
+  // a pass takes it. Read before the check, so a pass taking the log
+  // meanwhile makes the pause a no-op. kLocked (a pass has it now) or an
+  // error: record as usual; the first flush finds out.
+  const uint64_t epoch = monitor_->LogEpoch(id);
+  Result<bool> full = WriteLogIsSaturated(vol_, id);
+  if (!full.ok() || !*full) return;
+  {
+    MutexLock l(&files_mu_);
+    if (TrackedFile* f = FindTracked(id)) f->saturated = true;
+  }
+  monitor_->PauseForFullLog(id, epoch);
 }
 
 void LogFlusher::ForgetFile(FileId id) {

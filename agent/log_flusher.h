@@ -53,7 +53,9 @@ class LogFlusher {
 
   // The file's size, which sets its log's limit; files never tracked have
   // no limit. The export table tracks a file while it is open and forgets
-  // it once its last batch is flushed.
+  // it once its last batch is flushed. Call after WriteMonitor::AddFile:
+  // when the file's log is already full, the monitor is paused for it
+  // (one read of the log's last block; volume I/O).
   void TrackFile(FileId id, uint64_t file_bytes) EXCLUDES(files_mu_);
   void ForgetFile(FileId id) EXCLUDES(files_mu_);
   // Whether the file's log was saturated at its last flush.

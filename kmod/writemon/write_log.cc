@@ -571,6 +571,16 @@ MonitorBatch SaturationBatch(const MonitorBatch& batch) {
 }
 }  // namespace
 
+Result<bool> WriteLogIsSaturated(Volume* vol, FileId owner) {
+  Result<std::unique_ptr<File>> log = OpenWriteLog(vol, owner);
+  if (!log.ok()) {
+    if (log.status().code() == Status::Code::kNotFound) return false;
+    return log.status();
+  }
+  ASSIGN_OR_RETURN(FileInfo info, (*log)->Info());
+  return EndsSaturated(log->get(), info.size, vol->superblock(), owner);
+}
+
 Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch,
                             uint64_t max_log_bytes, LogAppendOutcome* outcome) {
   if (outcome != nullptr) *outcome = LogAppendOutcome::kAppended;

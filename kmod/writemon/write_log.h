@@ -193,4 +193,9 @@ Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch,
 // the open File (lock held) for a WriteLogReader.
 Result<std::unique_ptr<File>> OpenWriteLog(Volume* vol, FileId owner);
 
+// Whether the log of `owner` ends in a saturation frame (it reached its
+// size limit and no pass has consumed it since); false when there is no
+// log. One 4 KiB read. kLocked while someone else holds the log.
+Result<bool> WriteLogIsSaturated(Volume* vol, FileId owner);
+
 }  // namespace dede

@@ -237,7 +237,16 @@ struct WriteMonitor::FileBuffer {
   const FileId id;
   // Changed under mu; read without it on the write path to skip hashing.
   std::atomic<bool> dedup;
+  // Paused because the write log is full (PauseForFullLog); changed under
+  // mu, read without it first on the write path, and again under mu before
+  // a write is skipped (so LogTaken happens-after every skipped write).
+  std::atomic<bool> log_full{false};
   std::atomic<uint64_t> hashed{0};
+  std::atomic<uint64_t> unrecorded{0};
+
+  bool Recording() const {
+    return dedup.load(std::memory_order_relaxed) && !log_full.load(std::memory_order_relaxed);
+  }
   // Whether coalescing this file's ops pays: 1 after a coalesce that
   // removed at least an eighth of them, doubled (up to kMaxCoalesceBackoff)
   // after each one that did not. One sequential writer whose requests the
@@ -265,6 +274,7 @@ struct WriteMonitor::FileBuffer {
   Mutex restructure_mu;
   Mutex mu;
   bool removed GUARDED_BY(mu) = false;
+  uint64_t log_epoch GUARDED_BY(mu) = 0;  // LogTaken calls
   OpList ops GUARDED_BY(mu);  // since the last coalesce, in call order
   uint64_t record_ops GUARDED_BY(mu) = 0;  // ops with count == 0
   // `ops` are records of strictly increasing blocks (kept up to date in
@@ -486,16 +496,26 @@ void WriteMonitor::SetDedup(FileId id, bool on) {
   if (!on) fb->Discard(&buffered_bytes_);
 }
 
+bool WriteMonitor::SkipForFullLog(FileBuffer* fb, uint64_t blocks) {
+  if (!fb->log_full.load(std::memory_order_relaxed)) return false;
+  MutexLock l(&fb->mu);
+  if (!fb->log_full.load(std::memory_order_relaxed)) return false;  // a pass took the log
+  fb->unrecorded.fetch_add(blocks, std::memory_order_relaxed);
+  unrecorded_blocks_.fetch_add(blocks, std::memory_order_relaxed);
+  return true;
+}
+
 void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t len) {
   if (len == 0) return;
   std::shared_ptr<FileBuffer> fb = Find(id);
   if (fb == nullptr || !fb->dedup.load(std::memory_order_relaxed)) return;
   uint64_t end = offset + len;
   if (end < offset) end = std::numeric_limits<uint64_t>::max();  // nonsense; stay in range
-  const uint64_t now = clock_->NowNanos();
   const uint64_t head = offset / kBlockSize, tail = (end - 1) / kBlockSize;
   const uint64_t first_full = head + (offset % kBlockSize != 0);
   const uint64_t end_full = end / kBlockSize;
+  if (SkipForFullLog(fb.get(), end_full > first_full ? end_full - first_full : 0)) return;
+  const uint64_t now = clock_->NowNanos();
 
   // Raw storage: every slot used is assigned first (no 4 KiB zeroing per call).
   union OpArray {
@@ -531,6 +551,7 @@ void WriteMonitor::OnInvalidate(FileId id, uint64_t offset, uint64_t len) {
   if (len == 0) return;
   std::shared_ptr<FileBuffer> fb = Find(id);
   if (fb == nullptr || !fb->dedup.load(std::memory_order_relaxed)) return;
+  if (SkipForFullLog(fb.get(), 0)) return;
   uint64_t end = offset + len;
   if (end < offset) end = std::numeric_limits<uint64_t>::max();
   const uint64_t first = offset / kBlockSize, last = (end - 1) / kBlockSize;
@@ -551,7 +572,7 @@ void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed
   bool coalesce;
   {
     MutexLock l(&fb->mu);
-    if (fb->removed || !fb->dedup.load(std::memory_order_relaxed)) {
+    if (fb->removed || !fb->Recording()) {
       Release(charge);
       return;
     }
@@ -625,7 +646,7 @@ void WriteMonitor::CoalesceOutsideLock(FileBuffer* fb) {
 void WriteMonitor::AppendAtCap(FileBuffer* fb, const Op* ops, size_t n) {
   MutexLock restructure(&fb->restructure_mu);
   MutexLock l(&fb->mu);
-  if (fb->removed || !fb->dedup.load(std::memory_order_relaxed)) return;
+  if (fb->removed || !fb->Recording()) return;
   // At the cap. Coalesce first: afterwards ops apply straight to the state
   // (in call order, as `ops` is empty), so a rewrite of a buffered block
   // costs nothing and only growth needs room.
@@ -729,6 +750,7 @@ MonitorBatch WriteMonitor::Take(FileId id, std::vector<BlockRecord> reuse) {
     fb->Recharge(&buffered_bytes_);
     batch.dropped_records = fb->dropped_pending;
     batch.dropped_since_ns = fb->dropped_since_ns;
+    batch.log_epoch = fb->log_epoch;
     fb->dropped_pending = 0;
     fb->dropped_since_ns = 0;
   }
@@ -776,7 +798,7 @@ void WriteMonitor::PutBack(MonitorBatch batch) {
   if (fb == nullptr) return;
   MutexLock restructure(&fb->restructure_mu);
   MutexLock l(&fb->mu);
-  if (fb->removed || !fb->dedup.load(std::memory_order_relaxed)) return;
+  if (fb->removed || !fb->Recording()) return;
   fb->Coalesce(&buffered_bytes_);
   // Old batch first, then what was buffered since: newer entries win.
   State merged;
@@ -822,6 +844,31 @@ void WriteMonitor::MarkDropped(FileId id, uint64_t n, uint64_t since_ns) {
   dropped_records_.fetch_add(n, std::memory_order_relaxed);
 }
 
+void WriteMonitor::PauseForFullLog(FileId id, uint64_t log_epoch) {
+  std::shared_ptr<FileBuffer> fb = Find(id);
+  if (fb == nullptr) return;
+  MutexLock restructure(&fb->restructure_mu);
+  MutexLock l(&fb->mu);
+  if (fb->removed || fb->log_epoch != log_epoch) return;
+  fb->log_full.store(true, std::memory_order_relaxed);
+  fb->Discard(&buffered_bytes_);
+}
+
+void WriteMonitor::LogTaken(FileId id) {
+  std::shared_ptr<FileBuffer> fb = Find(id);
+  if (fb == nullptr) return;
+  MutexLock l(&fb->mu);
+  fb->log_epoch++;
+  fb->log_full.store(false, std::memory_order_relaxed);
+}
+
+uint64_t WriteMonitor::LogEpoch(FileId id) {
+  std::shared_ptr<FileBuffer> fb = Find(id);
+  if (fb == nullptr) return 0;
+  MutexLock l(&fb->mu);
+  return fb->log_epoch;
+}
+
 MonitorFileStats WriteMonitor::FileStats(FileId id) {
   MonitorFileStats st;
   std::shared_ptr<FileBuffer> fb = Find(id);
@@ -836,6 +883,8 @@ MonitorFileStats WriteMonitor::FileStats(FileId id) {
   st.dropped_records = fb->dropped_total;
   st.dropped_since_ns = fb->dropped_since_ns;
   st.dedup = fb->dedup.load(std::memory_order_relaxed);
+  st.log_full = fb->log_full.load(std::memory_order_relaxed);
+  st.unrecorded_blocks = fb->unrecorded.load(std::memory_order_relaxed);
   return st;
 }
 
@@ -850,7 +899,9 @@ MonitorStats WriteMonitor::Stats() {
   for (const auto& fb : files) {
     MutexLock l(&fb->mu);
     st.buffered_records += fb->BufferedRecords();
+    st.log_full_files += fb->log_full.load(std::memory_order_relaxed);
   }
+  st.unrecorded_blocks = unrecorded_blocks_.load(std::memory_order_relaxed);
   st.buffered_bytes = buffered_bytes_.load(std::memory_order_relaxed);
   st.memory_cap_bytes = opts_.memory_cap_bytes;
   st.hashed_blocks = hashed_blocks_.load(std::memory_order_relaxed);

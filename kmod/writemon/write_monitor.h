@@ -73,6 +73,8 @@ struct MonitorBatch {
   // at the cap, put back over the cap, or counted by MarkDropped.
   uint64_t dropped_records = 0;
   uint64_t dropped_since_ns = 0;  // first loss since the previous batch; 0 = none
+  // The file's LogTaken count when the batch was taken (for PauseForFullLog).
+  uint64_t log_epoch = 0;
   bool empty() const {
     return records.empty() && invalidated.empty() && dropped_records == 0;
   }
@@ -103,6 +105,8 @@ struct MonitorFileStats {
   uint64_t dropped_records = 0;      // entries lost since AddFile (see MonitorBatch)
   uint64_t dropped_since_ns = 0;     // first shed not yet taken in a batch; 0 = none
   bool dedup = true;
+  bool log_full = false;             // paused: see PauseForFullLog
+  uint64_t unrecorded_blocks = 0;    // blocks written while paused, since AddFile
 };
 
 struct MonitorStats {
@@ -112,6 +116,8 @@ struct MonitorStats {
   uint64_t memory_cap_bytes = 0;
   uint64_t hashed_blocks = 0;
   uint64_t dropped_records = 0;
+  uint64_t log_full_files = 0;       // files paused now (PauseForFullLog)
+  uint64_t unrecorded_blocks = 0;    // blocks written while their file was paused
 };
 
 class WriteMonitor {
@@ -160,6 +166,23 @@ class WriteMonitor {
   // failed for good), lost since `since_ns` (0 = now).
   void MarkDropped(FileId id, uint64_t n, uint64_t since_ns = 0);
 
+  // The file's write log is full: the flusher appended its saturation
+  // frame, or found one, for a batch taken at `log_epoch` (the batch's).
+  // The log already says every block may have changed and the pass that
+  // consumes it rehashes the whole file, so until then the file's writes
+  // are neither hashed nor buffered (counted as unrecorded), and its
+  // buffer is discarded. Ignored when LogTaken was called since the batch
+  // was taken: that pass may have emptied the log.
+  void PauseForFullLog(FileId id, uint64_t log_epoch);
+  // A dedup pass took the file's write log to consume it: record again.
+  // Must be called before the pass reads the file's blocks, so that a write
+  // the pass may not see is recorded (the flag is cleared under the file's
+  // mutex, which the write path takes before it skips a write).
+  void LogTaken(FileId id);
+  // The file's LogTaken count (0 for files not monitored), for a caller
+  // that checks the log itself before calling PauseForFullLog.
+  uint64_t LogEpoch(FileId id);
+
   // Unknown files report zeros and dedup = false.
   MonitorFileStats FileStats(FileId id);
   MonitorStats Stats();
@@ -188,6 +211,9 @@ class WriteMonitor {
   // Pending ops at which Append coalesces `fb`: coalesce_ops_ times its
   // backoff, at most max_coalesce_ops_.
   size_t CoalesceAt(const FileBuffer& fb) const;
+  // True (and the write counted as unrecorded) when the file is paused for
+  // its full log; checked again under the file's mutex before skipping.
+  bool SkipForFullLog(FileBuffer* fb, uint64_t blocks);
   // Charges `bytes` to the shared budget if it stays within the cap.
   bool Reserve(uint64_t bytes);
   void Release(uint64_t bytes);
@@ -207,6 +233,7 @@ class WriteMonitor {
   std::atomic<uint64_t> buffered_bytes_{0};  // all files; see Reserve
   std::atomic<uint64_t> hashed_blocks_{0};
   std::atomic<uint64_t> dropped_records_{0};
+  std::atomic<uint64_t> unrecorded_blocks_{0};
 };
 
 }  // namespace dede

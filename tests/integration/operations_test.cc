@@ -274,25 +274,33 @@ TEST_CASE("a write log at its size limit saturates; the next pass rehashes the f
   RunOk(write_all(""));
   json s = WaitStatus(d, [](const json& j) { return j["write_logs"]["saturations"] >= 1; },
                       "the log to saturate");
-  const uint64_t capped_before = s["write_logs"]["capped_entries"].get<uint64_t>();
-  // Writes after the saturation are not logged. The VM stays connected
-  // for a while, so its export shows the full log.
+  CHECK(s["write_logs"]["capped_entries"].get<uint64_t>() > 0);
+  const uint64_t hashed_before = s["monitor"]["hashed_blocks"].get<uint64_t>();
+  const uint64_t unrecorded_before = s["monitor"]["unrecorded_blocks"].get<uint64_t>();
+  // Writes after the saturation are neither hashed nor logged: the log
+  // already marks the whole file changed. The monitor knows it from the
+  // log as soon as the file opens again. The VM stays connected for a
+  // while, so its export shows the full log.
   const std::string vm_log = dir.file("vm.qemu-io.log");
   const int vm = StartProcess(write_all("sleep 20000"), {}, vm_log);
   s = WaitStatus(
       d,
       [&](const json& j) {
-        return j["write_logs"]["capped_entries"].get<uint64_t>() >= capped_before + 2048;
+        return j["monitor"]["unrecorded_blocks"].get<uint64_t>() >= unrecorded_before + 2048;
       },
-      "later batches to be capped");
+      "the rewrite to go unrecorded");
+  CHECK(s["monitor"]["hashed_blocks"] == hashed_before);
+  CHECK(s["monitor"]["log_full_files"] == 1);
   const json* e = ExportOf(s, "vm");
   REQUIRE(e != nullptr);
   CHECK((*e)["write_log_saturated"] == true);
+  CHECK((*e)["unrecorded_blocks"].get<uint64_t>() >= 2048);
   {
     const std::string table = Dede({"status", "--control", d.control()});
     INFO(table);
     CHECK(table.find("LOG FULL") != std::string::npos);
     CHECK(table.find(" yes") != std::string::npos);
+    CHECK(table.find("not hashed (log full)") != std::string::npos);
   }
   ::kill(vm, SIGTERM);
   int vm_status = 0;
@@ -335,6 +343,7 @@ TEST_CASE("a write log at its size limit saturates; the next pass rehashes the f
       [&](const json& j) { return j["write_logs"]["records"].get<uint64_t>() == records_before + 16; },
       "a logged batch after the pass");
   CHECK(s["write_logs"]["saturations"] == 1);
+  CHECK(s["monitor"]["log_full_files"] == 0);
   const std::string metrics = HttpGet(s["metrics_port"].get<int>(), "/metrics");
   CHECK(metrics.find("dede_write_log_saturations_total{host=\"1\"} 1") != std::string::npos);
   REQUIRE(d.Stop() == 0);

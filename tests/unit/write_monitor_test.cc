@@ -245,6 +245,78 @@ TEST_CASE("writemon: dedup=off files are not hashed; SetDedup off discards", "[w
   CHECK(m.Take(kG).empty());
 }
 
+TEST_CASE("writemon: a file whose log is full is not hashed until a pass takes the log",
+          "[writemon]") {
+  ManualClock clock;
+  WriteMonitor m(Opts(&clock));
+  m.AddFile(kF, true);
+  m.AddFile(kG, true);
+  std::vector<uint8_t> a = Data(8 * kB, 2);
+  m.OnWrite(kF, 0, a.data(), 4 * kB);
+  MonitorBatch first = m.Take(kF);
+  REQUIRE(first.records.size() == 4);
+  m.OnWrite(kF, 4 * kB, a.data(), 2 * kB);
+  REQUIRE(m.FileStats(kF).buffered_records == 2);
+  // The flusher found the log full when it appended `first`: the buffer
+  // goes, and later writes are neither hashed nor buffered.
+  m.PauseForFullLog(kF, first.log_epoch);
+  CHECK(m.FileStats(kF).log_full);
+  CHECK(m.FileStats(kF).buffered_records == 0);
+  CHECK(m.Stats().buffered_bytes == 0);
+  CHECK(m.Stats().log_full_files == 1);
+  const uint64_t hashed = m.FileStats(kF).hashed_blocks;
+  m.OnWrite(kF, kB / 2, a.data(), 3 * kB);  // two whole blocks, two partial
+  m.OnInvalidate(kF, 0, kB);
+  CHECK(m.FileStats(kF).hashed_blocks == hashed);
+  CHECK(m.FileStats(kF).unrecorded_blocks == 2);
+  CHECK(m.Stats().unrecorded_blocks == 2);
+  CHECK(m.Take(kF).empty());
+  CHECK(m.DueFiles(true).empty());
+  // Another file is not affected.
+  m.OnWrite(kG, 0, a.data(), kB);
+  CHECK(Records(m.Take(kG)).size() == 1);
+
+  // A pass takes the log: what is written from then on is recorded again.
+  m.LogTaken(kF);
+  CHECK_FALSE(m.FileStats(kF).log_full);
+  CHECK(m.Stats().log_full_files == 0);
+  m.OnWrite(kF, 2 * kB, a.data() + 2 * kB, 2 * kB);
+  MonitorBatch after = m.Take(kF);
+  CHECK(after.log_epoch == first.log_epoch + 1);
+  const auto recs = Records(after);
+  REQUIRE(recs.size() == 2);
+  CHECK(recs.at(2) == Fp(HashAlgo::kXxh128, a.data() + 2 * kB));
+  CHECK(recs.at(3) == Fp(HashAlgo::kXxh128, a.data() + 3 * kB));
+
+  SECTION("a pause for a batch taken before the pass took the log is ignored") {
+    // The flusher took `stale`, the pass took (and emptied) the log, then
+    // the flusher's append found the log full: that says nothing about
+    // the log the pass left.
+    m.OnWrite(kF, 0, a.data(), kB);
+    MonitorBatch stale = m.Take(kF);
+    m.LogTaken(kF);
+    m.PauseForFullLog(kF, stale.log_epoch);
+    CHECK_FALSE(m.FileStats(kF).log_full);
+    m.OnWrite(kF, 0, a.data(), kB);
+    CHECK(Records(m.Take(kF)).size() == 1);
+  }
+  SECTION("a put-back batch is not kept while paused") {
+    m.OnWrite(kF, 0, a.data(), kB);
+    MonitorBatch b = m.Take(kF);
+    m.PauseForFullLog(kF, b.log_epoch);
+    m.PutBack(std::move(b));
+    CHECK(m.Take(kF).empty());
+  }
+  SECTION("removing and adding the file again starts unpaused") {
+    m.PauseForFullLog(kF, after.log_epoch);
+    REQUIRE(m.FileStats(kF).log_full);
+    m.RemoveFile(kF);
+    m.AddFile(kF, true);
+    m.OnWrite(kF, 0, a.data(), kB);
+    CHECK(Records(m.Take(kF)).size() == 1);
+  }
+}
+
 TEST_CASE("writemon: the memory cap sheds records and marks the file", "[writemon]") {
   ManualClock clock;
   WriteMonitorOptions o = Opts(&clock);

@@ -238,6 +238,10 @@ void PrintMonitor(const json& r) {
   if (auto v = Uint(*m, "records_buffered")) parts.push_back(Count(*v, "record") + " buffered");
   if (auto v = Uint(*m, "records_dropped")) parts.push_back(std::to_string(*v) + " dropped");
   if (auto v = Uint(*m, "hashed_blocks")) parts.push_back(Count(*v, "block") + " hashed");
+  if (auto v = Uint(*m, "unrecorded_blocks"); v && *v > 0) {
+    // Written while the file's log was full: the next pass rehashes them.
+    parts.push_back(Count(*v, "block") + " not hashed (log full)");
+  }
   if (auto v = Uint(*m, "files")) parts.push_back(Count(*v, "file"));
   if (!parts.empty()) Line("monitor", Join(parts, ", "));
 
