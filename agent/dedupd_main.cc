@@ -649,7 +649,7 @@ int Run(const Config& cfg) {
         x["dropped_records"] = fs.dropped_records;
         x["hashed_blocks"] = fs.hashed_blocks;
         x["unrecorded_blocks"] = fs.unrecorded_blocks;
-        x["write_log_saturated"] = flusher.Saturated(e->id());
+        x["write_log_saturated"] = fs.log_full;
       }
       exports.push_back(x);
     }

@@ -12,11 +12,7 @@ Status LogFlusher::FlushLocked(FileId id) {
     spare_records_ = std::move(batch.records);
     return Status::Ok();
   }
-  uint64_t max_log_bytes = 0;
-  {
-    MutexLock l(&files_mu_);
-    if (TrackedFile* f = FindTracked(id)) max_log_bytes = f->max_log_bytes;
-  }
+  const uint64_t max_log_bytes = MaxLogBytes(id);
   uint64_t bytes = EncodedWriteLogBytes(batch, monitor_->algo());
   LogAppendOutcome outcome = LogAppendOutcome::kAppended;
   Status st = AppendToWriteLog(vol_, batch, max_log_bytes, &outcome);
@@ -43,14 +39,9 @@ Status LogFlusher::FlushLocked(FileId id) {
         stats_.capped_entries += batch.entries();
         break;
     }
-    const bool full = outcome != LogAppendOutcome::kAppended;
-    {
-      MutexLock l(&files_mu_);
-      if (TrackedFile* f = FindTracked(id)) f->saturated = full;
-    }
     // Nothing more is worth hashing for this file until a pass takes the
     // log (WriteMonitor::LogTaken).
-    if (full) monitor_->PauseForFullLog(id, batch.log_epoch);
+    if (outcome != LogAppendOutcome::kAppended) monitor_->PauseForFullLog(id, batch.log_epoch);
     spare_records_ = std::move(batch.records);
     return st;
   }
@@ -96,16 +87,17 @@ Status LogFlusher::FlushFile(FileId id) {
   return FlushLocked(id);
 }
 
-LogFlusher::TrackedFile* LogFlusher::FindTracked(FileId id) {
-  auto it = files_.find(KeyOf(id));
-  return it == files_.end() ? nullptr : &it->second;
+uint64_t LogFlusher::MaxLogBytes(FileId id) {
+  MutexLock l(&files_mu_);
+  auto it = max_log_bytes_.find(KeyOf(id));
+  return it == max_log_bytes_.end() ? 0 : it->second;
 }
 
 void LogFlusher::TrackFile(FileId id, uint64_t file_bytes) {
   const uint64_t max_log_bytes = limit_.For(file_bytes);
   {
     MutexLock l(&files_mu_);
-    files_[KeyOf(id)].max_log_bytes = max_log_bytes;
+    max_log_bytes_[KeyOf(id)] = max_log_bytes;
   }
   if (max_log_bytes == 0) return;
   // A log left full (by this host's last session with the file, or by the
@@ -115,23 +107,12 @@ void LogFlusher::TrackFile(FileId id, uint64_t file_bytes) {
   // error: record as usual; the first flush finds out.
   const uint64_t epoch = monitor_->LogEpoch(id);
   Result<bool> full = WriteLogIsSaturated(vol_, id);
-  if (!full.ok() || !*full) return;
-  {
-    MutexLock l(&files_mu_);
-    if (TrackedFile* f = FindTracked(id)) f->saturated = true;
-  }
-  monitor_->PauseForFullLog(id, epoch);
+  if (full.ok() && *full) monitor_->PauseForFullLog(id, epoch);
 }
 
 void LogFlusher::ForgetFile(FileId id) {
   MutexLock l(&files_mu_);
-  files_.erase(KeyOf(id));
-}
-
-bool LogFlusher::Saturated(FileId id) {
-  MutexLock l(&files_mu_);
-  const TrackedFile* f = FindTracked(id);
-  return f != nullptr && f->saturated;
+  max_log_bytes_.erase(KeyOf(id));
 }
 
 FlusherStats LogFlusher::stats() {

@@ -58,8 +58,6 @@ class LogFlusher {
   // (one read of the log's last block; volume I/O).
   void TrackFile(FileId id, uint64_t file_bytes) EXCLUDES(files_mu_);
   void ForgetFile(FileId id) EXCLUDES(files_mu_);
-  // Whether the file's log was saturated at its last flush.
-  bool Saturated(FileId id) EXCLUDES(files_mu_);
   const WriteLogLimit& limit() const { return limit_; }
 
   // Flushes files past the monitor's flush size.
@@ -72,13 +70,10 @@ class LogFlusher {
 
  private:
   Status FlushLocked(FileId id) REQUIRES(mu_);
-  struct TrackedFile {
-    uint64_t max_log_bytes = 0;
-    bool saturated = false;
-  };
   using TrackedKey = std::pair<uint64_t, uint64_t>;  // {ino, generation}
   static TrackedKey KeyOf(FileId id) { return {id.ino, id.generation}; }
-  TrackedFile* FindTracked(FileId id) REQUIRES(files_mu_);
+  // The tracked file's log limit (0: none, or not tracked).
+  uint64_t MaxLogBytes(FileId id) EXCLUDES(files_mu_);
   Volume* const vol_;
   WriteMonitor* const monitor_;
   const WriteLogLimit limit_;
@@ -90,9 +85,11 @@ class LogFlusher {
   // its memory is reused rather than faulted in afresh.
   std::vector<BlockRecord> spare_records_ GUARDED_BY(mu_);
   // Lock order: mu_ before files_mu_; files_mu_ is never held across I/O
-  // (the export table takes it when opening and closing files).
+  // (the export table takes it when opening and closing files). Whether a
+  // log is full is the monitor's state (WriteMonitor::PauseForFullLog),
+  // not kept here.
   Mutex files_mu_ ACQUIRED_AFTER(mu_);
-  std::map<TrackedKey, TrackedFile> files_ GUARDED_BY(files_mu_);
+  std::map<TrackedKey, uint64_t> max_log_bytes_ GUARDED_BY(files_mu_);
 };
 
 }  // namespace dede
