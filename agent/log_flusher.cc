@@ -89,7 +89,7 @@ Status LogFlusher::FlushFile(FileId id) {
 
 uint64_t LogFlusher::MaxLogBytes(FileId id) {
   MutexLock l(&files_mu_);
-  auto it = max_log_bytes_.find(KeyOf(id));
+  auto it = max_log_bytes_.find(id);
   return it == max_log_bytes_.end() ? 0 : it->second;
 }
 
@@ -97,7 +97,7 @@ void LogFlusher::TrackFile(FileId id, uint64_t file_bytes) {
   const uint64_t max_log_bytes = limit_.For(file_bytes);
   {
     MutexLock l(&files_mu_);
-    max_log_bytes_[KeyOf(id)] = max_log_bytes;
+    max_log_bytes_[id] = max_log_bytes;
   }
   if (max_log_bytes == 0) return;
   // A log left full (by this host's last session with the file, or by the
@@ -112,7 +112,7 @@ void LogFlusher::TrackFile(FileId id, uint64_t file_bytes) {
 
 void LogFlusher::ForgetFile(FileId id) {
   MutexLock l(&files_mu_);
-  max_log_bytes_.erase(KeyOf(id));
+  max_log_bytes_.erase(id);
 }
 
 FlusherStats LogFlusher::stats() {

@@ -70,8 +70,6 @@ class LogFlusher {
 
  private:
   Status FlushLocked(FileId id) REQUIRES(mu_);
-  using TrackedKey = std::pair<uint64_t, uint64_t>;  // {ino, generation}
-  static TrackedKey KeyOf(FileId id) { return {id.ino, id.generation}; }
   // The tracked file's log limit (0: none, or not tracked).
   uint64_t MaxLogBytes(FileId id) EXCLUDES(files_mu_);
   Volume* const vol_;
@@ -89,7 +87,7 @@ class LogFlusher {
   // log is full is the monitor's state (WriteMonitor::PauseForFullLog),
   // not kept here.
   Mutex files_mu_ ACQUIRED_AFTER(mu_);
-  std::map<TrackedKey, uint64_t> max_log_bytes_ GUARDED_BY(files_mu_);
+  std::map<FileId, uint64_t> max_log_bytes_ GUARDED_BY(files_mu_);
 };
 
 }  // namespace dede

@@ -6,6 +6,7 @@
 
 #include <cctype>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -36,7 +37,24 @@ std::string DescribeContent(const uint8_t* blk) {
   tag[4] = 0;
   const bool ours = tag[0] == 'D' && tag[1] == 'D' && std::isupper(static_cast<unsigned char>(tag[2])) &&
                     std::isupper(static_cast<unsigned char>(tag[3]));
-  if (!ours) return AllZeroBlock(blk) ? "zeros" : "data";
+  if (!ours) {
+    if (AllZeroBlock(blk)) return "zeros";
+    // The first bytes (or the one byte it repeats) usually tell whose data
+    // it was: a test's pattern, a guest's sector, a write log's frame.
+    char hex[4];
+    bool uniform = true;
+    for (size_t i = 1; i < kBlockSize && uniform; i++) uniform = blk[i] == blk[0];
+    if (uniform) {
+      std::snprintf(hex, sizeof hex, "%02x", blk[0]);
+      return std::string("data (every byte 0x") + hex + ")";
+    }
+    std::string first = "data (starts";
+    for (size_t i = 0; i < 16; i++) {
+      std::snprintf(hex, sizeof hex, " %02x", blk[i]);
+      first += hex;
+    }
+    return first + ")";
+  }
   return std::string("a \"") + tag + "\" block (flags " + std::to_string(h.flags) + ", seq " +
          std::to_string(h.seq) + ", stamped for block " + std::to_string(h.addr) + ")";
 }

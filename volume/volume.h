@@ -76,6 +76,10 @@ struct FileId {
   uint64_t ino = 0;
   uint64_t generation = 0;
   bool operator==(const FileId& o) const { return ino == o.ino && generation == o.generation; }
+  // Any total order, so per-file state can live in ordered maps keyed by id.
+  bool operator<(const FileId& o) const {
+    return ino != o.ino ? ino < o.ino : generation < o.generation;
+  }
 };
 
 struct FileInfo {

@@ -442,7 +442,7 @@ WriteMonitor::~WriteMonitor() = default;
 
 std::shared_ptr<WriteMonitor::FileBuffer> WriteMonitor::Find(FileId id) {
   ReaderLock l(&mu_);
-  auto it = files_.find({id.ino, id.generation});
+  auto it = files_.find(id);
   return it == files_.end() ? nullptr : it->second;
 }
 
@@ -461,7 +461,7 @@ void WriteMonitor::Release(uint64_t bytes) {
 void WriteMonitor::AddFile(FileId id, bool dedup_on) {
   {
     WriterLock l(&mu_);
-    auto& slot = files_[{id.ino, id.generation}];
+    auto& slot = files_[id];
     if (slot == nullptr) {
       slot = std::make_shared<FileBuffer>(id, dedup_on, pool_.get());
       return;
@@ -474,7 +474,7 @@ void WriteMonitor::RemoveFile(FileId id) {
   std::shared_ptr<FileBuffer> fb;
   {
     WriterLock l(&mu_);
-    auto it = files_.find({id.ino, id.generation});
+    auto it = files_.find(id);
     if (it == files_.end()) return;
     fb = std::move(it->second);
     files_.erase(it);

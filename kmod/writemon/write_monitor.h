@@ -196,7 +196,6 @@ class WriteMonitor {
   struct ChunkPool;
   class OpList;
   struct FileBuffer;
-  using FileKey = std::pair<uint64_t, uint64_t>;  // (ino, generation)
 
   std::shared_ptr<FileBuffer> Find(FileId id) EXCLUDES(mu_);
   // Adds the ops of one call to `fb` (appended while under the cap; else
@@ -229,7 +228,7 @@ class WriteMonitor {
   // Guards the map only: the write path takes it shared, just long enough
   // to find the file; AddFile/RemoveFile take it exclusively.
   SharedMutex mu_;
-  std::map<FileKey, std::shared_ptr<FileBuffer>> files_ GUARDED_BY(mu_);
+  std::map<FileId, std::shared_ptr<FileBuffer>> files_ GUARDED_BY(mu_);
   std::atomic<uint64_t> buffered_bytes_{0};  // all files; see Reserve
   std::atomic<uint64_t> hashed_blocks_{0};
   std::atomic<uint64_t> dropped_records_{0};

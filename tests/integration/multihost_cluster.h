@@ -274,6 +274,7 @@ struct PatternWriter {
   std::vector<std::set<uint8_t>> may;  // per block
   std::mt19937_64 rng;
   Clock::time_point last_ack{};
+  std::string last_failure;  // what the last failed round's qemu-io said
 
   PatternWriter(std::string n, uint64_t blocks, uint64_t seed)
       : name(std::move(n)), may(blocks, std::set<uint8_t>{0}), rng(seed) {}
@@ -300,6 +301,12 @@ struct PatternWriter {
       last_ack = Clock::now();
     } else {
       for (auto [k, p] : writes) may[k].insert(p);
+      auto tail = [](const std::string& t) {
+        return t.size() > 600 ? "..." + t.substr(t.size() - 600) : t;
+      };
+      last_failure = name + ": qemu-io exit " + std::to_string(r.exit_code) +
+                     (r.signal ? " signal " + std::to_string(r.signal) : "") + "; stderr: " + tail(r.err) +
+                     "; stdout: " + tail(r.out);
     }
     return ok;
   }

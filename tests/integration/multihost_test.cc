@@ -180,6 +180,9 @@ TEST_CASE("all hosts write and dedup at once and no byte is wrong", "[multihost]
   }
   for (auto& t : threads) t.join();
   for (int h = 1; h <= kHosts; h++) {
+    // What the client saw first: CI keeps only the output's tail.
+    INFO("host " << h << " VMs' last failed rounds: " << writers[(h - 1) * 2]->last_failure
+                 << " | " << writers[(h - 1) * 2 + 1]->last_failure);
     INFO("host " << h << " log:\n" << c.dedupd(h).Log());
     CHECK(failures[h] == 0);
     CHECK(rounds[h] > 4);
@@ -363,6 +366,11 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
   CHECK(c.dedupd(1).Log().find("dedup pass 1: ") != std::string::npos);
   CHECK(c.dedupd(1).Log().find("ERROR") == std::string::npos);
   c.Stop(1);
+  // If fsck finds a leak: what every host did (fsck says what the block
+  // holds: vm2/vm3 blocks repeat their pattern byte, big2's do not).
+  INFO("host 1 log at the end:\n" << c.dedupd(1).Log());
+  INFO("host 2 log (killed):\n" << c.dedupd(2).Log());
+  INFO("host 3 log (fenced):\n" << c.dedupd(3).Log());
   c.FsckClean(1);
   // big2's 3000 distinct blocks, shared by host 1's pass (host 2's log).
   CHECK(c.Stats(1)["physical_data_blocks"].get<uint64_t>() < 3000 + 2 * kBlocks);

@@ -1,5 +1,6 @@
 #include <catch2/catch.hpp>
 #include <atomic>
+#include <cstdio>
 #include <cstring>
 #include <map>
 #include <random>
@@ -191,8 +192,23 @@ TEST_CASE("volume: fsck says what a leaked block holds", "[volume][fsck]") {
   CHECK(what["block " + std::to_string(meta)] ==
         "refcount 1 stored, 0 references found (leaked; holds a \"DDPP\" block (flags 2, seq 9, "
         "stamped for block " + std::to_string(meta) + "))");
+  std::string starts = "refcount 1 stored, 0 references found (leaked; holds data (starts";
+  for (size_t i = 0; i < 16; i++) {
+    char hex[4];
+    std::snprintf(hex, sizeof hex, " %02x", blk[i]);
+    starts += hex;
+  }
+  CHECK(what["block " + std::to_string(data)] == starts + "))");
+
+  // A block repeating one byte (a guest's fill pattern) says which byte.
+  blk.assign(kBlockSize, 0x5a);
+  REQUIRE(dev.Write(data * kBlockSize, blk.data(), kBlockSize).ok());
+  rep = CheckVolume(vol.value().get(), false);
+  REQUIRE(rep.ok());
+  what.clear();
+  for (auto& p : rep->problems) what[p.where] = p.what;
   CHECK(what["block " + std::to_string(data)] ==
-        "refcount 1 stored, 0 references found (leaked; holds data)");
+        "refcount 1 stored, 0 references found (leaked; holds data (every byte 0x5a))");
 }
 
 namespace {
