@@ -31,8 +31,29 @@ Result<FileAccess::Handle> VolumeFileAccess::Get(const FileInfo& info) {
   return Handle{raw};
 }
 
+bool VolumeFileAccess::GiveBackIfWanted(const FileInfo& info) {
+  auto it = open_.find(info.id.ino);
+  if (it == open_.end() || !(it->second->id() == info.id)) return false;
+  Result<bool> wanted = it->second->WantedElsewhere();
+  if (!wanted.ok() || !*wanted) return false;
+  open_.erase(it);
+  return true;
+}
+
 ExportFileAccess::~ExportFileAccess() {
   for (auto& [ino, e] : held_) table_->Release(e);
+}
+
+bool ExportFileAccess::GiveBackIfWanted(const FileInfo& info) {
+  auto it = held_.find(info.id.ino);
+  if (it == held_.end() || !(it->second->id() == info.id)) return false;
+  // A VM of this host using the disk keeps it whatever we do.
+  if (!table_->SoleClient(it->second)) return false;
+  Result<bool> wanted = it->second->file()->WantedElsewhere();
+  if (!wanted.ok() || !*wanted) return false;
+  table_->Release(it->second);
+  held_.erase(it);
+  return true;
 }
 
 Result<FileAccess::Handle> ExportFileAccess::Get(const FileInfo& info) {
@@ -110,6 +131,7 @@ struct PassFile {
   bool tried = false;
   Status open_status;
   FileAccess::Handle h;
+  bool given_back = false;  // to a client waiting to open it, during this pass
   std::vector<std::pair<uint64_t, uint64_t>> touched;  // coalesced [first, last]
 
   bool Touched(uint64_t block) const {
@@ -229,7 +251,20 @@ class Pass {
   // Pays for the dedup I/O done so far (sleeps under a rate cap). Called
   // only where this thread holds no volume lock.
   void SettleIo() {
-    if (opts_.settle_io) opts_.settle_io();
+    if (opts_.settle_io) opts_.settle_io(nullptr);
+  }
+  // SettleIo where the pass may give back borrowed disks meanwhile
+  // (GiveBackWantedFiles: no planned operation may use a handle, or the
+  // caller skips those on the files in `given_back`): under a low rate cap
+  // one settle can sleep for seconds.
+  Status SettleIoGivingBack(std::set<uintptr_t>* given_back = nullptr) {
+    if (!opts_.settle_io) return GiveBackWantedFiles(given_back);
+    Status st;
+    opts_.settle_io([&] {
+      if (st.ok()) st = GiveBackWantedFiles(given_back);
+    });
+    RETURN_IF_ERROR(st);
+    return GiveBackWantedFiles(given_back);
   }
 
   bool Young(uint64_t written_ns) const {
@@ -267,6 +302,37 @@ class Pass {
     }
     if (!pf->open_status.ok()) return pf->open_status;
     return pf->h;
+  }
+
+  // A client waiting to open a file this pass only borrowed (a VM starting
+  // on another host, Volume::AnnounceOpenWait) gets it at the pass's next
+  // step, not when the pass ends: the file is given back and counts as held
+  // elsewhere for the rest of the pass (its records are busy, entries that
+  // name it get merge requests). Called only where no planned operation
+  // holds a handle; looks at most once a second (a lock-table read per
+  // borrowed file with sanlock).
+  // `given_back`, if given, receives the handles' addresses, so that the
+  // caller can skip operations it planned on them (only compared, never
+  // used).
+  Status GiveBackWantedFiles(std::set<uintptr_t>* given_back = nullptr) {
+    const uint64_t now = clock_->MonotonicNanos();
+    if (now < next_give_back_ns_) return Status::Ok();
+    next_give_back_ns_ = now + kGiveBackEveryNs;
+    RETURN_IF_ERROR(FlushZeroBlocks());  // its operations hold handles
+    for (PassFile& pf : files_) {
+      if (!pf.tried || !pf.open_status.ok()) continue;
+      const uintptr_t handle = reinterpret_cast<uintptr_t>(pf.h.file);
+      if (!access_->GiveBackIfWanted(pf.info)) continue;
+      if (given_back != nullptr) given_back->insert(handle);
+      pf.h = FileAccess::Handle{};
+      pf.given_back = true;
+      pf.open_status = Status::Locked("'" + pf.info.name +
+                                      "' was given back to a client waiting to open it");
+      stats_.files_given_back++;
+      LOG(kInfo) << "dedup pass: gave '" << pf.info.name
+                 << "' back to a client waiting to open it";
+    }
+    return Status::Ok();
   }
 
   // Is a Unique hint for (file, block), older than this pass's logs, still
@@ -325,6 +391,9 @@ class Pass {
       std::rotate(walk.begin(), walk.begin() + static_cast<ptrdiff_t>(start), walk.end());
     }
     for (const FileInfo* walked : walk) {
+      // Pays for the previous log's reads and rehash: a waiting client
+      // may take its disk back meanwhile.
+      RETURN_IF_ERROR(SettleIoGivingBack());
       const FileInfo& li = *walked;
       std::optional<FileId> owner = ParseWriteLogName(li.name);
       if (!owner) continue;
@@ -515,6 +584,7 @@ class Pass {
     for (const FileInfo& fi : regular) {
       // Stopping: what was read so far is parked by the final merge round.
       if (opts_.stop != nullptr && opts_.stop->load()) break;
+      RETURN_IF_ERROR(GiveBackWantedFiles());
       const uint32_t fidx = FileIndex(fi);
       PassFile* pf = &files_[fidx];
       Result<FileAccess::Handle> h = Open(pf);
@@ -1041,7 +1111,8 @@ class Pass {
       RETURN_IF_ERROR(RemoveIndexFile(upper));  // a leftover of a split that died
       ASSIGN_OR_RETURN(arenas[1].f, OpenOrCreate(upper, FileKind::kArena));
     }
-    SettleIo();
+    // Nothing is planned on the files yet (the gather's I/O is paid here).
+    RETURN_IF_ERROR(SettleIoGivingBack());
     std::vector<std::unique_ptr<File>> out_files;
     std::vector<std::unique_ptr<ShardWriter>> writers;
     for (const ShardRange& r : outs) {
@@ -1050,7 +1121,7 @@ class Pass {
       ASSIGN_OR_RETURN(FileId id, vol_->Create(name, 0, FileKind::kIndexShard));
       (void)id;
       ASSIGN_OR_RETURN(std::unique_ptr<File> f, vol_->OpenFile(name));
-      SettleIo();  // a create reads the inode table
+      RETURN_IF_ERROR(SettleIoGivingBack());  // a create reads the inode table
       ShardHeader proto;
       proto.range = r;
       proto.version = version;
@@ -1267,6 +1338,8 @@ class Pass {
     };
     constexpr size_t kIndexed = ~size_t{0};
     while (true) {
+      // Between rounds no planned operation holds a file handle.
+      RETURN_IF_ERROR(GiveBackWantedFiles());
       // Reserved for the most a round can plan, so the vectors are not
       // copied as they grow (untouched reserved pages cost nothing).
       std::vector<Planned> clones, shares;
@@ -1290,7 +1363,7 @@ class Pass {
           if (!fh.ok()) {
             // A parked record of a file now held elsewhere (or gone).
             if (fh.status().code() == Status::Code::kLocked) {
-              stats_.busy_targets++;
+              SkipRecordOfBusyFile(r);
             } else if (fh.status().code() == Status::Code::kNotFound) {
               stats_.stale_records++;
             } else {
@@ -1304,7 +1377,7 @@ class Pass {
             for (size_t j = g.next; j < g.end; j++) {
               Result<FileAccess::Handle> h = Open(&files_[recs[j].file]);
               if (!h.ok()) {
-                stats_.busy_targets++;
+                SkipRecordOfBusyFile(recs[j]);
                 continue;
               }
               shares.push_back({Op{Op::Kind::kShare, arena->f.get(), en.arena, h->file,
@@ -1358,7 +1431,13 @@ class Pass {
           }
           for (size_t j = g.next + 1; j < g.end; j++) {
             Result<FileAccess::Handle> h = Open(&files_[recs[j].file]);
-            if (!h.ok()) continue;  // counted when its turn comes
+            if (!h.ok()) {
+              // Held elsewhere: counted if its turn comes (this anchor
+              // fails). Given back during this pass: parked now, since an
+              // anchor that works ends the group.
+              if (files_[recs[j].file].given_back) ParkBusy(recs[j]);
+              continue;
+            }
             shares.push_back({Op{Op::Kind::kShare, arena->f.get(), a, h->file, recs[j].block, fp,
                                  Status()},
                               gi, j, files_[recs[j].file].info.id.ino, recs[j].block});
@@ -1410,20 +1489,41 @@ class Pass {
         Volume::BlockOpsOptions no_wait;
         no_wait.no_wait = true;
         std::vector<Op> batch;
+        std::vector<size_t> batched;  // order index of each batch entry
         batch.reserve(std::min(order.size(), opts_.batch_ops));
+        batched.reserve(batch.capacity());
+        std::set<uintptr_t> given_back;
+        auto on = [&](const File* f) {
+          return given_back.count(reinterpret_cast<uintptr_t>(f)) > 0;
+        };
         for (size_t i = 0; i < order.size(); i += opts_.batch_ops) {
           const size_t e = std::min(order.size(), i + opts_.batch_ops);
+          // A round can be long (every share of a common block): a waiting
+          // client may take its disk back between batches (the settle
+          // below). What was planned on that disk is skipped as busy
+          // (kLocked: nothing changed), the same as a group held elsewhere.
           batch.clear();
-          for (size_t j = i; j < e; j++) batch.push_back(planned_at(order[j].at).op);
-          RETURN_IF_ERROR(vol_->ApplyBlockOps(&batch, opts_.verify, &read_buf_, no_wait));
-          SettleIo();
+          batched.clear();
           for (size_t j = i; j < e; j++) {
-            Op& done = batch[j - i];
+            Op& op = planned_at(order[j].at).op;
+            if (on(op.src) || on(op.dst)) {
+              op.result = Status::Locked("file given back to a client waiting to open it");
+              continue;
+            }
+            batch.push_back(op);
+            batched.push_back(j);
+          }
+          if (batch.empty()) continue;
+          RETURN_IF_ERROR(vol_->ApplyBlockOps(&batch, opts_.verify, &read_buf_, no_wait));
+          // What it gives back is skipped from the next batch on.
+          RETURN_IF_ERROR(SettleIoGivingBack(&given_back));
+          for (size_t k = 0; k < batch.size(); k++) {
+            Op& done = batch[k];
             if (!done.result.ok() && done.result.code() != Status::Code::kMismatch &&
                 done.result.code() != Status::Code::kLocked) {
               return done.result;
             }
-            Op& op = planned_at(order[j].at).op;
+            Op& op = planned_at(order[batched[k]].at).op;
             op.result = std::move(done.result);
             op.changed = done.changed;
           }
@@ -1498,7 +1598,7 @@ class Pass {
             if (h.ok()) {
               ParkBusy(recs[j]);
             } else if (h.status().code() == Status::Code::kLocked) {
-              stats_.busy_targets++;
+              SkipRecordOfBusyFile(recs[j]);
             } else if (h.status().code() == Status::Code::kNotFound) {
               stats_.stale_records++;
             } else {
@@ -1568,11 +1668,24 @@ class Pass {
     if (r.file == kNoFile) return;
     parked_busy_.push_back(PendingRecord{r.fp, files_[r.file].info.id, r.block});
   }
+  // A record whose file this pass cannot open (kLocked). One given back to
+  // a waiting client during the pass is parked like a record whose group
+  // was busy, so that a later pass that can open the file again still
+  // shares it; one held elsewhere all along is skipped and counted.
+  void SkipRecordOfBusyFile(const PassRecord& r) {
+    if (r.file != kNoFile && files_[r.file].given_back) {
+      ParkBusy(r);
+    } else {
+      stats_.busy_targets++;
+    }
+  }
 
   Volume* vol_;
   FileAccess* access_;
   DedupOptions opts_;
   Clock* clock_;
+  static constexpr uint64_t kGiveBackEveryNs = 1'000'000'000;
+  uint64_t next_give_back_ns_ = 0;  // GiveBackWantedFiles looks again from then
   const Uuid uuid_;
   const HashAlgo algo_;
   FpKey zero_key_{};

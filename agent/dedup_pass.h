@@ -112,9 +112,10 @@ struct DedupOptions {
   Clock* clock = nullptr;
   // Throttling: the pass's threads charge their device I/O to `io_budget`
   // (util/io_budget.h) and call `settle_io` where they hold no volume lock,
-  // which sleeps as long as the rate cap needs.
+  // which sleeps as long as the rate cap needs, calling `between` (when
+  // given) every ~250 ms of a long sleep (IoThrottle::Settle).
   IoBudget* io_budget = nullptr;
-  std::function<void()> settle_io;
+  std::function<void(const std::function<void()>& between)> settle_io;
   // Called now and then with a one-line status (progress on a terminal).
   std::function<void(const std::string&)> progress;
   // Called with a file's id when the pass has taken its write log (locked
@@ -183,6 +184,7 @@ struct DedupStats {
   uint64_t corrupt_shard_blocks = 0;
   uint64_t incomplete_versions_removed = 0;
   uint64_t stale_files_removed = 0;
+  uint64_t files_given_back = 0;  // borrowed files handed to a client waiting to open them
   // Scheduling.
   bool stopped = false;                // stopped by DedupOptions::stop (work parked)
   uint64_t records_parked_at_stop = 0; // records parked in pending files by the stop
@@ -207,8 +209,17 @@ class FileAccess {
   };
   virtual ~FileAccess() = default;
   // kLocked: held by another process or host. kNotFound: gone (or another
-  // generation). The handle stays valid until the access object dies.
+  // generation). The handle stays valid until the access object dies or
+  // GiveBackIfWanted gives the file back.
   virtual Result<Handle> Get(const FileInfo& info) = 0;
+  // If this access opened the file only for the pass (no VM of this host
+  // uses it) and another process or host waits to open it
+  // (File::WantedElsewhere), closes it and returns true: its handle is
+  // invalid from then on. Never waits. By default nothing is given back.
+  virtual bool GiveBackIfWanted(const FileInfo& info) {
+    (void)info;
+    return false;
+  }
 };
 
 // Opens files on the volume and keeps them open (locked) until destroyed.
@@ -216,6 +227,7 @@ class VolumeFileAccess : public FileAccess {
  public:
   explicit VolumeFileAccess(Volume* vol) : vol_(vol) {}
   Result<Handle> Get(const FileInfo& info) override;
+  bool GiveBackIfWanted(const FileInfo& info) override;
 
  private:
   Volume* vol_;
@@ -228,6 +240,7 @@ class ExportFileAccess : public FileAccess {
   explicit ExportFileAccess(ExportTable* table) : table_(table) {}
   ~ExportFileAccess() override;
   Result<Handle> Get(const FileInfo& info) override;
+  bool GiveBackIfWanted(const FileInfo& info) override;
 
  private:
   ExportTable* table_;

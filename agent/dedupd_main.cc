@@ -425,7 +425,7 @@ int Run(const Config& cfg) {
     if (trigger == PassTrigger::kWindow || trigger == PassTrigger::kInterval) po.stop = &stop_pass;
     po.stable_after_ns = policy.stable_after_s * 1'000'000'000ull;
     po.io_budget = &throttle;
-    po.settle_io = [&] { throttle.Settle(); };
+    po.settle_io = [&](const std::function<void()>& between) { throttle.Settle(between); };
     po.batch_ops = IoThrottle::BatchOpsFor(policy.rate_bytes_per_s, po.batch_ops);
     po.force = sweep_next_pass.exchange(false);
     po.busy_parked_shards = &busy_parked_shards;
@@ -489,7 +489,8 @@ int Run(const Config& cfg) {
                  << st->merge_requests_posted << " merge requests posted ("
                  << st->merge_posts_busy << " posts busy), " << st->merge_requests_applied
                  << " applied, " << st->zero_blocks_freed << " zero blocks freed, "
-                 << st->files_busy << " files busy, " << st->records_parked_busy
+                 << st->files_busy << " files busy, " << st->files_given_back
+                 << " given back to waiting clients, " << st->records_parked_busy
                  << " records parked (allocation group busy elsewhere; " << st->shards_revisited
                  << " shards revisited), " << st->gc_checks_busy
                  << " garbage checks left for later (group busy), "

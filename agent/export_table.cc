@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstring>
 #include <mutex>
+#include <optional>
 #include <thread>
 
 #include "kmod/writemon/write_log.h"
@@ -189,12 +190,29 @@ Result<std::shared_ptr<Export>> ExportTable::Acquire(const std::string& name, do
   const auto deadline = std::chrono::steady_clock::now() +
                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                             std::chrono::duration<double>(std::max(0.0, wait_s)));
+  const auto start = std::chrono::steady_clock::now();
+  bool waited = false;
+  std::optional<FileId> announced;  // the file whose open wait we announced
   while (true) {
     Result<std::shared_ptr<Export>> e = TryAcquire(name);
     if (e.ok() || e.status().code() != Status::Code::kLocked ||
         std::chrono::steady_clock::now() >= deadline) {
+      if (announced) (void)vol_->AnnounceOpenWait(*announced, false);
+      if (waited) {
+        // A VM start held up by another host's pass is worth knowing.
+        const double s =
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+        LOG(kInfo) << "export '" << name << "': " << (e.ok() ? "opened" : "gave up") << " after "
+                   << s << " s waiting for its lock, held elsewhere";
+      }
       return e;
     }
+    if (!waited) {
+      // A pass that only borrowed the disk hands it back when it sees this.
+      Result<FileInfo> info = vol_->Lookup(name);
+      if (info.ok() && vol_->AnnounceOpenWait(info->id, true).ok()) announced = info->id;
+    }
+    waited = true;
     // Not under open_mu_: other exports open meanwhile.
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
@@ -288,6 +306,11 @@ void ExportTable::CloseAll() {
     for (auto& [name, e] : all) closing_.push_back(e);
   }
   for (auto& [name, e] : all) Close(e);
+}
+
+bool ExportTable::SoleClient(const std::shared_ptr<Export>& e) {
+  MutexLock l(&mu_);
+  return e->clients_ == 1;
 }
 
 std::vector<std::pair<std::shared_ptr<Export>, int>> ExportTable::SnapshotWithClients() {

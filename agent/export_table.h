@@ -121,8 +121,10 @@ class ExportTable {
   // takes its lock): kLocked when another process or host holds it for
   // longer than `wait_s` seconds, kNotFound when there is no such regular
   // file. A VM starting while another host's dedup pass holds its disk for
-  // a moment waits (wait_s > 0) instead of failing; the pass itself never
-  // waits (0). Blocking (volume I/O, sleeps): call from a worker thread.
+  // a moment waits (wait_s > 0) instead of failing, announcing the wait
+  // (Volume::AnnounceOpenWait) so that the pass gives the disk back at its
+  // next step; the pass itself never waits (0). Blocking (volume I/O,
+  // sleeps): call from a worker thread.
   Result<std::shared_ptr<Export>> Acquire(const std::string& name, double wait_s = 0)
       EXCLUDES(mu_, open_mu_);
   // One client left; the last one flushes the file's records and closes it.
@@ -133,6 +135,8 @@ class ExportTable {
   // The open exports with their client counts (a dedup pass or merge-request
   // job borrowing an export counts as a client).
   std::vector<std::pair<std::shared_ptr<Export>, int>> SnapshotWithClients() EXCLUDES(mu_);
+  // Is the holder of `e` (one Acquire) its only client: no VM uses it?
+  bool SoleClient(const std::shared_ptr<Export>& e) EXCLUDES(mu_);
   // Counters summed over every export served since start, open or closed.
   struct Totals {
     uint64_t cow_copies = 0;  // copy-on-write specializations

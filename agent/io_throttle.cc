@@ -19,9 +19,16 @@ void IoThrottle::Charge(uint64_t bytes) {
   total_.fetch_add(bytes, std::memory_order_relaxed);
 }
 
-void IoThrottle::Settle() {
-  const uint64_t debt = debt_.exchange(0, std::memory_order_relaxed);
-  if (debt > 0) limiter_.Acquire(debt);
+void IoThrottle::Settle(const std::function<void()>& between) {
+  uint64_t debt = debt_.exchange(0, std::memory_order_relaxed);
+  const uint64_t rate = limiter_.rate();
+  const uint64_t slice = between && rate > 0 ? std::max<uint64_t>(rate / 4, 1) : debt;
+  while (debt > 0) {
+    const uint64_t n = std::min(debt, slice);
+    limiter_.Acquire(n);
+    debt -= n;
+    if (debt > 0) between();
+  }
 }
 
 size_t IoThrottle::BatchOpsFor(uint64_t bytes_per_s, size_t max) {

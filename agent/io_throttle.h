@@ -32,7 +32,10 @@ class IoThrottle : public IoBudget {
 
   void Charge(uint64_t bytes) override;
   // Pays the debt (sleeps under a cap). Call without volume locks held.
-  void Settle();
+  // With `between`, a long debt is paid in slices of ~250 ms of the cap and
+  // `between` runs after each slice but the last (a dedup pass gives back
+  // disks that clients wait for meanwhile).
+  void Settle(const std::function<void()>& between = nullptr);
 
   uint64_t bytes() const { return total_.load(std::memory_order_relaxed); }
   uint64_t waited_ns() const { return limiter_.waited_ns(); }

@@ -134,6 +134,7 @@ class FileImpl : public File {
     ReaderLock l(&st_->rw);
     return vol_->UsageOf(st_.get());
   }
+  Result<bool> WantedElsewhere() override { return vol_->FileWantedElsewhere(st_->id.ino); }
 
  private:
   VolumeImpl* vol_;
@@ -704,6 +705,15 @@ void VolumeImpl::DropCache(LockId owner) {
       ++it;
     }
   }
+}
+
+Status VolumeImpl::AnnounceOpenWait(FileId id, bool on) {
+  const LockId want = WantedLock(InodeLock(id.ino));
+  return on ? locks_->Acquire(want, LockMode::kShared, false) : locks_->Release(want);
+}
+
+Result<bool> VolumeImpl::FileWantedElsewhere(uint64_t ino) {
+  return locks_->IsHeldElsewhere(WantedLock(InodeLock(ino)));
 }
 
 LockId VolumeImpl::WantedLock(LockId id) {

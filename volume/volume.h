@@ -166,6 +166,9 @@ class File {
   // Drop this file's reference to block `index` (it becomes a hole).
   virtual Status Punch(uint64_t index) = 0;
   virtual Result<FileUsage> Usage() = 0;
+  // Does another process or host wait to open this file (it announced so
+  // with Volume::AnnounceOpenWait)? One look at the lock table; never waits.
+  virtual Result<bool> WantedElsewhere() = 0;
 };
 
 class Volume {
@@ -194,6 +197,14 @@ class Volume {
   // this volume already has it open), kNotFound if there is no such file.
   virtual Result<std::unique_ptr<File>> OpenFile(const std::string& name) = 0;
   virtual Result<std::unique_ptr<File>> OpenFileById(FileId id) = 0;
+  // An opener that got kLocked and keeps retrying (a VM starting while
+  // another host's dedup pass borrows its disk) announces the wait with
+  // `on` true and withdraws it with `on` false (kWanted on the file's lock,
+  // shared, so any number may wait). A holder that can let go early (a
+  // pass that only borrowed the file) sees it with File::WantedElsewhere()
+  // and closes the file; the opener still only retries, and nobody waits
+  // on the announcement itself.
+  virtual Status AnnounceOpenWait(FileId id, bool on) = 0;
 
   // DeDe's primitives across two open files (they may be the same file).
   //

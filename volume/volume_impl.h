@@ -65,6 +65,9 @@ class VolumeImpl : public Volume {
   Status Remove(const std::string& name) EXCLUDES(mu_) override;
   Result<std::unique_ptr<File>> OpenFile(const std::string& name) EXCLUDES(mu_) override;
   Result<std::unique_ptr<File>> OpenFileById(FileId id) EXCLUDES(mu_) override;
+  Status AnnounceOpenWait(FileId id, bool on) override;
+  // File::WantedElsewhere. locks_ is const and synchronises itself: no mu_.
+  Result<bool> FileWantedElsewhere(uint64_t ino);
   Status CompareAndShare(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
                          VerifyMode mode, const Fingerprint* witness) override;
   Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) EXCLUDES(mu_) override;

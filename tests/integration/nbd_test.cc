@@ -18,6 +18,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <random>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -795,6 +796,68 @@ TEST_CASE("a client waits --open-wait for a file that another dedupd holds for a
   CHECK(r.exit_code == 0);
   CHECK(r.out.find("failed") == std::string::npos);
   CHECK(waited >= 2.0);  // it did wait, and did not fail at once
+  REQUIRE(a.Stop() == 0);
+  REQUIRE(b.Stop() == 0);
+  RequireFsckClean(tv.vol);
+}
+
+TEST_CASE("a dedup pass gives a borrowed disk back to a client waiting to open it", "[nbd]") {
+  // dedupd a's pass opens "vm" (its VM is off) to use the blocks its write
+  // log names; meanwhile the VM starts on b. b announces its wait, and a
+  // hands the disk over at its pass's next step instead of when the pass
+  // ends (in CI a pass held VM disks for over b's 30 s --open-wait).
+  TestVolume tv({{"vm", 4 * kMiB}, {"big", 8 * kMiB}});
+  // Capped dedup I/O (1 MB/s): a's pass runs for many seconds.
+  Dede({"policy", tv.vol, "set", "rate=1"});
+  const std::string sock2 = tv.dir.file("nbd2.sock");
+  DedupdProcess b(tv.vol, 2, sock2, {"--open-wait", "120"});
+  const std::string qemu_io = RequireProgram("qemu-io");
+  // Written on b; when its clients leave, b closes both disks and flushes
+  // their write logs: every block of each disk is one repeated block.
+  RunOk({qemu_io, "-f", "raw", "-c", "write -P 0x66 0 4M", b.Uri("vm")});
+  RunOk({qemu_io, "-f", "raw", "-c", "write -P 0x55 0 8M", b.Uri("big")});
+  auto wait_for = [](DedupdProcess& d, const std::string& what, double limit_s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (d.Log().find(what) == std::string::npos) {
+      INFO("waiting for '" << what << "' in:\n" << d.Log());
+      REQUIRE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() <
+              limit_s);
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  };
+  wait_for(b, "export 'vm' closed", 30);
+  wait_for(b, "export 'big' closed", 30);
+
+  DedupdProcess a(tv.vol, 1, tv.sock);
+  REQUIRE(::kill(a.pid(), SIGUSR1) == 0);
+  wait_for(a, "export 'vm' opened", 60);  // borrowed by a's pass
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::string> argv = {qemu_io, "-f", "raw", "-c", "read -P 0x66 0 4M", "-c",
+                                   "write -P 0x67 0 64k", b.Uri("vm")};
+  ProcessResult r = RunProcess(argv, 180);
+  const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const bool pass_ended_first = a.Log().find("dedup pass 1: ") != std::string::npos;
+  wait_for(a, "reference drops: ", 300);  // a's pass is over
+  INFO(Describe(argv, r) << "\nopened after " << waited << " s\na's log:\n"
+                         << a.Log() << "\nb's log:\n" << b.Log());
+  REQUIRE(r.exit_code == 0);
+  CHECK(r.out.find("failed") == std::string::npos);
+  // b had the disk while a's pass went on, because a gave it back.
+  CHECK_FALSE(pass_ended_first);
+  CHECK(a.Log().find("gave 'vm' back to a client waiting to open it") != std::string::npos);
+  CHECK(std::regex_search(a.Log(), std::regex(R"(dedup pass 1: .* 1 given back to waiting clients)")));
+  CHECK(b.Log().find("export 'vm': opened after") != std::string::npos);
+  CHECK(a.Log().find("ERROR") == std::string::npos);
+  std::smatch took;
+  const std::string a_log = a.Log();
+  REQUIRE(std::regex_search(a_log, took, std::regex(R"(dedup pass 1: .* in ([0-9.e+-]+) s;)")));
+  std::printf("borrowed disk given back: the waiting client opened it after %.1f s, into a pass "
+              "of %s s\n",
+              waited, took[1].str().c_str());
+  // Every byte is what its writer last wrote.
+  RunOk({qemu_io, "-f", "raw", "-c", "read -P 0x67 0 64k", "-c", "read -P 0x66 64k 4032k",
+         b.Uri("vm")});
+  RunOk({qemu_io, "-f", "raw", "-c", "read -P 0x55 0 8M", a.Uri("big")});
   REQUIRE(a.Stop() == 0);
   REQUIRE(b.Stop() == 0);
   RequireFsckClean(tv.vol);

@@ -385,11 +385,11 @@ Result<Run> RunOnce(CountingDevice* dev, int files, uint64_t blocks, uint64_t ca
   // it pays) and the time since the previous one ended (a stretch the cap
   // cannot act in).
   SettleTrace trace;
-  o.settle_io = [&] {
+  o.settle_io = [&](const std::function<void()>& between) {
     const double t = Now();
     const uint64_t charged = throttle.bytes();
     trace.Note(t, charged);
-    throttle.Settle();
+    throttle.Settle(between);
     trace.last_end = Now();
   };
   o.batch_ops = IoThrottle::BatchOpsFor(cap, o.batch_ops);

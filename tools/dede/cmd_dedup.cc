@@ -81,6 +81,7 @@ json StatsJson(const DedupStats& s) {
   j["corrupt_shard_blocks"] = s.corrupt_shard_blocks;
   j["incomplete_versions_removed"] = s.incomplete_versions_removed;
   j["stale_files_removed"] = s.stale_files_removed;
+  j["files_given_back"] = s.files_given_back;
   j["stopped"] = s.stopped;
   j["records_parked_at_stop"] = s.records_parked_at_stop;
   j["young_records_deferred"] = s.young_records_deferred;
@@ -188,7 +189,7 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   opts.stable_after_ns = policy->stable_after_s * 1'000'000'000ull;
   IoThrottle throttle(policy->rate_bytes_per_s);
   opts.io_budget = &throttle;
-  opts.settle_io = [&] { throttle.Settle(); };
+  opts.settle_io = [&](const std::function<void()>& between) { throttle.Settle(between); };
   opts.batch_ops = IoThrottle::BatchOpsFor(policy->rate_bytes_per_s, opts.batch_ops);
   auto access = std::make_unique<VolumeFileAccess>(vol);
   Result<DedupStats> st = Status::Ok();
