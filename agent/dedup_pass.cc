@@ -681,11 +681,26 @@ class Pass {
       return Status::Unavailable("dedup pass stopped; " + lock.ToString() +
                                  " was busy while parking, the logs are kept");
     }
-    // Another pass (here or on another host) merges into this shard; the
-    // lock manager waits for it without hammering the lock.
+    // Another pass (here or on another host) merges into this shard. Watch
+    // the lock (a look is one lock-table read with sanlock, an attempt a
+    // paxos round) and try when it looks free; disks that clients wait for
+    // go back meanwhile (the other pass's update can take seconds).
     Progress("waiting for " + lock.ToString());
     stats_.shard_waits++;
-    return lm->Acquire(lock, LockMode::kExclusive, true);
+    int poll_ms = 2;
+    while (true) {
+      if (opts_.cancel != nullptr && opts_.cancel->load()) {
+        return Status::Unavailable("dedup pass cancelled");
+      }
+      RETURN_IF_ERROR(GiveBackWantedFiles());
+      ASSIGN_OR_RETURN(const bool held, lm->IsHeldElsewhere(lock));
+      if (!held) {
+        s = lm->Acquire(lock, LockMode::kExclusive, false);
+        if (s.code() != Status::Code::kLocked) return s;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(poll_ms));
+      poll_ms = std::min(poll_ms * 2, 50);
+    }
   }
 
   void UnlockShard(uint64_t id) {
@@ -767,6 +782,8 @@ class Pass {
             (opts_.stop != nullptr && opts_.stop->load())) {
           return Status::Ok();  // the parked records wait for the next pass
         }
+        // Nothing is planned during the pause: disks clients wait for go back.
+        RETURN_IF_ERROR(GiveBackWantedFiles());
         std::this_thread::sleep_for(std::chrono::milliseconds(20));
       }
       delay_ms *= 2;
