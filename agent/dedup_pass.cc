@@ -307,13 +307,12 @@ class Pass {
   // A client waiting to open a file this pass only borrowed (a VM starting
   // on another host, Volume::AnnounceOpenWait) gets it at the pass's next
   // step, not when the pass ends: the file is given back and counts as held
-  // elsewhere for the rest of the pass (its records are busy, entries that
-  // name it get merge requests). Called only where no planned operation
-  // holds a handle; looks at most once a second (a lock-table read per
-  // borrowed file with sanlock).
-  // `given_back`, if given, receives the handles' addresses, so that the
-  // caller can skip operations it planned on them (only compared, never
-  // used).
+  // elsewhere for the rest of the pass (its records are parked for a later
+  // pass, entries that name it get merge requests). Called only where no
+  // planned operation can use a handle, or where the caller skips those
+  // on the files whose handles' addresses it gets in `given_back` (only
+  // compared, never used). Looks at most once a second (a lock-table read
+  // per borrowed file with sanlock).
   Status GiveBackWantedFiles(std::set<uintptr_t>* given_back = nullptr) {
     const uint64_t now = clock_->MonotonicNanos();
     if (now < next_give_back_ns_) return Status::Ok();
@@ -938,6 +937,7 @@ class Pass {
   Result<bool> ProcessSlot(const ShardSlot& slot, bool has_pending, size_t b, size_t e) {
     const uint64_t t0 = clock_->MonotonicNanos();
     parked_busy_.clear();
+    parked_later_.clear();
     const std::string what = "index shard " + slot.range.ToString();
     Progress(what + ": " + std::to_string(e - b) + " records" + (parking_ ? " (parking)" : ""));
     std::unique_ptr<File> cur;
@@ -1085,6 +1085,10 @@ class Pass {
       for (const PendingRecord& pr : parked_busy_) {
         if (r.Contains(KeyPrefix(pr.fp))) park.push_back(pr);
       }
+      const bool revisit = !park.empty();
+      for (const PendingRecord& pr : parked_later_) {
+        if (r.Contains(KeyPrefix(pr.fp))) park.push_back(pr);
+      }
       if (park.empty()) continue;
       // Pending files are opened only under their range's lock, which we
       // hold; a reader (stats, fsck) has one for a moment at most.
@@ -1101,9 +1105,10 @@ class Pass {
       stats_.pending_records_written += park.size();
       stats_.records_parked_busy += park.size();
       if (opts_.busy_parked_shards != nullptr) opts_.busy_parked_shards->insert(r.lo);
-      busy_parked_here_.insert(r.lo);
+      if (revisit) busy_parked_here_.insert(r.lo);
     }
     parked_busy_.clear();
+    parked_later_.clear();
     return Status::Ok();
   }
 
@@ -1683,7 +1688,10 @@ class Pass {
   // pending file of its shard once the shard's new version is durable.
   void ParkBusy(const PassRecord& r) {
     if (r.file == kNoFile) return;
-    parked_busy_.push_back(PendingRecord{r.fp, files_[r.file].info.id, r.block});
+    // A record of a file given back during this pass waits for a later
+    // pass: a revisit within this one would only find the file held again.
+    std::vector<PendingRecord>& to = files_[r.file].given_back ? parked_later_ : parked_busy_;
+    to.push_back(PendingRecord{r.fp, files_[r.file].info.id, r.block});
   }
   // A record whose file this pass cannot open (kLocked). One given back to
   // a waiting client during the pass is parked like a record whose group
@@ -1731,8 +1739,11 @@ class Pass {
     std::vector<MergeRequest> requests;
   };
   std::map<uint64_t, MergePost> merge_posts_;
-  // Records of the shard update in progress held back by a busy group.
+  // Records of the shard update in progress held back by a busy group
+  // (revisited within this pass), and those of files given back during it
+  // (left to a later pass).
   std::vector<PendingRecord> parked_busy_;
+  std::vector<PendingRecord> parked_later_;
   // Shards (range lo) that parked records held back by a busy group during
   // this pass, and whether RevisitBusyShards is rewriting them now.
   std::set<uint64_t> busy_parked_here_;
