@@ -14,6 +14,7 @@
 #include "kmod/writemon/write_log.h"
 #include "util/clock.h"
 #include "util/log.h"
+#include "volume/lock_watch.h"
 
 namespace dede {
 
@@ -671,35 +672,33 @@ class Pass {
   Status LockShard(uint64_t id) {
     LockManager* lm = vol_->lock_manager();
     const LockId lock{LockKind::kIndexShard, id};
-    Status s = lm->Acquire(lock, LockMode::kExclusive, false);
-    if (s.code() != Status::Code::kLocked) return s;
     if (parking_) {
       // Stopping must not wait for another host's shard update: give up
       // parking and keep the logs (what was parked is applied again later,
       // which is harmless).
+      Status s = lm->Acquire(lock, LockMode::kExclusive, false);
+      if (s.code() != Status::Code::kLocked) return s;
       return Status::Unavailable("dedup pass stopped; " + lock.ToString() +
                                  " was busy while parking, the logs are kept");
     }
-    // Another pass (here or on another host) merges into this shard. Watch
-    // the lock (a look is one lock-table read with sanlock, an attempt a
-    // paxos round) and try when it looks free; disks that clients wait for
-    // go back meanwhile (the other pass's update can take seconds).
-    Progress("waiting for " + lock.ToString());
-    stats_.shard_waits++;
-    int poll_ms = 2;
-    while (true) {
+    // Another pass (here or on another host) may merge into this shard.
+    // Watch the lock and try when it looks free (WatchAndTake); disks that
+    // clients wait for go back meanwhile (the other pass's update can take
+    // seconds).
+    LockWatch watch;
+    watch.max_poll = std::chrono::milliseconds(50);
+    watch.between = [this, lock, waiting = false]() mutable -> Status {
+      if (!waiting) {
+        waiting = true;
+        Progress("waiting for " + lock.ToString());
+        stats_.shard_waits++;
+      }
       if (opts_.cancel != nullptr && opts_.cancel->load()) {
         return Status::Unavailable("dedup pass cancelled");
       }
-      RETURN_IF_ERROR(GiveBackWantedFiles());
-      ASSIGN_OR_RETURN(const bool held, lm->IsHeldElsewhere(lock));
-      if (!held) {
-        s = lm->Acquire(lock, LockMode::kExclusive, false);
-        if (s.code() != Status::Code::kLocked) return s;
-      }
-      std::this_thread::sleep_for(std::chrono::milliseconds(poll_ms));
-      poll_ms = std::min(poll_ms * 2, 50);
-    }
+      return GiveBackWantedFiles();
+    };
+    return WatchAndTake(lm, lock, LockMode::kExclusive, &watch);
   }
 
   void UnlockShard(uint64_t id) {

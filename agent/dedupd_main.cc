@@ -731,6 +731,9 @@ int Run(const Config& cfg) {
                   {"pending", drops.pending},
                   {"adopted", drops.adopted},
                   {"groups_yielded", drops.yielded}};
+    const Volume::ReservationCounters reservations = vol->reservation_counters();
+    j["write_reservations"] = {{"in_flight", reservations.reserved_now},
+                               {"materialized", reservations.materialized}};
     const Volume::WaitCounters waits = vol->wait_counters();
     j["lock_waits"] = {{"waits", waits.waits},
                        {"wait_s", double(waits.wait_ns) / 1e9},

@@ -187,10 +187,9 @@ Result<std::vector<std::string>> ExportTable::List() {
 }
 
 Result<std::shared_ptr<Export>> ExportTable::Acquire(const std::string& name, double wait_s) {
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(std::max(0.0, wait_s)));
   const auto start = std::chrono::steady_clock::now();
+  const auto deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                    std::chrono::duration<double>(std::max(0.0, wait_s)));
   bool waited = false;
   std::optional<FileId> announced;  // the file whose open wait we announced
   while (true) {

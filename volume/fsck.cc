@@ -38,13 +38,13 @@ std::string DescribeContent(const uint8_t* blk) {
   const bool ours = tag[0] == 'D' && tag[1] == 'D' && std::isupper(static_cast<unsigned char>(tag[2])) &&
                     std::isupper(static_cast<unsigned char>(tag[3]));
   if (!ours) {
-    if (AllZeroBlock(blk)) return "zeros";
     // The first bytes (or the one byte it repeats) usually tell whose data
     // it was: a test's pattern, a guest's sector, a write log's frame.
     char hex[4];
     bool uniform = true;
     for (size_t i = 1; i < kBlockSize && uniform; i++) uniform = blk[i] == blk[0];
     if (uniform) {
+      if (blk[0] == 0) return "zeros";
       std::snprintf(hex, sizeof hex, "%02x", blk[0]);
       return std::string("data (every byte 0x") + hex + ")";
     }

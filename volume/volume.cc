@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "volume/fsck.h"
+#include "volume/lock_watch.h"
 #include "volume/volume_impl.h"
 
 namespace dede {
@@ -677,24 +678,18 @@ Status VolumeImpl::Sync() {
   // of them, not only the wanted ones. (Handing back only the wanted ones
   // was tried: in the three-host cross-dedup test a host then kept groups
   // that others took without announcing, and merge requests stayed
-  // unapplied; see docs/LOCKING.md rule 4.) A Create between its scan and
-  // its claim keeps the namespace; it hands it back itself when done.
+  // unapplied; see docs/LOCKING.md rule 4.) What is pinned stays: a
+  // Create between its scan and its claim keeps the namespace (it hands it
+  // back itself when done), and a group with a write's reservations goes
+  // at a later flush point.
   bool wanted = false;
   for (const LockId& id : cached_locks_) {
-    if (id == kNamespaceLock && namespace_pins_ > 0) continue;
+    if (Pinned(id)) continue;
     ASSIGN_OR_RETURN(wanted, locks_->IsHeldElsewhere(WantedLock(id)));
     if (wanted) break;
   }
   if (!wanted) return Status::Ok();
-  RETURN_IF_ERROR(Checkpoint());
-  const std::vector<LockId> ids(cached_locks_.begin(), cached_locks_.end());
-  Status released;
-  for (const LockId& id : ids) {
-    if (id == kNamespaceLock && namespace_pins_ > 0) continue;
-    Status st = ForgetCachedLock(id);
-    if (released.ok()) released = st;
-  }
-  return released;
+  return ReleaseCached(Pin::kKeep);
 }
 
 void VolumeImpl::DropCache(LockId owner) {
@@ -747,35 +742,15 @@ Status VolumeImpl::WaitLock(LockId id) {
       id.kind == LockKind::kGroup && wanted_groups_.count(static_cast<uint32_t>(id.id)) > 0;
   bool announced = !standing && locks_->Acquire(want, LockMode::kShared, false).ok();
   bool blocked_announced = locks_->Acquire(blocked, LockMode::kShared, false).ok();
-  const auto deadline = start + lock_wait_;
-  Status st;
-  int poll_ms = 2;
-  uint64_t tries = 0, seen_free = 0;  // for the message: a holder that never lets go, or lost races
-  while (true) {
-    if (std::chrono::steady_clock::now() >= defer_until) {
-      tries++;
-      st = locks_->Acquire(id, LockMode::kExclusive, false);
-      if (st.code() != Status::Code::kLocked) break;
-    } else {
-      st = Status::Locked(id.ToString() + " is held by another process or host");
-    }
-    if (std::chrono::steady_clock::now() >= deadline) {
-      st = Status::Locked(id.ToString() + " is still held by another process or host after " +
-                          std::to_string(lock_wait_.count()) + " s (" + std::to_string(tries) +
-                          " tries to take it, " + std::to_string(seen_free) +
-                          " looks found it free)");
-      break;
-    }
-    // Watch without taking: with the sanlock backend an attempt is a paxos
-    // round on the LUN (and slows the holder's own release), a look is one
-    // read. Back off from 2 ms to 20 ms.
-    do {
-      std::this_thread::sleep_for(std::chrono::milliseconds(poll_ms));
-      poll_ms = std::min(poll_ms * 2, 20);
-      Result<bool> held = locks_->IsHeldElsewhere(id);
-      if (held.ok() && !*held) seen_free++;
-      if (!held.ok() || !*held) break;
-    } while (std::chrono::steady_clock::now() < deadline);
+  LockWatch watch;
+  watch.deadline = start + lock_wait_;
+  watch.first_try = defer_until;
+  Status st = WatchAndTake(locks_.get(), id, LockMode::kExclusive, &watch);
+  if (st.code() == Status::Code::kLocked) {
+    st = Status::Locked(id.ToString() + " is still held by another process or host after " +
+                        std::to_string(lock_wait_.count()) + " s (" +
+                        std::to_string(watch.tries) + " tries to take it, " +
+                        std::to_string(watch.seen_free) + " looks found it free)");
   }
   if (announced) (void)locks_->Release(want);
   if (blocked_announced) (void)locks_->Release(blocked);
@@ -803,11 +778,17 @@ void VolumeImpl::AnnounceWant(uint32_t g) {
 
 Status VolumeImpl::ReleaseCachedLock(LockId id) {
   if (!cached_locks_.count(id)) return Status::Ok();
+  const std::vector<LockId> one{id};
+  RETURN_IF_ERROR(MaterializeReservations(&one));
   RETURN_IF_ERROR(Checkpoint());
   return ForgetCachedLock(id);
 }
 
 Status VolumeImpl::ForgetCachedLock(LockId id) {
+  if (id.kind == LockKind::kGroup && GroupPinned(static_cast<uint32_t>(id.id))) {
+    return Status::Corruption("internal error: " + id.ToString() +
+                              " would be released with blocks reserved in it");
+  }
   // Whoever takes it next reads the blocks from their home addresses (the
   // caller checkpointed).
   DropCache(id);
@@ -820,11 +801,95 @@ Status VolumeImpl::ForgetCachedLock(LockId id) {
   return locks_->Release(id);
 }
 
-Status VolumeImpl::ReleaseCached() {
+Status VolumeImpl::ReleaseCached(Pin pin) {
   if (cached_locks_.empty()) return Status::Ok();
+  if (pin == Pin::kMaterialize) RETURN_IF_ERROR(MaterializeReservations(nullptr));
   RETURN_IF_ERROR(Checkpoint());
   const std::vector<LockId> ids(cached_locks_.begin(), cached_locks_.end());
-  for (const LockId& id : ids) (void)ForgetCachedLock(id);
+  Status released;
+  for (const LockId& id : ids) {
+    if (pin == Pin::kKeep && Pinned(id)) continue;
+    Status st = ForgetCachedLock(id);
+    if (released.ok()) released = st;
+  }
+  return released;
+}
+
+// ============================================================ reservations
+
+bool VolumeImpl::GroupPinned(uint32_t g) const {
+  auto it = pins_.find(g);
+  return it != pins_.end() && it->second > 0;
+}
+
+bool VolumeImpl::Pinned(const LockId& id) const {
+  return (id == kNamespaceLock && namespace_pins_ > 0) ||
+         (id.kind == LockKind::kGroup && GroupPinned(static_cast<uint32_t>(id.id)));
+}
+
+Status VolumeImpl::MaterializeReservations(const std::vector<LockId>* ids) {
+  if (pins_.empty()) return Status::Ok();
+  auto wanted = [&](uint32_t g) {
+    return ids == nullptr || std::find(ids->begin(), ids->end(), GroupLock(g)) != ids->end();
+  };
+  // Room first (it may commit): one refcount block per distinct block of
+  // counts touched, usually one or two per write in flight.
+  std::set<uint64_t> rbs;
+  for (const auto& [addr, materialized] : reserved_) {
+    uint32_t g, slot;
+    uint64_t rb;
+    if (!materialized && sb_.LocateData(addr, &g, &rb, &slot) && wanted(g)) rbs.insert(rb);
+  }
+  if (rbs.empty()) return Status::Ok();
+  RETURN_IF_ERROR(EnsureJournalRoom(rbs.size()));
+  for (auto& [addr, materialized] : reserved_) {
+    uint32_t g, slot;
+    uint64_t rb;
+    if (materialized || !sb_.LocateData(addr, &g, &rb, &slot) || !wanted(g)) continue;
+    uint8_t* b;
+    RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
+    dede::SetRef(Dirty(rb), slot, 1);
+    materialized = true;
+    if (--pins_[g] == 0) pins_.erase(g);
+    reservations_materialized_++;
+  }
+  return Status::Ok();
+}
+
+Status VolumeImpl::ClaimReservation(uint64_t addr) {
+  auto it = reserved_.find(addr);
+  if (it == reserved_.end()) {
+    return Status::Corruption("internal error: block " + std::to_string(addr) +
+                              " is not reserved");
+  }
+  if (!it->second) {
+    uint32_t g, slot;
+    uint64_t rb;
+    RETURN_IF_ERROR(LocateRef(addr, &g, &rb, &slot));
+    uint8_t* b;
+    RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
+    if (dede::GetRef(b, slot) != 0) {
+      return Poison(Status::Corruption("internal error: reserved block " + std::to_string(addr) +
+                                       " has refcount " + std::to_string(dede::GetRef(b, slot))));
+    }
+    dede::SetRef(Dirty(rb), slot, 1);
+    if (--pins_[g] == 0) pins_.erase(g);
+  }
+  reserved_.erase(it);
+  return Status::Ok();
+}
+
+Status VolumeImpl::CancelReservation(uint64_t addr) {
+  auto it = reserved_.find(addr);
+  if (it == reserved_.end()) return Status::Ok();
+  const bool materialized = it->second;
+  reserved_.erase(it);
+  if (materialized) return DropRef(addr);
+  uint32_t g;
+  if (GroupOf(addr, &g)) {
+    if (--pins_[g] == 0) pins_.erase(g);
+    full_groups_.erase(g);  // the block is free again
+  }
   return Status::Ok();
 }
 
@@ -1170,7 +1235,24 @@ Status VolumeImpl::PrefetchGroup(uint32_t g) {
   return Status::Ok();
 }
 
-Status VolumeImpl::AllocateFromGroup(uint32_t g, size_t n, bool meta, std::vector<uint64_t>* out) {
+void VolumeImpl::TakeBlock(uint64_t addr, uint64_t rb, uint32_t slot, bool reserve) {
+  if (reserve) {
+    uint32_t g;
+    if (GroupOf(addr, &g)) pins_[g]++;
+    reserved_[addr] = false;
+  } else {
+    dede::SetRef(Dirty(rb), slot, 1);
+  }
+}
+
+Status VolumeImpl::UndoAllocate(std::vector<uint64_t>* out, bool reserve) {
+  for (uint64_t a : *out) RETURN_IF_ERROR(reserve ? CancelReservation(a) : AddRef(a, -1));
+  out->clear();
+  return Status::Ok();
+}
+
+Status VolumeImpl::AllocateFromGroup(uint32_t g, size_t n, bool meta, bool reserve,
+                                     std::vector<uint64_t>* out) {
   if (full_groups_.count(g)) return Status::Ok();
   RETURN_IF_ERROR(PrefetchGroup(g));
   const uint64_t data_start = sb_.GroupDataStart(g);
@@ -1179,20 +1261,16 @@ Status VolumeImpl::AllocateFromGroup(uint32_t g, size_t n, bool meta, std::vecto
   // come from the top downwards, so they do not split runs of file data.
   GroupCursor& gc = alloc_cursor_[g];
   const uint64_t start = meta ? gc.meta : gc.data;
-  uint8_t* dirty_block = nullptr;
-  uint64_t dirty_rb = 0;
   for (uint64_t scanned = 0; scanned < count && out->size() < n; scanned++) {
     uint64_t idx = meta ? (start + count - scanned) % count : (start + scanned) % count;
     uint64_t addr = data_start + idx;
     uint64_t rb = sb_.GroupStart(g) + idx / kRefsPerBlock;
     uint32_t slot = static_cast<uint32_t>(idx % kRefsPerBlock);
-    uint8_t* b = (rb == dirty_rb && dirty_block) ? dirty_block : cache_.at(rb).data.get();
-    if (dede::GetRef(b, slot) != 0 || pending_free_.count(addr)) continue;
-    if (rb != dirty_rb || !dirty_block) {
-      dirty_block = Dirty(rb);
-      dirty_rb = rb;
+    if (dede::GetRef(cache_.at(rb).data.get(), slot) != 0 || pending_free_.count(addr) ||
+        (!reserved_.empty() && reserved_.count(addr))) {
+      continue;
     }
-    dede::SetRef(dirty_block, slot, 1);
+    TakeBlock(addr, rb, slot, reserve);
     out->push_back(addr);
     if (meta) {
       gc.meta = (idx + count - 1) % count;
@@ -1224,19 +1302,21 @@ uint64_t VolumeImpl::DataBlockAt(int64_t ordinal) const {
 bool VolumeImpl::DataBlockFree(uint32_t g, uint64_t idx) const {
   const uint64_t rb = sb_.GroupStart(g) + idx / kRefsPerBlock;
   const uint32_t slot = static_cast<uint32_t>(idx % kRefsPerBlock);
-  return dede::GetRef(cache_.at(rb).data.get(), slot) == 0 &&
-         !pending_free_.count(sb_.GroupDataStart(g) + idx);
+  const uint64_t addr = sb_.GroupDataStart(g) + idx;
+  return dede::GetRef(cache_.at(rb).data.get(), slot) == 0 && !pending_free_.count(addr) &&
+         (reserved_.empty() || !reserved_.count(addr));
 }
 
-Status VolumeImpl::AllocateRunAt(uint32_t g, uint64_t idx, size_t n, std::vector<uint64_t>* out) {
+Status VolumeImpl::AllocateRunAt(uint32_t g, uint64_t idx, size_t n, bool reserve,
+                                 std::vector<uint64_t>* out) {
   RETURN_IF_ERROR(PrefetchGroup(g));
   const uint64_t data_start = sb_.GroupDataStart(g);
   const uint64_t count = sb_.GroupDataBlocks(g);
   uint64_t taken = 0;
   for (uint64_t i = idx; i < count && out->size() < n; i++, taken++) {
     if (!DataBlockFree(g, i)) break;
-    dede::SetRef(Dirty(sb_.GroupStart(g) + i / kRefsPerBlock),
-                 static_cast<uint32_t>(i % kRefsPerBlock), 1);
+    TakeBlock(data_start + i, sb_.GroupStart(g) + i / kRefsPerBlock,
+              static_cast<uint32_t>(i % kRefsPerBlock), reserve);
     out->push_back(data_start + i);
   }
   if (taken > 0) {
@@ -1248,15 +1328,17 @@ Status VolumeImpl::AllocateRunAt(uint32_t g, uint64_t idx, size_t n, std::vector
   return Status::Ok();
 }
 
-Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, AllocHint hint) {
+Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, AllocHint hint,
+                            bool reserve) {
   out->clear();
+  reserve = reserve && !meta;
   if (!meta && hint.goal != 0) {
     uint32_t g, slot;
     uint64_t rb;
     if (sb_.LocateData(hint.goal, &g, &rb, &slot)) {
       ASSIGN_OR_RETURN(GroupTry got, TryTakeGroup(g));
       if (got == GroupTry::kTaken) {
-        RETURN_IF_ERROR(AllocateRunAt(g, hint.goal - sb_.GroupDataStart(g), n, out));
+        RETURN_IF_ERROR(AllocateRunAt(g, hint.goal - sb_.GroupDataStart(g), n, reserve, out));
       }
     }
   }
@@ -1280,9 +1362,9 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, All
           len = 0;
         }
       }
-      if (len == want) RETURN_IF_ERROR(AllocateRunAt(g, start + hint.lead, n, out));
+      if (len == want) RETURN_IF_ERROR(AllocateRunAt(g, start + hint.lead, n, reserve, out));
     }
-    return AllocateFromGroup(g, n, meta, out);
+    return AllocateFromGroup(g, n, meta, reserve, out);
   };
   // Prefer groups we already hold.
   for (const LockId& id : cached_locks_) {
@@ -1303,14 +1385,13 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, All
     // Every group we could take without waiting is full or busy. Give back
     // what we hold (rule: never wait holding cached locks) and wait for the
     // groups in order until enough space turns up.
-    for (uint64_t a : *out) RETURN_IF_ERROR(AddRef(a, -1));
-    out->clear();
+    RETURN_IF_ERROR(UndoAllocate(out, reserve));
     RETURN_IF_ERROR(ReleaseCached());
     for (uint32_t g = 0; g < sb_.group_count && out->size() < n; g++) {
       RETURN_IF_ERROR(WaitLock(GroupLock(g)));
       NoteCached(GroupLock(g));
       RETURN_IF_ERROR(RecoverDeadHosts());
-      RETURN_IF_ERROR(AllocateFromGroup(g, n, meta, out));
+      RETURN_IF_ERROR(AllocateFromGroup(g, n, meta, reserve, out));
       // A group that gave nothing (full) is not held through the next
       // wait: its waiters would wait for all of ours, and nothing reaches
       // a flush point meanwhile to hand it over. (One that gave part of
@@ -1323,8 +1404,7 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, All
     }
   }
   if (out->size() < n) {
-    for (uint64_t a : *out) RETURN_IF_ERROR(AddRef(a, -1));
-    out->clear();
+    RETURN_IF_ERROR(UndoAllocate(out, reserve));
     return Status::NoSpace("the volume is full");
   }
   return Status::Ok();
@@ -1630,7 +1710,9 @@ void VolumeImpl::CloseFile(OpenFileState* f) {
     // until this process goes away and someone replays the journal.
     return;
   }
-  (void)ReleaseCached();
+  // Another file's write may be between allocation and publication: its
+  // groups go at a later flush point or close.
+  (void)ReleaseCached(Pin::kKeep);
   DropCache(InodeLock(f->id.ino));
   (void)locks_->Release(InodeLock(f->id.ino));
 }
@@ -1948,8 +2030,11 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
           // the blocks before it, which other requests may be writing.
           hint.lead = index0;
         }
+        // Reserved, not counted: a flush point of another thread before
+        // phase 3 must not commit counts whose pointers are not published
+        // yet (a crash would leak the blocks).
         std::vector<uint64_t> got;
-        RETURN_IF_ERROR(Allocate(need, &got, /*meta=*/false, hint));
+        RETURN_IF_ERROR(Allocate(need, &got, /*meta=*/false, hint, /*reserve=*/true));
         // The first allocation anchors the file; one that missed its goal
         // (a block map or another file is there, or the group is busy)
         // anchors it again where it landed, so the next blocks follow it
@@ -1996,8 +2081,8 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
       io = dev_->Write(target[k] * kBlockSize, src[k], n * kBlockSize);
       k += n;
     }
-    // Phase 3 (mu_): publish the new pointers. On failure, blocks not yet
-    // published are given back.
+    // Phase 3 (mu_): count and publish the new blocks in one transaction.
+    // On failure, blocks not yet published are given back.
     MutexLock l(&mu_);
     Status st = io;
     if (!io.ok()) (void)Poison(io);
@@ -2018,12 +2103,19 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
     }
     size_t published = 0;  // blocks [0, published) are in the map
     for (; published < nblk && st.ok(); published++) {
-      if (fresh[published]) st = ReplaceBlock(&in, r0 + published, target[published]);
+      if (!fresh[published]) continue;
+      st = ClaimReservation(target[published]);
+      if (st.ok()) st = ReplaceBlock(&in, r0 + published, target[published]);
       if (!st.ok()) break;
     }
     if (!st.ok()) {
       for (size_t u = published; u < nblk; u++) {
-        if (fresh[u]) (void)DropRef(target[u]);
+        if (!fresh[u]) continue;
+        if (reserved_.count(target[u])) {
+          (void)CancelReservation(target[u]);
+        } else {
+          (void)DropRef(target[u]);  // claimed, its pointer not published
+        }
       }
       if (published > 0) PutInode(in);
       return st;

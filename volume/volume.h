@@ -329,6 +329,18 @@ class Volume {
     uint64_t timeouts = 0;
   };
   virtual WaitCounters wait_counters() = 0;
+
+  // Blocks writes of this process hold between allocating them and
+  // publishing the pointers to them (reserved: a crash in between frees
+  // them), and how many reservations a wait that had to give back their
+  // group turned into ordinary allocations first (a crash between that
+  // and the publication leaks those; fsck --repair frees them). Since
+  // open; never blocks on another host.
+  struct ReservationCounters {
+    uint64_t reserved_now = 0;
+    uint64_t materialized = 0;
+  };
+  virtual ReservationCounters reservation_counters() = 0;
 };
 
 // Friendly wrapper used by the tools: open a device spec and the volume.

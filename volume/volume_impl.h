@@ -80,6 +80,10 @@ class VolumeImpl : public Volume {
     MutexLock l(&mu_);
     return DropCounters{drops_deferred_, drops_applied_, drop_count_, drops_adopted_, groups_yielded_};
   }
+  ReservationCounters reservation_counters() EXCLUDES(mu_) override {
+    MutexLock l(&mu_);
+    return ReservationCounters{reserved_.size(), reservations_materialized_};
+  }
   WaitCounters wait_counters() override {
     return WaitCounters{lock_waits_.load(), lock_wait_ns_.load(), lock_wait_timeouts_.load()};
   }
@@ -137,11 +141,41 @@ class VolumeImpl : public Volume {
   // AcquireGroupsFor({addr}) without building a vector and a set when the
   // group is already held (the usual case in a batch of block operations).
   Status AcquireGroupOf(uint64_t addr) REQUIRES(mu_);
-  Status ReleaseCached() REQUIRES(mu_);
+  // Checkpoints and gives back every cached lock; returns the first
+  // release error (after trying the rest). What is pinned (Pinned()) is
+  // either kept (kKeep: a flush point's hand-over, closing a file, where
+  // nobody waits on us) or, for a group with reservations, first has them
+  // counted (kMaterialize: before a wait, where keeping a group could
+  // leave two hosts each waiting for the group the other kept; a Create
+  // that loses the namespace meanwhile scans again).
+  enum class Pin { kMaterialize, kKeep };
+  Status ReleaseCached(Pin pin = Pin::kMaterialize) REQUIRES(mu_);
+  // A cached lock that a flush point's hand-over keeps: the namespace
+  // while a Create of this process scans (namespace_pins_), a group with
+  // reservations not materialized (GroupPinned).
+  bool Pinned(const LockId& id) const REQUIRES(mu_);
   Status ReleaseCachedLock(LockId id) REQUIRES(mu_);
   // Lets go of one cached lock whose blocks are home (checkpointed): drops
-  // its cached blocks and allocation state, releases it.
+  // its cached blocks and allocation state, releases it. Refuses a group
+  // that still has reservations not materialized (an internal error: its
+  // next holder could allocate them).
   Status ForgetCachedLock(LockId id) REQUIRES(mu_);
+
+  // Reservations (reserved_). A reserved block is allocated in memory
+  // only: its count stays 0 until ClaimReservation sets it in the
+  // transaction that publishes the pointer to it.
+  bool GroupPinned(uint32_t g) const REQUIRES(mu_);
+  // Sets count 1 in the running transaction for every reservation of the
+  // groups in `ids` (all groups when `ids` is null) that is not
+  // materialized yet, so the groups can be handed over; ClaimReservation
+  // then finds the count set.
+  Status MaterializeReservations(const std::vector<LockId>* ids) REQUIRES(mu_);
+  // Turns reservation `addr` into a reference (count 1) in the running
+  // transaction; the caller publishes the pointer in the same one.
+  Status ClaimReservation(uint64_t addr) REQUIRES(mu_);
+  // Gives reservation `addr` back (a write that failed before publishing):
+  // a materialized one is dropped like any reference.
+  Status CancelReservation(uint64_t addr) REQUIRES(mu_);
   // Records a cached lock just taken; for a group, withdraws this
   // process's announcement for it (wanted_groups_): it got what it waited
   // for.
@@ -252,23 +286,30 @@ class VolumeImpl : public Volume {
     uint64_t goal;  // 0: none
     uint64_t lead;
   };
+  // With `reserve` (data only), the blocks are reserved (reserved_), not
+  // counted: the caller claims or cancels each one later.
   Status Allocate(size_t n, std::vector<uint64_t>* out, bool meta = false,
-                  AllocHint hint = AllocHint{0, 0})
+                  AllocHint hint = AllocHint{0, 0}, bool reserve = false)
       REQUIRES(mu_);
   // Takes the free blocks at data index idx, idx+1, ... of group g (held)
   // until n are taken, one is not free or the group ends; moves the
   // group's data cursor past them.
-  Status AllocateRunAt(uint32_t g, uint64_t idx, size_t n, std::vector<uint64_t>* out)
-      REQUIRES(mu_);
+  Status AllocateRunAt(uint32_t g, uint64_t idx, size_t n, bool reserve,
+                       std::vector<uint64_t>* out) REQUIRES(mu_);
   // Data index idx of group g (its refcount blocks cached: PrefetchGroup)
-  // is unreferenced and not freed since the last checkpoint.
+  // is unreferenced, not reserved and not freed since the last checkpoint.
   bool DataBlockFree(uint32_t g, uint64_t idx) const REQUIRES(mu_);
+  // Allocation's last step for one free block: count 1 in the running
+  // transaction, or a reservation.
+  void TakeBlock(uint64_t addr, uint64_t rb, uint32_t slot, bool reserve) REQUIRES(mu_);
+  // Gives back blocks Allocate took (count or reservation) when it fails.
+  Status UndoAllocate(std::vector<uint64_t>* out, bool reserve) REQUIRES(mu_);
   // Data block `addr` as an ordinal over all groups' data areas laid end
   // to end (-1 if it is not a data block), and back (0 if out of range).
   int64_t DataOrdinal(uint64_t addr) const;
   uint64_t DataBlockAt(int64_t ordinal) const;
-  Status AllocateFromGroup(uint32_t g, size_t n, bool meta, std::vector<uint64_t>* out)
-      REQUIRES(mu_);
+  Status AllocateFromGroup(uint32_t g, size_t n, bool meta, bool reserve,
+                           std::vector<uint64_t>* out) REQUIRES(mu_);
   Status PrefetchGroup(uint32_t g) REQUIRES(mu_);
 
   // One block of a file becomes `value` (hole, COW ref...), releasing the
@@ -311,6 +352,19 @@ class VolumeImpl : public Volume {
   // pointer to such a block must still copy (the decrement may not survive
   // a crash, and then the block is still shared on disk).
   std::unordered_set<uint64_t> decref_uncommitted_ GUARDED_BY(mu_);
+  // Data blocks a write took between its allocation (WriteData phase 1)
+  // and the transaction that publishes the pointers to them (phase 3),
+  // while it writes their data without mu_: address -> materialized.
+  // Other threads' flush points commit in between. So the count of a
+  // reserved block stays 0 (allocations skip it through this map) and is
+  // set in the transaction that publishes its pointer: a crash in between
+  // leaves a free block, not a leaked one. A group with reservations not
+  // materialized stays held (Sync does not hand it over; ForgetCachedLock
+  // refuses it); a wait that must give back every group materializes
+  // them first (count 1 now, as before reservations existed).
+  std::unordered_map<uint64_t, bool> reserved_ GUARDED_BY(mu_);
+  std::map<uint32_t, size_t> pins_ GUARDED_BY(mu_);  // group -> reservations not materialized
+  uint64_t reservations_materialized_ GUARDED_BY(mu_) = 0;  // since open (diagnostics)
   std::set<LockId> cached_locks_ GUARDED_BY(mu_);  // namespace and groups
   // Times the namespace lock left cached_locks_. Any thread's flush point
   // may hand it to another host while Create scans the inode table without

@@ -27,7 +27,10 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <catch2/catch.hpp>
+#include <chrono>
+#include <condition_variable>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -35,19 +38,23 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <random>
 #include <set>
 #include <sstream>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <unordered_map>
 #include <vector>
 
+#include "tests/fsck_problems.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
 
 using namespace dede;
+using dede::test::FsckProblems;
 
 namespace {
 
@@ -97,7 +104,7 @@ class CutDevice : public BlockDevice {
 
  private:
   BlockDevice* base_;
-  bool cut_ = false;
+  std::atomic<bool> cut_{false};  // writer threads may be mid-write when it dies
 };
 
 struct CFile {
@@ -823,14 +830,6 @@ struct SmallVolume {
   std::unique_ptr<Volume> vol;
 };
 
-std::string FsckProblems(Volume* vol) {
-  auto rep = CheckVolume(vol, false);
-  if (!rep.ok()) return "CheckVolume failed: " + rep.status().ToString();
-  std::string out;
-  for (const auto& p : rep->problems) out += "\n  " + p.where + ": " + p.what;
-  return out;
-}
-
 }  // namespace
 
 // Minimal repro: after a device write error, closing the second file (or
@@ -1161,4 +1160,380 @@ TEST_CASE("volume crash: a host that lost its disk does not expose stale metadat
   std::string problems = FsckProblems(v2.value().get());
   INFO("fsck:" << problems);
   CHECK(problems.empty());
+}
+
+namespace {
+
+// Holds every write whose first bytes are `mark` until Open(): a write
+// request parked in the middle of its device I/O (WriteData's phase 2).
+class GateDevice : public BlockDevice {
+ public:
+  GateDevice(BlockDevice* base, uint8_t mark) : base_(base), mark_(mark) {}
+  uint64_t size_bytes() const override { return base_->size_bytes(); }
+  Status Read(uint64_t offset, void* buf, size_t len) override {
+    return base_->Read(offset, buf, len);
+  }
+  Status Write(uint64_t offset, const void* buf, size_t len) override {
+    const auto* p = static_cast<const uint8_t*>(buf);
+    if (len >= 64 && std::all_of(p, p + 64, [&](uint8_t c) { return c == mark_; })) {
+      std::unique_lock<std::mutex> l(mu_);
+      held_++;
+      cv_.notify_all();
+      cv_.wait(l, [&] { return open_; });
+    }
+    return base_->Write(offset, buf, len);
+  }
+  Status Flush() override { return base_->Flush(); }
+  std::string name() const override { return "gate(" + base_->name() + ")"; }
+  // Waits until a marked write is parked (false after 10 s).
+  bool WaitHeld() {
+    std::unique_lock<std::mutex> l(mu_);
+    return cv_.wait_for(l, std::chrono::seconds(10), [&] { return held_ > 0; });
+  }
+  void Open() {
+    std::lock_guard<std::mutex> l(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+
+ private:
+  BlockDevice* base_;
+  const uint8_t mark_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  int held_ = 0;
+  bool open_ = false;
+};
+
+}  // namespace
+
+// A write allocates its blocks, then writes their data without the volume
+// mutex, then publishes the pointers. Another thread's flush point (the
+// Sync timer, a FUA) in between commits whatever the running transaction
+// holds; the host then dies before the pointers are committed. The blocks
+// must come back free: seen as "refcount 1 stored, 0 references found"
+// (three blocks, every byte 0x08) after the killed-host test.
+TEST_CASE("volume crash: a flush point during a write's data I/O, then a crash, leaks nothing",
+          "[crash][volume]") {
+  MemDevice base(64 << 20);
+  FaultDevice dev(&base);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  const std::vector<uint8_t> synced(kB, 0x77), inflight(3 * kB, 0x08);
+  {
+    CutDevice cut(&dev);
+    GateDevice gate(&cut, 0x08);
+    OpenOptions oo;
+    oo.locks = CrashLocks();
+    auto vol = Volume::Open(&gate, oo);
+    REQUIRE(vol.ok());
+    REQUIRE(vol.value()->Create("a", 1 << 20).ok());
+    auto a = vol.value()->OpenFile("a");
+    REQUIRE(a.ok());
+    REQUIRE(a.value()->Write(0, synced.data(), kB).ok());
+    REQUIRE(vol.value()->Sync().ok());
+    Status write_status;
+    std::thread writer(
+        [&] { write_status = a.value()->Write(64 * kB, inflight.data(), inflight.size()); });
+    const bool parked = gate.WaitHeld();
+    CHECK(parked);
+    // The flush point: it must not make the new blocks' counts durable.
+    const Volume::ReservationCounters during = vol.value()->reservation_counters();
+    CHECK(during.reserved_now == 3);
+    CHECK(vol.value()->Sync().ok());
+    cut.Cut();  // the host dies with the write's data I/O in flight
+    gate.Open();
+    writer.join();
+    INFO("the write, finishing on a dead device: " << write_status.ToString());
+    CHECK(vol.value()->reservation_counters().reserved_now == 0);
+    a.value().reset();
+    vol.value().reset();
+  }
+  std::mt19937_64 rng(1);
+  dev.Crash(rng, 0.0);  // every unflushed write is lost
+  OpenOptions oo;
+  oo.locks = CrashLocks();
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  {
+    auto a = vol.value()->OpenFile("a");
+    REQUIRE(a.ok());
+    std::vector<uint8_t> got(kB);
+    REQUIRE(a.value()->Read(0, got.data(), kB).ok());
+    bool synced_data_survived = got == synced;
+    CHECK(synced_data_survived);
+  }
+  std::string problems = FsckProblems(vol.value().get());
+  INFO("fsck after the crash:" << problems);
+  CHECK(problems.empty());
+}
+
+// The other way a group with reservations can be given back: a wait for a
+// lock another host holds gives back every cached lock first (no host may
+// wait holding what others wait for). The in-flight write's blocks are
+// then counted before their group goes (materialized), so the next holder
+// of the group cannot allocate them, and the write's publication does not
+// count them twice.
+TEST_CASE("volume: a wait that gives back a group with a write in flight counts its blocks first",
+          "[volume][multihost]") {
+  // Small groups (about 4 MiB) and two host shares: host 1 allocates
+  // from group 0 up, host 2 from the middle; host 2's big file below runs
+  // through its share into group 0, where host 1's write is in flight.
+  MemDevice base(128 << 20);
+  FormatOptions fo;
+  fo.max_hosts = 2;
+  fo.group_refblocks = 1;
+  REQUIRE(FormatVolume(&base, fo, false).ok());
+  const std::string lock_path =
+      "/tmp/dede-reserve-mh-" + std::to_string(getpid()) + "-" + std::to_string(rand());
+  auto lm1 = OpenLocalLockManager(lock_path);
+  auto lm2 = OpenLocalLockManager(lock_path);
+  ::unlink(lock_path.c_str());
+  REQUIRE(lm1.ok());
+  REQUIRE(lm2.ok());
+  OpenOptions o1, o2;
+  o1.locks = std::shared_ptr<LockManager>(std::move(lm1.value()));
+  o1.host_id = 1;
+  o2.locks = std::shared_ptr<LockManager>(std::move(lm2.value()));
+  o2.host_id = 2;
+  GateDevice gate(&base, 0x08);
+  auto v1 = Volume::Open(&gate, o1);
+  REQUIRE(v1.ok());
+  auto v2 = Volume::Open(&base, o2);
+  REQUIRE(v2.ok());
+  const std::vector<uint8_t> shared(kB, 0x33), inflight(3 * kB, 0x08), other(kB, 0x44);
+  REQUIRE(v1.value()->Create("a", 1 << 20).ok());
+  REQUIRE(v1.value()->Create("d", 1 << 20).ok());
+  REQUIRE(v2.value()->Create("b", 1 << 20).ok());
+  constexpr uint64_t kBigBlocks = (80ull << 20) / kB;
+  REQUIRE(v2.value()->Create("c", kBigBlocks * kB).ok());
+  {
+    auto b = v2.value()->OpenFile("b");
+    REQUIRE(b.ok());
+    REQUIRE(b.value()->Write(0, shared.data(), kB).ok());
+  }  // closing b hands host 2's groups back
+  auto c = v2.value()->OpenFile("c");
+  REQUIRE(c.ok());
+  REQUIRE(c.value()->Write(0, other.data(), kB).ok());  // host 2 holds its group again
+  REQUIRE(v2.value()->Sync().ok());
+  auto a = v1.value()->OpenFile("a");
+  auto d = v1.value()->OpenFile("d");
+  auto b = v1.value()->OpenFile("b");
+  REQUIRE(a.ok());
+  REQUIRE(d.ok());
+  REQUIRE(b.ok());
+  Status write_status, clone_status;
+  std::thread writer(
+      [&] { write_status = a.value()->Write(16 * kB, inflight.data(), inflight.size()); });
+  REQUIRE(gate.WaitHeld());
+  REQUIRE(v1.value()->reservation_counters().reserved_now == 3);
+  // b's block is in host 2's group: the clone's count increment waits for
+  // it, giving back host 1's groups first; host 2 hands its group over at
+  // its flush points.
+  std::atomic<bool> clone_done{false};
+  std::thread cloner([&] {
+    clone_status = v1.value()->CloneBlock(b.value().get(), 0, d.value().get(), 0);
+    clone_done = true;
+  });
+  for (int i = 0; i < 2000 && !clone_done; i++) {
+    REQUIRE(v2.value()->Sync().ok());
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  cloner.join();
+  INFO("clone: " << clone_status.ToString());
+  REQUIRE(clone_status.ok());
+  const Volume::ReservationCounters after_wait = v1.value()->reservation_counters();
+  CHECK(after_wait.materialized == 3);
+  CHECK(after_wait.reserved_now == 3);  // still in flight, now counted
+  // Host 2 fills its share and goes on into group 0 (host 1 gave it back)
+  // while the write is still in flight: it must not get the in-flight
+  // blocks.
+  const std::vector<uint8_t> chunk(256 * kB, 0x44);
+  for (uint64_t i = 0; i < kBigBlocks; i += 256) {
+    REQUIRE(c.value()->Write(i * kB, chunk.data(), chunk.size()).ok());
+  }
+  REQUIRE(v2.value()->Sync().ok());
+  gate.Open();
+  writer.join();
+  INFO("write: " << write_status.ToString());
+  REQUIRE(write_status.ok());
+  CHECK(v1.value()->reservation_counters().reserved_now == 0);
+  REQUIRE(v1.value()->Sync().ok());
+  std::vector<uint8_t> got(3 * kB);
+  REQUIRE(a.value()->Read(16 * kB, got.data(), got.size()).ok());
+  bool inflight_write_reads_back = got == inflight;
+  CHECK(inflight_write_reads_back);
+  got.resize(kB);
+  REQUIRE(d.value()->Read(0, got.data(), kB).ok());
+  bool clone_reads_back = got == shared;
+  CHECK(clone_reads_back);
+  std::vector<uint8_t> big(chunk.size());
+  for (uint64_t i = 0; i < kBigBlocks; i += 256) {
+    REQUIRE(c.value()->Read(i * kB, big.data(), big.size()).ok());
+    if (big != chunk) FAIL("host 2's file c changed near block " << i);
+  }
+  a.value().reset();
+  b.value().reset();
+  d.value().reset();
+  c.value().reset();
+  v2.value().reset();
+  o2.locks.reset();
+  std::string problems = FsckProblems(v1.value().get());
+  INFO("fsck:" << problems);
+  CHECK(problems.empty());
+}
+
+namespace {
+
+// Slows data writes a little (not metadata: the journal and home blocks
+// start with a block header), so a write's data I/O overlaps other
+// threads' flush points as it does on a real disk.
+class SlowDataDevice : public BlockDevice {
+ public:
+  explicit SlowDataDevice(BlockDevice* base) : base_(base) {}
+  uint64_t size_bytes() const override { return base_->size_bytes(); }
+  Status Read(uint64_t offset, void* buf, size_t len) override {
+    return base_->Read(offset, buf, len);
+  }
+  Status Write(uint64_t offset, const void* buf, size_t len) override {
+    if (len >= kSec && static_cast<const uint8_t*>(buf)[0] == 0xD5) {
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    return base_->Write(offset, buf, len);
+  }
+  Status Flush() override { return base_->Flush(); }
+  std::string name() const override { return "slow(" + base_->name() + ")"; }
+
+ private:
+  BlockDevice* base_;
+};
+
+// Every 512-byte sector a writer writes: 0xD5, then who wrote it (file,
+// block, version, sector), then a byte derived from those. A sector read
+// back after a crash must be all zeros or one of these, whole.
+void FillSector(uint8_t* s, uint64_t file, uint64_t block, uint64_t version, uint64_t sector) {
+  const uint64_t f[4] = {file, block, version, sector};
+  s[0] = 0xD5;
+  std::memcpy(s + 8, f, sizeof f);
+  const uint8_t fill = static_cast<uint8_t>(file * 31 + block * 7 + version * 3 + sector);
+  std::memset(s + 40, fill, kSec - 40);
+  std::memset(s + 1, fill, 7);
+}
+
+bool SectorWellFormed(const uint8_t* s) {
+  if (std::all_of(s, s + kSec, [](uint8_t c) { return c == 0; })) return true;
+  if (s[0] != 0xD5) return false;
+  uint64_t f[4];
+  std::memcpy(f, s + 8, sizeof f);
+  const uint8_t fill = static_cast<uint8_t>(f[0] * 31 + f[1] * 7 + f[2] * 3 + f[3]);
+  return std::all_of(s + 1, s + 8, [&](uint8_t c) { return c == fill; }) &&
+         std::all_of(s + 40, s + kSec, [&](uint8_t c) { return c == fill; });
+}
+
+}  // namespace
+
+// The whole class of "a flush point in the middle of another thread's
+// operation": writer threads allocate (new and copy-on-write blocks),
+// overwrite in place and clone between two files while a flush thread
+// calls Sync every millisecond; the process dies at a random moment and
+// the device loses or tears what was not flushed. After the replay fsck
+// must find every count equal to its references (nothing leaked, nothing
+// counted twice), and every sector must be zeros or one a writer wrote.
+TEST_CASE("volume crash: concurrent writers and flush points, crash at a random moment",
+          "[crash][volume]") {
+  for (uint64_t seed : CrashSeeds({11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22})) {
+    INFO("seed " << seed << " (reproduce: DEDE_SEED=" << seed << ")");
+    std::mt19937_64 rng(seed);
+    MemDevice base(64 << 20);
+    FaultDevice dev(&base);
+    REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+    constexpr uint64_t kFileBlocks = 512;
+    {
+      CutDevice cut(&dev);
+      SlowDataDevice slow(&cut);
+      OpenOptions oo;
+      oo.locks = CrashLocks();
+      auto vol = Volume::Open(&slow, oo);
+      REQUIRE(vol.ok());
+      std::vector<std::unique_ptr<File>> files;
+      for (int i = 0; i < 2; i++) {
+        const std::string name = "w" + std::to_string(i);
+        REQUIRE(vol.value()->Create(name, kFileBlocks * kB).ok());
+        auto f = vol.value()->OpenFile(name);
+        REQUIRE(f.ok());
+        files.push_back(std::move(f.value()));
+      }
+      std::atomic<bool> stop{false};
+      std::atomic<uint64_t> version{1}, writes{0}, clones{0}, syncs{0};
+      auto writer = [&](int t) {
+        std::mt19937_64 r(seed * 100 + t);
+        std::vector<uint8_t> buf;
+        while (!stop) {
+          File* f = files[t].get();
+          if (r() % 8 == 0) {
+            // Copy-on-write sources: the other file's block becomes shared.
+            File* src = files[1 - t].get();
+            (void)vol.value()->CloneBlock(src, r() % kFileBlocks, f, r() % kFileBlocks);
+            clones++;
+            continue;
+          }
+          const uint64_t n = 1 + r() % 24;
+          const uint64_t b0 = r() % (kFileBlocks - n);
+          const uint64_t v = version++;
+          buf.resize(n * kB);
+          for (uint64_t b = 0; b < n; b++) {
+            for (uint64_t s = 0; s < kB / kSec; s++) {
+              FillSector(buf.data() + b * kB + s * kSec, t, b0 + b, v, s);
+            }
+          }
+          if (!f->Write(b0 * kB, buf.data(), buf.size()).ok()) break;
+          writes++;
+        }
+      };
+      std::thread w0(writer, 0), w1(writer, 1);
+      std::thread flusher([&] {
+        while (!stop) {
+          if (!vol.value()->Sync().ok()) break;
+          syncs++;
+          std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        }
+      });
+      // A random point measured in completed writes, not time, so a slow
+      // machine (ASan, CI) cuts as far into the work as a fast one.
+      const uint64_t cut_after = 1 + rng() % 300;
+      const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+      while (writes.load() < cut_after && std::chrono::steady_clock::now() < give_up) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      cut.Cut();  // the process dies here; its threads go on into the void
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      stop = true;
+      w0.join();
+      w1.join();
+      flusher.join();
+      INFO(writes.load() << " writes, " << clones.load() << " clones, " << syncs.load()
+                         << " flush points");
+      CHECK(writes.load() > 0);
+      files.clear();
+      vol.value().reset();
+    }
+    dev.Crash(rng, std::vector<double>{0.0, 0.5, 1.0}[rng() % 3]);
+    OpenOptions oo;
+    oo.locks = CrashLocks();
+    auto vol = Volume::Open(&dev, oo);
+    REQUIRE(vol.ok());
+    std::string problems = FsckProblems(vol.value().get());
+    INFO("fsck after the crash:" << problems);
+    CHECK(problems.empty());
+    for (int i = 0; i < 2; i++) {
+      auto f = vol.value()->OpenFile("w" + std::to_string(i));
+      REQUIRE(f.ok());
+      std::vector<uint8_t> all(kFileBlocks * kB);
+      REQUIRE(f.value()->Read(0, all.data(), all.size()).ok());
+      for (uint64_t s = 0; s < all.size() / kSec; s++) {
+        if (!SectorWellFormed(all.data() + s * kSec)) {
+          FAIL("file w" << i << " sector " << s << " holds bytes no writer wrote");
+        }
+      }
+    }
+  }
 }

@@ -358,6 +358,13 @@ void PrintRest(const json& r) {
     }
     if (!parts.empty()) Line("drops", Join(parts, ", "));
   }
+  if (const json* res = Object(r, "write_reservations")) {
+    // Shown only when a wait had to count in-flight writes' blocks early:
+    // a crash right after can leave such blocks leaked (fsck --repair).
+    if (auto v = Uint(*res, "materialized"); v && *v > 0) {
+      Line("writes", std::to_string(*v) + " in-flight blocks counted early for a lock wait");
+    }
+  }
   if (auto v = Uint(r, "cow_copies")) {
     Line("cow", std::to_string(*v) + (*v == 1 ? " copy" : " copies") + " of shared blocks");
   }
