@@ -755,8 +755,11 @@ class Pass {
     ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
     const ShardRange guess = map.SlotFor(*p).range;
     RETURN_IF_ERROR(LockShard(ShardLockId(guess)));
+    const uint64_t start = clock_->NowNanos();
     Result<bool> done = ProcessUnderLock(p, guess, i);
     UnlockShard(ShardLockId(guess));
+    const uint64_t end = std::max(start, clock_->NowNanos());
+    stats_.AddShardSpan(start, end);
     return done;
   }
 

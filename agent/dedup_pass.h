@@ -27,12 +27,15 @@
 #pragma once
 
 #include <atomic>
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
 #include <set>
+#include <span>
 #include <string>
+#include <vector>
 
 #include "agent/export_table.h"
 #include "merge/merge_request.h"
@@ -175,6 +178,28 @@ struct DedupStats {
   uint64_t shards_deferred = 0;      // below the batching fraction
   uint64_t shards_split = 0;
   uint64_t shard_waits = 0;          // a shard was being updated elsewhere: waited
+  // Index update concurrency (issue 5: do more shards let more hosts
+  // update the index at once?). Every interval this pass held a shard
+  // lock to merge into, rewrite or split a shard, in wall-clock time (the
+  // pass's Clock::NowNanos), so the spans of several hosts' passes can be
+  // laid side by side; the first kMaxShardSpans are kept, all are summed.
+  // (A fixed array: the stats stay trivially copyable, the index bench
+  // hands them from a child process through shared memory.)
+  struct ShardSpan {
+    uint64_t start_ns = 0;
+    uint64_t end_ns = 0;
+  };
+  static constexpr size_t kMaxShardSpans = 256;
+  std::array<ShardSpan, kMaxShardSpans> shard_span_list{};
+  size_t shard_span_count = 0;
+  void AddShardSpan(uint64_t start_ns, uint64_t end_ns) {
+    shard_lock_ns += end_ns - start_ns;
+    if (shard_span_count < kMaxShardSpans) shard_span_list[shard_span_count++] = {start_ns, end_ns};
+  }
+  std::span<const ShardSpan> shard_spans() const {
+    return {shard_span_list.data(), shard_span_count};
+  }
+  uint64_t shard_lock_ns = 0;        // sum of every span's length
   uint64_t pending_records_written = 0;
   uint64_t pending_records_applied = 0;
   uint64_t entries_scanned = 0;      // old entries merge-scanned

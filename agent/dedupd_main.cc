@@ -16,6 +16,7 @@
 #include <memory>
 #include <mutex>
 #include <set>
+#include <sstream>
 
 #include "agent/control_server.h"
 #include "agent/dedup_pass.h"
@@ -503,6 +504,18 @@ int Run(const Config& cfg) {
                                        std::to_string(st->records_parked_at_stop) +
                                        " records parked for the next window"
                                  : "");
+    }
+    if (st.ok() && !st->shard_spans().empty()) {
+      // When this pass held shard locks (wall clock, ms since the epoch):
+      // laid beside other hosts' lines, how many index updates ran at once.
+      std::ostringstream spans;
+      for (const DedupStats::ShardSpan& sp : st->shard_spans()) {
+        spans << ' ' << sp.start_ns / 1000000 << '-' << sp.end_ns / 1000000;
+      }
+      LOG(kInfo) << "dedup pass " << passes << " shard updates: "
+                 << double(st->shard_lock_ns) / 1e9 << " s under shard locks, spans ms:"
+                 << spans.str()
+                 << (st->shard_spans().size() == DedupStats::kMaxShardSpans ? " ..." : "");
     }
     {
       std::lock_guard<std::mutex> l(pass_state.mu);

@@ -19,6 +19,7 @@
 // DEDE_BENCH_REPS (alternations of part 2 and runs of part 1 per host
 // count, default 2), DEDE_BENCH_SECONDS (fio runtime per phase, default 8),
 // DEDE_BENCH_SPLIT_AFTER (dedupd --split-after, default 1).
+#include <algorithm>
 #include <cstdio>
 #include <cstdlib>
 
@@ -89,6 +90,50 @@ nlohmann::json HeldBackAndWaits(const LockTotals& t) {
           {"merge_requests_held_back", t.merge_held_back},
           {"lock_waits", t.lock_waits},
           {"lock_wait_ms", t.lock_wait_ms}};
+}
+
+// Index update concurrency: the spans during which passes held shard
+// locks (dedupd's "dedup pass N shard updates: ... spans ms: a-b c-d ..."
+// lines; wall clock, all hosts on this machine's clock). `at_once_mean` is
+// the mean number of shard updates in progress while at least one was;
+// `at_once_max` the most at any instant. With one shard both are at most
+// 1 (its lock serialises the updates); more shards let them rise.
+nlohmann::json UpdateConcurrency(const std::string& logs) {
+  static const std::regex line(R"(shard updates: [0-9.e+-]+ s under shard locks, spans ms:([ 0-9-]*))");
+  static const std::regex span(R"((\d+)-(\d+))");
+  std::vector<std::pair<uint64_t, int>> edges;  // (ms, +1 start / -1 end)
+  double sum_ms = 0;
+  uint64_t spans = 0;
+  for (auto it = std::sregex_iterator(logs.begin(), logs.end(), line);
+       it != std::sregex_iterator(); ++it) {
+    const std::string list = (*it)[1];
+    for (auto s = std::sregex_iterator(list.begin(), list.end(), span);
+         s != std::sregex_iterator(); ++s) {
+      const uint64_t a = std::stoull((*s)[1]), b = std::stoull((*s)[2]);
+      if (b <= a) continue;  // shorter than the log's 1 ms resolution
+      edges.push_back({a, +1});
+      edges.push_back({b, -1});
+      sum_ms += double(b - a);
+      spans++;
+    }
+  }
+  // Ends before starts at the same instant: touching spans do not overlap.
+  std::sort(edges.begin(), edges.end(), [](const auto& x, const auto& y) {
+    return x.first != y.first ? x.first < y.first : x.second < y.second;
+  });
+  int now = 0, most = 0;
+  uint64_t busy_ms = 0, last = 0;
+  for (const auto& [t, d] : edges) {
+    if (now > 0) busy_ms += t - last;
+    now += d;
+    most = std::max(most, now);
+    last = t;
+  }
+  return {{"shard_updates", spans},
+          {"shard_update_seconds", sum_ms / 1e3},
+          {"index_busy_seconds", double(busy_ms) / 1e3},
+          {"updates_at_once_mean", busy_ms ? sum_ms / double(busy_ms) : 0.0},
+          {"updates_at_once_max", most}};
 }
 
 std::vector<uint64_t> VmIds(int h, int v, uint64_t blocks) {
@@ -178,6 +223,7 @@ TEST_CASE("bench: dedup pass over iSCSI with 1, 2 and 3 hosts", "[.][bench-multi
             {"shards_after", shards_after},
             {"shards_split", locks.splits},
             {"shard_waits", locks.waits},
+            {"index_updates", UpdateConcurrency(logs)},
             {"held_back_and_waits", HeldBackAndWaits(locks)}});
       for (int h = 1; h <= kHosts; h++) c.Stop(h);
     }
@@ -344,6 +390,7 @@ TEST_CASE("bench: index shards split as hosts update the index at once", "[.][be
           {"pass_overlap", pass_seconds / wall},
           {"lock_acquire_mean_ms", locks.acquired ? locks.acquire_ms / double(locks.acquired) : 0},
           {"lease_retries", locks.retries},
+          {"index_updates", UpdateConcurrency(logs)},
           {"held_back_and_waits", HeldBackAndWaits(locks)}});
   }
   for (int h = 1; h <= kHosts; h++) c.Stop(h);

@@ -271,13 +271,37 @@ class DedupModel {
     o.split_min_entries = 8;
     ModelAccess access(&files_);
     INFO("step " << step_ << ": dedup pass (force " << force << ")");
+    const uint64_t wall0 = Clock::Real()->NowNanos();
     Result<DedupStats> st = RunDedupPass(vol_.get(), &access, o);
     if (!st.ok()) FAIL("pass failed: " << st.status().ToString());
+    const uint64_t wall1 = Clock::Real()->NowNanos();
+    CheckShardSpans(*st, wall0, wall1);
     passes_++;
     splits_ += st->shards_split;
     shared_total_ += st->shared_new + st->shared_hits;
     CheckAllBytes();
     if (passes_ % 4 == 0) CheckFsck();
+  }
+
+  // The spans during which the pass held shard locks (the bench's index
+  // update concurrency): one per shard visit, so at least one per rewrite;
+  // inside the pass, in order, not overlapping each other (one pass
+  // updates one shard at a time), summing to shard_lock_ns.
+  static void CheckShardSpans(const DedupStats& st, uint64_t wall0, uint64_t wall1) {
+    REQUIRE(st.shard_spans().size() <= DedupStats::kMaxShardSpans);
+    if (st.shard_spans().size() < DedupStats::kMaxShardSpans) {
+      CHECK(st.shard_spans().size() >= st.shards_rewritten);
+    }
+    uint64_t sum = 0, prev_end = wall0;
+    for (const DedupStats::ShardSpan& sp : st.shard_spans()) {
+      CHECK(sp.start_ns >= prev_end);
+      CHECK(sp.end_ns >= sp.start_ns);
+      CHECK(sp.end_ns <= wall1);
+      sum += sp.end_ns - sp.start_ns;
+      prev_end = sp.end_ns;
+    }
+    if (st.shard_spans().size() < DedupStats::kMaxShardSpans) CHECK(sum == st.shard_lock_ns);
+    if (st.shards_rewritten > 0) CHECK(st.shard_lock_ns > 0);
   }
 
   void CheckAllBytes() {

@@ -72,6 +72,12 @@ json StatsJson(const DedupStats& s) {
   j["shards_deferred"] = s.shards_deferred;
   j["shards_split"] = s.shards_split;
   j["shard_waits"] = s.shard_waits;
+  j["shard_lock_seconds"] = double(s.shard_lock_ns) / 1e9;
+  {
+    json spans = json::array();
+    for (const DedupStats::ShardSpan& sp : s.shard_spans()) spans.push_back({sp.start_ns, sp.end_ns});
+    j["shard_spans_ns"] = std::move(spans);
+  }
   j["pending_records_written"] = s.pending_records_written;
   j["pending_records_applied"] = s.pending_records_applied;
   j["entries_scanned"] = s.entries_scanned;
