@@ -18,7 +18,7 @@
 // Environment: DEDE_BENCH_VM_MIB (size of each VM, default 16),
 // DEDE_BENCH_REPS (alternations of part 2 and runs of part 1 per host
 // count, default 2), DEDE_BENCH_SECONDS (fio runtime per phase, default 8),
-// DEDE_BENCH_SPLIT_AFTER (dedupd --split-after, default 1).
+// DEDE_BENCH_SPLIT_AFTER (dedupd --split-after in seconds, default 0.25).
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -153,7 +153,7 @@ std::vector<uint64_t> VmIds(int h, int v, uint64_t blocks) {
 TEST_CASE("bench: dedup pass over iSCSI with 1, 2 and 3 hosts", "[.][bench-multihost]") {
   const uint64_t vm_blocks = uint64_t(EnvNumber("DEDE_BENCH_VM_MIB", 16) * 256);
   const int reps = int(EnvNumber("DEDE_BENCH_REPS", 2));
-  const std::string split_after = std::to_string(EnvNumber("DEDE_BENCH_SPLIT_AFTER", 1));
+  const std::string split_after = std::to_string(EnvNumber("DEDE_BENCH_SPLIT_AFTER", 0.25));
   std::set<uint64_t> distinct;
   std::vector<std::vector<uint8_t>> images;
   for (int h = 1; h <= kHosts; h++) {
@@ -344,18 +344,26 @@ TEST_CASE("bench: VM writes on one host while the others run dedup passes",
 TEST_CASE("bench: index shards split as hosts update the index at once", "[.][bench-multihost]") {
   const uint64_t vm_blocks = uint64_t(EnvNumber("DEDE_BENCH_VM_MIB", 16) * 256);
   const int rounds = int(EnvNumber("DEDE_BENCH_SPLIT_ROUNDS", 6));
-  const std::string split_after = std::to_string(EnvNumber("DEDE_BENCH_SPLIT_AFTER", 1));
+  const std::string split_after = std::to_string(EnvNumber("DEDE_BENCH_SPLIT_AFTER", 0.25));
   Cluster c(2ull << 30);
   c.Format();
   c.StartAll({"--split-after", split_after, "--log-flush-interval", "3600"});
   std::set<uint64_t> distinct;
+  std::vector<std::string> running;
   for (int round = 1; round <= rounds; round++) {
-    // Every host brings a new VM (its own blocks plus the shared pool),
-    // then all three pass at once.
+    // Every host brings a new VM (its own blocks plus the shared pool) and
+    // keeps it running, as DeDe's hosts do: each host's pass merges the
+    // logs of the VMs it holds, so all three update the index at once
+    // (with the VMs off, the first pass to start would take every log and
+    // the others would find nothing to do), and entries naming another
+    // host's VM become merge requests.
     for (int h = 1; h <= kHosts; h++) {
       std::vector<uint64_t> ids = VmIds(h, 100 + round, vm_blocks);
       distinct.insert(ids.begin(), ids.end());
-      c.CreateAndWrite(h, "r" + std::to_string(round) + "-" + std::to_string(h), Image(ids));
+      const std::string name = "r" + std::to_string(round) + "-" + std::to_string(h);
+      c.CreateAndWrite(h, name, Image(ids));
+      c.PowerOn(h, name);
+      running.push_back(name);
     }
     std::vector<size_t> from(kHosts + 1);
     for (int h = 1; h <= kHosts; h++) from[h] = c.dedupd(h).Log().size();
@@ -393,6 +401,7 @@ TEST_CASE("bench: index shards split as hosts update the index at once", "[.][be
           {"index_updates", UpdateConcurrency(logs)},
           {"held_back_and_waits", HeldBackAndWaits(locks)}});
   }
+  for (const std::string& name : running) c.PowerOff(name);
   for (int h = 1; h <= kHosts; h++) c.Stop(h);
   c.FsckClean(1);
 }

@@ -74,6 +74,17 @@ std::shared_ptr<LockManager> CrashLocks() {
   return std::shared_ptr<LockManager>(std::move(lm.value()));
 }
 
+// The process died: the device loses (or, with keep > 0, keeps or tears)
+// what was not flushed, and the volume is opened again (journal replay).
+std::unique_ptr<Volume> CrashAndReopen(FaultDevice* dev, std::mt19937_64& rng, double keep) {
+  dev->Crash(rng, keep);
+  OpenOptions oo;
+  oo.locks = CrashLocks();
+  auto vol = Volume::Open(dev, oo);
+  REQUIRE(vol.ok());
+  return std::move(vol.value());
+}
+
 std::vector<uint64_t> CrashSeeds(std::vector<uint64_t> defaults) {
   const char* s = std::getenv("DEDE_SEED");
   if (s != nullptr && *s != '\0') return {std::strtoull(s, nullptr, 0)};
@@ -1079,12 +1090,8 @@ TEST_CASE("volume crash: Sync makes in-place overwrites durable", "[crash][volum
     vol.value().reset();
   }
   std::mt19937_64 rng(1);
-  dev.Crash(rng, 0.0);  // every unflushed write is lost
-  OpenOptions oo;
-  oo.locks = CrashLocks();
-  auto vol = Volume::Open(&dev, oo);
-  REQUIRE(vol.ok());
-  auto a = vol.value()->OpenFile("a");
+  auto vol = CrashAndReopen(&dev, rng, 0.0);  // every unflushed write is lost
+  auto a = vol->OpenFile("a");
   REQUIRE(a.ok());
   std::vector<uint8_t> got(kB);
   REQUIRE(a.value()->Read(0, got.data(), kB).ok());
@@ -1249,20 +1256,16 @@ TEST_CASE("volume crash: a flush point during a write's data I/O, then a crash, 
     vol.value().reset();
   }
   std::mt19937_64 rng(1);
-  dev.Crash(rng, 0.0);  // every unflushed write is lost
-  OpenOptions oo;
-  oo.locks = CrashLocks();
-  auto vol = Volume::Open(&dev, oo);
-  REQUIRE(vol.ok());
+  auto vol = CrashAndReopen(&dev, rng, 0.0);  // every unflushed write is lost
   {
-    auto a = vol.value()->OpenFile("a");
+    auto a = vol->OpenFile("a");
     REQUIRE(a.ok());
     std::vector<uint8_t> got(kB);
     REQUIRE(a.value()->Read(0, got.data(), kB).ok());
     bool synced_data_survived = got == synced;
     CHECK(synced_data_survived);
   }
-  std::string problems = FsckProblems(vol.value().get());
+  std::string problems = FsckProblems(vol.get());
   INFO("fsck after the crash:" << problems);
   CHECK(problems.empty());
 }
@@ -1516,16 +1519,12 @@ TEST_CASE("volume crash: concurrent writers and flush points, crash at a random 
       files.clear();
       vol.value().reset();
     }
-    dev.Crash(rng, std::vector<double>{0.0, 0.5, 1.0}[rng() % 3]);
-    OpenOptions oo;
-    oo.locks = CrashLocks();
-    auto vol = Volume::Open(&dev, oo);
-    REQUIRE(vol.ok());
-    std::string problems = FsckProblems(vol.value().get());
+    auto vol = CrashAndReopen(&dev, rng, std::vector<double>{0.0, 0.5, 1.0}[rng() % 3]);
+    std::string problems = FsckProblems(vol.get());
     INFO("fsck after the crash:" << problems);
     CHECK(problems.empty());
     for (int i = 0; i < 2; i++) {
-      auto f = vol.value()->OpenFile("w" + std::to_string(i));
+      auto f = vol->OpenFile("w" + std::to_string(i));
       REQUIRE(f.ok());
       std::vector<uint8_t> all(kFileBlocks * kB);
       REQUIRE(f.value()->Read(0, all.data(), all.size()).ok());
