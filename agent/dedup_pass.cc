@@ -1032,9 +1032,13 @@ class Pass {
                            }),
                recs.end());
 
-    const bool split = reader && slot.range.depth < kMaxShardDepth &&
-                       reader->header().update_ns > opts_.split_threshold_ms * 1'000'000ull &&
-                       entries >= opts_.split_min_entries;
+    bool split = reader && slot.range.depth < kMaxShardDepth &&
+                 reader->header().update_ns > opts_.split_threshold_ms * 1'000'000ull &&
+                 entries >= opts_.split_min_entries;
+    if (split) {
+      ASSIGN_OR_RETURN(split, SplitGroupsReady(cur.get(), slot));
+      if (!split) stats_.splits_deferred_busy++;
+    }
     const uint64_t new_version = slot.version + 1;
     std::vector<ShardRange> outs;
     if (split) {
@@ -1053,6 +1057,46 @@ class Pass {
     if (split) UnlockShard(ShardLockId(outs[1]));
     RETURN_IF_ERROR(st);
     return true;
+  }
+
+  // A split moves the references of the upper half's arena blocks to a
+  // new arena (CloneBlock: a count increment in each block's allocation
+  // group), and a clone never waits for another host here (issue 5): the
+  // groups of the current version's upper-half Shared entries are taken
+  // first, without waiting. False when one is held elsewhere: the shard is
+  // rewritten unsplit this time and splits at a later update (its update
+  // still takes too long), by when the holder has handed the group over
+  // (TakeBlockGroup announced the want) and one of our flush points took
+  // it. The blocks the rewrite itself makes Shared are in groups it has
+  // just taken. (A flush point that hands a group over between this check
+  // and the clone still makes that clone wait, bounded, as before.)
+  Result<bool> SplitGroupsReady(File* cur, const ShardSlot& slot) {
+    Result<std::unique_ptr<File>> arena = RetryWhileReaderHolds(
+        [&] { return vol_->OpenFile(ArenaFileName(slot.range.lo)); });
+    if (!arena.ok() && arena.status().code() == Status::Code::kNotFound) return true;
+    if (!arena.ok()) return arena.status();
+    ASSIGN_OR_RETURN(std::unique_ptr<ShardReader> reader,
+                     ShardReader::Open(cur, uuid_, "index shard " + slot.range.ToString()));
+    const ShardRange upper = slot.range.Upper();
+    bool ready = true;
+    uint64_t busy = 0, scanned = 0;
+    IndexEntry en;
+    while (true) {
+      ASSIGN_OR_RETURN(const bool more, reader->Next(&en));
+      if (!more) break;
+      if ((++scanned & 1023) == 0) SettleIo();
+      if (en.kind != EntryKind::kShared || !upper.Contains(KeyPrefix(en.fp))) continue;
+      Status st = (*arena)->TakeBlockGroup(en.arena);
+      if (st.code() == Status::Code::kLocked) {
+        ready = false;
+        // Each busy group is announced once; a few are enough to know
+        // (and every announcement is a lock operation).
+        if (++busy >= 8) break;
+        continue;
+      }
+      RETURN_IF_ERROR(st);
+    }
+    return ready;
   }
 
   // After a shard update's new version is durable: retires the old version

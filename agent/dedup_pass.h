@@ -177,6 +177,9 @@ struct DedupStats {
   uint64_t shards_rewritten = 0;
   uint64_t shards_deferred = 0;      // below the batching fraction
   uint64_t shards_split = 0;
+  // Splits put off to a later update: an allocation group of an arena
+  // block the upper half would move was held elsewhere (never waited for).
+  uint64_t splits_deferred_busy = 0;
   uint64_t shard_waits = 0;          // a shard was being updated elsewhere: waited
   // Index update concurrency (issue 5: do more shards let more hosts
   // update the index at once?). Every interval this pass held a shard

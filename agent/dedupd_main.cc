@@ -495,6 +495,7 @@ int Run(const Config& cfg) {
                  << " records parked (allocation group busy elsewhere; " << st->shards_revisited
                  << " shards revisited), " << st->gc_checks_busy
                  << " garbage checks left for later (group busy), "
+                 << st->splits_deferred_busy << " splits deferred (group busy), "
                  << st->shards_rewritten
                  << " shards rewritten (" << st->shards_split << " split, " << st->shard_waits
                  << " waits) in " << double(st->total_ns) / 1e9 << " s; "

@@ -127,6 +127,10 @@ class FileImpl : public File {
     ReaderLock l(&st_->rw);
     return vol_->RefCountAt(st_.get(), index, /*may_wait=*/false);
   }
+  Status TakeBlockGroup(uint64_t index) override {
+    ReaderLock l(&st_->rw);
+    return vol_->TakeGroupOfBlock(st_.get(), index);
+  }
   Status Punch(uint64_t index) override {
     WriterLock l(&st_->rw);
     return vol_->PunchBlock(st_.get(), index);
@@ -2250,6 +2254,29 @@ Result<uint32_t> VolumeImpl::RefCountAt(OpenFileState* f, uint64_t index, bool m
     }
   }
   return GetRef(addr);
+}
+
+Status VolumeImpl::TakeGroupOfBlock(OpenFileState* f, uint64_t index) {
+  MutexLock l(&mu_);
+  if (read_only_) return Status::Ok();  // no group is ever taken
+  ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+  ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, index));
+  if (p == 0) return Status::Ok();
+  const uint64_t addr = PtrAddr(p);
+  uint32_t g;
+  if (!GroupOf(addr, &g)) {
+    return Status::Corruption("block pointer " + std::to_string(addr) + " of '" + in.name +
+                              "' is outside the data area");
+  }
+  if (cached_locks_.count(GroupLock(g))) return Status::Ok();
+  GroupTry got = GroupTry::kBusy;
+  if (!LooksBusy(g)) {
+    ASSIGN_OR_RETURN(got, TryTakeGroup(g));
+  }
+  if (got == GroupTry::kTaken) return Status::Ok();
+  AnnounceWant(g);
+  return Status::Locked("allocation group " + std::to_string(g) + " of block " +
+                        std::to_string(addr) + " is held by another process or host");
 }
 
 Result<FileUsage> VolumeImpl::UsageOf(OpenFileState* f) {

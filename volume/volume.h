@@ -163,6 +163,14 @@ class File {
   // when the block's allocation group is held elsewhere (nothing is
   // announced: the caller can do without the answer until later).
   virtual Result<uint32_t> TryBlockRefCount(uint64_t index) = 0;
+  // Takes, without waiting, the allocation group of the physical block
+  // behind block `index`, for work that must not wait for it later (a
+  // split's moves of arena references): Ok when this process holds it now
+  // (or the block is a hole); kLocked when another process or host holds
+  // it, and then the want is announced (as for a held-back increment,
+  // docs/LOCKING.md "Increments without waiting"), so the holder hands the
+  // group over at its next flush point and one of ours takes it.
+  virtual Status TakeBlockGroup(uint64_t index) = 0;
   // Drop this file's reference to block `index` (it becomes a hole).
   virtual Status Punch(uint64_t index) = 0;
   virtual Result<FileUsage> Usage() = 0;

@@ -96,6 +96,7 @@ class VolumeImpl : public Volume {
   Status SetFlag(OpenFileState* f, uint32_t flag, bool on) EXCLUDES(mu_);
   // may_wait false: kLocked when the block's group is held elsewhere.
   Result<uint32_t> RefCountAt(OpenFileState* f, uint64_t index, bool may_wait) EXCLUDES(mu_);
+  Status TakeGroupOfBlock(OpenFileState* f, uint64_t index) EXCLUDES(mu_);
   Status PunchBlock(OpenFileState* f, uint64_t index) EXCLUDES(mu_);
   Result<FileUsage> UsageOf(OpenFileState* f) EXCLUDES(mu_);
   Result<Inode> InodeOf(OpenFileState* f) EXCLUDES(mu_);

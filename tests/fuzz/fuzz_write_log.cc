@@ -183,6 +183,7 @@ class MemFile : public File {
   uint64_t cow_copies() override { return 0; }
   Result<uint32_t> BlockRefCount(uint64_t) override { return uint32_t{1}; }
   Result<uint32_t> TryBlockRefCount(uint64_t) override { return uint32_t{1}; }
+  Status TakeBlockGroup(uint64_t) override { return Status::Ok(); }
   Status Punch(uint64_t) override { return Status::Invalid("read-only"); }
   Result<FileUsage> Usage() override { return FileUsage{}; }
   Result<bool> WantedElsewhere() override { return false; }

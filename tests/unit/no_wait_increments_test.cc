@@ -670,3 +670,66 @@ TEST_CASE("a dedup pass revisits the shard whose records waited for a busy group
   h.v2.reset();
   RequireFsckClean(h.v1.get());
 }
+
+TEST_CASE("a shard split whose arena blocks are in a group another host holds is put off and not waited for",
+          "[dedup][nowait]") {
+  Hosts h;
+  WriteMonitorOptions mo;
+  mo.algo = h.v1->superblock().hash_algo;
+  WriteMonitor monitor(mo);
+  // Host 2 writes x and y (group 1) with 64 contents in common; host 1's
+  // pass shares them through the arena: 64 Shared entries whose arena
+  // blocks are in group 1, about half of them in the upper half of the
+  // shard's key range (the half a split moves to a new arena).
+  std::vector<uint64_t> common;
+  for (uint64_t i = 0; i < 64; i++) common.push_back(100 + i);
+  Hosts::Make(h.v2.get(), "x", common, &monitor);
+  Hosts::Make(h.v2.get(), "y", common, &monitor);
+  DedupOptions opts;
+  opts.force = true;
+  opts.split_min_entries = 8;
+  opts.split_threshold_ms = 1'000'000;  // no split yet
+  auto pass = [&](const char* what) {
+    double took = 0;
+    Result<DedupStats> st = TimedPass(h.v1.get(), opts, &took);
+    INFO(what << ": " << st.status().ToString() << " in " << took << " s");
+    REQUIRE(st.ok());
+    CHECK(took < 5.0);  // a clone waiting for group 1 would take lock_wait_s (60 s)
+    REQUIRE(h.v1->Sync().ok());
+    return *st;
+  };
+  const DedupStats first = pass("first pass");
+  REQUIRE(first.shared_new == 64);
+  REQUIRE(first.shards_split == 0);
+  // New records for the shard (host 1's own file, group 0), so the next
+  // pass rewrites it; every update now "took too long".
+  Hosts::Make(h.v1.get(), "z", {500, 501, 502, 503}, &monitor);
+  opts.split_threshold_ms = 0;
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();  // host 2 keeps group 1
+  const DedupStats busy = pass("pass while host 2 holds group 1");
+  CHECK(busy.splits_deferred_busy == 1);
+  CHECK(busy.shards_split == 0);
+  CHECK(busy.shards_rewritten >= 1);  // rewritten unsplit
+  CHECK(h.Announced(1));              // host 2 will hand it over
+  // Host 2's flush point hands group 1 over; host 1's takes it.
+  REQUIRE(h.v2->Sync().ok());
+  PastBusyMemo();
+  REQUIRE(h.v1->Sync().ok());
+  CHECK_FALSE(h.Announced(1));
+  Hosts::Make(h.v1.get(), "w", {600, 601}, &monitor);
+  const DedupStats later = pass("pass after the hand-over");
+  CHECK(later.splits_deferred_busy == 0);
+  CHECK(later.shards_split == 1);
+  {
+    auto x = OpenOn(h.v1.get(), "x");
+    auto y = OpenOn(h.v1.get(), "y");
+    for (uint64_t b = 0; b < common.size(); b++) {
+      CHECK(ReadBlock(x.get(), b) == Content(common[b]));
+      CHECK(ReadBlock(y.get(), b) == Content(common[b]));
+      CHECK(Refs(x.get(), b) == 3);  // x, y and one arena (moved, not doubled)
+    }
+  }
+  hf.reset();
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
+}

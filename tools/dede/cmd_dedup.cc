@@ -71,6 +71,7 @@ json StatsJson(const DedupStats& s) {
   j["shards_rewritten"] = s.shards_rewritten;
   j["shards_deferred"] = s.shards_deferred;
   j["shards_split"] = s.shards_split;
+  j["splits_deferred_busy"] = s.splits_deferred_busy;
   j["shard_waits"] = s.shard_waits;
   j["shard_lock_seconds"] = double(s.shard_lock_ns) / 1e9;
   {
@@ -231,6 +232,9 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
             << s.shards_revisited << " shard revisits)"
             << "\n  shards              " << s.shards_rewritten << " rewritten, "
             << s.shards_deferred << " deferred, " << s.shards_split << " split"
+            << (s.splits_deferred_busy
+                    ? " (" + std::to_string(s.splits_deferred_busy) + " put off: group busy)"
+                    : std::string())
             << "\n  time                " << HumanDuration(double(s.total_ns) / 1e9) << std::endl;
   return kExitOk;
 }
