@@ -8,6 +8,7 @@
 #include <functional>
 #include <thread>
 
+#include "util/log.h"
 #include "volume/fsck.h"
 #include "volume/lock_watch.h"
 #include "volume/volume_impl.h"
@@ -758,11 +759,20 @@ Status VolumeImpl::WaitLock(LockId id) {
   }
   if (announced) (void)locks_->Release(want);
   if (blocked_announced) (void)locks_->Release(blocked);
+  const auto waited = std::chrono::steady_clock::now() - start;
   lock_waits_++;
   lock_wait_ns_ += static_cast<uint64_t>(
-      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
-          .count());
+      std::chrono::duration_cast<std::chrono::nanoseconds>(waited).count());
   if (st.code() == Status::Code::kLocked) lock_wait_timeouts_++;
+  // Which lock a long wait was for (wait_counters() only counts them): an
+  // operator, or the multihost bench, can tell an allocation's wait for a
+  // group from a create's wait for the namespace.
+  if (waited >= kLogWaitsFrom) {
+    LOG(kInfo) << "volume: waited "
+               << std::chrono::duration_cast<std::chrono::milliseconds>(waited).count()
+               << " ms for " << id.ToString() << " held by another process or host"
+               << (st.ok() ? "" : " (" + st.ToString() + ")");
+  }
   return st;
 }
 

@@ -410,6 +410,8 @@ class VolumeImpl : public Volume {
   // before this wait began (no queue on the disk: this is what keeps a
   // waiter that backed off from losing every hand-over to newcomers).
   static constexpr std::chrono::milliseconds kDeferToEarlierWaiters{200};
+  // WaitLock logs which lock a wait this long was for.
+  static constexpr std::chrono::milliseconds kLogWaitsFrom{100};
   std::map<uint64_t, OpenFileState*> open_ GUARDED_BY(mu_);  // by inode number
   struct GroupCursor {
     uint64_t data = 0;  // next data index to try (upwards)
