@@ -20,6 +20,7 @@
 // count, default 2), DEDE_BENCH_SECONDS (fio runtime per phase, default 8),
 // DEDE_BENCH_SPLIT_AFTER (dedupd --split-after in seconds, default 0.25).
 #include <algorithm>
+#include <map>
 #include <cstdio>
 #include <cstdlib>
 
@@ -56,6 +57,10 @@ struct LockTotals {
   uint64_t merge_held_back = 0;
   uint64_t lock_waits = 0;
   double lock_wait_ms = 0;
+  uint64_t splits_deferred = 0;  // put off: a group of the upper half's arena blocks was busy
+  // The waits of 100 ms or more, by the kind of lock waited for (the
+  // volume's "waited N ms for <lock>" lines): count and ms.
+  std::map<std::string, std::pair<uint64_t, double>> long_waits;
 };
 
 void AddLockStats(const std::string& log, LockTotals* t) {
@@ -73,6 +78,15 @@ void AddLockStats(const std::string& log, LockTotals* t) {
   t->parked_busy += LogSum(log, R"((\d+) records parked \(allocation group busy)");
   t->gc_checks_busy += LogSum(log, R"((\d+) garbage checks left for later)");
   t->merge_held_back += LogSum(log, R"((\d+) held back \(allocation group busy)");
+  t->splits_deferred += LogSum(log, R"((\d+) splits deferred \(group busy\))");
+  static const std::regex waited(
+      R"(volume: waited (\d+) ms for (allocation group|namespace|inode|index shard|recovery))");
+  for (auto it = std::sregex_iterator(log.begin(), log.end(), waited);
+       it != std::sregex_iterator(); ++it) {
+    auto& [n, ms] = t->long_waits[(*it)[2]];
+    n++;
+    ms += std::stod((*it)[1]);
+  }
   static const std::regex waits(
       R"(waits: (\d+) for locks held by other processes or hosts, ([0-9.e+-]+) ms in all)");
   for (auto it = std::sregex_iterator(log.begin(), log.end(), waits);
@@ -85,11 +99,15 @@ void AddLockStats(const std::string& log, LockTotals* t) {
 // What the passes held back or left for later instead of waiting for
 // another host, and the waits that remain.
 nlohmann::json HeldBackAndWaits(const LockTotals& t) {
+  nlohmann::json long_waits = nlohmann::json::object();
+  for (const auto& [lock, w] : t.long_waits) long_waits[lock] = {{"waits", w.first}, {"ms", w.second}};
   return {{"records_parked_busy", t.parked_busy},
           {"gc_checks_busy", t.gc_checks_busy},
           {"merge_requests_held_back", t.merge_held_back},
+          {"splits_deferred_busy", t.splits_deferred},
           {"lock_waits", t.lock_waits},
-          {"lock_wait_ms", t.lock_wait_ms}};
+          {"lock_wait_ms", t.lock_wait_ms},
+          {"long_waits_by_lock", long_waits}};
 }
 
 // Index update concurrency: the spans during which passes held shard
