@@ -500,9 +500,13 @@ bool WriteMonitor::SkipForFullLog(FileBuffer* fb, uint64_t blocks) {
   if (!fb->log_full.load(std::memory_order_relaxed)) return false;
   MutexLock l(&fb->mu);
   if (!fb->log_full.load(std::memory_order_relaxed)) return false;  // a pass took the log
+  CountUnrecorded(fb, blocks);
+  return true;
+}
+
+void WriteMonitor::CountUnrecorded(FileBuffer* fb, uint64_t blocks) {
   fb->unrecorded.fetch_add(blocks, std::memory_order_relaxed);
   unrecorded_blocks_.fetch_add(blocks, std::memory_order_relaxed);
-  return true;
 }
 
 void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t len) {
@@ -566,13 +570,16 @@ void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed
   hashed_blocks_.fetch_add(hashed, std::memory_order_relaxed);
   const uint64_t charge = n * kOpBytes;
   if (!Reserve(charge)) {
-    AppendAtCap(fb, ops, n);
+    AppendAtCap(fb, ops, n, hashed);
     return;
   }
   bool coalesce;
   {
     MutexLock l(&fb->mu);
     if (fb->removed || !fb->Recording()) {
+      // Paused for its full log after these blocks were hashed: they are
+      // written without a record, like the writes SkipForFullLog turns away.
+      if (!fb->removed && fb->dedup.load(std::memory_order_relaxed)) CountUnrecorded(fb, hashed);
       Release(charge);
       return;
     }
@@ -643,10 +650,13 @@ void WriteMonitor::CoalesceOutsideLock(FileBuffer* fb) {
   fb->Recharge(&buffered_bytes_);
 }
 
-void WriteMonitor::AppendAtCap(FileBuffer* fb, const Op* ops, size_t n) {
+void WriteMonitor::AppendAtCap(FileBuffer* fb, const Op* ops, size_t n, size_t hashed) {
   MutexLock restructure(&fb->restructure_mu);
   MutexLock l(&fb->mu);
-  if (fb->removed || !fb->Recording()) return;
+  if (fb->removed || !fb->Recording()) {
+    if (!fb->removed && fb->dedup.load(std::memory_order_relaxed)) CountUnrecorded(fb, hashed);
+    return;
+  }
   // At the cap. Coalesce first: afterwards ops apply straight to the state
   // (in call order, as `ops` is empty), so a rewrite of a buffered block
   // costs nothing and only growth needs room.

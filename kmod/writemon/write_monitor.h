@@ -202,7 +202,7 @@ class WriteMonitor {
   // applied one by one to the coalesced state, shed when there is no room).
   void Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed);
   // Append's path once the cap is reached. Takes fb's restructure_mu.
-  void AppendAtCap(FileBuffer* fb, const Op* ops, size_t n);
+  void AppendAtCap(FileBuffer* fb, const Op* ops, size_t n, size_t hashed);
   // Coalesces fb's ops (a sort when they are all records, else into the
   // tree) with fb's mu released, so writes keep appending. The caller holds
   // fb's restructure_mu (not annotated: FileBuffer is defined in the .cc).
@@ -213,6 +213,10 @@ class WriteMonitor {
   // True (and the write counted as unrecorded) when the file is paused for
   // its full log; checked again under the file's mutex before skipping.
   bool SkipForFullLog(FileBuffer* fb, uint64_t blocks);
+  // Counts `blocks` written to `fb` without a record (its log is full).
+  // The caller holds fb's mu (not annotated: FileBuffer is defined in the
+  // .cc), so LogTaken happens-after the write it counts.
+  void CountUnrecorded(FileBuffer* fb, uint64_t blocks);
   // Charges `bytes` to the shared budget if it stays within the cap.
   bool Reserve(uint64_t bytes);
   void Release(uint64_t bytes);

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <catch2/catch.hpp>
+#include <functional>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -315,6 +316,45 @@ TEST_CASE("writemon: a file whose log is full is not hashed until a pass takes t
     m.OnWrite(kF, 0, a.data(), kB);
     CHECK(Records(m.Take(kF)).size() == 1);
   }
+}
+
+namespace {
+
+// A clock that runs `hook` once, the next time the monitor reads it. The
+// write path reads the clock after its full-log check and before it
+// hashes and appends, so the hook lands a pause exactly in that window.
+class HookClock : public Clock {
+ public:
+  uint64_t NowNanos() override {
+    std::function<void()> h = std::move(hook);
+    hook = nullptr;
+    if (h) h();
+    return now;
+  }
+  uint64_t MonotonicNanos() override { return now; }
+  std::function<void()> hook;
+  uint64_t now = 1'000'000'000;
+};
+
+}  // namespace
+
+TEST_CASE("writemon: blocks hashed as their file is paused for a full log count as unrecorded",
+          "[writemon]") {
+  HookClock clock;
+  WriteMonitorOptions o;
+  o.clock = &clock;
+  SECTION("under the memory cap") {}
+  SECTION("at the memory cap") { o.memory_cap_bytes = 1; }
+  WriteMonitor m(o);
+  m.AddFile(kF, true);
+  const std::vector<uint8_t> a = Data(4 * kB, 3);
+  clock.hook = [&] { m.PauseForFullLog(kF, m.LogEpoch(kF)); };
+  m.OnWrite(kF, 0, a.data(), a.size());
+  REQUIRE(m.FileStats(kF).log_full);
+  CHECK(m.FileStats(kF).hashed_blocks == 4);
+  CHECK(m.FileStats(kF).unrecorded_blocks == 4);  // written, and no record of them anywhere
+  CHECK(m.Stats().unrecorded_blocks == 4);
+  CHECK(m.Take(kF).empty());
 }
 
 TEST_CASE("writemon: the memory cap sheds records and marks the file", "[writemon]") {
