@@ -61,6 +61,7 @@
 #include "volume/mem_device.h"
 #include "volume/volume.h"
 
+#include "tools/bench/bench_env.h"
 #include "tools/bench/bench_util.h"
 
 namespace dede::bench {
@@ -547,55 +548,6 @@ int Fail(const Status& st) {
   return kExitError;
 }
 
-std::string FsTypeName(int64_t magic) {
-  switch (static_cast<uint64_t>(magic)) {
-    case 0xEF53:
-      return "ext2/3/4";
-    case 0x58465342:
-      return "xfs";
-    case 0x01021994:
-      return "tmpfs";
-    case 0x9123683E:
-      return "btrfs";
-    case 0x794c7630:
-      return "overlayfs";
-    default: {
-      char buf[32];
-      std::snprintf(buf, sizeof buf, "0x%" PRIx64, static_cast<uint64_t>(magic));
-      return buf;
-    }
-  }
-}
-
-json Machine() {
-  json m;
-  m["nproc"] = ::sysconf(_SC_NPROCESSORS_ONLN);
-  struct sysinfo si {};
-  if (::sysinfo(&si) == 0) m["memory_bytes"] = uint64_t{si.totalram} * si.mem_unit;
-  struct utsname u {};
-  if (::uname(&u) == 0) {
-    m["kernel"] = u.release;
-    m["arch"] = u.machine;
-  }
-  double load[3];
-  if (::getloadavg(load, 3) == 3) m["loadavg_at_start"] = {load[0], load[1], load[2]};
-  return m;
-}
-
-// The device file, removed by the signal handler too (Ctrl-C).
-char g_device_path[4096];
-extern "C" void OnSignal(int sig) {
-  if (g_device_path[0]) ::unlink(g_device_path);
-  ::_exit(128 + sig);
-}
-
-// Removes the device file on every way out of Main.
-struct FileRemover {
-  std::string path;
-  ~FileRemover() {
-    if (!path.empty()) ::unlink(path.c_str());
-  }
-};
 
 void PrintPass(const char* what, int rep, const PassRun& p) {
   const DedupStats& s = p.r.stats;
@@ -695,43 +647,23 @@ int Main(int argc, char** argv) {
       std::max<uint64_t>(1280 * kMiB, (data + data / 16 + 128 * kMiB + kMiB - 1) / kMiB * kMiB);
 
   // ---- device
-  std::string tmpl = a.dir + "/dede-bench-index.XXXXXX";
-  std::vector<char> path(tmpl.begin(), tmpl.end());
-  path.push_back('\0');
-  int tfd = ::mkstemp(path.data());
-  if (tfd < 0) return Fail(Status::FromErrno("mkstemp " + tmpl, errno));
-  FileRemover remover{path.data()};
-  std::snprintf(g_device_path, sizeof g_device_path, "%s", path.data());
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
-  std::string fs_type;
-  {
-    struct statfs sf {};
-    if (::fstatfs(tfd, &sf) == 0) fs_type = FsTypeName(sf.f_type);
-  }
-  if (::ftruncate(tfd, off_t(dev_bytes)) != 0) {
-    ::close(tfd);
-    return Fail(Status::FromErrno("ftruncate " + std::string(path.data()), errno));
-  }
-  ::close(tfd);
-  bool direct = false;
-  {
-    int fd = ::open(path.data(), O_RDONLY | O_DIRECT | O_CLOEXEC);
-    direct = fd >= 0;
-    if (fd >= 0) ::close(fd);
-  }
-  auto opened = OpenBlockDevice(path.data(), DeviceOptions{});
+  auto scratch = ScratchFile::Create(a.dir + "/dede-bench-index.XXXXXX", dev_bytes);
+  if (!scratch.ok()) return Fail(scratch.status());
+  const std::string& path = (*scratch)->path();
+  const std::string& fs_type = (*scratch)->fs_type();
+  const bool direct = (*scratch)->o_direct();
+  auto opened = OpenBlockDevice(path, DeviceOptions{});
   if (!opened.ok()) return Fail(opened.status());
   std::unique_ptr<BlockDevice> raw = std::move(opened.value());
   CountingDevice dev(raw.get());
 
   json out;
-  out["machine"] = Machine();
-  out["device"] = {{"path", path.data()}, {"bytes", dev_bytes}, {"o_direct", direct},
+  out["machine"] = MachineJson();
+  out["device"] = {{"path", path}, {"bytes", dev_bytes}, {"o_direct", direct},
                    {"file_system", fs_type}};
   out["args"] = {{"entries", a.entries}, {"blocks", a.blocks},     {"few", a.few},
                  {"reps", a.reps},       {"pass_reps", a.pass_reps}};
-  std::printf("device   %s (%" PRIu64 " MiB sparse file, %s, %s)\n", path.data(),
+  std::printf("device   %s (%" PRIu64 " MiB sparse file, %s, %s)\n", path.c_str(),
               dev_bytes / kMiB, fs_type.c_str(),
               direct ? "O_DIRECT" : "buffered: O_DIRECT refused -- numbers measure the page cache");
   std::printf("params   entries %" PRIu64 " (%" PRIu64 " MiB shard, %u entries/block), blocks %" PRIu64

@@ -62,6 +62,7 @@
 #include "agent/io_throttle.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
+#include "tools/bench/bench_env.h"
 #include "tools/bench/bench_util.h"
 #include "util/io_budget.h"
 #include "volume/block_device.h"
@@ -450,55 +451,6 @@ int Fail(const Status& st) {
   return kExitError;
 }
 
-std::string FsTypeName(int64_t magic) {
-  switch (static_cast<uint64_t>(magic)) {
-    case 0xEF53:
-      return "ext2/3/4";
-    case 0x58465342:
-      return "xfs";
-    case 0x01021994:
-      return "tmpfs";
-    case 0x9123683E:
-      return "btrfs";
-    case 0x794c7630:
-      return "overlayfs";
-    default: {
-      char buf[32];
-      std::snprintf(buf, sizeof buf, "0x%" PRIx64, static_cast<uint64_t>(magic));
-      return buf;
-    }
-  }
-}
-
-json Machine() {
-  json m;
-  m["nproc"] = ::sysconf(_SC_NPROCESSORS_ONLN);
-  struct sysinfo si {};
-  if (::sysinfo(&si) == 0) m["memory_bytes"] = uint64_t{si.totalram} * si.mem_unit;
-  struct utsname u {};
-  if (::uname(&u) == 0) {
-    m["kernel"] = u.release;
-    m["arch"] = u.machine;
-  }
-  double load[3];
-  if (::getloadavg(load, 3) == 3) m["loadavg_at_start"] = {load[0], load[1], load[2]};
-  return m;
-}
-
-// The device file, removed by the signal handler too (Ctrl-C).
-char g_device_path[4096];
-extern "C" void OnSignal(int sig) {
-  if (g_device_path[0]) ::unlink(g_device_path);
-  ::_exit(128 + sig);
-}
-
-// Removes the device file on every way out of Main.
-struct FileRemover {
-  std::string path;
-  ~FileRemover() {
-    if (!path.empty()) ::unlink(path.c_str());
-  }
-};
 
 // "10,25,12.5" MB/s -> bytes/s; empty on a bad list.
 std::vector<uint64_t> ParseRates(const std::string& s, bool* ok) {
@@ -585,40 +537,20 @@ int Main(int argc, char** argv) {
       std::max<uint64_t>(1280 * kMiB, (data + data / 8 + 192 * kMiB + kMiB - 1) / kMiB * kMiB);
 
   // ---- device
-  std::string tmpl = a.dir + "/dede-ratecap-bench.XXXXXX";
-  std::vector<char> path(tmpl.begin(), tmpl.end());
-  path.push_back('\0');
-  int tfd = ::mkstemp(path.data());
-  if (tfd < 0) return Fail(Status::FromErrno("mkstemp " + tmpl, errno));
-  FileRemover remover{path.data()};
-  std::snprintf(g_device_path, sizeof g_device_path, "%s", path.data());
-  std::signal(SIGINT, OnSignal);
-  std::signal(SIGTERM, OnSignal);
-  std::string fs_type;
-  {
-    struct statfs sf {};
-    if (::fstatfs(tfd, &sf) == 0) fs_type = FsTypeName(sf.f_type);
-  }
-  if (::ftruncate(tfd, off_t(dev_bytes)) != 0) {
-    ::close(tfd);
-    return Fail(Status::FromErrno("ftruncate " + std::string(path.data()), errno));
-  }
-  ::close(tfd);
-  bool direct = false;
-  {
-    int fd = ::open(path.data(), O_RDONLY | O_DIRECT | O_CLOEXEC);
-    direct = fd >= 0;
-    if (fd >= 0) ::close(fd);
-  }
-  auto opened = OpenBlockDevice(path.data(), DeviceOptions{});
+  auto scratch = ScratchFile::Create(a.dir + "/dede-ratecap-bench.XXXXXX", dev_bytes);
+  if (!scratch.ok()) return Fail(scratch.status());
+  const std::string& path = (*scratch)->path();
+  const std::string& fs_type = (*scratch)->fs_type();
+  const bool direct = (*scratch)->o_direct();
+  auto opened = OpenBlockDevice(path, DeviceOptions{});
   if (!opened.ok()) return Fail(opened.status());
   std::unique_ptr<BlockDevice> raw = std::move(opened.value());
   CountingDevice dev(raw.get());
 
   json out;
-  out["machine"] = Machine();
+  out["machine"] = MachineJson();
   out["device"] = {
-      {"path", path.data()}, {"bytes", dev_bytes}, {"o_direct", direct}, {"file_system", fs_type}};
+      {"path", path}, {"bytes", dev_bytes}, {"o_direct", direct}, {"file_system", fs_type}};
   json jcaps = json::array();
   for (uint64_t c : caps) jcaps.push_back(double(c) / kMB);
   out["args"] = {{"files", a.files},
@@ -626,7 +558,7 @@ int Main(int argc, char** argv) {
                  {"rates_mb_per_s", jcaps},
                  {"reps", a.reps},
                  {"tolerance", a.tolerance}};
-  std::printf("device   %s (%" PRIu64 " MiB sparse file, %s, %s)\n", path.data(), dev_bytes / kMiB,
+  std::printf("device   %s (%" PRIu64 " MiB sparse file, %s, %s)\n", path.c_str(), dev_bytes / kMiB,
               fs_type.c_str(),
               direct ? "O_DIRECT" : "buffered: O_DIRECT refused -- numbers measure the page cache");
   std::printf("scene    %d files x %" PRIu64 " MiB (%" PRIu64

@@ -41,6 +41,7 @@
 #include "volume/format.h"
 #include "volume/volume.h"
 
+#include "tools/bench/bench_env.h"
 #include "tools/bench/bench_util.h"
 
 namespace dede::bench {
@@ -449,43 +450,6 @@ struct Row {
 
 // ------------------------------------------------------------ environment
 
-std::string FsTypeName(int64_t magic) {
-  switch (static_cast<uint64_t>(magic)) {
-    case 0xEF53:
-      return "ext2/3/4";
-    case 0x58465342:
-      return "xfs";
-    case 0x01021994:
-      return "tmpfs";
-    case 0x9123683E:
-      return "btrfs";
-    case 0x794c7630:
-      return "overlayfs";
-    case 0x2fc12fc1:
-      return "zfs";
-    case 0x6969:
-      return "nfs";
-    default: {
-      char buf[32];
-      std::snprintf(buf, sizeof buf, "0x%" PRIx64, static_cast<uint64_t>(magic));
-      return buf;
-    }
-  }
-}
-
-json Machine() {
-  json m;
-  m["nproc"] = ::sysconf(_SC_NPROCESSORS_ONLN);
-  struct sysinfo si {};
-  if (::sysinfo(&si) == 0) m["memory_bytes"] = uint64_t{si.totalram} * si.mem_unit;
-  struct utsname u {};
-  if (::uname(&u) == 0) {
-    m["kernel"] = u.release;
-    m["arch"] = u.machine;
-  }
-  return m;
-}
-
 bool IsIscsi(const std::string& spec) {
   return spec.rfind("iscsi://", 0) == 0;
 }
@@ -621,7 +585,7 @@ int Main(int argc, char** argv) {
   out["queue_depth"] = 1;
   if (direct) out["o_direct"] = *direct;
   if (!fs_type.empty()) out["file_system"] = fs_type;
-  out["machine"] = Machine();
+  out["machine"] = MachineJson();
   if (!a.note.empty()) out["note"] = a.note;
 
   std::printf("device   %s (%s, %s%s)\n", a.device.c_str(), Bytes(dev_bytes).c_str(),
