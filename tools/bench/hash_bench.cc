@@ -45,10 +45,6 @@ double CpuSeconds() { return ClockSeconds(CLOCK_PROCESS_CPUTIME_ID); }
 
 double WallSeconds() { return ClockSeconds(CLOCK_MONOTONIC); }
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-
 // Pseudo-random, incompressible content (splitmix64): no two blocks equal.
 void Fill(uint8_t* p, size_t n, uint64_t seed) {
   uint64_t x = seed;

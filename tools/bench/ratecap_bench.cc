@@ -89,37 +89,6 @@ double Now() {
   return ClockSeconds(CLOCK_MONOTONIC);
 }
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-using AlignedBuf = std::unique_ptr<uint8_t, FreeDeleter>;
-AlignedBuf NewAligned(size_t bytes) {
-  return AlignedBuf(static_cast<uint8_t*>(std::aligned_alloc(4096, bytes)));
-}
-
-// splitmix64.
-struct Rng {
-  uint64_t s;
-  uint64_t Next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-  }
-};
-
-// Block `i` of content set `set`: 4 KiB of pseudo-random bytes, distinct
-// for every (set, i).
-void FillBlock(uint8_t* p, uint64_t set, uint64_t i) {
-  Rng r{set * 0x100000001b3ull ^ (i + 1) * 0x9e3779b97f4a7c15ull};
-  for (size_t k = 16; k < kBlockSize; k += 8) {
-    uint64_t v = r.Next();
-    std::memcpy(p + k, &v, 8);
-  }
-  std::memcpy(p, &set, 8);
-  std::memcpy(p + 8, &i, 8);
-}
-
 // ------------------------------------------------------------ device
 
 // Counts every command below the volume, from every thread (atomics: the
@@ -450,7 +419,6 @@ int Fail(const Status& st) {
   std::cerr << "dede_ratecap_bench: " << st.ToString() << std::endl;
   return kExitError;
 }
-
 
 // "10,25,12.5" MB/s -> bytes/s; empty on a bad list.
 std::vector<uint64_t> ParseRates(const std::string& s, bool* ok) {

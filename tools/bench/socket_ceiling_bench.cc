@@ -74,11 +74,6 @@ struct Options {
   std::string json_path;
 };
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-using AlignedBuf = std::unique_ptr<uint8_t, FreeDeleter>;
-
 AlignedBuf Aligned(size_t n, uint8_t fill) {
   void* p = nullptr;
   if (posix_memalign(&p, 4096, n) != 0) {

@@ -60,14 +60,6 @@ constexpr size_t kSeqIo = 1 << 20;  // sequential request size
 constexpr size_t kRandIo = 4096;    // random request size
 constexpr const char* kFileName = "bench";
 
-struct FreeDeleter {
-  void operator()(void* p) const { std::free(p); }
-};
-using AlignedBuf = std::unique_ptr<uint8_t, FreeDeleter>;
-AlignedBuf NewAligned(size_t bytes) {
-  return AlignedBuf(static_cast<uint8_t*>(std::aligned_alloc(4096, bytes)));
-}
-
 // "1G", "512M", "4096", "2GiB" (binary units) -> bytes.
 std::optional<uint64_t> ParseSize(std::string s) {
   if (s.empty()) return std::nullopt;
@@ -282,17 +274,6 @@ struct PhaseResult {
                   {"read_seconds", dev.read_ns / 1e9},
                   {"write_seconds", dev.write_ns / 1e9},
                   {"flush_seconds", dev.flush_ns / 1e9}}}};
-  }
-};
-
-// splitmix64: a fixed, library-independent sequence of random offsets.
-struct Rng {
-  uint64_t s;
-  uint64_t Next() {
-    uint64_t z = (s += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
   }
 };
 
