@@ -35,7 +35,6 @@
 #include <set>
 #include <span>
 #include <string>
-#include <vector>
 
 #include "agent/export_table.h"
 #include "merge/merge_request.h"
@@ -193,6 +192,7 @@ struct DedupStats {
     uint64_t end_ns = 0;
   };
   static constexpr size_t kMaxShardSpans = 256;
+  uint64_t shard_lock_ns = 0;  // sum of every span's length
   std::array<ShardSpan, kMaxShardSpans> shard_span_list{};
   size_t shard_span_count = 0;
   void AddShardSpan(uint64_t start_ns, uint64_t end_ns) {
@@ -202,7 +202,6 @@ struct DedupStats {
   std::span<const ShardSpan> shard_spans() const {
     return {shard_span_list.data(), shard_span_count};
   }
-  uint64_t shard_lock_ns = 0;        // sum of every span's length
   uint64_t pending_records_written = 0;
   uint64_t pending_records_applied = 0;
   uint64_t entries_scanned = 0;      // old entries merge-scanned
