@@ -237,6 +237,17 @@ class Pass {
     }
     logs_.clear();
     RETURN_IF_ERROR(vol_->Sync());
+    // Requests other hosts posted while this pass ran, for files it holds
+    // (their passes found them busy: held by this one) or that are free
+    // now: applied before the pass lets the files go, not at the next
+    // pass, which may be a window away. A pass stopped at its window's end
+    // leaves them for the next one.
+    if (!stats_.stopped && !(opts_.cancel != nullptr && opts_.cancel->load())) {
+      Progress("applying merge requests posted during the pass");
+      ASSIGN_OR_RETURN(std::vector<FileInfo> all, vol_->List());
+      RETURN_IF_ERROR(ApplyPostedRequests(all));
+      RETURN_IF_ERROR(vol_->Sync());
+    }
     SettleIo();
     const uint64_t t2 = clock_->MonotonicNanos();
     stats_.merge_ns = t2 - t1;
@@ -362,6 +373,20 @@ class Pass {
 
   // ------------------------------------------------------------ gather
 
+  // The merge requests for the files of `all` this pass holds or can take
+  // without waiting (ApplyMergeRequestsIn), counted in its statistics.
+  Status ApplyPostedRequests(const std::vector<FileInfo>& all) {
+    ASSIGN_OR_RETURN(MergeApplyStats merged,
+                     ApplyMergeRequestsIn(vol_, access_, opts_.verify, all, nullptr));
+    stats_.merge_requests_applied += merged.applied;
+    stats_.merge_requests_failed_verification += merged.failed_verification;
+    stats_.merge_requests_busy += merged.busy;
+    stats_.merge_requests_stale += merged.stale;
+    stats_.merge_corrupt_groups += merged.corrupt_groups;
+    stats_.merge_files_removed += merged.request_files_removed;
+    return Status::Ok();
+  }
+
   Status Gather() {
     const uint64_t now = clock_->NowNanos();
     young_after_ns_ = now > opts_.stable_after_ns ? now - opts_.stable_after_ns : 0;
@@ -370,13 +395,7 @@ class Pass {
     // First the merge requests other hosts posted for the files this pass
     // holds (DeDe 3.3.2), and the request files of deleted files.
     Progress("applying merge requests");
-    ASSIGN_OR_RETURN(MergeApplyStats merged, ApplyMergeRequestsIn(vol_, access_, opts_.verify, all, nullptr));
-    stats_.merge_requests_applied += merged.applied;
-    stats_.merge_requests_failed_verification += merged.failed_verification;
-    stats_.merge_requests_busy += merged.busy;
-    stats_.merge_requests_stale += merged.stale;
-    stats_.merge_corrupt_groups += merged.corrupt_groups;
-    stats_.merge_files_removed += merged.request_files_removed;
+    RETURN_IF_ERROR(ApplyPostedRequests(all));
     Progress("gathering write logs");
     // Hosts passing at once would all reach for the same logs first, find
     // them taken and pay a lock round for each: start each host's walk

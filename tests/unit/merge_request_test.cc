@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
+#include <optional>
 #include <cerrno>
 #include <cstring>
 #include <map>
@@ -970,4 +971,39 @@ TEST_CASE("a crash at any instant of a post or an apply loses no data", "[merge]
   }
   // Some crashes must have left requests behind for the recovery to apply.
   CHECK(crashed_with_requests > 0);
+}
+
+// DeDe's hosts apply the requests for their files "periodically"; a pass
+// also does at its end, so a request another host posted while the pass
+// held the target waits for nothing (before, it waited for the holder's
+// next pass, which may be a window away).
+TEST_CASE("a merge request posted while the holder's pass runs is applied when that pass ends",
+          "[merge][dedup]") {
+  TwoHosts t;
+  t.HostAIndexesX();
+  // A's next pass holds X; while it gathers (no shard lock held), B
+  // writes Y and passes: Unique(X, 3) is in a file A holds, so B posts.
+  LendingAccess access;
+  access.Lend(t.x_.get());
+  DedupOptions o;
+  std::optional<DedupStats> b;
+  o.progress = [&](const std::string& step) {
+    if (step == "gathering write logs" && !b) {
+      t.AGoesIdle();
+      b = t.HostBWritesYAndRunsAPass();
+    }
+  };
+  Result<DedupStats> a = RunDedupPass(t.a_.get(), &access, o);
+  INFO(a.status().ToString());
+  REQUIRE(a.ok());
+  REQUIRE(b.has_value());
+  CHECK(b->merge_requests_posted == 1);
+  CHECK(a->merge_requests_applied == 1);
+  CHECK(a->merge_requests_failed_verification == 0);
+  CHECK_FALSE(HasRequestFile(t.a_.get(), t.x_id_.ino));
+  CHECK(Refs(t.x_.get(), kXBlock) == 3);  // X, Y, the arena
+  CHECK(PhysicalDataBlocks(t.a_.get()) == 2 * kFileBlocks - 1);
+  CHECK(ReadAll(t.x_.get()) == t.ExpectedX());
+  CHECK(t.ReadY() == t.ExpectedY());
+  t.FinishOnA();
 }
