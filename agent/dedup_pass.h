@@ -158,7 +158,8 @@ struct DedupStats {
   // holder through a request in G's request file.
   uint64_t merge_requests_posted = 0;  // records posted (one post per target per shard update)
   uint64_t merge_posts_busy = 0;       // posts dropped: the request file was locked
-  // Requests for the files this pass holds, applied at its start.
+  // Requests for the files this pass holds, applied at its start and again
+  // at its end (those other hosts posted while it ran).
   uint64_t merge_requests_applied = 0;
   uint64_t merge_requests_failed_verification = 0;  // target block changed: dropped
   uint64_t merge_requests_busy = 0;    // group held elsewhere: kept for the next apply
@@ -282,9 +283,9 @@ Result<DedupStats> RunDedupPass(Volume* vol, FileAccess* access, const DedupOpti
 // `wanted` accepts (all when empty), the target is taken through `access`
 // (kLocked, kNotFound: skipped, its holder applies them) and
 // ApplyMergeRequests runs on it. Request files whose target inode no
-// longer holds a regular file are removed. A pass does this at its start;
-// dedupd also on a timer, for the exports it has open. Never waits for a
-// lock held elsewhere.
+// longer holds a regular file are removed. A pass does this at its start
+// and at its end; dedupd also on a timer, for the exports it has open.
+// Never waits for a lock held elsewhere.
 Result<MergeApplyStats> ApplyMergeRequestsForHeldFiles(
     Volume* vol, FileAccess* access, VerifyMode verify,
     const std::function<bool(const FileInfo&)>& wanted = nullptr);
