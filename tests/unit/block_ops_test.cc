@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/forwarding_device.h"
 #include "util/fingerprint.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
@@ -36,6 +37,7 @@ constexpr uint64_t kB = kBlockSize;
 using Op = Volume::BlockOp;
 using Kind = Volume::BlockOp::Kind;
 using Code = Status::Code;
+using dede::test::CutDevice;
 
 std::shared_ptr<LockManager> OpsLocks() {
   static int n = 0;
@@ -82,26 +84,6 @@ const char* CodeName(Code c) {
   }
   return "?";
 }
-
-// What a process writes through: Cut() makes every later write and flush
-// vanish (reported as done), so a dying volume's destructor cannot change
-// the disk. Reads still reach the device.
-class CutDevice : public BlockDevice {
- public:
-  explicit CutDevice(BlockDevice* base) : base_(base) {}
-  void Cut() { cut_ = true; }
-  uint64_t size_bytes() const override { return base_->size_bytes(); }
-  Status Read(uint64_t offset, void* buf, size_t len) override { return base_->Read(offset, buf, len); }
-  Status Write(uint64_t offset, const void* buf, size_t len) override {
-    return cut_ ? CheckRange(offset, len) : base_->Write(offset, buf, len);
-  }
-  Status Flush() override { return cut_ ? Status::Ok() : base_->Flush(); }
-  std::string name() const override { return "cut(" + base_->name() + ")"; }
-
- private:
-  BlockDevice* base_;
-  bool cut_ = false;
-};
 
 // A volume on a FaultDevice over a MemDevice, with helpers.
 struct TestVol {

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/forwarding_device.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
@@ -213,23 +214,16 @@ TEST_CASE("volume: fsck says what a leaked block holds", "[volume][fsck]") {
 
 namespace {
 // Counts the device reads that reach the wrapped device.
-class ReadCountingDevice : public BlockDevice {
+class ReadCountingDevice : public test::ForwardingDevice {
  public:
-  explicit ReadCountingDevice(BlockDevice* base) : base_(base) {}
-  uint64_t size_bytes() const override { return base_->size_bytes(); }
+  explicit ReadCountingDevice(BlockDevice* base) : ForwardingDevice(base, "counting") {}
   Status Read(uint64_t offset, void* buf, size_t len) override {
     reads_++;
-    return base_->Read(offset, buf, len);
+    return ForwardingDevice::Read(offset, buf, len);
   }
-  Status Write(uint64_t offset, const void* buf, size_t len) override {
-    return base_->Write(offset, buf, len);
-  }
-  Status Flush() override { return base_->Flush(); }
-  std::string name() const override { return "counting " + base_->name(); }
   uint64_t reads() const { return reads_; }
 
  private:
-  BlockDevice* const base_;
   std::atomic<uint64_t> reads_{0};
 };
 }  // namespace

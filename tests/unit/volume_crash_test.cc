@@ -49,11 +49,14 @@
 #include <vector>
 
 #include "tests/fsck_problems.h"
+#include "tests/forwarding_device.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
 
 using namespace dede;
+using dede::test::CutDevice;
+using dede::test::ForwardingDevice;
 using dede::test::FsckProblems;
 
 namespace {
@@ -94,29 +97,6 @@ std::vector<uint64_t> CrashSeeds(std::vector<uint64_t> defaults) {
 uint64_t SecHash(const uint8_t* p) {
   return std::hash<std::string_view>{}(std::string_view(reinterpret_cast<const char*>(p), kSec));
 }
-
-// What a process's volume writes through. Cut() models the process dying:
-// from then on its writes and flushes go nowhere (and report success, so
-// its destructors run as they would on a healthy device without changing
-// the disk). Reads still reach the device.
-class CutDevice : public BlockDevice {
- public:
-  explicit CutDevice(BlockDevice* base) : base_(base) {}
-  void Cut() { cut_ = true; }
-  uint64_t size_bytes() const override { return base_->size_bytes(); }
-  Status Read(uint64_t offset, void* buf, size_t len) override {
-    return base_->Read(offset, buf, len);
-  }
-  Status Write(uint64_t offset, const void* buf, size_t len) override {
-    return cut_ ? CheckRange(offset, len) : base_->Write(offset, buf, len);
-  }
-  Status Flush() override { return cut_ ? Status::Ok() : base_->Flush(); }
-  std::string name() const override { return "cut(" + base_->name() + ")"; }
-
- private:
-  BlockDevice* base_;
-  std::atomic<bool> cut_{false};  // writer threads may be mid-write when it dies
-};
 
 struct CFile {
   std::string name;
@@ -1173,13 +1153,9 @@ namespace {
 
 // Holds every write whose first bytes are `mark` until Open(): a write
 // request parked in the middle of its device I/O (WriteData's phase 2).
-class GateDevice : public BlockDevice {
+class GateDevice : public ForwardingDevice {
  public:
-  GateDevice(BlockDevice* base, uint8_t mark) : base_(base), mark_(mark) {}
-  uint64_t size_bytes() const override { return base_->size_bytes(); }
-  Status Read(uint64_t offset, void* buf, size_t len) override {
-    return base_->Read(offset, buf, len);
-  }
+  GateDevice(BlockDevice* base, uint8_t mark) : ForwardingDevice(base, "gate"), mark_(mark) {}
   Status Write(uint64_t offset, const void* buf, size_t len) override {
     const auto* p = static_cast<const uint8_t*>(buf);
     if (len >= 64 && std::all_of(p, p + 64, [&](uint8_t c) { return c == mark_; })) {
@@ -1188,10 +1164,8 @@ class GateDevice : public BlockDevice {
       cv_.notify_all();
       cv_.wait(l, [&] { return open_; });
     }
-    return base_->Write(offset, buf, len);
+    return ForwardingDevice::Write(offset, buf, len);
   }
-  Status Flush() override { return base_->Flush(); }
-  std::string name() const override { return "gate(" + base_->name() + ")"; }
   // Waits until a marked write is parked (false after 10 s).
   bool WaitHeld() {
     std::unique_lock<std::mutex> l(mu_);
@@ -1204,7 +1178,6 @@ class GateDevice : public BlockDevice {
   }
 
  private:
-  BlockDevice* base_;
   const uint8_t mark_;
   std::mutex mu_;
   std::condition_variable cv_;
@@ -1390,24 +1363,15 @@ namespace {
 // Slows data writes a little (not metadata: the journal and home blocks
 // start with a block header), so a write's data I/O overlaps other
 // threads' flush points as it does on a real disk.
-class SlowDataDevice : public BlockDevice {
+class SlowDataDevice : public ForwardingDevice {
  public:
-  explicit SlowDataDevice(BlockDevice* base) : base_(base) {}
-  uint64_t size_bytes() const override { return base_->size_bytes(); }
-  Status Read(uint64_t offset, void* buf, size_t len) override {
-    return base_->Read(offset, buf, len);
-  }
+  explicit SlowDataDevice(BlockDevice* base) : ForwardingDevice(base, "slow") {}
   Status Write(uint64_t offset, const void* buf, size_t len) override {
     if (len >= kSec && static_cast<const uint8_t*>(buf)[0] == 0xD5) {
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
-    return base_->Write(offset, buf, len);
+    return ForwardingDevice::Write(offset, buf, len);
   }
-  Status Flush() override { return base_->Flush(); }
-  std::string name() const override { return "slow(" + base_->name() + ")"; }
-
- private:
-  BlockDevice* base_;
 };
 
 // Every 512-byte sector a writer writes: 0xD5, then who wrote it (file,
