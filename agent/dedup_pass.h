@@ -194,10 +194,12 @@ struct DedupStats {
   };
   static constexpr size_t kMaxShardSpans = 256;
   uint64_t shard_lock_ns = 0;  // sum of every span's length
+  uint64_t shard_lock_spans = 0;  // every span, kept or not
   std::array<ShardSpan, kMaxShardSpans> shard_span_list{};
   size_t shard_span_count = 0;
   void AddShardSpan(uint64_t start_ns, uint64_t end_ns) {
     shard_lock_ns += end_ns - start_ns;
+    shard_lock_spans++;
     if (shard_span_count < kMaxShardSpans) shard_span_list[shard_span_count++] = {start_ns, end_ns};
   }
   std::span<const ShardSpan> shard_spans() const {

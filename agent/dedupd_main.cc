@@ -516,7 +516,7 @@ int Run(const Config& cfg) {
       LOG(kInfo) << "dedup pass " << passes << " shard updates: "
                  << double(st->shard_lock_ns) / 1e9 << " s under shard locks, spans ms:"
                  << spans.str()
-                 << (st->shard_spans().size() == DedupStats::kMaxShardSpans ? " ..." : "");
+                 << (st->shard_lock_spans > st->shard_spans().size() ? " ..." : "");
     }
     {
       std::lock_guard<std::mutex> l(pass_state.mu);

@@ -247,6 +247,11 @@ struct WriteMonitor::FileBuffer {
   bool Recording() const {
     return dedup.load(std::memory_order_relaxed) && !log_full.load(std::memory_order_relaxed);
   }
+  // Not recording only because the write log is full: the writes that
+  // find it so are counted as unrecorded.
+  bool PausedForFullLog() const {
+    return dedup.load(std::memory_order_relaxed) && log_full.load(std::memory_order_relaxed);
+  }
   // Whether coalescing this file's ops pays: 1 after a coalesce that
   // removed at least an eighth of them, doubled (up to kMaxCoalesceBackoff)
   // after each one that did not. One sequential writer whose requests the
@@ -579,7 +584,7 @@ void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed
     if (fb->removed || !fb->Recording()) {
       // Paused for its full log after these blocks were hashed: they are
       // written without a record, like the writes SkipForFullLog turns away.
-      if (!fb->removed && fb->dedup.load(std::memory_order_relaxed)) CountUnrecorded(fb, hashed);
+      if (!fb->removed && fb->PausedForFullLog()) CountUnrecorded(fb, hashed);
       Release(charge);
       return;
     }
@@ -654,7 +659,7 @@ void WriteMonitor::AppendAtCap(FileBuffer* fb, const Op* ops, size_t n, size_t h
   MutexLock restructure(&fb->restructure_mu);
   MutexLock l(&fb->mu);
   if (fb->removed || !fb->Recording()) {
-    if (!fb->removed && fb->dedup.load(std::memory_order_relaxed)) CountUnrecorded(fb, hashed);
+    if (!fb->removed && fb->PausedForFullLog()) CountUnrecorded(fb, hashed);
     return;
   }
   // At the cap. Coalesce first: afterwards ops apply straight to the state

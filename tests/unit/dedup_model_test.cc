@@ -300,7 +300,12 @@ class DedupModel {
       sum += sp.end_ns - sp.start_ns;
       prev_end = sp.end_ns;
     }
-    if (st.shard_spans().size() < DedupStats::kMaxShardSpans) CHECK(sum == st.shard_lock_ns);
+    if (st.shard_spans().size() < DedupStats::kMaxShardSpans) {
+      CHECK(sum == st.shard_lock_ns);
+      CHECK(st.shard_lock_spans == st.shard_spans().size());  // none left out
+    } else {
+      CHECK(st.shard_lock_spans >= st.shard_spans().size());
+    }
     if (st.shards_rewritten > 0) CHECK(st.shard_lock_ns > 0);
   }
 
