@@ -860,11 +860,8 @@ Status VolumeImpl::MaterializeReservations(const std::vector<LockId>* ids) {
     uint32_t g, slot;
     uint64_t rb;
     if (materialized || !sb_.LocateData(addr, &g, &rb, &slot) || !wanted(g)) continue;
-    uint8_t* b;
-    RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
-    dede::SetRef(Dirty(rb), slot, 1);
+    RETURN_IF_ERROR(CountReserved(addr, g, rb, slot));
     materialized = true;
-    if (--pins_[g] == 0) pins_.erase(g);
     reservations_materialized_++;
   }
   return Status::Ok();
@@ -880,17 +877,26 @@ Status VolumeImpl::ClaimReservation(uint64_t addr) {
     uint32_t g, slot;
     uint64_t rb;
     RETURN_IF_ERROR(LocateRef(addr, &g, &rb, &slot));
-    uint8_t* b;
-    RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
-    if (dede::GetRef(b, slot) != 0) {
-      return Poison(Status::Corruption("internal error: reserved block " + std::to_string(addr) +
-                                       " has refcount " + std::to_string(dede::GetRef(b, slot))));
-    }
-    dede::SetRef(Dirty(rb), slot, 1);
-    if (--pins_[g] == 0) pins_.erase(g);
+    RETURN_IF_ERROR(CountReserved(addr, g, rb, slot));
   }
   reserved_.erase(it);
   return Status::Ok();
+}
+
+Status VolumeImpl::CountReserved(uint64_t addr, uint32_t g, uint64_t rb, uint32_t slot) {
+  uint8_t* b;
+  RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
+  if (dede::GetRef(b, slot) != 0) {
+    return Poison(Status::Corruption("internal error: reserved block " + std::to_string(addr) +
+                                     " has refcount " + std::to_string(dede::GetRef(b, slot))));
+  }
+  dede::SetRef(Dirty(rb), slot, 1);
+  UnpinGroup(g);
+  return Status::Ok();
+}
+
+void VolumeImpl::UnpinGroup(uint32_t g) {
+  if (--pins_[g] == 0) pins_.erase(g);
 }
 
 Status VolumeImpl::CancelReservation(uint64_t addr) {
@@ -901,7 +907,7 @@ Status VolumeImpl::CancelReservation(uint64_t addr) {
   if (materialized) return DropRef(addr);
   uint32_t g;
   if (GroupOf(addr, &g)) {
-    if (--pins_[g] == 0) pins_.erase(g);
+    UnpinGroup(g);
     full_groups_.erase(g);  // the block is free again
   }
   return Status::Ok();

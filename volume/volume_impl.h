@@ -177,6 +177,11 @@ class VolumeImpl : public Volume {
   // Gives reservation `addr` back (a write that failed before publishing):
   // a materialized one is dropped like any reference.
   Status CancelReservation(uint64_t addr) REQUIRES(mu_);
+  // Claim's and Materialize's common step: reserved block `addr` (slot
+  // `slot` of refcount block `rb`, group `g`) gets count 1 in the running
+  // transaction (poisons if it was not 0), and no longer pins its group.
+  Status CountReserved(uint64_t addr, uint32_t g, uint64_t rb, uint32_t slot) REQUIRES(mu_);
+  void UnpinGroup(uint32_t g) REQUIRES(mu_);
   // Records a cached lock just taken; for a group, withdraws this
   // process's announcement for it (wanted_groups_): it got what it waited
   // for.
