@@ -436,7 +436,9 @@ class Pass {
         if (h.status().code() == Status::Code::kNotFound) continue;
         return h.status();
       }
-      Result<std::unique_ptr<File>> log = OpenWriteLog(vol_, owner_info.id);
+      std::unique_ptr<File> lent = opts_.borrow_log ? opts_.borrow_log(owner_info.id) : nullptr;
+      Result<std::unique_ptr<File>> log =
+          lent ? Result<std::unique_ptr<File>>(std::move(lent)) : OpenWriteLog(vol_, owner_info.id);
       if (!log.ok()) {
         if (log.status().code() == Status::Code::kLocked ||
             log.status().code() == Status::Code::kNotFound) {

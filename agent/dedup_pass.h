@@ -125,6 +125,11 @@ struct DedupOptions {
   // resumes the write monitor for a file paused because its log was full
   // (WriteMonitor::LogTaken).
   std::function<void(FileId)> log_taken;
+  // Called before the pass opens a file's write log: the log, open, if
+  // this process holds it open already (dedupd's flusher keeps busy logs
+  // open between appends, LogFlusher::LendLog), handed to the pass, which
+  // then closes it; nullptr, and the pass opens the log itself.
+  std::function<std::unique_ptr<File>(FileId)> borrow_log;
 };
 
 struct DedupStats {

@@ -315,7 +315,10 @@ int Run(const Config& cfg) {
     // Flush point: makes logs and metadata durable and hands cached locks
     // to other processes that asked for them.
     if (Status st = vol->Sync(); !st.ok()) LOG(kError) << "volume flush: " << st.ToString();
-    if (cfg.write_monitor) (void)flusher.Tick();
+    // A backstop: the monitor wakes the flusher itself when a file's buffer
+    // reaches the flush size; this catches a batch put back meanwhile, and
+    // closes the logs the flusher kept open since (LogFlusher).
+    if (cfg.write_monitor) flusher.WakeAtFlushPoint();
   });
   PeriodicJob flush_job(io, &server, cfg.log_flush_interval, [&] {
     if (cfg.write_monitor) (void)flusher.FlushAll();
@@ -431,6 +434,7 @@ int Run(const Config& cfg) {
     po.force = sweep_next_pass.exchange(false);
     po.busy_parked_shards = &busy_parked_shards;
     po.log_taken = [&monitor](FileId id) { monitor.LogTaken(id); };
+    po.borrow_log = [&flusher](FileId id) { return flusher.LendLog(id); };
     po.progress = [&](const std::string& line) {
       std::lock_guard<std::mutex> l(pass_state.mu);
       pass_state.progress = line;
@@ -938,6 +942,7 @@ int Run(const Config& cfg) {
       server.RunBlocking([&] {
         { std::lock_guard<std::mutex> wait_for_pass(pass_mu); }
         if (cfg.write_monitor) {
+          flusher.Stop();
           if (Status st = flusher.FlushAll(); !st.ok()) {
             LOG(kError) << "flushing write logs: " << st.ToString();
             exit_code = kExitError;
@@ -953,6 +958,7 @@ int Run(const Config& cfg) {
     });
   });
 
+  if (cfg.write_monitor) flusher.Start();
   server.Start();
   sync_job.Start();
   flush_job.Start();

@@ -64,7 +64,8 @@ class RangeGuard {
 // -------------------------------------------------------------------- Export
 
 Export::Export(std::string name, std::unique_ptr<File> file, const FileInfo& info, Volume* vol,
-               WriteMonitor* monitor, size_t read_ahead_bytes, ReadAheadBudget* budget)
+               WriteMonitor* monitor, size_t read_ahead_bytes, ReadAheadBudget* budget,
+               LogFlusher* flusher)
     : name_(std::move(name)),
       id_(info.id),
       size_(info.size),
@@ -72,6 +73,7 @@ Export::Export(std::string name, std::unique_ptr<File> file, const FileInfo& inf
       file_(std::move(file)),
       vol_(vol),
       monitor_(monitor),
+      flusher_(flusher),
       read_ahead_([f = file_.get()](uint64_t off, void* buf, size_t len) { return f->Read(off, buf, len); },
                   info.size, read_ahead_bytes, budget) {}
 
@@ -84,13 +86,19 @@ Status Export::SetDedup(bool on) {
   if (dedup_.load() == on) return Status::Ok();
   RETURN_IF_ERROR(file_->SetDedup(on));
   // The next pass must drop the file's index entries even if it logged
-  // nothing (kLocked only while the flusher or a pass has the log: the
-  // switch itself stands, the marker is retried once).
+  // nothing (kLocked only while a pass has the log: the switch itself
+  // stands, the marker is retried once). Through the flusher, which may
+  // hold the log open.
   if (!on) {
-    Status marked = AppendOptOutMarker(vol_, id_, size_, Clock::Real()->NowNanos());
+    auto mark = [this] {
+      const uint64_t now = Clock::Real()->NowNanos();
+      return flusher_ ? flusher_->AppendOptOutMarker(id_, size_, now)
+                      : AppendOptOutMarker(vol_, id_, size_, now);
+    };
+    Status marked = mark();
     if (marked.code() == Status::Code::kLocked) {
       std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      marked = AppendOptOutMarker(vol_, id_, size_, Clock::Real()->NowNanos());
+      marked = mark();
     }
     if (!marked.ok()) LOG(kWarning) << "export '" << name_ << "': opt-out marker: " << marked.ToString();
   }
@@ -244,7 +252,7 @@ Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name)
   }
   ASSIGN_OR_RETURN(FileInfo info, (*file)->Info());
   auto e = std::make_shared<Export>(name, std::move(*file), info, vol_, monitor_, read_ahead_bytes_,
-                                    &read_ahead_budget_);
+                                    &read_ahead_budget_, flusher_);
   if (monitor_) monitor_->AddFile(info.id, info.dedup);
   if (flusher_) flusher_->TrackFile(info.id, info.size);
   e->clients_ = 1;

@@ -52,9 +52,12 @@ class Export {
  public:
   // `read_ahead_bytes`: the longest READ after which a sequential reader's
   // next request is prefetched (read_ahead.h); 0: never. `budget`: the
-  // host's read-ahead memory (may be nullptr: unbounded).
+  // host's read-ahead memory (may be nullptr: unbounded). `flusher`: where
+  // the opt-out marker goes, as it may hold the file's log open (nullptr:
+  // straight to the log).
   Export(std::string name, std::unique_ptr<File> file, const FileInfo& info, Volume* vol,
-         WriteMonitor* monitor, size_t read_ahead_bytes = 0, ReadAheadBudget* budget = nullptr);
+         WriteMonitor* monitor, size_t read_ahead_bytes = 0, ReadAheadBudget* budget = nullptr,
+         LogFlusher* flusher = nullptr);
   const std::string& name() const { return name_; }
   FileId id() const { return id_; }
   uint64_t size() const { return size_; }
@@ -99,6 +102,7 @@ class Export {
   std::unique_ptr<File> file_;
   Volume* const vol_;
   WriteMonitor* const monitor_;  // nullptr: monitoring disabled
+  LogFlusher* const flusher_;    // may be nullptr
   BlockRangeLock ranges_;
   // Every content change invalidates it after its device I/O, before it is
   // acknowledged (Write, Trim, WriteZeroes).

@@ -5,7 +5,7 @@
 
 namespace dede {
 
-Status LogFlusher::FlushLocked(FileId id) {
+Status LogFlusher::FlushLocked(FileId id, bool keep_open) {
   MonitorBatch batch = monitor_->Take(id, std::move(spare_records_));
   spare_records_.clear();
   if (batch.empty()) {
@@ -15,7 +15,23 @@ Status LogFlusher::FlushLocked(FileId id) {
   const uint64_t max_log_bytes = MaxLogBytes(id);
   uint64_t bytes = EncodedWriteLogBytes(batch, monitor_->algo());
   LogAppendOutcome outcome = LogAppendOutcome::kAppended;
-  Status st = AppendToWriteLog(vol_, batch, max_log_bytes, &outcome);
+  Status st;
+  auto kept = open_logs_.find(id);
+  if (kept == open_logs_.end()) {
+    Result<std::unique_ptr<File>> opened = OpenOrCreateWriteLog(vol_, id);
+    if (opened.ok()) {
+      kept = open_logs_.emplace(id, KeptLog{std::move(opened.value())}).first;
+    } else {
+      st = opened.status();
+    }
+  }
+  if (st.ok()) {
+    kept->second.appended = true;
+    st = AppendToOpenWriteLog(vol_, kept->second.file.get(), batch, max_log_bytes, &outcome);
+    // Closed after an error too: the next append starts from what the
+    // volume says.
+    if (!st.ok() || !keep_open || !Tracked(id)) open_logs_.erase(kept);
+  }
   if (st.ok()) {
     switch (outcome) {
       case LogAppendOutcome::kAppended:
@@ -66,7 +82,7 @@ Status LogFlusher::Tick() {
   MutexLock l(&mu_);
   Status first;
   for (FileId id : monitor_->DueFiles(false)) {
-    Status st = FlushLocked(id);
+    Status st = FlushLocked(id, /*keep_open=*/true);
     if (first.ok()) first = st;
   }
   return first;
@@ -76,15 +92,59 @@ Status LogFlusher::FlushAll() {
   MutexLock l(&mu_);
   Status first;
   for (FileId id : monitor_->DueFiles(true)) {
-    Status st = FlushLocked(id);
+    Status st = FlushLocked(id, /*keep_open=*/false);
     if (first.ok()) first = st;
   }
+  CloseLogsLocked();
   return first;
 }
 
 Status LogFlusher::FlushFile(FileId id) {
   MutexLock l(&mu_);
-  return FlushLocked(id);
+  Status st = FlushLocked(id, /*keep_open=*/false);
+  open_logs_.erase(id);
+  return st;
+}
+
+std::unique_ptr<File> LogFlusher::LendLog(FileId id) {
+  MutexLock l(&mu_);
+  auto it = open_logs_.find(id);
+  if (it == open_logs_.end()) return nullptr;
+  std::unique_ptr<File> log = std::move(it->second.file);
+  open_logs_.erase(it);
+  return log;
+}
+
+Status LogFlusher::AppendOptOutMarker(FileId id, uint64_t size_bytes, uint64_t now_ns) {
+  MutexLock l(&mu_);
+  auto kept = open_logs_.find(id);
+  if (kept == open_logs_.end()) return dede::AppendOptOutMarker(vol_, id, size_bytes, now_ns);
+  return AppendToOpenWriteLog(vol_, kept->second.file.get(),
+                              OptOutMarkerBatch(id, size_bytes, now_ns));
+}
+
+void LogFlusher::CloseLogs() {
+  MutexLock l(&mu_);
+  CloseLogsLocked();
+}
+
+void LogFlusher::CloseLogsLocked() { open_logs_.clear(); }
+
+void LogFlusher::CloseIdleLogs() {
+  MutexLock l(&mu_);
+  for (auto it = open_logs_.begin(); it != open_logs_.end();) {
+    if (!it->second.appended) {
+      it = open_logs_.erase(it);
+    } else {
+      it->second.appended = false;
+      ++it;
+    }
+  }
+}
+
+bool LogFlusher::Tracked(FileId id) {
+  MutexLock l(&files_mu_);
+  return max_log_bytes_.count(id) > 0;
 }
 
 uint64_t LogFlusher::MaxLogBytes(FileId id) {
@@ -111,8 +171,69 @@ void LogFlusher::TrackFile(FileId id, uint64_t file_bytes) {
 }
 
 void LogFlusher::ForgetFile(FileId id) {
-  MutexLock l(&files_mu_);
+  MutexLock l(&mu_);
+  open_logs_.erase(id);
+  MutexLock f(&files_mu_);
   max_log_bytes_.erase(id);
+}
+
+void LogFlusher::Start() {
+  {
+    MutexLock l(&wake_mu_);
+    if (thread_.joinable() || stopping_) return;
+  }
+  thread_ = std::thread([this] { Run(); });
+  monitor_->SetFlushDueHook([this] { Wake(); });
+}
+
+void LogFlusher::Wake() {
+  {
+    MutexLock l(&wake_mu_);
+    if (wake_ || stopping_) return;
+    wake_ = true;
+  }
+  wake_cv_.notify_one();
+}
+
+void LogFlusher::WakeAtFlushPoint() {
+  {
+    MutexLock l(&wake_mu_);
+    if (stopping_) return;
+    close_logs_ = true;
+    if (wake_) return;
+    wake_ = true;
+  }
+  wake_cv_.notify_one();
+}
+
+void LogFlusher::Stop() {
+  // First, so no write calls Wake() on a flusher being torn down.
+  if (thread_.joinable()) monitor_->SetFlushDueHook(nullptr);
+  {
+    MutexLock l(&wake_mu_);
+    stopping_ = true;
+  }
+  wake_cv_.notify_one();
+  if (thread_.joinable()) thread_.join();
+}
+
+// Not annotated: the wait holds wake_mu_ through its native mutex.
+void LogFlusher::Run() NO_THREAD_SAFETY_ANALYSIS {
+  for (;;) {
+    bool close_logs;
+    {
+      std::unique_lock<std::mutex> l(wake_mu_.native());
+      wake_cv_.wait(l, [this]() NO_THREAD_SAFETY_ANALYSIS { return wake_ || stopping_; });
+      if (stopping_) return;
+      wake_ = false;
+      close_logs = close_logs_;
+      close_logs_ = false;
+    }
+    // Errors are the batch's (its records are counted dropped, and the
+    // periodic FlushAll and the status report them); the thread goes on.
+    (void)Tick();
+    if (close_logs) CloseIdleLogs();
+  }
 }
 
 FlusherStats LogFlusher::stats() {

@@ -1,15 +1,31 @@
 // LogFlusher: moves write-monitor buffers into per-file write logs on the
-// volume. dedupd calls Tick() every second (files whose buffer passed the
-// flush size) and FlushAll() every flush interval, when an export closes
-// and at shutdown. Flushes run one at a time: two flushes of the same file
-// in parallel could append its batches out of order, and the log's order is
-// what makes the newest record win.
+// volume. dedupd runs it with a thread of its own (Start): the write
+// monitor wakes it when a file's buffer reaches the flush size, and every
+// flush point wakes it as a backstop (WakeAtFlushPoint); FlushAll() runs
+// every flush interval, when a pass starts and at shutdown, FlushFile()
+// when an export closes. Flushes run one at a time: two flushes of the
+// same file in parallel could append its batches out of order, and the
+// log's order is what makes the newest record win.
+//
+// The log of an exported file the thread appends to stays open while
+// the appends go on: closing a file checkpoints the volume and gives back
+// its cached locks (four device flushes, docs/LOCKING.md), which at ten
+// appends a second cost a fast writer a third of its throughput
+// (docs/BENCHMARKS.md, session 24). A flush point closes the logs not
+// appended to since the one before, so another process (`dede ls -l`)
+// finds a log busy while its file is being written and for at most two
+// sync intervals after; a pass of another host cannot take it anyway while
+// the file is exported here. This process's own pass borrows an open log
+// (LendLog) instead of finding it busy.
 #pragma once
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <condition_variable>
 #include <map>
+#include <memory>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -50,6 +66,41 @@ class LogFlusher {
  public:
   LogFlusher(Volume* vol, WriteMonitor* monitor, WriteLogLimit limit = WriteLogLimit{})
       : vol_(vol), monitor_(monitor), limit_(limit) {}
+  ~LogFlusher() {
+    Stop();
+    CloseLogs();
+  }
+  LogFlusher(const LogFlusher&) = delete;
+  LogFlusher& operator=(const LogFlusher&) = delete;
+
+  // Starts the flusher thread, which runs Tick() whenever woken, and hooks
+  // it to the monitor (WriteMonitor::SetFlushDueHook): a file that reaches
+  // the flush size is appended to its log within one flush, not at the
+  // next timer, so a busy file's buffer stays about flush-size (a second
+  // of a fast writer is hundreds of thousands of records, whose memory the
+  // write path would fault in again every second).
+  void Start() EXCLUDES(wake_mu_);
+  // Asks the thread for a Tick() (coalesced: many wakes before it runs
+  // make one Tick). Never blocks on a flush; a no-op once stopped.
+  void Wake() EXCLUDES(wake_mu_);
+  // Wake(), and once that Tick() is done, close the logs kept open that
+  // were not appended to since the previous flush point.
+  void WakeAtFlushPoint() EXCLUDES(wake_mu_);
+  // Unhooks the monitor, then lets a running Tick() finish and joins the
+  // thread. Idempotent; FlushAll() still works afterwards.
+  void Stop() EXCLUDES(wake_mu_);
+  // The log of `id` if it is open here (kept open between appends), now
+  // the caller's: a dedup pass that consumes the log and closes it. The
+  // flusher's next append to it finds it busy and keeps the batch (as it
+  // does with a log open in another process). nullptr if not open here.
+  std::unique_ptr<File> LendLog(FileId id) EXCLUDES(mu_);
+  // AppendOptOutMarker (write_log.h) through the log kept open, if it is.
+  Status AppendOptOutMarker(FileId id, uint64_t size_bytes, uint64_t now_ns) EXCLUDES(mu_);
+  // Closes every log kept open (volume I/O: closing checkpoints).
+  void CloseLogs() EXCLUDES(mu_);
+  // What a flush point does after its Tick: closes the logs not appended
+  // to since the last call and marks the others idle.
+  void CloseIdleLogs() EXCLUDES(mu_);
 
   // The file's size, which sets its log's limit; files never tracked have
   // no limit. The export table tracks a file while it is open and forgets
@@ -57,19 +108,26 @@ class LogFlusher {
   // when the file's log is already full, the monitor is paused for it
   // (one read of the log's last block; volume I/O).
   void TrackFile(FileId id, uint64_t file_bytes) EXCLUDES(files_mu_);
-  void ForgetFile(FileId id) EXCLUDES(files_mu_);
+  // Also closes the file's log if it was kept open.
+  void ForgetFile(FileId id) EXCLUDES(mu_, files_mu_);
   const WriteLogLimit& limit() const { return limit_; }
 
-  // Flushes files past the monitor's flush size.
+  // Flushes files past the monitor's flush size; keeps the logs of
+  // tracked files open.
   Status Tick() EXCLUDES(mu_);
-  // Flushes every file with anything buffered.
+  // Flushes every file with anything buffered, then closes every log kept
+  // open: afterwards every log is on the volume for anyone to open.
   Status FlushAll() EXCLUDES(mu_);
-  // Flushes one file (an export closing).
+  // Flushes one file (an export closing) and closes its log.
   Status FlushFile(FileId id) EXCLUDES(mu_);
   FlusherStats stats() EXCLUDES(mu_);
 
  private:
-  Status FlushLocked(FileId id) REQUIRES(mu_);
+  // `keep_open`: leave the log open afterwards if the file is tracked.
+  Status FlushLocked(FileId id, bool keep_open) REQUIRES(mu_);
+  bool Tracked(FileId id) EXCLUDES(files_mu_);
+  void CloseLogsLocked() REQUIRES(mu_);
+
   // The tracked file's log limit (0: none, or not tracked).
   uint64_t MaxLogBytes(FileId id) EXCLUDES(files_mu_);
   Volume* const vol_;
@@ -82,12 +140,27 @@ class LogFlusher {
   // The last appended batch's records vector, handed to the next Take so
   // its memory is reused rather than faulted in afresh.
   std::vector<BlockRecord> spare_records_ GUARDED_BY(mu_);
+  // Logs kept open between appends (see the top of this file).
+  struct KeptLog {
+    std::unique_ptr<File> file;
+    bool appended = true;  // since the last CloseIdleLogs
+  };
+  std::map<FileId, KeptLog> open_logs_ GUARDED_BY(mu_);
   // Lock order: mu_ before files_mu_; files_mu_ is never held across I/O
   // (the export table takes it when opening and closing files). Whether a
   // log is full is the monitor's state (WriteMonitor::PauseForFullLog),
   // not kept here.
   Mutex files_mu_ ACQUIRED_AFTER(mu_);
   std::map<FileId, uint64_t> max_log_bytes_ GUARDED_BY(files_mu_);
+  // The thread's wake-up; a leaf (the monitor's hook takes it on the
+  // write path, so it is never held across anything that blocks).
+  Mutex wake_mu_;
+  std::condition_variable wake_cv_;  // with wake_mu_
+  bool wake_ GUARDED_BY(wake_mu_) = false;
+  bool close_logs_ GUARDED_BY(wake_mu_) = false;  // WakeAtFlushPoint
+  bool stopping_ GUARDED_BY(wake_mu_) = false;
+  std::thread thread_;  // started and joined by whoever calls Start/Stop
+  void Run() EXCLUDES(wake_mu_);
 };
 
 }  // namespace dede

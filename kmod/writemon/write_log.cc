@@ -527,18 +527,25 @@ Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch, uint64_t max_log
   if (batch.empty()) return Status::Ok();
   const Superblock& sb = vol->superblock();
   RETURN_IF_ERROR(CheckBatch(batch, sb.hash_algo));
-  const std::string name = WriteLogName(batch.file);
+  Result<std::unique_ptr<File>> opened = OpenOrCreateWriteLog(vol, batch.file);
+  if (!opened.ok()) return opened.status();  // kLocked: the caller keeps the batch
+  return AppendToOpenWriteLog(vol, opened.value().get(), batch, max_log_bytes, outcome);
+}
+
+Result<std::unique_ptr<File>> OpenOrCreateWriteLog(Volume* vol, FileId owner) {
+  const std::string name = WriteLogName(owner);
   Result<std::unique_ptr<File>> opened = vol->OpenFile(name);
   if (!opened.ok() && opened.status().code() == Status::Code::kNotFound) {
-    Result<FileId> created = vol->Create(name, 0, FileKind::kWriteLog, batch.file.ino);
+    Result<FileId> created = vol->Create(name, 0, FileKind::kWriteLog, owner.ino);
     // kExists: another host created it first; use theirs.
     if (!created.ok() && created.status().code() != Status::Code::kExists) {
       return created.status().WithContext("creating write log " + name);
     }
     opened = vol->OpenFile(name);
   }
-  if (!opened.ok()) return opened.status();  // kLocked: the caller keeps the batch
-  return AppendToOpenWriteLog(vol, opened.value().get(), batch, max_log_bytes, outcome);
+  if (!opened.ok()) return opened.status();
+  RETURN_IF_ERROR(CheckIsLogOf(opened.value().get(), owner));
+  return opened;
 }
 
 namespace {
@@ -629,14 +636,18 @@ Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch,
   return Status::Ok();
 }
 
-Status AppendOptOutMarker(Volume* vol, FileId file, uint64_t size_bytes, uint64_t now_ns) {
+MonitorBatch OptOutMarkerBatch(FileId file, uint64_t size_bytes, uint64_t now_ns) {
   const uint64_t blocks = (size_bytes + kBlockSize - 1) / kBlockSize;
-  if (blocks == 0) return Status::Ok();
   MonitorBatch batch;
   batch.file = file;
+  if (blocks == 0) return batch;
   batch.invalidated.push_back(InvalidRange{0, std::min<uint64_t>(blocks, kBlockLimit), now_ns});
   batch.first_ns = batch.last_ns = now_ns;
-  return AppendToWriteLog(vol, batch);
+  return batch;
+}
+
+Status AppendOptOutMarker(Volume* vol, FileId file, uint64_t size_bytes, uint64_t now_ns) {
+  return AppendToWriteLog(vol, OptOutMarkerBatch(file, size_bytes, now_ns));
 }
 
 Result<std::unique_ptr<File>> OpenWriteLog(Volume* vol, FileId owner) {

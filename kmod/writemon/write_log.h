@@ -182,11 +182,18 @@ Status AppendToWriteLog(Volume* vol, const MonitorBatch& batch, uint64_t max_log
 // must go (it then rewrites every shard) even if the file logged nothing
 // else. Like AppendToWriteLog (kLocked: try again later).
 Status AppendOptOutMarker(Volume* vol, FileId file, uint64_t size_bytes, uint64_t now_ns);
+// The batch AppendOptOutMarker appends (empty for an empty file).
+MonitorBatch OptOutMarkerBatch(FileId file, uint64_t size_bytes, uint64_t now_ns);
 
 // AppendToWriteLog on a log the caller already holds open (a dedup pass
 // writing back records it deferred). Does not Sync.
 Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch,
                             uint64_t max_log_bytes = 0, LogAppendOutcome* outcome = nullptr);
+
+// Opens the log of `owner` for appending, creating it if there is none
+// (another host creating it first is fine: theirs is used). kLocked if
+// someone else holds it; kCorruption as for AppendToWriteLog.
+Result<std::unique_ptr<File>> OpenOrCreateWriteLog(Volume* vol, FileId owner);
 
 // Opens the log of `owner` read-only style for scanning: kNotFound if there
 // is none (kCorruption if the name is taken by something else). Returns

@@ -292,6 +292,8 @@ struct WriteMonitor::FileBuffer {
   uint64_t dropped_total GUARDED_BY(mu) = 0;
   uint64_t dropped_pending GUARDED_BY(mu) = 0;  // not yet taken in a batch
   uint64_t dropped_since_ns GUARDED_BY(mu) = 0;
+  // The flush-due hook was called for the buffer as it is (ReachedFlushBytes).
+  bool flush_due_signalled GUARDED_BY(mu) = false;
   // While a coalesce runs with `mu` released (`detached`): the ops and state
   // it took out are still charged and counted through these. Appends go to
   // the emptied `ops` meanwhile (after the taken ones, in call order) and
@@ -390,6 +392,7 @@ struct WriteMonitor::FileBuffer {
   // Discards everything buffered (the lost entries are not counted).
   void Discard(std::atomic<uint64_t>* total) REQUIRES(mu) {
     ClearOps();
+    flush_due_signalled = false;
     state = State{};
     Recharge(total);
   }
@@ -578,7 +581,7 @@ void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed
     AppendAtCap(fb, ops, n, hashed);
     return;
   }
-  bool coalesce;
+  bool coalesce, due;
   {
     MutexLock l(&fb->mu);
     if (fb->removed || !fb->Recording()) {
@@ -593,13 +596,34 @@ void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed
     fb->Append(ops, n);
     fb->charged += charge;
     coalesce = fb->CoalesceDue(CoalesceAt(*fb));
+    due = ReachedFlushBytes(fb);
   }
+  if (due) CallFlushDueHook();
   // Whoever holds restructure_mu is coalescing or taking the buffer
   // already: this write need not wait for it.
   if (coalesce && fb->restructure_mu.TryLock()) {
     CoalesceOutsideLock(fb);
     fb->restructure_mu.Unlock();
   }
+}
+
+bool WriteMonitor::ReachedFlushBytes(FileBuffer* fb) NO_THREAD_SAFETY_ANALYSIS {
+  if (fb->flush_due_signalled) return false;
+  if (fb->LogBytesBound(record_bytes_, range_bytes_) < opts_.flush_bytes) return false;
+  fb->flush_due_signalled = true;
+  return true;
+}
+
+void WriteMonitor::SetFlushDueHook(std::function<void()> hook) {
+  std::function<void()> old;  // destroyed outside the lock
+  MutexLock l(&hook_mu_);
+  old = std::move(flush_due_hook_);
+  flush_due_hook_ = std::move(hook);
+}
+
+void WriteMonitor::CallFlushDueHook() {
+  MutexLock l(&hook_mu_);
+  if (flush_due_hook_) flush_due_hook_();
 }
 
 void WriteMonitor::CoalesceOutsideLock(FileBuffer* fb) {
@@ -656,11 +680,15 @@ void WriteMonitor::CoalesceOutsideLock(FileBuffer* fb) {
 }
 
 void WriteMonitor::AppendAtCap(FileBuffer* fb, const Op* ops, size_t n, size_t hashed) {
+  if (AppendAtCapLocked(fb, ops, n, hashed)) CallFlushDueHook();
+}
+
+bool WriteMonitor::AppendAtCapLocked(FileBuffer* fb, const Op* ops, size_t n, size_t hashed) {
   MutexLock restructure(&fb->restructure_mu);
   MutexLock l(&fb->mu);
   if (fb->removed || !fb->Recording()) {
     if (!fb->removed && fb->PausedForFullLog()) CountUnrecorded(fb, hashed);
-    return;
+    return false;
   }
   // At the cap. Coalesce first: afterwards ops apply straight to the state
   // (in call order, as `ops` is empty), so a rewrite of a buffered block
@@ -696,6 +724,7 @@ void WriteMonitor::AppendAtCap(FileBuffer* fb, const Op* ops, size_t n, size_t h
     }
     fb->Recharge(&buffered_bytes_);
   }
+  return ReachedFlushBytes(fb);
 }
 
 std::vector<FileId> WriteMonitor::DueFiles(bool all) {
@@ -718,7 +747,10 @@ std::vector<FileId> WriteMonitor::DueFiles(bool all) {
       // Cheap bound first; coalesce only when it passes the threshold, then
       // decide on the real sizes.
       const uint64_t b = fb->LogBytesBound(record_bytes_, range_bytes_);
-      if (b < opts_.flush_bytes || b == 0) continue;
+      if (b < opts_.flush_bytes || b == 0) {
+        fb->flush_due_signalled = false;
+        continue;
+      }
       if (fb->Sequential()) {
         due.push_back(fb->id);
         continue;
@@ -735,8 +767,11 @@ std::vector<FileId> WriteMonitor::DueFiles(bool all) {
     // Take needs no coalescing) or the tree, with the file's lock released.
     CoalesceOutsideLock(fb.get());
     MutexLock l(&fb->mu);
-    if (!fb->removed && fb->LogBytesBound(record_bytes_, range_bytes_) >= opts_.flush_bytes) {
+    if (fb->removed) continue;
+    if (fb->LogBytesBound(record_bytes_, range_bytes_) >= opts_.flush_bytes) {
       due.push_back(fb->id);
+    } else {
+      fb->flush_due_signalled = false;  // coalescing shrank it: arm again
     }
   }
   return due;
@@ -762,6 +797,7 @@ MonitorBatch WriteMonitor::Take(FileId id, std::vector<BlockRecord> reuse) {
     ops.swap(fb->ops);
     std::swap(state, fb->state);
     fb->ClearOps();
+    fb->flush_due_signalled = false;
     fb->Recharge(&buffered_bytes_);
     batch.dropped_records = fb->dropped_pending;
     batch.dropped_since_ns = fb->dropped_since_ns;
@@ -815,6 +851,10 @@ void WriteMonitor::PutBack(MonitorBatch batch) {
   MutexLock l(&fb->mu);
   if (fb->removed || !fb->Recording()) return;
   fb->Coalesce(&buffered_bytes_);
+  // Whoever could not write the batch retries on its own schedule: the
+  // hook firing at the next write would retry at once and, while a pass
+  // holds the log, put back again (a loop of tree merges).
+  fb->flush_due_signalled = true;
   // Old batch first, then what was buffered since: newer entries win.
   State merged;
   for (const InvalidRange& r : batch.invalidated) {

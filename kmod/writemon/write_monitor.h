@@ -32,6 +32,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <utility>
@@ -144,6 +145,16 @@ class WriteMonitor {
   // WRITE_ZEROES, failed write): every block it touches is invalidated.
   void OnInvalidate(FileId id, uint64_t offset, uint64_t len);
 
+  // `hook` is called when a file's buffer reaches flush_bytes: once per
+  // crossing, on the write path that crossed it, outside the file's locks,
+  // so it must not block (dedupd wakes its flusher thread). A file is armed
+  // again when it is taken, or when DueFiles finds it not due after all
+  // (coalescing shrank it). Without it, files pass flush_bytes unnoticed
+  // until someone calls DueFiles, and a busy file's buffer grows with the
+  // time between calls (at 1.5 GB/s, 400k ops a second). nullptr removes
+  // the hook; once this returns, the old hook is no longer running or called.
+  void SetFlushDueHook(std::function<void()> hook) EXCLUDES(hook_mu_);
+
   // Files with anything to flush: those past flush_bytes, or when `all`,
   // every file with a non-empty buffer or shed records. Sorted by FileId.
   std::vector<FileId> DueFiles(bool all);
@@ -203,6 +214,8 @@ class WriteMonitor {
   void Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed);
   // Append's path once the cap is reached. Takes fb's restructure_mu.
   void AppendAtCap(FileBuffer* fb, const Op* ops, size_t n, size_t hashed);
+  // AppendAtCap under the file's locks; true when the hook is to be called.
+  bool AppendAtCapLocked(FileBuffer* fb, const Op* ops, size_t n, size_t hashed);
   // Coalesces fb's ops (a sort when they are all records, else into the
   // tree) with fb's mu released, so writes keep appending. The caller holds
   // fb's restructure_mu (not annotated: FileBuffer is defined in the .cc).
@@ -217,6 +230,10 @@ class WriteMonitor {
   // The caller holds fb's mu (not annotated: FileBuffer is defined in the
   // .cc), so LogTaken happens-after the write it counts.
   void CountUnrecorded(FileBuffer* fb, uint64_t blocks);
+  // Whether the ops just added took fb's buffer to flush_bytes since it
+  // was last taken or found not due; marks it so. Caller holds fb's mu.
+  bool ReachedFlushBytes(FileBuffer* fb);
+  void CallFlushDueHook() EXCLUDES(hook_mu_);
   // Charges `bytes` to the shared budget if it stays within the cap.
   bool Reserve(uint64_t bytes);
   void Release(uint64_t bytes);
@@ -237,6 +254,9 @@ class WriteMonitor {
   std::atomic<uint64_t> hashed_blocks_{0};
   std::atomic<uint64_t> dropped_records_{0};
   std::atomic<uint64_t> unrecorded_blocks_{0};
+  // A leaf, held while the hook runs (so SetFlushDueHook can wait it out).
+  Mutex hook_mu_;
+  std::function<void()> flush_due_hook_ GUARDED_BY(hook_mu_);
 };
 
 }  // namespace dede

@@ -5,6 +5,8 @@
 #include "kmod/writemon/write_log.h"
 
 #include <catch2/catch.hpp>
+#include <chrono>
+#include <thread>
 #include <cstring>
 #include <functional>
 #include <map>
@@ -13,6 +15,7 @@
 #include <unistd.h>
 #include <vector>
 
+#include "agent/log_flusher.h"
 #include "util/coding.h"
 #include "util/crc32c.h"
 #include "volume/mem_device.h"
@@ -820,5 +823,146 @@ TEST_CASE("writelog: saturation is read from the log's own tail", "[writemon]") 
     REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 50, 0, 1000), limit, &outcome).ok());
     CHECK(outcome == LogAppendOutcome::kSaturated);
     CHECK(Replay(vol, owner).saturated);
+  }
+}
+
+TEST_CASE("log flusher: its thread appends a file that reaches the flush size, unprompted",
+          "[writemon]") {
+  const HashAlgo algo = HashAlgo::kXxh128;
+  MemVolume mv(algo);
+  Volume* vol = mv.vol.get();
+  auto created = vol->Create("vm", 8 << 20);
+  REQUIRE(created.ok());
+  const FileId owner = *created;
+  WriteMonitorOptions mo;
+  mo.algo = algo;
+  mo.flush_bytes = 200 * WriteLogRecordBytes(algo);
+  WriteMonitor monitor(mo);
+  monitor.AddFile(owner, true);
+  LogFlusher flusher(vol, &monitor);
+  flusher.Start();
+  std::vector<uint8_t> data(400 * kB);
+  for (size_t i = 0; i < data.size(); i++) data[i] = static_cast<uint8_t>(i * 7 + i / kB);
+  auto flushes_within = [&](uint64_t want, int ms) {
+    for (int waited = 0; waited < ms && flusher.stats().flushes < want; waited += 5) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    return flusher.stats().flushes;
+  };
+
+  // Below the flush size nothing wakes the thread.
+  monitor.OnWrite(owner, 0, data.data(), 199 * kB);
+  CHECK(flushes_within(1, 200) == 0);
+  // The write that reaches it does: one batch of all 200 records, with no
+  // Tick from anyone.
+  monitor.OnWrite(owner, 199 * kB, data.data() + 199 * kB, kB);
+  CHECK(flushes_within(1, 10000) == 1);
+  CHECK(flusher.stats().records == 200);
+  WriteLogState st = Replay(vol, owner);
+  REQUIRE(st.records.size() == 200);
+  for (uint64_t b = 0; b < 200; b++) {
+    CHECK(st.records.at(b).fp == ComputeFingerprint(algo, data.data() + b * kB, kB));
+  }
+
+  // Stopped: the monitor's hook is gone and nothing more is appended by
+  // itself; FlushAll still works.
+  flusher.Stop();
+  monitor.OnWrite(owner, 200 * kB, data.data() + 200 * kB, 200 * kB);
+  CHECK(flushes_within(2, 200) == 1);
+  REQUIRE(flusher.FlushAll().ok());
+  CHECK(flusher.stats().flushes == 2);
+  CHECK(Replay(vol, owner).records.size() == 400);
+  flusher.Stop();  // idempotent
+}
+
+TEST_CASE("log flusher: a busy file's log stays open between appends, and a pass can borrow it",
+          "[writemon]") {
+  const HashAlgo algo = HashAlgo::kXxh128;
+  MemVolume mv(algo);
+  Volume* vol = mv.vol.get();
+  auto created = vol->Create("vm", 8 << 20);
+  REQUIRE(created.ok());
+  const FileId owner = *created;
+  WriteMonitorOptions mo;
+  mo.algo = algo;
+  mo.flush_bytes = 10 * WriteLogRecordBytes(algo);
+  WriteMonitor monitor(mo);
+  monitor.AddFile(owner, true);
+  LogFlusher flusher(vol, &monitor);
+  flusher.TrackFile(owner, 8 << 20);  // exported: its log may stay open
+  std::vector<uint8_t> data(64 * kB);
+  for (size_t i = 0; i < data.size(); i++) data[i] = static_cast<uint8_t>(i * 13 + i / kB);
+  auto log_is_open_here = [&] {
+    Result<std::unique_ptr<File>> log = OpenWriteLog(vol, owner);
+    return !log.ok() && log.status().code() == Status::Code::kLocked;
+  };
+
+  monitor.OnWrite(owner, 0, data.data(), 16 * kB);
+  REQUIRE(flusher.Tick().ok());
+  CHECK(flusher.stats().flushes == 1);
+  CHECK(log_is_open_here());
+  // The next append goes through the same handle.
+  monitor.OnWrite(owner, 16 * kB, data.data() + 16 * kB, 16 * kB);
+  REQUIRE(flusher.Tick().ok());
+  CHECK(flusher.stats().flushes == 2);
+  // The opt-out marker goes through it too (an export switched off).
+  REQUIRE(flusher.AppendOptOutMarker(owner, 8 << 20, 12345).ok());
+
+  // A pass borrows the open log; meanwhile the flusher finds it busy and
+  // keeps the batch.
+  std::unique_ptr<File> lent = flusher.LendLog(owner);
+  REQUIRE(lent != nullptr);
+  CHECK(flusher.LendLog(owner) == nullptr);
+  {
+    Result<WriteLogState> st = ReplayWriteLog(lent.get(), algo, vol->superblock().uuid, owner);
+    REQUIRE(st.ok());
+    CHECK(st->records.empty());  // the marker invalidated all 32
+    CHECK(st->invalidated.size() == 1);
+  }
+  monitor.OnWrite(owner, 32 * kB, data.data() + 32 * kB, 16 * kB);
+  REQUIRE(flusher.Tick().ok());
+  CHECK(flusher.stats().deferred == 1);
+  CHECK(flusher.stats().flushes == 2);
+  lent.reset();  // the pass is done with it
+  REQUIRE(flusher.Tick().ok());
+  CHECK(flusher.stats().flushes == 3);
+  CHECK(log_is_open_here());
+
+  // A flush point closes only logs idle since the one before.
+  flusher.CloseIdleLogs();  // appended since: stays open, marked idle
+  CHECK(log_is_open_here());
+  monitor.OnWrite(owner, 0, data.data(), 16 * kB);
+  REQUIRE(flusher.Tick().ok());
+  flusher.CloseIdleLogs();  // appended again: stays open
+  CHECK(log_is_open_here());
+  flusher.CloseIdleLogs();  // idle since: closed
+  CHECK_FALSE(log_is_open_here());
+  // The thread does it when a flush point wakes it.
+  monitor.OnWrite(owner, 0, data.data(), 16 * kB);
+  REQUIRE(flusher.Tick().ok());
+  CHECK(log_is_open_here());
+  flusher.Start();
+  for (int i = 0; i < 500 && log_is_open_here(); i++) {
+    flusher.WakeAtFlushPoint();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  CHECK_FALSE(log_is_open_here());
+  flusher.Stop();
+
+  // FlushAll leaves every log closed, and so does ForgetFile.
+  monitor.OnWrite(owner, 48 * kB, data.data() + 48 * kB, 16 * kB);
+  REQUIRE(flusher.Tick().ok());
+  CHECK(log_is_open_here());
+  REQUIRE(flusher.FlushAll().ok());
+  CHECK_FALSE(log_is_open_here());
+  monitor.OnWrite(owner, 0, data.data(), 16 * kB);
+  REQUIRE(flusher.Tick().ok());
+  CHECK(log_is_open_here());
+  flusher.ForgetFile(owner);
+  CHECK_FALSE(log_is_open_here());
+  WriteLogState st = Replay(vol, owner);
+  CHECK(st.records.size() == 48);  // blocks 0-15 rewritten, 32-63 after the marker
+  for (const auto& [b, r] : st.records) {
+    CHECK(r.fp == ComputeFingerprint(algo, data.data() + b * kB, kB));
   }
 }

@@ -453,6 +453,72 @@ TEST_CASE("writemon: files are due when their records reach flush_bytes", "[writ
   CHECK(m.DueFiles(false).empty());
 }
 
+TEST_CASE("writemon: the flush-due hook fires once each time a file reaches flush_bytes",
+          "[writemon]") {
+  ManualClock clock;
+  WriteMonitorOptions o = Opts(&clock);
+  const size_t per = WriteLogRecordBytes(o.algo);
+  o.flush_bytes = 100 * per;
+  WriteMonitor m(o);
+  std::atomic<int> calls{0};
+  m.SetFlushDueHook([&] { calls++; });
+  m.AddFile(kF, true);
+  m.AddFile(kG, true);
+  std::vector<uint8_t> a = Data(200 * kB, 1);
+
+  // Sequential writing: the call that reaches 100 records fires, once.
+  m.OnWrite(kF, 0, a.data(), 99 * kB);
+  CHECK(calls == 0);
+  m.OnWrite(kF, 99 * kB, a.data(), kB);
+  CHECK(calls == 1);
+  m.OnWrite(kF, 100 * kB, a.data(), 50 * kB);
+  CHECK(calls == 1);
+  // Another file crosses on its own.
+  m.OnWrite(kG, 0, a.data(), 100 * kB);
+  CHECK(calls == 2);
+  // Taken: armed again, and fires at the next crossing only.
+  CHECK(m.Take(kF).records.size() == 150);
+  m.OnWrite(kF, 0, a.data(), 99 * kB);
+  CHECK(calls == 2);
+  m.OnWrite(kF, 99 * kB, a.data(), kB);
+  CHECK(calls == 3);
+  (void)m.Take(kF);
+  (void)m.Take(kG);
+
+  // Rewrites of one block: the bound counts ops, so it fires at 100 ops;
+  // DueFiles coalesces them to one record, finds the file not due and
+  // arms it again, and it fires at the next 100 ops.
+  for (int i = 0; i < 100; i++) m.OnWrite(kF, 5 * kB, a.data() + i * kB, kB);
+  CHECK(calls == 4);
+  CHECK(m.DueFiles(false).empty());
+  CHECK(m.FileStats(kF).buffered_records == 1);
+  for (int i = 0; i < 98; i++) m.OnWrite(kF, 5 * kB, a.data() + i * kB, kB);
+  CHECK(calls == 4);
+  m.OnWrite(kF, 5 * kB, a.data(), kB);
+  CHECK(calls == 5);
+  (void)m.Take(kF);
+
+  // A batch put back (its log was busy) does not fire the hook on the next
+  // write: whoever put it back retries on its own schedule.
+  m.OnWrite(kF, 0, a.data(), 100 * kB);
+  CHECK(calls == 6);
+  MonitorBatch b = m.Take(kF);
+  m.PutBack(std::move(b));
+  m.OnWrite(kF, 100 * kB, a.data(), 10 * kB);
+  CHECK(calls == 6);
+  CHECK(m.DueFiles(false) == std::vector<FileId>{kF});
+  CHECK(m.Take(kF).records.size() == 110);
+  m.OnWrite(kF, 0, a.data(), 100 * kB);
+  CHECK(calls == 7);
+
+  // Unhooked: no more calls.
+  (void)m.Take(kF);
+  m.SetFlushDueHook(nullptr);
+  m.OnWrite(kF, 0, a.data(), 100 * kB);
+  CHECK(calls == 7);
+  CHECK(m.DueFiles(false) == std::vector<FileId>{kF});
+}
+
 TEST_CASE("writemon: PutBack merges under newer writes", "[writemon]") {
   ManualClock clock;
   WriteMonitor m(Opts(&clock));
