@@ -1,5 +1,7 @@
 #include "agent/log_flusher.h"
 
+#include <pthread.h>
+
 #include "kmod/writemon/write_log.h"
 #include "util/log.h"
 
@@ -219,6 +221,8 @@ void LogFlusher::Stop() {
 
 // Not annotated: the wait holds wake_mu_ through its native mutex.
 void LogFlusher::Run() NO_THREAD_SAFETY_ANALYSIS {
+  // Named for top -H, perf and /proc/PID/task (the bench reads its CPU).
+  ::pthread_setname_np(::pthread_self(), "dedupd-flush");
   for (;;) {
     bool close_logs;
     {

@@ -366,10 +366,34 @@ TEST_CASE("read-ahead: concurrent writes never make a READ return older content"
   constexpr size_t kBlocks = 256;
   constexpr size_t kB4 = 4 * kK;
   std::mutex mu;
-  std::vector<uint64_t> device(kBlocks, 0);  // generation per block
+  uint64_t gen = 0;                          // with mu
+  std::vector<uint64_t> device(kBlocks, 0);  // generation per block, with mu
   std::vector<std::atomic<uint64_t>> acked(kBlocks);
   for (auto& a : acked) a = 0;
   std::atomic<uint64_t> read_errors{0};
+  std::unique_ptr<ReadAhead> ra;
+  // A write as dedupd makes one: the device first (each block's generation
+  // only grows, as writes to a block are serialised by the range lock),
+  // then Invalidate, then the answer (acked).
+  auto write_blocks = [&](size_t first, size_t n) {
+    const size_t last = std::min(kBlocks, first + n);
+    uint64_t g;
+    {
+      std::lock_guard<std::mutex> l(mu);
+      g = ++gen;
+      for (size_t b = first; b < last; b++) device[b] = g;
+    }
+    ra->Invalidate(first * kB4, (last - first) * kB4);
+    for (size_t b = first; b < last; b++) {
+      uint64_t cur = acked[b];
+      while (cur < g && !acked[b].compare_exchange_weak(cur, g)) {
+      }
+    }
+  };
+  // Whether this thread is inside After(), i.e. the device read is a
+  // prefetch.
+  static thread_local bool prefetching = false;
+  std::atomic<uint64_t> prefetch_reads{0};
   auto reader_fn = [&](uint64_t off, void* buf, size_t len) {
     if (off % kB4 != 0 || len % kB4 != 0) {
       read_errors++;
@@ -383,55 +407,65 @@ TEST_CASE("read-ahead: concurrent writes never make a READ return older content"
         g = device[off / kB4 + i];
       }
       std::memcpy(p + i * kB4, &g, 8);
-      std::this_thread::yield();  // let writes land between blocks
+      if (i % 4 == 3) std::this_thread::yield();  // let writes land between blocks
     }
+    // Every third prefetch has a write land in its window after its device
+    // read and before it is published: the race the window's staleness
+    // check exists for, made to happen whatever the scheduling (left to the
+    // writer thread alone, a starved machine once ran 2000 passes without
+    // a write landing in a window).
+    if (prefetching && ++prefetch_reads % 3 == 0) write_blocks(off / kB4 + len / kB4 / 2, 1);
     return Status::Ok();
   };
-  ReadAhead ra(reader_fn, kBlocks * kB4, 64 * kK);
+  ra = std::make_unique<ReadAhead>(reader_fn, kBlocks * kB4, 64 * kK);
   std::atomic<bool> stop{false};
   std::atomic<uint64_t> violations{0};
-  // Where the readers' windows are (the block after their last READ): half
-  // the writes go there, so windows get dropped by writes however the
-  // threads are scheduled (left to chance, a loaded machine once ran 2000
-  // passes without a write landing in a window).
+  // Where the readers' windows are (the block after their last READ): a
+  // quarter of the writer thread's writes go there, so windows are also
+  // dropped by writes that land after a prefetch was published. The writer
+  // makes at most one write per READ: left free, on a starved core it ran
+  // so many between two READs that no window lived to answer one.
   std::atomic<size_t> window_block{0};
+  std::atomic<uint64_t> reads_done{0};
   std::thread writer([&] {
     std::mt19937 r(11);
-    uint64_t gen = 0;
+    uint64_t writes = 0;
     while (!stop) {
-      const size_t first = r() % 2 ? window_block.load() % kBlocks : r() % kBlocks;
-      const size_t n = 1 + r() % 8;
-      const size_t last = std::min(kBlocks, first + n);
-      ++gen;
-      {
-        std::lock_guard<std::mutex> l(mu);
-        for (size_t b = first; b < last; b++) device[b] = gen;
+      if (writes >= reads_done) {
+        std::this_thread::yield();
+        continue;
       }
-      ra.Invalidate(first * kB4, (last - first) * kB4);
-      for (size_t b = first; b < last; b++) acked[b] = gen;
-      std::this_thread::yield();
+      const size_t first = r() % 4 == 0 ? window_block.load() % kBlocks : r() % kBlocks;
+      write_blocks(first, 1 + r() % 8);
+      writes++;
     }
   });
-  // Two readers: usually one in flight at a time, sometimes both (then no
-  // prefetch); both must see acknowledged data.
-  // At least 40 passes, and on until the window has both answered READs
-  // and been dropped by writes (on a loaded machine the readers overlap
-  // more and prefetch less), for at most 60 s. A bound in time, not in
-  // passes: with the CPUs busy elsewhere (ctest -j2 in a fresh clone) the
-  // writer thread once got so little time that 2000 passes (1.2 s) saw no
-  // window dropped.
-  auto covered = [&] { return ra.stats().hits > 0 && ra.stats().wasted > 0; };
+  // Two readers: the first alone for its first 20 passes (a lone
+  // sequential reader is what the window serves: on a starved core two
+  // readers were nearly always both in flight, and in each other's
+  // streams, so no window ever answered a READ), then both, usually one in
+  // flight at a time, sometimes both (then no prefetch); all READs must see
+  // acknowledged data. At least 40 passes each, and on until the window
+  // has answered READs and prefetches have been read, for at most 60 s.
+  auto covered = [&] { return ra->stats().hits > 0 && prefetch_reads >= 3; };
   const auto give_up = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  std::atomic<int> first_reader_passes{0};
   auto reader = [&](uint32_t seed) {
     std::mt19937 r(seed);
+    if (seed != 1) {
+      while (first_reader_passes < 20 && std::chrono::steady_clock::now() < give_up) {
+        std::this_thread::yield();
+      }
+    }
     for (int pass = 0; pass < 40 || (!covered() && std::chrono::steady_clock::now() < give_up);
          pass++) {
+      if (seed == 1) first_reader_passes = pass;
       const size_t req = (1 + r() % 4) * kB4 * 4;
       for (uint64_t off = 0; off + req <= kBlocks * kB4; off += req) {
         std::vector<uint64_t> floor(req / kB4);
         for (size_t i = 0; i < floor.size(); i++) floor[i] = acked[off / kB4 + i];
         IoBytes out;
-        if (!ra.Read(off, req, &out).ok()) {
+        if (!ra->Read(off, req, &out).ok()) {
           read_errors++;
           continue;
         }
@@ -440,14 +474,11 @@ TEST_CASE("read-ahead: concurrent writes never make a READ return older content"
           std::memcpy(&g, out.data() + i * kB4, 8);
           if (g < floor[i]) violations++;
         }
-        // Announced before After() prefetches it, so a write can land in
-        // the window while it is being read, not only after.
+        reads_done++;
         window_block = (off + req) / kB4;
-        ra.After(off, req);
-        // Not covered yet after the first passes: the writer may be
-        // starved of CPU (one core busy elsewhere); give it a moment while
-        // the window waits for this reader's next READ.
-        if (pass >= 40 && !covered()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+        prefetching = true;
+        ra->After(off, req);
+        prefetching = false;
       }
     }
   };
@@ -459,9 +490,11 @@ TEST_CASE("read-ahead: concurrent writes never make a READ return older content"
   writer.join();
   CHECK(violations == 0);
   CHECK(read_errors == 0);
-  // The check ran with read-ahead really in use.
-  CHECK(ra.stats().hits > 0);
-  CHECK(ra.stats().wasted > 0);
+  // The check ran with read-ahead really in use, and with windows that
+  // writes made stale.
+  CHECK(ra->stats().hits > 0);
+  CHECK(prefetch_reads >= 3);
+  CHECK(ra->stats().wasted > 0);
 }
 
 // All exports of a host share one budget: a window holds its bytes from
