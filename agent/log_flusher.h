@@ -9,8 +9,8 @@
 //
 // The log of an exported file the thread appends to stays open while
 // the appends go on: closing a file checkpoints the volume and gives back
-// its cached locks (four device flushes, docs/LOCKING.md), which at ten
-// appends a second cost a fast writer a third of its throughput
+// its cached locks (four device flushes, docs/LOCKING.md): at ten appends
+// a second that was 31 fdatasyncs a second under a fast writer
 // (docs/BENCHMARKS.md, session 24). A flush point closes the logs not
 // appended to since the one before, so another process (`dede ls -l`)
 // finds a log busy while its file is being written and for at most two
