@@ -10,6 +10,7 @@
 #include <cstring>
 #include <functional>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <unistd.h>
@@ -826,23 +827,42 @@ TEST_CASE("writelog: saturation is read from the log's own tail", "[writemon]") 
   }
 }
 
+// A volume with one 8 MiB file "vm", a monitor that finds it due at
+// `records_per_flush` records, and a flusher; `data` is `blocks` distinct
+// 4 KiB blocks to write.
+struct FlusherRig {
+  FlusherRig(size_t records_per_flush, size_t blocks) : mv(kAlgo), data(blocks * kB) {
+    vol = mv.vol.get();
+    auto created = vol->Create("vm", 8 << 20);
+    REQUIRE(created.ok());
+    owner = *created;
+    WriteMonitorOptions mo;
+    mo.algo = kAlgo;
+    mo.flush_bytes = records_per_flush * WriteLogRecordBytes(kAlgo);
+    monitor = std::make_unique<WriteMonitor>(mo);
+    monitor->AddFile(owner, true);
+    flusher = std::make_unique<LogFlusher>(vol, monitor.get());
+    for (size_t i = 0; i < data.size(); i++) data[i] = static_cast<uint8_t>(i * 7 + i / kB);
+  }
+  static constexpr HashAlgo kAlgo = HashAlgo::kXxh128;
+  MemVolume mv;
+  Volume* vol;
+  FileId owner;
+  std::unique_ptr<WriteMonitor> monitor;
+  std::unique_ptr<LogFlusher> flusher;  // destroyed before the monitor
+  std::vector<uint8_t> data;
+};
+
 TEST_CASE("log flusher: its thread appends a file that reaches the flush size, unprompted",
           "[writemon]") {
-  const HashAlgo algo = HashAlgo::kXxh128;
-  MemVolume mv(algo);
-  Volume* vol = mv.vol.get();
-  auto created = vol->Create("vm", 8 << 20);
-  REQUIRE(created.ok());
-  const FileId owner = *created;
-  WriteMonitorOptions mo;
-  mo.algo = algo;
-  mo.flush_bytes = 200 * WriteLogRecordBytes(algo);
-  WriteMonitor monitor(mo);
-  monitor.AddFile(owner, true);
-  LogFlusher flusher(vol, &monitor);
+  FlusherRig rig(200, 400);
+  const HashAlgo algo = rig.kAlgo;
+  Volume* vol = rig.vol;
+  const FileId owner = rig.owner;
+  WriteMonitor& monitor = *rig.monitor;
+  LogFlusher& flusher = *rig.flusher;
+  const std::vector<uint8_t>& data = rig.data;
   flusher.Start();
-  std::vector<uint8_t> data(400 * kB);
-  for (size_t i = 0; i < data.size(); i++) data[i] = static_cast<uint8_t>(i * 7 + i / kB);
   auto flushes_within = [&](uint64_t want, int ms) {
     for (int waited = 0; waited < ms && flusher.stats().flushes < want; waited += 5) {
       std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -877,21 +897,14 @@ TEST_CASE("log flusher: its thread appends a file that reaches the flush size, u
 
 TEST_CASE("log flusher: a busy file's log stays open between appends, and a pass can borrow it",
           "[writemon]") {
-  const HashAlgo algo = HashAlgo::kXxh128;
-  MemVolume mv(algo);
-  Volume* vol = mv.vol.get();
-  auto created = vol->Create("vm", 8 << 20);
-  REQUIRE(created.ok());
-  const FileId owner = *created;
-  WriteMonitorOptions mo;
-  mo.algo = algo;
-  mo.flush_bytes = 10 * WriteLogRecordBytes(algo);
-  WriteMonitor monitor(mo);
-  monitor.AddFile(owner, true);
-  LogFlusher flusher(vol, &monitor);
+  FlusherRig rig(10, 64);
+  const HashAlgo algo = rig.kAlgo;
+  Volume* vol = rig.vol;
+  const FileId owner = rig.owner;
+  WriteMonitor& monitor = *rig.monitor;
+  LogFlusher& flusher = *rig.flusher;
+  const std::vector<uint8_t>& data = rig.data;
   flusher.TrackFile(owner, 8 << 20);  // exported: its log may stay open
-  std::vector<uint8_t> data(64 * kB);
-  for (size_t i = 0; i < data.size(); i++) data[i] = static_cast<uint8_t>(i * 13 + i / kB);
   auto log_is_open_here = [&] {
     Result<std::unique_ptr<File>> log = OpenWriteLog(vol, owner);
     return !log.ok() && log.status().code() == Status::Code::kLocked;
