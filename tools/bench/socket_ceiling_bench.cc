@@ -20,10 +20,14 @@
 //                receives with MSG_WAITALL into an aligned buffer, does the
 //                same pwrite/pread and replies. No protocol parsing, no
 //                threads, no hashing: one blocking loop;
-//  * overlapped  (READ only) the server reads the request in `--pieces`
-//                pieces on a second thread and sends each piece as soon as
-//                it is in, so the device read of one piece overlaps the
-//                socket copy of the previous one.
+//  * overlapped  READ: the server reads the request in `--pieces` pieces on
+//                a second thread and sends each piece as soon as it is in,
+//                so the device read of one piece overlaps the socket copy
+//                of the previous one. WRITE: the server receives the
+//                payload piece by piece and a second thread writes each
+//                piece as soon as it is in, so the device write of one
+//                piece overlaps the socket copy of the next; the reply
+//                goes when every piece is written.
 //
 // Phases alternate within each repetition (direct first in odd
 // repetitions, the servers first in even ones) and every ratio is taken
@@ -32,6 +36,7 @@
 //
 // Exit status: 0 success, 1 operational error, 2 usage error.
 #include <fcntl.h>
+#include <sched.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -71,6 +76,7 @@ struct Options {
   double seconds = 2;
   int reps = 3;
   int pieces = 4;
+  bool pin = false;  // client on CPU 0; server and direct side on CPU 1
   std::string json_path;
 };
 
@@ -216,6 +222,70 @@ class PieceReader {
   std::thread thread_;
 };
 
+// Writes the pieces of one request on a helper thread as the caller hands
+// them over; the caller receives the next piece meanwhile.
+class PieceWriter {
+ public:
+  PieceWriter(int dev, uint8_t* buf) : dev_(dev), buf_(buf) {
+    thread_ = std::thread([this] { Run(); });
+  }
+  ~PieceWriter() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      quit_ = true;
+    }
+    cv_.notify_all();
+    thread_.join();
+  }
+  // Bytes [begin, begin + n) of the buffer are in: write them at off + begin.
+  void Post(uint64_t off, size_t begin, size_t n) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      queue_.push_back({off, begin, n});
+      posted_++;
+    }
+    cv_.notify_all();
+  }
+  // Blocks until every posted piece is written.
+  void Drain() {
+    std::unique_lock<std::mutex> l(mu_);
+    cv_.wait(l, [&] { return written_ == posted_; });
+  }
+
+ private:
+  struct Piece {
+    uint64_t off;
+    size_t begin, n;
+  };
+  void Run() {
+    while (true) {
+      Piece p;
+      {
+        std::unique_lock<std::mutex> l(mu_);
+        cv_.wait(l, [&] { return quit_ || !queue_.empty(); });
+        if (queue_.empty()) return;
+        p = queue_.front();
+        queue_.erase(queue_.begin());
+      }
+      DeviceIo(dev_, true, buf_ + p.begin, p.n, p.off + p.begin);
+      {
+        std::lock_guard<std::mutex> l(mu_);
+        written_++;
+      }
+      cv_.notify_all();
+    }
+  }
+
+  const int dev_;
+  uint8_t* const buf_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool quit_ = false;
+  std::vector<Piece> queue_;
+  uint64_t posted_ = 0, written_ = 0;
+  std::thread thread_;
+};
+
 // The server process: one blocking loop over the socket until kOpStop.
 [[noreturn]] void Serve(int sock, const std::string& file, size_t max_len, bool overlapped,
                         int pieces) {
@@ -223,13 +293,28 @@ class PieceReader {
   if (dev < 0) Die("open " + file);
   AlignedBuf buf = Aligned(max_len, 0);
   std::unique_ptr<PieceReader> reader;
-  if (overlapped) reader = std::make_unique<PieceReader>(dev, buf.get(), pieces);
+  std::unique_ptr<PieceWriter> writer;
+  if (overlapped) {
+    reader = std::make_unique<PieceReader>(dev, buf.get(), pieces);
+    writer = std::make_unique<PieceWriter>(dev, buf.get());
+  }
   uint8_t head[kRequestBytes];
   uint8_t reply[kReplyBytes] = {};
   while (RecvAll(sock, head, kRequestBytes)) {
     Request r = DecodeRequest(head);
     if (r.op == kOpStop || r.length > max_len) break;
-    if (r.op == kOpWrite) {
+    if (r.op == kOpWrite && writer) {
+      const size_t piece = (r.length / pieces + 4095) / 4096 * 4096;
+      bool gone = false;
+      for (size_t begin = 0; begin < r.length && !gone; begin += piece) {
+        const size_t n = std::min(piece, r.length - begin);
+        gone = !RecvAll(sock, buf.get() + begin, n);
+        if (!gone) writer->Post(r.offset, begin, n);
+      }
+      writer->Drain();
+      if (gone) break;
+      SendAll(sock, reply, kReplyBytes);
+    } else if (r.op == kOpWrite) {
       if (!RecvAll(sock, buf.get(), r.length)) break;
       DeviceIo(dev, true, buf.get(), r.length, r.offset);
       SendAll(sock, reply, kReplyBytes);
@@ -247,12 +332,23 @@ class PieceReader {
     }
   }
   reader.reset();
+  writer.reset();
   ::close(dev);
   std::_Exit(0);
 }
 
+// With --pin: the calling thread runs on `cpu` only.
+void PinTo(const Options& o, int cpu) {
+  if (!o.pin) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  CPU_SET(cpu, &set);
+  if (::sched_setaffinity(0, sizeof(set), &set) != 0) Die("sched_setaffinity");
+}
+
 // Bytes per second of QD1 requests for `seconds`, sequential over the region.
 double RunDirect(const Options& o, bool write) {
+  PinTo(o, 1);
   int dev = ::open(o.file.c_str(), O_RDWR | O_DIRECT);
   if (dev < 0) Die("open " + o.file);
   AlignedBuf buf = Aligned(o.request, 0x5c);
@@ -275,10 +371,12 @@ double RunServer(const Options& o, bool write, bool overlapped) {
   pid_t pid = ::fork();
   if (pid < 0) Die("fork");
   if (pid == 0) {
+    PinTo(o, 1);  // before the server's threads start: they inherit it
     ::close(sv[0]);
     Serve(sv[1], o.file, o.request, overlapped, o.pieces);
   }
   ::close(sv[1]);
+  PinTo(o, 0);
   const int sock = sv[0];
   // The client's buffer is ordinary heap memory, like fio's.
   std::vector<uint8_t> data(o.request, 0xa7);
@@ -333,7 +431,10 @@ int Main(int argc, char** argv) {
       "seconds", po::value(&o.seconds)->default_value(o.seconds), "time per phase")(
       "reps", po::value(&o.reps)->default_value(o.reps), "repetitions")(
       "pieces", po::value(&o.pieces)->default_value(o.pieces),
-      "pieces of the overlapped read server")("json", po::value(&o.json_path),
+      "pieces of the overlapped servers")(
+      "pin", po::bool_switch(&o.pin),
+      "client on CPU 0, the server and the direct side on CPU 1 (as run-nbd-bench pins fio "
+      "and dedupd)")("json", po::value(&o.json_path),
                                                "also write the results here");
   po::variables_map vm;
   try {
@@ -362,17 +463,19 @@ int Main(int argc, char** argv) {
     return 2;
   }
 
-  std::vector<double> w_ratio, r_ratio, o_ratio;
+  std::vector<double> w_ratio, ow_ratio, r_ratio, o_ratio;
   json reps = json::array();
   for (int rep = 1; rep <= o.reps; rep++) {
-    double dw, sw, dr, sr, orr;
+    double dw, sw, ow, dr, sr, orr;
     if (rep % 2) {
       dw = RunDirect(o, true);
       sw = RunServer(o, true, false);
+      ow = RunServer(o, true, true);
       dr = RunDirect(o, false);
       sr = RunServer(o, false, false);
       orr = RunServer(o, false, true);
     } else {
+      ow = RunServer(o, true, true);
       sw = RunServer(o, true, false);
       dw = RunDirect(o, true);
       orr = RunServer(o, false, true);
@@ -380,30 +483,34 @@ int Main(int argc, char** argv) {
       dr = RunDirect(o, false);
     }
     w_ratio.push_back(sw / dw);
+    ow_ratio.push_back(ow / dw);
     r_ratio.push_back(sr / dr);
     o_ratio.push_back(orr / dr);
     std::printf(
-        "rep %d: write direct %.1f MB/s, serial server %.1f MB/s (%.1f%%); read direct %.1f MB/s, "
-        "serial server %.1f MB/s (%.1f%%), overlapped server %.1f MB/s (%.1f%%)\n",
-        rep, dw / 1e6, sw / 1e6, 100 * sw / dw, dr / 1e6, sr / 1e6, 100 * sr / dr, orr / 1e6,
-        100 * orr / dr);
+        "rep %d: write direct %.1f MB/s, serial server %.1f MB/s (%.1f%%), overlapped server "
+        "%.1f MB/s (%.1f%%); read direct %.1f MB/s, serial server %.1f MB/s (%.1f%%), overlapped "
+        "server %.1f MB/s (%.1f%%)\n",
+        rep, dw / 1e6, sw / 1e6, 100 * sw / dw, ow / 1e6, 100 * ow / dw, dr / 1e6, sr / 1e6,
+        100 * sr / dr, orr / 1e6, 100 * orr / dr);
     std::fflush(stdout);
     reps.push_back({{"write_direct_Bps", dw},
                     {"write_serial_Bps", sw},
+                    {"write_overlapped_Bps", ow},
                     {"read_direct_Bps", dr},
                     {"read_serial_Bps", sr},
                     {"read_overlapped_Bps", orr}});
   }
   std::printf(
       "ceiling at QD1, %zu KiB requests (median of %d reps): write %.1f%% of direct (serial "
-      "server); read %.1f%% (serial), %.1f%% (overlapped, %d pieces)\n",
-      o.request >> 10, o.reps, 100 * Median(w_ratio), 100 * Median(r_ratio),
-      100 * Median(o_ratio), o.pieces);
+      "server), %.1f%% (overlapped, %d pieces); read %.1f%% (serial), %.1f%% (overlapped)\n",
+      o.request >> 10, o.reps, 100 * Median(w_ratio), 100 * Median(ow_ratio), o.pieces,
+      100 * Median(r_ratio), 100 * Median(o_ratio));
   if (!o.json_path.empty()) {
     json j = {{"request_bytes", o.request},
               {"pieces", o.pieces},
               {"reps", reps},
               {"write_serial_ratio", Median(w_ratio)},
+              {"write_overlapped_ratio", Median(ow_ratio)},
               {"read_serial_ratio", Median(r_ratio)},
               {"read_overlapped_ratio", Median(o_ratio)}};
     std::ofstream f(o.json_path);
