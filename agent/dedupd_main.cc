@@ -77,6 +77,7 @@ struct Config {
   std::string socket;
   int tcp_port = -1;
   size_t threads = 8;
+  uint32_t iscsi_sessions = 4;  // iscsi:// volumes: sessions to the LUN
   double sync_interval = 1.0;
   double log_flush_interval = 30.0;
   uint64_t log_flush_bytes = 1 << 20;
@@ -127,6 +128,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port)")
       ("config", po::value(&config_file)->value_name("FILE"), "read options from FILE (lines: name = value)")
       ("threads", po::value(&cfg->threads)->value_name("N"), "worker threads for volume I/O (default 8)")
+      ("iscsi-sessions", po::value(&cfg->iscsi_sessions)->value_name("N"), "iscsi:// volumes: sessions logged in to the LUN, each carrying one command at a time, so up to N volume commands are in flight (default 4)")
       ("sync-interval", po::value(&cfg->sync_interval)->value_name("SEC"), "volume flush point every SEC seconds (default 1)")
       ("log-flush-interval", po::value(&cfg->log_flush_interval)->value_name("SEC"), "append buffered records to write logs every SEC seconds (default 30)")
       ("log-flush-bytes", po::value(&flush_bytes)->value_name("SIZE"), "flush a file's records once they fill SIZE of log (default 1M)")
@@ -206,6 +208,9 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
     cfg->log_level = *l;
   }
   if (cfg->threads < 1 || cfg->threads > 256) return UsageError("--threads: 1..256");
+  if (cfg->iscsi_sessions < 1 || cfg->iscsi_sessions > kMaxIscsiSessions) {
+    return UsageError("--iscsi-sessions: 1.." + std::to_string(kMaxIscsiSessions));
+  }
   if (!(cfg->sync_interval > 0) || !(cfg->log_flush_interval > 0)) {
     return UsageError("intervals must be positive");
   }
@@ -271,6 +276,7 @@ int Run(const Config& cfg) {
   oo.sanlock.host_id = cfg.host_id;
   oo.sanlock.lease_path = cfg.lease_path;
   oo.sanlock.io_timeout_s = cfg.lease_io_timeout;
+  oo.iscsi_sessions = cfg.iscsi_sessions;
   Result<OpenedVolume> ov = OpenVolumeSpec(cfg.volume, oo);
   if (!ov.ok()) {
     LOG(kError) << "cannot open volume " << cfg.volume << ": " << ov.status().ToString();
@@ -696,6 +702,7 @@ int Run(const Config& cfg) {
                          {"records", fl.records},
                          {"deferred", fl.deferred},
                          {"failed", fl.failed},
+                         {"no_space_skipped", fl.no_space_skipped},
                          {"saturations", fl.saturations},
                          {"capped_batches", fl.capped_batches},
                          {"capped_entries", fl.capped_entries},
@@ -855,6 +862,10 @@ int Run(const Config& cfg) {
       m.Counter("dede_write_log_failed_batches_total",
                 "Write-monitor batches lost to failed log appends",
                 j["write_logs"]["failed"].get<double>(), host);
+      m.Counter("dede_write_log_no_space_skipped_batches_total",
+                "Write-monitor batches dropped without an append because the volume was full at "
+                "their file's last append",
+                j["write_logs"]["no_space_skipped"].get<double>(), host);
       m.Counter("dede_write_log_saturations_total",
                 "Write logs that reached their size limit (the file is rehashed by the next pass)",
                 j["write_logs"]["saturations"].get<double>(), host);

@@ -7,10 +7,17 @@
 
 namespace dede {
 
-Status LogFlusher::FlushLocked(FileId id, bool keep_open) {
+Status LogFlusher::FlushLocked(FileId id, bool keep_open, bool skip_if_no_space) {
   MonitorBatch batch = monitor_->Take(id, std::move(spare_records_));
   spare_records_.clear();
   if (batch.empty()) {
+    spare_records_ = std::move(batch.records);
+    return Status::Ok();
+  }
+  if (skip_if_no_space && no_space_.count(id) > 0) {
+    // Lost like a failed batch, without the I/O (see no_space_).
+    stats_.no_space_skipped++;
+    monitor_->MarkDropped(id, batch.entries(), batch.oldest_ns(), batch.dropped_records);
     spare_records_ = std::move(batch.records);
     return Status::Ok();
   }
@@ -35,6 +42,7 @@ Status LogFlusher::FlushLocked(FileId id, bool keep_open) {
     if (!st.ok() || !keep_open || !Tracked(id)) open_logs_.erase(kept);
   }
   if (st.ok()) {
+    no_space_.erase(id);
     switch (outcome) {
       case LogAppendOutcome::kAppended:
         stats_.flushes++;
@@ -74,9 +82,14 @@ Status LogFlusher::FlushLocked(FileId id, bool keep_open) {
   // invalidation may leave a stale record in the log): the file is marked so
   // the next pass verifies everything.
   const uint64_t lost = batch.entries();
-  monitor_->MarkDropped(id, lost, batch.oldest_ns());
+  monitor_->MarkDropped(id, lost, batch.oldest_ns(), batch.dropped_records);
+  const bool no_space = st.code() == Status::Code::kNoSpace;
+  if (no_space) no_space_.insert(id);
   LOG(kWarning) << "write log of file " << id.ino << "." << id.generation << ": " << lost
-                << " records lost: " << st.ToString();
+                << " records lost: " << st.ToString()
+                << (no_space ? " (its records are dropped without trying until the next "
+                               "flush interval tries again)"
+                             : "");
   return st;
 }
 
@@ -84,7 +97,7 @@ Status LogFlusher::Tick() {
   MutexLock l(&mu_);
   Status first;
   for (FileId id : monitor_->DueFiles(false)) {
-    Status st = FlushLocked(id, /*keep_open=*/true);
+    Status st = FlushLocked(id, /*keep_open=*/true, /*skip_if_no_space=*/true);
     if (first.ok()) first = st;
   }
   return first;
@@ -94,7 +107,7 @@ Status LogFlusher::FlushAll() {
   MutexLock l(&mu_);
   Status first;
   for (FileId id : monitor_->DueFiles(true)) {
-    Status st = FlushLocked(id, /*keep_open=*/false);
+    Status st = FlushLocked(id, /*keep_open=*/false, /*skip_if_no_space=*/false);
     if (first.ok()) first = st;
   }
   CloseLogsLocked();
@@ -103,7 +116,7 @@ Status LogFlusher::FlushAll() {
 
 Status LogFlusher::FlushFile(FileId id) {
   MutexLock l(&mu_);
-  Status st = FlushLocked(id, /*keep_open=*/false);
+  Status st = FlushLocked(id, /*keep_open=*/false, /*skip_if_no_space=*/false);
   open_logs_.erase(id);
   return st;
 }
@@ -175,6 +188,7 @@ void LogFlusher::TrackFile(FileId id, uint64_t file_bytes) {
 void LogFlusher::ForgetFile(FileId id) {
   MutexLock l(&mu_);
   open_logs_.erase(id);
+  no_space_.erase(id);
   MutexLock f(&files_mu_);
   max_log_bytes_.erase(id);
 }

@@ -25,6 +25,7 @@
 #include <condition_variable>
 #include <map>
 #include <memory>
+#include <set>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -42,6 +43,10 @@ struct FlusherStats {
   uint64_t records = 0;       // records appended
   uint64_t deferred = 0;      // batches put back (log locked elsewhere)
   uint64_t failed = 0;        // batches lost to errors (records counted dropped)
+  // Batches Tick dropped without trying to append them, because the volume
+  // was full at the file's last attempt (see no_space_); their entries are
+  // counted dropped as well.
+  uint64_t no_space_skipped = 0;
   // Logs at their size limit (write_log.h, "saturated"): saturation frames
   // written, and batches (with their entries) not written because their
   // log was saturated. Their blocks are rehashed by the next pass.
@@ -113,7 +118,9 @@ class LogFlusher {
   const WriteLogLimit& limit() const { return limit_; }
 
   // Flushes files past the monitor's flush size; keeps the logs of
-  // tracked files open.
+  // tracked files open. A file whose last append found the volume full
+  // is not tried again here: its batch is dropped (counted) until
+  // FlushAll or FlushFile tries again.
   Status Tick() EXCLUDES(mu_);
   // Flushes every file with anything buffered, then closes every log kept
   // open: afterwards every log is on the volume for anyone to open.
@@ -124,7 +131,9 @@ class LogFlusher {
 
  private:
   // `keep_open`: leave the log open afterwards if the file is tracked.
-  Status FlushLocked(FileId id, bool keep_open) REQUIRES(mu_);
+  // `skip_if_no_space`: a file in no_space_ has its batch dropped, not
+  // appended.
+  Status FlushLocked(FileId id, bool keep_open, bool skip_if_no_space) REQUIRES(mu_);
   bool Tracked(FileId id) EXCLUDES(files_mu_);
   void CloseLogsLocked() REQUIRES(mu_);
 
@@ -146,6 +155,14 @@ class LogFlusher {
     bool appended = true;  // since the last CloseIdleLogs
   };
   std::map<FileId, KeptLog> open_logs_ GUARDED_BY(mu_);
+  // Files whose last append failed because the volume is full. Retrying
+  // at every flush size would cost an open, a failed allocation and a
+  // close (a checkpoint: four device flushes) per megabyte of log, about
+  // ten times a second under a fast writer, and the VM's writes would wait
+  // behind those flushes. Tick drops their batches instead; FlushAll (each
+  // flush interval, before a pass, at shutdown) and FlushFile still try,
+  // and an append that succeeds takes the file out.
+  std::set<FileId> no_space_ GUARDED_BY(mu_);
   // Lock order: mu_ before files_mu_; files_mu_ is never held across I/O
   // (the export table takes it when opening and closing files). Whether a
   // log is full is the monitor's state (WriteMonitor::PauseForFullLog),

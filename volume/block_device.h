@@ -49,7 +49,15 @@ struct DeviceOptions {
   bool read_only = false;
   // Path backend: use O_DIRECT when the file system supports it.
   bool direct = true;
+  // iSCSI backend: sessions logged in to the LUN. A session carries one
+  // command at a time, so this is how many threads' commands can be in
+  // flight at once (a daemon serving VMs wants several; a short-lived
+  // tool, one).
+  uint32_t iscsi_sessions = 1;
 };
+
+// Most sessions OpenIscsiDevice accepts.
+inline constexpr uint32_t kMaxIscsiSessions = 64;
 
 // Opens "iscsi://[user%password@]host[:port]/target-iqn/lun" with libiscsi,
 // or any other string as a path (regular file or block device).

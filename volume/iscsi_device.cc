@@ -18,6 +18,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
@@ -28,6 +29,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "util/io_budget.h"
 #include "util/mutex.h"
@@ -894,14 +896,93 @@ class IscsiDevice final : public BlockDevice {
   uint32_t max_unmap_blocks_ GUARDED_BY(mu_) = 1u << 16;
 };
 
+// Several sessions to one LUN. Each IscsiDevice runs one command at a
+// time under its mutex; the pool hands every call a session no other
+// thread is using, so up to N threads' commands are in flight at once
+// (the target runs them in parallel) and, in dedupd, a write-log append
+// no longer waits behind the VMs' data writes, nor they behind it.
+//
+// Flush() sends SYNCHRONIZE CACHE on one session: the cache it empties is
+// the logical unit's (SBC), whichever session wrote into it, and every
+// write the caller saw complete before calling Flush() is in it.
+class IscsiSessionPool final : public BlockDevice {
+ public:
+  explicit IscsiSessionPool(std::vector<std::unique_ptr<IscsiDevice>> sessions)
+      : sessions_(std::move(sessions)) {
+    for (size_t i = sessions_.size(); i-- > 0;) free_.push_back(i);
+  }
+
+  uint64_t size_bytes() const override { return sessions_[0]->size_bytes(); }
+  std::string name() const override { return sessions_[0]->name(); }
+  std::string local_lock_path() const override { return ""; }
+  Status Read(uint64_t offset, void* buf, size_t len) override {
+    Lease l(this);
+    return l.session->Read(offset, buf, len);
+  }
+  Status Write(uint64_t offset, const void* buf, size_t len) override {
+    Lease l(this);
+    return l.session->Write(offset, buf, len);
+  }
+  Status Flush() override {
+    Lease l(this);
+    return l.session->Flush();
+  }
+  Status Discard(uint64_t offset, uint64_t len) override {
+    Lease l(this);
+    return l.session->Discard(offset, len);
+  }
+
+ private:
+  // One session for one call. The most recently returned session goes out
+  // first, so a lone caller keeps using one warm session.
+  struct Lease {
+    explicit Lease(IscsiSessionPool* p) : pool(p) {
+      std::unique_lock<std::mutex> l(pool->mu_.native());
+      pool->cv_.wait(l, [this]() NO_THREAD_SAFETY_ANALYSIS { return !pool->free_.empty(); });
+      index = pool->free_.back();
+      pool->free_.pop_back();
+      session = pool->sessions_[index].get();
+    }
+    ~Lease() {
+      {
+        MutexLock l(&pool->mu_);
+        pool->free_.push_back(index);
+      }
+      pool->cv_.notify_one();
+    }
+    IscsiSessionPool* pool;
+    size_t index = 0;
+    IscsiDevice* session = nullptr;
+  };
+
+  const std::vector<std::unique_ptr<IscsiDevice>> sessions_;
+  Mutex mu_;  // a leaf: held only to take or return a session index
+  std::condition_variable cv_;
+  std::vector<size_t> free_ GUARDED_BY(mu_);
+};
+
 }  // namespace
 
 Result<std::unique_ptr<BlockDevice>> OpenIscsiDevice(const std::string& url,
                                                      const DeviceOptions& opts) {
+  if (opts.iscsi_sessions < 1 || opts.iscsi_sessions > kMaxIscsiSessions) {
+    return Status::Invalid("iSCSI sessions must be 1.." + std::to_string(kMaxIscsiSessions) +
+                           ", not " + std::to_string(opts.iscsi_sessions));
+  }
   ASSIGN_OR_RETURN(IscsiUrl parsed, ParseIscsiUrl(url));
-  auto dev = std::make_unique<IscsiDevice>(std::move(parsed), opts.read_only);
-  RETURN_IF_ERROR(dev->Open());
-  return std::unique_ptr<BlockDevice>(std::move(dev));
+  std::vector<std::unique_ptr<IscsiDevice>> sessions;
+  for (uint32_t i = 0; i < opts.iscsi_sessions; i++) {
+    auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only);
+    RETURN_IF_ERROR(dev->Open());
+    if (!sessions.empty() && dev->size_bytes() != sessions[0]->size_bytes()) {
+      return Status::IoError(dev->name() + ": sessions disagree about the LUN's size (" +
+                             std::to_string(sessions[0]->size_bytes()) + " vs " +
+                             std::to_string(dev->size_bytes()) + " bytes)");
+    }
+    sessions.push_back(std::move(dev));
+  }
+  if (sessions.size() == 1) return std::unique_ptr<BlockDevice>(std::move(sessions[0]));
+  return std::unique_ptr<BlockDevice>(std::make_unique<IscsiSessionPool>(std::move(sessions)));
 }
 
 }  // namespace dede

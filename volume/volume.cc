@@ -273,7 +273,9 @@ Result<std::unique_ptr<Volume>> Volume::Open(BlockDevice* dev, const OpenOptions
 
 Result<OpenedVolume> OpenVolumeSpec(const std::string& spec, const OpenOptions& opts) {
   OpenedVolume ov;
-  ASSIGN_OR_RETURN(ov.device, OpenBlockDevice(spec, DeviceOptions{}));
+  DeviceOptions dopts;
+  dopts.iscsi_sessions = opts.iscsi_sessions;
+  ASSIGN_OR_RETURN(ov.device, OpenBlockDevice(spec, dopts));
   ASSIGN_OR_RETURN(ov.volume, Volume::Open(ov.device.get(), opts));
   return ov;
 }

@@ -69,6 +69,8 @@ struct OpenOptions {
   // How long a wait for a volume lock another process holds may take
   // before it fails with kLocked (docs/LOCKING.md rule 3). Tests shorten it.
   uint32_t lock_wait_s = 60;
+  // OpenVolumeSpec: iSCSI sessions to open (DeviceOptions::iscsi_sessions).
+  uint32_t iscsi_sessions = 1;
 };
 
 // Identifies one incarnation of a file: (ino, generation) never repeats.

@@ -889,14 +889,16 @@ void WriteMonitor::PutBack(MonitorBatch batch) {
   }
 }
 
-void WriteMonitor::MarkDropped(FileId id, uint64_t n, uint64_t since_ns) {
+void WriteMonitor::MarkDropped(FileId id, uint64_t n, uint64_t since_ns, uint64_t carried) {
   if (n == 0) return;
+  carried = std::min(carried, n);
   std::shared_ptr<FileBuffer> fb = Find(id);
   if (fb == nullptr) return;
   MutexLock l(&fb->mu);
   if (fb->removed) return;
-  fb->Drop(n, since_ns != 0 ? since_ns : clock_->NowNanos());
-  dropped_records_.fetch_add(n, std::memory_order_relaxed);
+  fb->Drop(n - carried, since_ns != 0 ? since_ns : clock_->NowNanos());
+  fb->dropped_pending += carried;
+  dropped_records_.fetch_add(n - carried, std::memory_order_relaxed);
 }
 
 void WriteMonitor::PauseForFullLog(FileId id, uint64_t log_epoch) {

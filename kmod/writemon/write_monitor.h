@@ -174,8 +174,11 @@ class WriteMonitor {
   // own dropped count and time are kept either way.
   void PutBack(MonitorBatch batch);
   // Counts `n` entries of `id` as lost (e.g. a batch whose log append
-  // failed for good), lost since `since_ns` (0 = now).
-  void MarkDropped(FileId id, uint64_t n, uint64_t since_ns = 0);
+  // failed for good), lost since `since_ns` (0 = now). `carried` of the n
+  // were counted when they were first lost (a lost batch's own
+  // dropped_records): they are pending for the log again but not counted
+  // twice in the totals.
+  void MarkDropped(FileId id, uint64_t n, uint64_t since_ns = 0, uint64_t carried = 0);
 
   // The file's write log is full: the flusher appended its saturation
   // frame, or found one, for a batch taken at `log_epoch` (the batch's).

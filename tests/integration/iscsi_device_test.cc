@@ -9,6 +9,7 @@
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstring>
+#include <iterator>
 #include <memory>
 #include <random>
 #include <regex>
@@ -359,10 +360,22 @@ TEST_CASE("OpenBlockDevice dispatches paths, iscsi:// and unknown schemes", "[is
   }
 }
 
+// The I_T nexuses (sessions) tgtd has for the target.
+int Nexuses(const TgtdRig& rig) {
+  auto show = rig.Tgtadm({"--op", "show", "--mode", "target"});
+  REQUIRE(show.exit_code == 0);
+  std::regex nexus(R"(I_T nexus: (\d+))");
+  return static_cast<int>(std::distance(
+      std::sregex_iterator(show.out.begin(), show.out.end(), nexus), std::sregex_iterator()));
+}
+
 TEST_CASE("iSCSI device serves several threads at once", "[iscsi]") {
   auto& t = Plain();
-  auto dev = MustOpen(t.rig->url());
-  constexpr int kThreads = 4;
+  DeviceOptions opts;
+  opts.iscsi_sessions = GENERATE(1u, 4u);
+  INFO("sessions " << opts.iscsi_sessions);
+  auto dev = MustOpen(t.rig->url(), opts);
+  constexpr int kThreads = 8;
   constexpr size_t kChunk = 64 * 1024;
   constexpr int kRounds = 25;
   std::vector<std::thread> threads;
@@ -386,9 +399,56 @@ TEST_CASE("iSCSI device serves several threads at once", "[iscsi]") {
   CHECK(dev->Flush().ok());
 }
 
+TEST_CASE("iSCSI sessions: a device logs in as many as asked and logs them all out", "[iscsi]") {
+  auto& t = Plain();
+  const int before = Nexuses(*t.rig);
+  {
+    DeviceOptions opts;
+    opts.iscsi_sessions = 5;
+    auto dev = MustOpen(t.rig->url(), opts);
+    CHECK(Nexuses(*t.rig) == before + 5);
+    CHECK(dev->size_bytes() == kLunSize);
+    // What one session writes, every other reads: it is one LUN.
+    std::vector<std::thread> threads;
+    std::vector<int> bad(5, 0);
+    auto data = RandomBytes(5 * 4096, 77);
+    REQUIRE(dev->Write(20 * kMiB, data.data(), data.size()).ok());
+    for (int i = 0; i < 5; i++) {
+      threads.emplace_back([&, i] {
+        for (int r = 0; r < 20; r++) {
+          std::vector<uint8_t> got(data.size());
+          if (!dev->Read(20 * kMiB, got.data(), got.size()).ok() || got != data) ++bad[i];
+        }
+      });
+    }
+    for (auto& th : threads) th.join();
+    for (int i = 0; i < 5; i++) CHECK(bad[i] == 0);
+    REQUIRE(dev->Flush().ok());
+    CHECK(ReadFile(t.backing, 20 * kMiB, data.size()) == data);
+  }
+  CHECK(Nexuses(*t.rig) == before);
+}
+
+TEST_CASE("iSCSI sessions: a count out of range is refused before any login", "[iscsi]") {
+  auto& t = Plain();
+  const int before = Nexuses(*t.rig);
+  for (uint32_t n : {0u, dede::kMaxIscsiSessions + 1}) {
+    DeviceOptions opts;
+    opts.iscsi_sessions = n;
+    auto dev = dede::OpenBlockDevice(t.rig->url(), opts);
+    REQUIRE_FALSE(dev.ok());
+    CHECK(dev.status().code() == Status::Code::kInvalid);
+    CHECK_THAT(dev.status().message(), Catch::Contains("sessions"));
+  }
+  CHECK(Nexuses(*t.rig) == before);
+}
+
 TEST_CASE("iSCSI device reconnects when the target drops the session", "[iscsi]") {
   auto& t = Plain();
-  auto dev = MustOpen(t.rig->url());
+  DeviceOptions opts;
+  opts.iscsi_sessions = GENERATE(1u, 3u);
+  INFO("sessions " << opts.iscsi_sessions);
+  auto dev = MustOpen(t.rig->url(), opts);
   auto first = RandomBytes(8192, 4242);
   REQUIRE(dev->Write(30 * kMiB, first.data(), first.size()).ok());
 
@@ -404,7 +464,7 @@ TEST_CASE("iSCSI device reconnects when the target drops the session", "[iscsi]"
     CHECK(r.exit_code == 0);
     ++dropped;
   }
-  REQUIRE(dropped >= 1);
+  REQUIRE(dropped >= static_cast<int>(opts.iscsi_sessions));
 
   // The next commands find the connection dead, log in again and succeed.
   auto second = RandomBytes(8192, 4343);

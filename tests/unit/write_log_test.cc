@@ -979,3 +979,68 @@ TEST_CASE("log flusher: a busy file's log stays open between appends, and a pass
     CHECK(r.fp == ComputeFingerprint(algo, data.data() + b * kB, kB));
   }
 }
+
+TEST_CASE("log flusher: after a log append finds the volume full, Tick drops without trying",
+          "[writemon]") {
+  FlusherRig rig(10, 64);
+  const HashAlgo algo = rig.kAlgo;
+  Volume* vol = rig.vol;
+  const FileId owner = rig.owner;
+  WriteMonitor& monitor = *rig.monitor;
+  LogFlusher& flusher = *rig.flusher;
+  const std::vector<uint8_t>& data = rig.data;
+
+  // Fill the volume.
+  REQUIRE(vol->Create("filler", uint64_t{1} << 30).ok());
+  {
+    auto filler = vol->OpenFile("filler");
+    REQUIRE(filler.ok());
+    // 1 MiB writes, then 4 KiB ones for what a failed 1 MiB write left.
+    std::vector<uint8_t> chunk(1 << 20, 0x5a);
+    uint64_t off = 0;
+    for (size_t len : {chunk.size(), size_t{kB}}) {
+      Status st;
+      while (st.ok()) {
+        st = (*filler)->Write(off, chunk.data(), len);
+        if (st.ok()) off += len;
+      }
+      REQUIRE(st.code() == Status::Code::kNoSpace);
+    }
+  }
+
+  // The first batch is tried and lost.
+  monitor.OnWrite(owner, 0, data.data(), 10 * kB);
+  Status st = flusher.Tick();
+  REQUIRE(st.code() == Status::Code::kNoSpace);
+  CHECK(flusher.stats().failed == 1);
+  CHECK(flusher.stats().no_space_skipped == 0);
+  CHECK(monitor.FileStats(owner).dropped_records == 10);
+
+  // Space comes back, but Tick does not try: the next batch is dropped
+  // untried (had it tried, the append would have succeeded).
+  REQUIRE(vol->Remove("filler").ok());
+  monitor.OnWrite(owner, 10 * kB, data.data() + 10 * kB, 10 * kB);
+  REQUIRE(flusher.Tick().ok());
+  CHECK(flusher.stats().no_space_skipped == 1);
+  CHECK(flusher.stats().flushes == 0);
+  CHECK(flusher.stats().failed == 1);
+  CHECK(monitor.FileStats(owner).dropped_records == 20);
+
+  // FlushAll tries again and succeeds; the log says records were lost.
+  monitor.OnWrite(owner, 20 * kB, data.data() + 20 * kB, 10 * kB);
+  REQUIRE(flusher.FlushAll().ok());
+  CHECK(flusher.stats().flushes == 1);
+  WriteLogState log = Replay(vol, owner);
+  CHECK(log.stats.dropped_records == 20);
+  REQUIRE(log.records.size() == 10);
+  for (uint64_t b = 20; b < 30; b++) {
+    CHECK(log.records.at(b).fp == ComputeFingerprint(algo, data.data() + b * kB, kB));
+  }
+
+  // And Tick appends again.
+  monitor.OnWrite(owner, 30 * kB, data.data() + 30 * kB, 10 * kB);
+  REQUIRE(flusher.Tick().ok());
+  CHECK(flusher.stats().flushes == 2);
+  CHECK(flusher.stats().no_space_skipped == 1);
+  CHECK(Replay(vol, owner).records.size() == 20);
+}

@@ -250,6 +250,10 @@ void PrintMonitor(const json& r) {
   std::vector<std::string> logs;
   if (auto v = Uint(*w, "bytes")) logs.push_back(HumanSize(*v) + " appended");
   if (auto v = Uint(*w, "failed"); v && *v > 0) logs.push_back(std::to_string(*v) + (*v == 1 ? " batch" : " batches") + " lost");
+  if (auto v = Uint(*w, "no_space_skipped"); v && *v > 0) {
+    logs.push_back(std::to_string(*v) + (*v == 1 ? " batch" : " batches") +
+                   " dropped untried (volume full)");
+  }
   if (auto v = Uint(*w, "saturations"); v && *v > 0) {
     std::string text = std::to_string(*v) + " reached the size limit";
     if (auto e = Uint(*w, "capped_entries")) text += " (" + std::to_string(*e) + (*e == 1 ? " entry" : " entries") + " not logged)";
