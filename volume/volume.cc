@@ -89,6 +89,7 @@ class FileImpl : public File {
 
   FileId id() const override { return st_->id; }
   OpenFileState* state() { return st_.get(); }
+  const VolumeImpl* volume() const { return vol_; }
 
   Result<FileInfo> Info() override {
     ReaderLock l(&st_->rw);
@@ -1662,7 +1663,19 @@ Status VolumeImpl::Remove(const std::string& name) {
   }
   ASSIGN_OR_RETURN(FileInfo fi, Lookup(name));
   ASSIGN_OR_RETURN(std::unique_ptr<File> f, OpenInode(fi.id.ino, fi.id.generation, name));
-  auto* st = static_cast<FileImpl*>(f.get())->state();
+  return RemoveOpen(std::move(f));
+}
+
+Status VolumeImpl::RemoveOpen(std::unique_ptr<File> f) {
+  auto* impl = dynamic_cast<FileImpl*>(f.get());
+  if (impl == nullptr || impl->volume() != this) {
+    return Status::Invalid("RemoveOpen: the file is not open on this volume");
+  }
+  {
+    MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckWritable());
+  }
+  auto* st = impl->state();
   {
     WriterLock wl(&st->rw);
     RETURN_IF_ERROR(TruncateFile(st, 0));
@@ -1670,7 +1683,7 @@ Status VolumeImpl::Remove(const std::string& name) {
     // Room first: EnsureRoom may give back every cached lock to wait.
     RETURN_IF_ERROR(EnsureRoom(2));
     RETURN_IF_ERROR(AcquireCached(kNamespaceLock));
-    ASSIGN_OR_RETURN(Inode in, GetInode(fi.id.ino));
+    ASSIGN_OR_RETURN(Inode in, GetInode(st->id.ino));
     Inode cleared;
     cleared.ino = in.ino;
     cleared.generation = in.generation;  // the next create bumps it

@@ -203,6 +203,13 @@ class Volume {
   virtual Result<std::vector<FileInfo>> List() = 0;
   // Fails with kLocked when the file is open here or elsewhere.
   virtual Status Remove(const std::string& name) = 0;
+  // Removes the file `f` (opened on this volume) without letting go of
+  // its lock first, then closes it. What Remove(name) after a close would
+  // do, minus the moment in between where another process or host could
+  // open the file, append to it and close it again, only to see its
+  // appends removed (merge-request posts do exactly that). `f` is closed
+  // whatever the outcome.
+  virtual Status RemoveOpen(std::unique_ptr<File> f) = 0;
   // Takes the file's lock; kLocked if another process/host holds it (or
   // this volume already has it open), kNotFound if there is no such file.
   virtual Result<std::unique_ptr<File>> OpenFile(const std::string& name) = 0;

@@ -63,6 +63,7 @@ class VolumeImpl : public Volume {
   Result<FileInfo> Lookup(const std::string& name) EXCLUDES(mu_) override;
   Result<std::vector<FileInfo>> List() EXCLUDES(mu_) override;
   Status Remove(const std::string& name) EXCLUDES(mu_) override;
+  Status RemoveOpen(std::unique_ptr<File> f) EXCLUDES(mu_) override;
   Result<std::unique_ptr<File>> OpenFile(const std::string& name) EXCLUDES(mu_) override;
   Result<std::unique_ptr<File>> OpenFileById(FileId id) EXCLUDES(mu_) override;
   Status AnnounceOpenWait(FileId id, bool on) override;

@@ -1007,3 +1007,109 @@ TEST_CASE("a merge request posted while the holder's pass runs is applied when t
   CHECK(t.ReadY() == t.ExpectedY());
   t.FinishOnA();
 }
+
+namespace {
+
+// Forwards to another lock manager and runs a hook, once, right after the
+// lock `watched` is released: the moment another host could take it.
+class ReleaseHookLocks : public LockManager {
+ public:
+  explicit ReleaseHookLocks(std::shared_ptr<LockManager> base) : base_(std::move(base)) {}
+  void OnRelease(LockId watched, std::function<void()> hook) {
+    watched_ = watched;
+    hook_ = std::move(hook);
+  }
+  Status Acquire(LockId id, LockMode mode, bool wait) override {
+    return base_->Acquire(id, mode, wait);
+  }
+  Status Release(LockId id) override {
+    Status st = base_->Release(id);
+    if (hook_ && id == watched_) {
+      std::function<void()> hook = std::move(hook_);
+      hook_ = nullptr;
+      hook();
+    }
+    return st;
+  }
+  Result<bool> IsHeldElsewhere(LockId id) override { return base_->IsHeldElsewhere(id); }
+  std::vector<std::pair<LockId, LockMode>> Held() override { return base_->Held(); }
+
+ private:
+  std::shared_ptr<LockManager> base_;
+  LockId watched_{LockKind::kInode, 0};
+  std::function<void()> hook_;
+};
+
+}  // namespace
+
+TEST_CASE("a post that lands the moment an apply lets go of the request file is not lost",
+          "[merge]") {
+  // The race the three-host integration test once lost 60 requests to:
+  // the holder (A) applied and emptied the request file, closed it, and
+  // removed it by name; a poster (B) that opened, appended and closed it
+  // in between saw its groups removed with the file. A now removes the
+  // file before it lets go of it, so B's post finds no file and creates a
+  // fresh one, which A's next apply takes.
+  MemDevice dev(96ull << 20);
+  REQUIRE(FormatVolume(&dev, SmallGroups(), false).ok());
+  std::shared_ptr<LockManager> la, lb;
+  LockPair(&la, &lb);
+  auto hooked = std::make_shared<ReleaseHookLocks>(la);
+  std::unique_ptr<Volume> a = OpenHost(&dev, hooked, 1);
+  std::unique_ptr<Volume> b = OpenHost(&dev, lb, 2);
+
+  // X on A (held open, a running VM) and Y on B with the same contents.
+  auto make = [](Volume* v, const std::string& name) {
+    REQUIRE(v->Create(name, kFileBlocks * kB).ok());
+    auto f = v->OpenFile(name);
+    REQUIRE(f.ok());
+    for (uint64_t blk = 0; blk < kFileBlocks; blk++) {
+      WriteBlock(f->get(), nullptr, blk, Content(blk + 1));
+    }
+    return std::move(*f);
+  };
+  std::unique_ptr<File> x = make(a.get(), "x");
+  const FileId x_id = x->id();
+  const Fingerprint fp1 = ComputeFingerprint(HashAlgo::kXxh128, Content(2).data(), kB);
+  const Fingerprint fp2 = ComputeFingerprint(HashAlgo::kXxh128, Content(3).data(), kB);
+  // B posts from Y, then closes Y (handing back its allocation groups, as
+  // an idle dedupd does at its flush points).
+  auto post = [&](uint64_t blk, const Fingerprint& fp) {
+    auto y = b->OpenFile("y");
+    REQUIRE(y.ok());
+    Status st = PostMergeRequests(b.get(), x_id, {MergeRequest{blk, fp, blk}}, y->get());
+    INFO(st.ToString());
+    REQUIRE(st.ok());
+  };
+  make(b.get(), "y").reset();
+  post(1, fp1);
+  auto request_file = a->Lookup(MergeRequestFileName(x_id.ino));
+  REQUIRE(request_file.ok());
+
+  bool posted_in_between = false;
+  hooked->OnRelease(LockId{LockKind::kInode, request_file->id.ino}, [&] {
+    post(2, fp2);
+    posted_in_between = true;
+  });
+  auto first = ApplyMergeRequests(a.get(), x.get(), VerifyMode::kByteCompare);
+  INFO(first.status().ToString());
+  REQUIRE(first.ok());
+  REQUIRE(posted_in_between);
+  CHECK(first->applied == 1);
+  CHECK(first->request_files == 1);
+  CHECK(Refs(x.get(), 1) == 2);
+  CHECK(Refs(x.get(), 2) == 1);  // B's request for it waits in a fresh file
+
+  // B's post survived: the next apply shares block 2 as well.
+  CHECK(HasRequestFile(a.get(), x_id.ino));
+  auto second = ApplyMergeRequests(a.get(), x.get(), VerifyMode::kByteCompare);
+  INFO(second.status().ToString());
+  REQUIRE(second.ok());
+  CHECK(second->applied == 1);
+  CHECK(second->already_shared == 0);
+  CHECK_FALSE(HasRequestFile(a.get(), x_id.ino));
+  CHECK(Refs(x.get(), 2) == 2);  // X and Y
+  x.reset();
+  b.reset();
+  RequireFsckClean(a.get());
+}

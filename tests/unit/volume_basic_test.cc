@@ -91,6 +91,55 @@ TEST_CASE("volume: create, write, read, share, reopen", "[volume]") {
   REQUIRE(vol.value()->Lookup("b").status().code() == Status::Code::kNotFound);
 }
 
+TEST_CASE("volume: RemoveOpen removes a file its caller holds, never another volume's",
+          "[volume]") {
+  MemDevice dev(64 << 20);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  Volume* v = vol.value().get();
+  REQUIRE(v->Create("a", 3 * kBlockSize).ok());
+  auto fa = v->OpenFile("a");
+  REQUIRE(fa.ok());
+  const std::vector<uint8_t> data = Pattern(3 * kBlockSize, 4);
+  REQUIRE(fa.value()->Write(0, data.data(), data.size()).ok());
+  const FileId id = fa.value()->id();
+
+  SECTION("the file goes, with its blocks, and its name is free") {
+    REQUIRE(v->RemoveOpen(std::move(fa.value())).ok());
+    CHECK(v->Lookup("a").status().code() == Status::Code::kNotFound);
+    auto st = v->Stats();
+    REQUIRE(st.ok());
+    CHECK(st->files == 0);
+    CHECK(st->logical_blocks == 0);
+    auto again = v->Create("a", 0);
+    REQUIRE(again.ok());
+    CHECK(again->ino == id.ino);
+    CHECK(again->generation > id.generation);
+    auto rep = CheckVolume(v, false);
+    REQUIRE(rep.ok());
+    CHECK(rep->clean());
+  }
+  SECTION("a file of another volume is refused and closed, and stays") {
+    MemDevice other_dev(64 << 20);
+    REQUIRE(FormatVolume(&other_dev, FormatOptions{}, false).ok());
+    OpenOptions other_oo;
+    other_oo.locks = TempLocks();
+    auto other = Volume::Open(&other_dev, other_oo);
+    REQUIRE(other.ok());
+    Status st = other.value()->RemoveOpen(std::move(fa.value()));
+    CHECK(st.code() == Status::Code::kInvalid);
+    // Closed all the same: it opens again, with its data.
+    auto reopened = v->OpenFile("a");
+    REQUIRE(reopened.ok());
+    std::vector<uint8_t> back(data.size());
+    REQUIRE(reopened.value()->Read(0, back.data(), back.size()).ok());
+    CHECK(back == data);
+  }
+}
+
 TEST_CASE("volume: fsck is clean after use and finds a broken refcount", "[volume][fsck]") {
   MemDevice dev(64 << 20);
   REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
