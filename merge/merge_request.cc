@@ -82,7 +82,13 @@ Status PostMergeRequests(Volume* vol, FileId target, const std::vector<MergeRequ
   // OpenFile never waits: a request file another poster or the applier
   // has open right now comes back kLocked, and this post is dropped.
   Result<std::unique_ptr<File>> opened = vol->OpenFile(name);
-  if (!opened.ok() && opened.status().code() == Status::Code::kNotFound) {
+  // None yet: create it. An applier may find the new, empty file and
+  // remove it before we open it (it removes every file it has applied):
+  // then create it again, a few times at most (an applier runs once per
+  // interval, so a second loss in a row is already unlikely).
+  for (int attempt = 0; attempt < 4 && !opened.ok() &&
+                        opened.status().code() == Status::Code::kNotFound;
+       attempt++) {
     Result<FileId> created = vol->Create(name, 0, FileKind::kMergeRequest, target.ino);
     // kExists: another host created it first; use theirs.
     if (!created.ok() && created.status().code() != Status::Code::kExists) {

@@ -1010,34 +1010,43 @@ TEST_CASE("a merge request posted while the holder's pass runs is applied when t
 
 namespace {
 
-// Forwards to another lock manager and runs a hook, once, right after the
-// lock `watched` is released: the moment another host could take it.
-class ReleaseHookLocks : public LockManager {
+// Forwards to another lock manager and runs a hook, once, at a chosen
+// moment: right after a lock is released (when another host could take
+// it), or right before one is acquired (after whatever came before).
+class HookedLocks : public LockManager {
  public:
-  explicit ReleaseHookLocks(std::shared_ptr<LockManager> base) : base_(std::move(base)) {}
-  void OnRelease(LockId watched, std::function<void()> hook) {
-    watched_ = watched;
-    hook_ = std::move(hook);
+  using Match = std::function<bool(LockId)>;
+  explicit HookedLocks(std::shared_ptr<LockManager> base) : base_(std::move(base)) {}
+  void AfterRelease(Match match, std::function<void()> hook) {
+    release_match_ = std::move(match);
+    release_hook_ = std::move(hook);
+  }
+  void BeforeAcquire(Match match, std::function<void()> hook) {
+    acquire_match_ = std::move(match);
+    acquire_hook_ = std::move(hook);
   }
   Status Acquire(LockId id, LockMode mode, bool wait) override {
+    RunOnce(id, &acquire_match_, &acquire_hook_);
     return base_->Acquire(id, mode, wait);
   }
   Status Release(LockId id) override {
     Status st = base_->Release(id);
-    if (hook_ && id == watched_) {
-      std::function<void()> hook = std::move(hook_);
-      hook_ = nullptr;
-      hook();
-    }
+    RunOnce(id, &release_match_, &release_hook_);
     return st;
   }
   Result<bool> IsHeldElsewhere(LockId id) override { return base_->IsHeldElsewhere(id); }
   std::vector<std::pair<LockId, LockMode>> Held() override { return base_->Held(); }
 
  private:
+  static void RunOnce(LockId id, Match* match, std::function<void()>* hook) {
+    if (!*hook || !(*match)(id)) return;
+    std::function<void()> run = std::move(*hook);
+    *hook = nullptr;
+    run();
+  }
   std::shared_ptr<LockManager> base_;
-  LockId watched_{LockKind::kInode, 0};
-  std::function<void()> hook_;
+  Match release_match_, acquire_match_;
+  std::function<void()> release_hook_, acquire_hook_;
 };
 
 }  // namespace
@@ -1054,7 +1063,7 @@ TEST_CASE("a post that lands the moment an apply lets go of the request file is 
   REQUIRE(FormatVolume(&dev, SmallGroups(), false).ok());
   std::shared_ptr<LockManager> la, lb;
   LockPair(&la, &lb);
-  auto hooked = std::make_shared<ReleaseHookLocks>(la);
+  auto hooked = std::make_shared<HookedLocks>(la);
   std::unique_ptr<Volume> a = OpenHost(&dev, hooked, 1);
   std::unique_ptr<Volume> b = OpenHost(&dev, lb, 2);
 
@@ -1087,7 +1096,8 @@ TEST_CASE("a post that lands the moment an apply lets go of the request file is 
   REQUIRE(request_file.ok());
 
   bool posted_in_between = false;
-  hooked->OnRelease(LockId{LockKind::kInode, request_file->id.ino}, [&] {
+  const LockId request_lock{LockKind::kInode, request_file->id.ino};
+  hooked->AfterRelease([&](LockId id) { return id == request_lock; }, [&] {
     post(2, fp2);
     posted_in_between = true;
   });
@@ -1110,6 +1120,62 @@ TEST_CASE("a post that lands the moment an apply lets go of the request file is 
   CHECK_FALSE(HasRequestFile(a.get(), x_id.ino));
   CHECK(Refs(x.get(), 2) == 2);  // X and Y
   x.reset();
+  b.reset();
+  RequireFsckClean(a.get());
+}
+
+TEST_CASE("a post whose new request file an apply removes before the post opens it creates another",
+          "[merge]") {
+  // Host B creates X's request file and, before B opens it, A's timer
+  // applies X's requests: it finds the file empty and removes it. B
+  // creates the file again instead of failing its pass with kNotFound.
+  MemDevice dev(96ull << 20);
+  REQUIRE(FormatVolume(&dev, SmallGroups(), false).ok());
+  std::shared_ptr<LockManager> la, lb;
+  LockPair(&la, &lb);
+  auto hooked = std::make_shared<HookedLocks>(lb);
+  std::unique_ptr<Volume> a = OpenHost(&dev, la, 1);
+  std::unique_ptr<Volume> b = OpenHost(&dev, hooked, 2);
+  auto make = [](Volume* v, const std::string& name) {
+    REQUIRE(v->Create(name, kFileBlocks * kB).ok());
+    auto f = v->OpenFile(name);
+    REQUIRE(f.ok());
+    for (uint64_t blk = 0; blk < kFileBlocks; blk++) {
+      WriteBlock(f->get(), nullptr, blk, Content(blk + 1));
+    }
+    return std::move(*f);
+  };
+  std::unique_ptr<File> x = make(a.get(), "x");
+  std::unique_ptr<File> y = make(b.get(), "y");
+  const uint64_t x_ino = x->id().ino, y_ino = y->id().ino;
+
+  int removed_under_b = 0;
+  // The second time B takes an inode lock other than Y's: Create takes the
+  // new request file's once (and lets go), the OpenFile after it again.
+  std::map<uint64_t, int> inode_takes;
+  hooked->BeforeAcquire(
+      [&](LockId id) {
+        return id.kind == LockKind::kInode && id.id != y_ino && ++inode_takes[id.id] == 2;
+      },
+      [&] {
+        REQUIRE(HasRequestFile(a.get(), x_ino));
+        auto applied = ApplyMergeRequests(a.get(), x.get(), VerifyMode::kByteCompare);
+        REQUIRE(applied.ok());
+        removed_under_b = static_cast<int>(applied->request_files);
+      });
+  const Fingerprint fp = ComputeFingerprint(HashAlgo::kXxh128, Content(4).data(), kB);
+  Status st = PostMergeRequests(b.get(), x->id(), {MergeRequest{3, fp, 3}}, y.get());
+  INFO(st.ToString());
+  REQUIRE(st.ok());
+  REQUIRE(removed_under_b == 1);  // the moment happened, and A removed B's new file
+
+  auto applied = ApplyMergeRequests(a.get(), x.get(), VerifyMode::kByteCompare);
+  REQUIRE(applied.ok());
+  CHECK(applied->applied == 1);
+  CHECK(Refs(x.get(), 3) == 2);  // X and Y
+  CHECK_FALSE(HasRequestFile(a.get(), x_ino));
+  x.reset();
+  y.reset();
   b.reset();
   RequireFsckClean(a.get());
 }
