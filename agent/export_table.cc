@@ -46,6 +46,43 @@ bool BlockRangeLock::OverlapsLocked(uint64_t first, uint64_t last) {
   return false;
 }
 
+// ------------------------------------------------------------ AnsweredWrites
+
+// As for BlockRangeLock: the condition variable needs the native mutex.
+uint64_t AnsweredWrites::Add(uint64_t first_block, uint64_t last_block) NO_THREAD_SAFETY_ANALYSIS {
+  std::lock_guard<std::mutex> l(mu_.native());
+  const uint64_t ticket = next_ticket_++;
+  pending_.emplace(ticket, std::make_pair(first_block, last_block));
+  return ticket;
+}
+
+void AnsweredWrites::Done(uint64_t ticket) NO_THREAD_SAFETY_ANALYSIS {
+  {
+    std::lock_guard<std::mutex> l(mu_.native());
+    pending_.erase(ticket);
+  }
+  cv_.notify_all();
+}
+
+void AnsweredWrites::WaitForOverlapping(uint64_t first_block,
+                                        uint64_t last_block) NO_THREAD_SAFETY_ANALYSIS {
+  std::unique_lock<std::mutex> l(mu_.native());
+  cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS {
+    for (const auto& [ticket, blocks] : pending_) {
+      if (blocks.first <= last_block && blocks.second >= first_block) return false;
+    }
+    return true;
+  });
+}
+
+void AnsweredWrites::WaitForEarlier() NO_THREAD_SAFETY_ANALYSIS {
+  std::unique_lock<std::mutex> l(mu_.native());
+  const uint64_t before = next_ticket_;
+  cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS {
+    return pending_.empty() || pending_.begin()->first >= before;
+  });
+}
+
 namespace {
 class RangeGuard {
  public:
@@ -78,6 +115,11 @@ Export::Export(std::string name, std::unique_ptr<File> file, const FileInfo& inf
                   info.size, read_ahead_bytes, budget) {}
 
 Status Export::Read(uint64_t offset, size_t len, IoBytes* out) {
+  // A write answered before its device write is done: its blocks are not
+  // on the device yet (nor in a read-ahead window: see Write).
+  if (len > 0) {
+    answered_.WaitForOverlapping(offset / kBlockSize, (offset + len - 1) / kBlockSize);
+  }
   return read_ahead_.Read(offset, len, out);
 }
 
@@ -116,7 +158,39 @@ Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua,
   Status st;
   {
     RangeGuard g(&ranges_, offset, len);
-    st = file_->Write(offset, buf, len);
+    if (written && !fua) {
+      Result<std::unique_ptr<InPlaceWrite>> in_place = file_->PrepareInPlaceWrite(offset, len);
+      if (!in_place.ok()) {
+        st = in_place.status();
+      } else if (*in_place) {
+        // Answered first (see the header). No read-ahead window may keep
+        // the old content past the answer; one read meanwhile is dropped
+        // after the device write.
+        read_ahead_.Invalidate(offset, len);
+        const uint64_t ticket =
+            answered_.Add(offset / kBlockSize, (offset + len - 1) / kBlockSize);
+        answered_early_++;
+        written(Status::Ok());
+        st = (*in_place)->Write(buf);
+        in_place->reset();
+        read_ahead_.Invalidate(offset, len);
+        answered_.Done(ticket);
+        if (!st.ok()) {
+          LOG(kError) << "export '" << name_ << "': write at " << offset << "+" << len
+                      << " failed after it was answered: " << st.ToString()
+                      << " (the volume stops taking writes; the next FLUSH reports it)";
+        }
+        if (monitor_) {
+          if (st.ok()) {
+            monitor_->OnWrite(id_, offset, buf, len);
+          } else {
+            monitor_->OnInvalidate(id_, offset, len);
+          }
+        }
+        return st;
+      }
+    }
+    if (st.ok()) st = file_->Write(offset, buf, len);
     read_ahead_.Invalidate(offset, len);
     if (written) {
       // Answer now: fingerprinting is off the client's latency path. FUA's
@@ -170,7 +244,10 @@ Status Export::WriteZeroes(uint64_t offset, uint64_t len, bool fua, bool no_hole
   return st;
 }
 
-Status Export::Flush() { return vol_->Sync(); }
+Status Export::Flush() {
+  answered_.WaitForEarlier();
+  return vol_->Sync();
+}
 
 // --------------------------------------------------------------- ExportTable
 

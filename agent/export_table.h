@@ -48,6 +48,26 @@ class BlockRangeLock {
   std::multimap<uint64_t, uint64_t> held_ GUARDED_BY(mu_);  // first -> last
 };
 
+// Writes answered before their device write (Export::Write): until each
+// is on the device, READs of its blocks wait for it, and a FLUSH waits for
+// every one answered before the FLUSH arrived.
+class AnsweredWrites {
+ public:
+  // Registers a write of blocks [first, last]; returns its ticket.
+  uint64_t Add(uint64_t first_block, uint64_t last_block) EXCLUDES(mu_);
+  void Done(uint64_t ticket) EXCLUDES(mu_);
+  // Waits until no registered write overlaps [first, last].
+  void WaitForOverlapping(uint64_t first_block, uint64_t last_block) EXCLUDES(mu_);
+  // Waits until every write registered before this call is done.
+  void WaitForEarlier() EXCLUDES(mu_);
+
+ private:
+  Mutex mu_;
+  std::condition_variable cv_;
+  uint64_t next_ticket_ GUARDED_BY(mu_) = 1;
+  std::map<uint64_t, std::pair<uint64_t, uint64_t>> pending_ GUARDED_BY(mu_);  // ticket -> blocks
+};
+
 class Export {
  public:
   // `read_ahead_bytes`: the longest READ after which a sequential reader's
@@ -79,16 +99,31 @@ class Export {
   void ReadAheadAfter(uint64_t offset, size_t len) { read_ahead_.After(offset, len); }
   ReadAheadStats read_ahead_stats() { return read_ahead_.stats(); }
   // `fua`: durable (volume flush point) before returning. `written`, if
-  // given, is called as soon as the data is on the volume (and durable with
-  // fua) with the outcome, so the client can be answered before the write
-  // monitor fingerprints the blocks; the blocks stay range-locked until the
-  // monitor has them. Returns the same status.
+  // given, is called once with the outcome as soon as the client may be
+  // answered, so that neither the write monitor's fingerprinting nor, for
+  // an in-place write, the device write itself is on the client's latency
+  // path:
+  //  * An in-place write without FUA (File::PrepareInPlaceWrite: whole
+  //    blocks already the file's alone, so it cannot fail for want of
+  //    space) is answered before its device write, like a disk with a
+  //    volatile write cache. Until it is on the device, READs of its blocks
+  //    wait for it (AnsweredWrites) and so does the next Flush(). If the
+  //    device write fails, the volume is poisoned: that Flush() and every
+  //    later write fail with the error.
+  //  * Any other write is answered once it is on the volume (durable with
+  //    FUA).
+  // The blocks stay range-locked until the monitor has them. Returns the
+  // write's own outcome (after `written` was called, only for logging).
   Status Write(uint64_t offset, const void* buf, size_t len, bool fua,
                const std::function<void(const Status&)>& written = nullptr);
   Status Trim(uint64_t offset, uint64_t len, bool fua);
   // no_hole: allocate and write zeros; else blocks become holes (read as 0).
   Status WriteZeroes(uint64_t offset, uint64_t len, bool fua, bool no_hole);
+  // Waits for the writes answered before it (see Write), then makes the
+  // volume durable (a flush point).
   Status Flush();
+  // Writes answered before their device write, since the export opened.
+  uint64_t writes_answered_early() const { return answered_early_.load(); }
 
   File* file() { return file_.get(); }
 
@@ -104,6 +139,8 @@ class Export {
   WriteMonitor* const monitor_;  // nullptr: monitoring disabled
   LogFlusher* const flusher_;    // may be nullptr
   BlockRangeLock ranges_;
+  AnsweredWrites answered_;
+  std::atomic<uint64_t> answered_early_{0};
   // Every content change invalidates it after its device I/O, before it is
   // acknowledged (Write, Trim, WriteZeroes).
   ReadAhead read_ahead_;

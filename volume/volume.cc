@@ -108,6 +108,9 @@ class FileImpl : public File {
   Status Write(uint64_t offset, const void* buf, size_t len) override {
     return vol_->WriteData(st_.get(), offset, static_cast<const uint8_t*>(buf), len);
   }
+  Result<std::unique_ptr<InPlaceWrite>> PrepareInPlaceWrite(uint64_t offset, size_t len) override {
+    return vol_->PrepareInPlace(st_.get(), offset, len);
+  }
   Status Trim(uint64_t offset, uint64_t len) override {
     return vol_->TrimData(st_.get(), offset, len);
   }
@@ -1951,6 +1954,73 @@ Status VolumeImpl::ReadData(OpenFileState* f, uint64_t offset, uint8_t* buf, siz
   return Status::Ok();
 }
 
+namespace {
+
+// Holds the file's rw lock shared from PrepareInPlace to its destruction
+// (not a scoped lock: the analysis cannot follow it).
+class InPlaceWriteImpl : public InPlaceWrite {
+ public:
+  InPlaceWriteImpl(VolumeImpl* vol, OpenFileState* f) NO_THREAD_SAFETY_ANALYSIS : vol_(vol), f_(f) {
+    f_->rw.LockShared();
+  }
+  ~InPlaceWriteImpl() override NO_THREAD_SAFETY_ANALYSIS { f_->rw.UnlockShared(); }
+  // The physical blocks, looked up after the lock was taken.
+  std::vector<uint64_t>* ptrs() { return &ptrs_; }
+  Status Write(const void* buf) override {
+    if (written_) return Status::Invalid("in-place write used twice");
+    written_ = true;
+    return vol_->WriteInPlace(ptrs_, static_cast<const uint8_t*>(buf));
+  }
+
+ private:
+  VolumeImpl* const vol_;
+  OpenFileState* const f_;
+  std::vector<uint64_t> ptrs_;
+  bool written_ = false;
+};
+
+}  // namespace
+
+Result<std::unique_ptr<InPlaceWrite>> VolumeImpl::PrepareInPlace(OpenFileState* f, uint64_t offset,
+                                                                 size_t len) {
+  if (len == 0 || offset % kBlockSize != 0 || len % kBlockSize != 0) return std::unique_ptr<InPlaceWrite>();
+  const uint64_t first = offset / kBlockSize, last = (offset + len - 1) / kBlockSize;
+  // The lock first (the prepared write keeps it), then the pointers: no
+  // share, truncate or trim can change them until the write is done.
+  auto w = std::make_unique<InPlaceWriteImpl>(this, f);
+  std::vector<uint64_t>* ptrs = w->ptrs();
+  ptrs->reserve(last - first + 1);
+  {
+    MutexLock l(&mu_);
+    RETURN_IF_ERROR(CheckWritable());
+    ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+    if (offset + len > in.size) {
+      return Status::Invalid("write past the end of '" + in.name + "'");
+    }
+    for (uint64_t i = first; i <= last; i++) {
+      ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, i));
+      if (p == 0 || PtrCow(p)) return std::unique_ptr<InPlaceWrite>();
+      ptrs->push_back(PtrAddr(p));
+    }
+  }
+  return std::unique_ptr<InPlaceWrite>(std::move(w));
+}
+
+Status VolumeImpl::WriteInPlace(const std::vector<uint64_t>& ptrs, const uint8_t* buf) {
+  size_t i = 0;
+  while (i < ptrs.size()) {
+    size_t n = 1;
+    while (i + n < ptrs.size() && ptrs[i + n] == ptrs[i] + n) n++;
+    Status st = dev_->Write(ptrs[i] * kBlockSize, buf + i * kBlockSize, n * kBlockSize);
+    if (!st.ok()) {
+      MutexLock l(&mu_);
+      return Poison(st);
+    }
+    i += n;
+  }
+  return Status::Ok();
+}
+
 Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* buf, size_t len) {
   if (len == 0) return Status::Ok();
   uint64_t first = offset / kBlockSize, last = (offset + len - 1) / kBlockSize;
@@ -1962,35 +2032,8 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
     RETURN_IF_ERROR(CheckWritable());
   }
   if (!partial) {
-    ReaderLock rl(&f->rw);
-    std::vector<uint64_t> ptrs;
-    bool in_place = true;
-    {
-      MutexLock l(&mu_);
-      ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
-      if (offset + len > in.size) {
-        return Status::Invalid("write past the end of '" + in.name + "'");
-      }
-      for (uint64_t i = first; i <= last && in_place; i++) {
-        ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, i));
-        if (p == 0 || PtrCow(p)) in_place = false;
-        ptrs.push_back(PtrAddr(p));
-      }
-    }
-    if (in_place) {
-      size_t i = 0;
-      while (i < ptrs.size()) {
-        size_t n = 1;
-        while (i + n < ptrs.size() && ptrs[i + n] == ptrs[i] + n) n++;
-        Status st = dev_->Write(ptrs[i] * kBlockSize, buf + i * kBlockSize, n * kBlockSize);
-        if (!st.ok()) {
-          MutexLock l(&mu_);
-          return Poison(st);
-        }
-        i += n;
-      }
-      return Status::Ok();
-    }
+    ASSIGN_OR_RETURN(std::unique_ptr<InPlaceWrite> w, PrepareInPlace(f, offset, len));
+    if (w) return w->Write(buf);
   }
 
   // Slow path: allocation, copy-on-write, or partial blocks.

@@ -132,6 +132,20 @@ class Volume;
 // An open file; holding one holds the file's lock (exclusively) until it is
 // destroyed. Offsets are bytes; Read/Write accept any offset and length
 // (partial blocks read-modify-write). Block-level calls take a block index.
+// A whole-block write found to need no allocation, no copy and no
+// metadata change (File::PrepareInPlaceWrite): every block it covers is
+// already the file's alone. Until it is destroyed it holds the file's
+// lock against anything that could change that (a share, a truncate, a
+// trim), so Write() can only fail with a device error, which poisons the
+// volume like any failed data write (later operations and flush points
+// fail with it). Prepared, written and destroyed on one thread.
+class InPlaceWrite {
+ public:
+  virtual ~InPlaceWrite() = default;
+  // Writes the prepared range from `buf` (its length); once only.
+  virtual Status Write(const void* buf) = 0;
+};
+
 class File {
  public:
   virtual ~File() = default;
@@ -141,6 +155,12 @@ class File {
 
   virtual Status Read(uint64_t offset, void* buf, size_t len) = 0;
   virtual Status Write(uint64_t offset, const void* buf, size_t len) = 0;
+  // Prepares Write(offset, len) if it would be an in-place write (see
+  // InPlaceWrite); nullptr if not (partial blocks, holes, shared blocks):
+  // then call Write(). Lets a server answer a client before the device
+  // write, knowing it can no longer fail for want of space.
+  virtual Result<std::unique_ptr<InPlaceWrite>> PrepareInPlaceWrite(uint64_t offset,
+                                                                    size_t len) = 0;
   // Frees every whole block in the range (reads back zeros); zeroes the
   // partial blocks at its edges.
   virtual Status Trim(uint64_t offset, uint64_t len) = 0;

@@ -92,6 +92,12 @@ class VolumeImpl : public Volume {
   // ---- used by FileImpl (file rw lock held by the caller as documented)
   Status ReadData(OpenFileState* f, uint64_t offset, uint8_t* buf, size_t len) EXCLUDES(mu_);
   Status WriteData(OpenFileState* f, uint64_t offset, const uint8_t* buf, size_t len) EXCLUDES(mu_);
+  // The fast path of WriteData (File::PrepareInPlaceWrite).
+  Result<std::unique_ptr<InPlaceWrite>> PrepareInPlace(OpenFileState* f, uint64_t offset,
+                                                       size_t len) EXCLUDES(mu_);
+  // Writes `buf` to the physical blocks `ptrs` (in order, runs merged);
+  // a failure poisons the volume.
+  Status WriteInPlace(const std::vector<uint64_t>& ptrs, const uint8_t* buf) EXCLUDES(mu_);
   Status TrimData(OpenFileState* f, uint64_t offset, uint64_t len) EXCLUDES(mu_);
   Status TruncateFile(OpenFileState* f, uint64_t size) EXCLUDES(mu_);
   Status SetFlag(OpenFileState* f, uint32_t flag, bool on) EXCLUDES(mu_);

@@ -176,6 +176,9 @@ class MemFile : public File {
     return Status::Ok();
   }
   Status Write(uint64_t, const void*, size_t) override { return Status::Invalid("read-only"); }
+  Result<std::unique_ptr<InPlaceWrite>> PrepareInPlaceWrite(uint64_t, size_t) override {
+    return Status::Invalid("read-only");
+  }
   Status Trim(uint64_t, uint64_t) override { return Status::Invalid("read-only"); }
   Status Truncate(uint64_t) override { return Status::Invalid("read-only"); }
   Status SetDedup(bool) override { return Status::Invalid("read-only"); }

@@ -1,0 +1,251 @@
+// Export (agent/export_table.h): when a WRITE may be answered before its
+// device write, and what READ and FLUSH then owe the client. The device
+// holds the next write at a gate, so the test sees the moment between the
+// answer and the write.
+#include "agent/export_table.h"
+
+#include <unistd.h>
+
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <condition_variable>
+#include <future>
+#include <memory>
+#include <mutex>
+#include <random>
+#include <thread>
+
+#include "tests/forwarding_device.h"
+#include "volume/format.h"
+#include "volume/mem_device.h"
+#include "volume/volume.h"
+
+using namespace dede;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr uint64_t kB = kBlockSize;
+constexpr uint64_t kFileBytes = 64 * kB;
+
+// Holds the next write after Arm() until Open(); that write then fails
+// with EIO if FailHeld() was called.
+class GateDevice : public test::ForwardingDevice {
+ public:
+  explicit GateDevice(BlockDevice* base) : ForwardingDevice(base, "gate") {}
+  void Arm() {
+    std::lock_guard<std::mutex> l(mu_);
+    armed_ = true;
+  }
+  void FailHeld() {
+    std::lock_guard<std::mutex> l(mu_);
+    fail_ = true;
+  }
+  // Waits until a write is held at the gate.
+  bool WaitHeld(std::chrono::milliseconds limit) {
+    std::unique_lock<std::mutex> l(mu_);
+    return cv_.wait_for(l, limit, [&] { return held_; });
+  }
+  void Open() {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      open_ = true;
+    }
+    cv_.notify_all();
+  }
+  // Closed and unarmed again, for the next held write.
+  void Reset() {
+    std::lock_guard<std::mutex> l(mu_);
+    armed_ = held_ = open_ = fail_ = false;
+  }
+  Status Write(uint64_t offset, const void* buf, size_t len) override {
+    bool fail = false;
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      if (armed_) {
+        armed_ = false;
+        held_ = true;
+        cv_.notify_all();
+        cv_.wait(l, [&] { return open_; });
+        fail = fail_;
+      }
+    }
+    if (fail) return Status::IoError("injected write error");
+    return base()->Write(offset, buf, len);
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool armed_ = false, held_ = false, open_ = false, fail_ = false;
+};
+
+std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
+  std::vector<uint8_t> v(n);
+  std::mt19937 r(seed);
+  for (auto& b : v) b = static_cast<uint8_t>(r());
+  return v;
+}
+
+std::shared_ptr<LockManager> TempLocks() {
+  static int n = 0;
+  std::string p = "/tmp/dede-export-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
+  auto lm = OpenLocalLockManager(p);
+  REQUIRE(lm.ok());
+  ::unlink(p.c_str());
+  return std::shared_ptr<LockManager>(std::move(lm.value()));
+}
+
+// A volume on a gated device with one file "vm": its first half written
+// (allocated, in place from then on), its second half a hole.
+struct Rig {
+  Rig() : mem(64 << 20), gate(&mem) {
+    REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
+    OpenOptions oo;
+    oo.locks = TempLocks();
+    auto v = Volume::Open(&gate, oo);
+    REQUIRE(v.ok());
+    vol = std::move(v.value());
+    REQUIRE(vol->Create("vm", kFileBytes).ok());
+    {
+      auto f = vol->OpenFile("vm");
+      REQUIRE(f.ok());
+      const std::vector<uint8_t> old = Pattern(kFileBytes / 2, 1);
+      REQUIRE((*f)->Write(0, old.data(), old.size()).ok());
+    }
+    REQUIRE(vol->Sync().ok());
+    table = std::make_unique<ExportTable>(vol.get(), nullptr, nullptr);
+    auto e = table->Acquire("vm");
+    REQUIRE(e.ok());
+    ex = *e;
+  }
+  ~Rig() {
+    gate.Open();  // never leave a writer stuck
+    if (ex) table->Release(ex);
+  }
+
+  std::vector<uint8_t> Read(uint64_t offset, size_t len) {
+    IoBytes out;
+    REQUIRE(ex->Read(offset, len, &out).ok());
+    return std::vector<uint8_t>(out.begin(), out.end());
+  }
+
+  MemDevice mem;
+  GateDevice gate;
+  std::unique_ptr<Volume> vol;
+  std::unique_ptr<ExportTable> table;
+  std::shared_ptr<Export> ex;
+};
+
+// Starts an Export::Write on its own thread; `answered` becomes ready when
+// the client may be told, `done` when Write returns.
+struct AsyncWrite {
+  AsyncWrite(Export* ex, uint64_t offset, const std::vector<uint8_t>& data, bool fua) {
+    auto answered_p = std::make_shared<std::promise<Status>>();
+    answered = answered_p->get_future();
+    done = std::async(std::launch::async, [=, &data] {
+      return ex->Write(offset, data.data(), data.size(), fua,
+                       [answered_p](const Status& st) { answered_p->set_value(st); });
+    });
+  }
+  std::future<Status> answered;
+  std::future<Status> done;
+};
+
+// Opens the gate when a test leaves early, before the futures of writes
+// held there are destroyed (their destructors wait for them).
+struct OpenOnExit {
+  GateDevice* gate;
+  ~OpenOnExit() { gate->Open(); }
+};
+
+}  // namespace
+
+TEST_CASE("export: an in-place write is answered before its device write; READ and FLUSH wait",
+          "[export]") {
+  Rig r;
+  const std::vector<uint8_t> data = Pattern(16 * kB, 2);
+  r.gate.Arm();
+  AsyncWrite w(r.ex.get(), 4 * kB, data, /*fua=*/false);
+  OpenOnExit guard_w{&r.gate};
+  REQUIRE(r.gate.WaitHeld(10s));
+  // The device write is still held, yet the client has its answer.
+  REQUIRE(w.answered.wait_for(10s) == std::future_status::ready);
+  CHECK(w.answered.get().ok());
+  CHECK(r.ex->writes_answered_early() == 1);
+
+  // A READ of those blocks and a FLUSH must not complete before the write.
+  auto read = std::async(std::launch::async, [&] { return r.Read(0, 32 * kB); });
+  auto flush = std::async(std::launch::async, [&] { return r.ex->Flush(); });
+  OpenOnExit guard_rf{&r.gate};
+  // A READ elsewhere does not wait.
+  const std::vector<uint8_t> old = Pattern(kFileBytes / 2, 1);
+  CHECK(r.Read(24 * kB, 4 * kB) == std::vector<uint8_t>(old.begin() + 24 * kB, old.begin() + 28 * kB));
+  CHECK(read.wait_for(200ms) == std::future_status::timeout);
+  CHECK(flush.wait_for(10ms) == std::future_status::timeout);
+
+  r.gate.Open();
+  REQUIRE(w.done.get().ok());
+  std::vector<uint8_t> expect = Pattern(kFileBytes / 2, 1);
+  std::copy(data.begin(), data.end(), expect.begin() + 4 * kB);
+  CHECK(read.get() == expect);
+  CHECK(flush.get().ok());
+}
+
+TEST_CASE("export: a write that fails after its answer fails the next FLUSH and every later write",
+          "[export]") {
+  Rig r;
+  const std::vector<uint8_t> data = Pattern(8 * kB, 3);
+  r.gate.Arm();
+  r.gate.FailHeld();
+  AsyncWrite w(r.ex.get(), 0, data, false);
+  OpenOnExit guard_w{&r.gate};
+  REQUIRE(r.gate.WaitHeld(10s));
+  REQUIRE(w.answered.wait_for(10s) == std::future_status::ready);
+  CHECK(w.answered.get().ok());
+  r.gate.Open();
+  Status st = w.done.get();
+  CHECK(st.code() == Status::Code::kIoError);
+  Status flushed = r.ex->Flush();
+  INFO(flushed.ToString());
+  CHECK_FALSE(flushed.ok());
+  // The volume stopped taking writes: the next one is refused, not lost.
+  bool answered_ok = true;
+  Status later = r.ex->Write(16 * kB, data.data(), data.size(), false,
+                             [&](const Status& s) { answered_ok = s.ok(); });
+  CHECK_FALSE(later.ok());
+  CHECK_FALSE(answered_ok);
+}
+
+TEST_CASE("export: writes that may fail for want of space, or need FUA, are answered after the "
+          "device write",
+          "[export]") {
+  Rig r;
+  struct Case {
+    const char* what;
+    uint64_t offset;
+    size_t len;
+    bool fua;
+  };
+  const Case cases[] = {
+      {"into a hole (allocates)", kFileBytes / 2, 8 * kB, false},
+      {"a partial block", 2 * kB + 512, 1024, false},
+      {"FUA", 0, 8 * kB, true},
+  };
+  for (const Case& c : cases) {
+    INFO(c.what);
+    const std::vector<uint8_t> data = Pattern(c.len, 4);
+    r.gate.Reset();  // the last case's guard opened it
+    r.gate.Arm();
+    AsyncWrite w(r.ex.get(), c.offset, data, c.fua);
+    OpenOnExit guard_w{&r.gate};
+    REQUIRE(r.gate.WaitHeld(10s));
+    CHECK(w.answered.wait_for(200ms) == std::future_status::timeout);
+    r.gate.Open();
+    REQUIRE(w.done.get().ok());
+    REQUIRE(w.answered.wait_for(10s) == std::future_status::ready);
+    CHECK(w.answered.get().ok());
+    CHECK(r.Read(c.offset, c.len) == data);
+  }
+  CHECK(r.ex->writes_answered_early() == 0);
+}
