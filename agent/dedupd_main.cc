@@ -667,6 +667,7 @@ int Run(const Config& cfg) {
       x["clients"] = clients;
       x["dedup"] = e->dedup();
       x["cow_copies"] = e->cow_copies();
+      x["writes_answered_early"] = e->writes_answered_early();
       x["read_ahead"] = ReadAheadJson(e->read_ahead_stats());
       if (cfg.write_monitor) {
         const MonitorFileStats fs = monitor.FileStats(e->id());
@@ -747,6 +748,7 @@ int Run(const Config& cfg) {
     }
     const ExportTable::Totals totals = table.totals();
     j["cow_copies"] = totals.cow_copies;
+    j["writes_answered_early"] = totals.writes_answered_early;
     j["read_ahead"] = ReadAheadJson(totals.read_ahead);
     j["read_ahead"]["memory_used"] = table.read_ahead_budget().used();
     j["read_ahead"]["memory_cap"] = table.read_ahead_budget().cap();
@@ -906,6 +908,9 @@ int Run(const Config& cfg) {
             j["read_ahead"]["memory_used"].get<double>(), host);
     m.Counter("dede_cow_copies_total", "Copy-on-write specializations on this host",
               j["cow_copies"].get<double>(), host);
+    m.Counter("dede_writes_answered_early_total",
+              "In-place NBD writes answered before their device write on this host",
+              j["writes_answered_early"].get<double>(), host);
     m.Gauge("dede_pending_reference_drops", "Reference drops waiting in this host's drop list",
             j["drops"]["pending"].get<double>(), host);
     return m.str();

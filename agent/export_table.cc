@@ -371,6 +371,7 @@ void ExportTable::Close(const std::shared_ptr<Export>& e) {
     MutexLock l(&mu_);
     AddReadAheadStats(&closed_.read_ahead, e->read_ahead_stats());
     closed_.cow_copies += e->cow_copies();
+    closed_.writes_answered_early += e->writes_answered_early();
     closing_.erase(std::remove(closing_.begin(), closing_.end(), e), closing_.end());
   }
   // The next holder (maybe on another host) must find everything on disk.
@@ -413,6 +414,7 @@ ExportTable::Totals ExportTable::totals() {
   Totals t = closed_;
   auto add = [&t](const std::shared_ptr<Export>& e) {
     t.cow_copies += e->cow_copies();
+    t.writes_answered_early += e->writes_answered_early();
     AddReadAheadStats(&t.read_ahead, e->read_ahead_stats());
   };
   for (const auto& [name, e] : exports_) add(e);

@@ -181,6 +181,7 @@ class ExportTable {
   // Counters summed over every export served since start, open or closed.
   struct Totals {
     uint64_t cow_copies = 0;  // copy-on-write specializations
+    uint64_t writes_answered_early = 0;  // Export::writes_answered_early
     ReadAheadStats read_ahead;
   };
   Totals totals() EXCLUDES(mu_);

@@ -708,17 +708,30 @@ TEST_CASE("fio --ioengine=nbd with verification, and the log covers every block"
   TestVolume tv({{"rand4k", size}, {"seq64k", size}});
   DedupdProcess d(tv.vol, 1, tv.sock);
   std::string fio = RequireProgram("fio");
-  auto run_fio = [&](const std::string& name, const std::string& rw, const std::string& bs) {
+  auto run_fio = [&](const std::string& name, const std::string& rw, const std::string& bs,
+                     int seed) {
     std::vector<std::string> argv = {fio, "--name=" + name, "--ioengine=nbd",
                                      "--uri=" + d.Uri(name), "--rw=" + rw, "--bs=" + bs,
                                      "--size=" + std::to_string(size), "--iodepth=16",
                                      "--verify=crc32c", "--do_verify=1", "--verify_fatal=1",
-                                     "--randseed=42", "--output-format=terse",
+                                     "--randseed=" + std::to_string(seed), "--output-format=terse",
                                      "--verify_state_save=0", "--directory=" + tv.dir.path()};
     RunOk(argv, 600);
   };
-  run_fio("rand4k", "randwrite", "4k");
-  run_fio("seq64k", "write", "64k");
+  auto answered_early = [&] {
+    ProcessResult st = RunOk({BinaryPath("dede"), "status", "--control", d.control(), "--json"});
+    return nlohmann::json::parse(st.out)["writes_answered_early"].get<uint64_t>();
+  };
+  // Into holes: every write allocates, so none is answered before its
+  // device write.
+  run_fio("rand4k", "randwrite", "4k", 42);
+  run_fio("seq64k", "write", "64k", 42);
+  CHECK(answered_early() == 0);
+  // Again, in place, with other data: answered before the device write,
+  // and fio's verification reads must see every one of them.
+  run_fio("rand4k", "randwrite", "4k", 43);
+  run_fio("seq64k", "write", "64k", 43);
+  CHECK(answered_early() >= 2 * size / (64 * 1024));
   std::vector<uint8_t> c1 = ReadExport(tv.dir, d, "rand4k");
   std::vector<uint8_t> c2 = ReadExport(tv.dir, d, "seq64k");
   REQUIRE(d.Stop() == 0);
