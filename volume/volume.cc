@@ -1983,7 +1983,9 @@ class InPlaceWriteImpl : public InPlaceWrite {
 
 Result<std::unique_ptr<InPlaceWrite>> VolumeImpl::PrepareInPlace(OpenFileState* f, uint64_t offset,
                                                                  size_t len) {
-  if (len == 0 || offset % kBlockSize != 0 || len % kBlockSize != 0) return std::unique_ptr<InPlaceWrite>();
+  if (len == 0 || offset % kBlockSize != 0 || len % kBlockSize != 0) {
+    return std::unique_ptr<InPlaceWrite>();  // not whole blocks: never in place
+  }
   const uint64_t first = offset / kBlockSize, last = (offset + len - 1) / kBlockSize;
   // The lock first (the prepared write keeps it), then the pointers: no
   // share, truncate or trim can change them until the write is done.

@@ -129,9 +129,6 @@ enum class VerifyMode {
 
 class Volume;
 
-// An open file; holding one holds the file's lock (exclusively) until it is
-// destroyed. Offsets are bytes; Read/Write accept any offset and length
-// (partial blocks read-modify-write). Block-level calls take a block index.
 // A whole-block write found to need no allocation, no copy and no
 // metadata change (File::PrepareInPlaceWrite): every block it covers is
 // already the file's alone. Until it is destroyed it holds the file's
@@ -146,6 +143,9 @@ class InPlaceWrite {
   virtual Status Write(const void* buf) = 0;
 };
 
+// An open file; holding one holds the file's lock (exclusively) until it is
+// destroyed. Offsets are bytes; Read/Write accept any offset and length
+// (partial blocks read-modify-write). Block-level calls take a block index.
 class File {
  public:
   virtual ~File() = default;

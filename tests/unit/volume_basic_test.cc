@@ -1,10 +1,12 @@
 #include <catch2/catch.hpp>
 #include <atomic>
+#include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <map>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/forwarding_device.h"
@@ -138,6 +140,74 @@ TEST_CASE("volume: RemoveOpen removes a file its caller holds, never another vol
     REQUIRE(reopened.value()->Read(0, back.data(), back.size()).ok());
     CHECK(back == data);
   }
+}
+
+TEST_CASE("volume: an in-place write is prepared only for whole blocks the file owns alone, "
+          "and holds off a share until it is written",
+          "[volume]") {
+  MemDevice dev(64 << 20);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  Volume* v = vol.value().get();
+  constexpr uint64_t kB = kBlockSize;
+  REQUIRE(v->Create("a", 8 * kB).ok());
+  REQUIRE(v->Create("b", 8 * kB).ok());
+  auto fa = v->OpenFile("a");
+  auto fb = v->OpenFile("b");
+  REQUIRE(fa.ok());
+  REQUIRE(fb.ok());
+  File* a = fa.value().get();
+  File* b = fb.value().get();
+  const std::vector<uint8_t> old = Pattern(4 * kB, 5);
+  REQUIRE(a->Write(0, old.data(), old.size()).ok());  // blocks 0..3; 4..7 are holes
+  REQUIRE(b->Write(0, old.data(), old.size()).ok());
+
+  auto prepared = [&](uint64_t offset, size_t len) {
+    auto w = a->PrepareInPlaceWrite(offset, len);
+    REQUIRE(w.ok());
+    return w.value() != nullptr;
+  };
+  CHECK(prepared(0, 4 * kB));
+  CHECK_FALSE(prepared(4 * kB, kB));        // a hole: needs a block
+  CHECK_FALSE(prepared(3 * kB, 2 * kB));    // ends in a hole
+  CHECK_FALSE(prepared(100, kB));           // partial blocks
+  CHECK_FALSE(prepared(0, kB / 2));
+  CHECK(a->PrepareInPlaceWrite(7 * kB, 2 * kB).status().code() == Status::Code::kInvalid);
+  REQUIRE(v->CompareAndShare(b, 1, a, 1, VerifyMode::kByteCompare).ok());
+  CHECK_FALSE(prepared(kB, kB));            // shared now: a write copies it
+  CHECK_FALSE(prepared(0, 2 * kB));
+
+  // Prepared, block 2 cannot be shared until the write is done; the share
+  // then finds the new content and refuses.
+  auto w = a->PrepareInPlaceWrite(2 * kB, kB);
+  REQUIRE(w.ok());
+  REQUIRE(w.value() != nullptr);
+  std::atomic<bool> share_done{false};
+  Status share_st;
+  std::thread share([&] {
+    share_st = v->CompareAndShare(b, 2, a, 2, VerifyMode::kByteCompare);
+    share_done = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  CHECK_FALSE(share_done.load());
+  const std::vector<uint8_t> fresh = Pattern(kB, 6);
+  CHECK(w.value()->Write(fresh.data()).ok());
+  CHECK(w.value()->Write(fresh.data()).code() == Status::Code::kInvalid);  // once only
+  w.value().reset();
+  share.join();
+  CHECK(share_st.code() == Status::Code::kMismatch);
+  std::vector<uint8_t> back(kB);
+  REQUIRE(a->Read(2 * kB, back.data(), kB).ok());
+  CHECK(back == fresh);
+  CHECK(a->BlockRefCount(2).value() == 1);
+  fa.value().reset();
+  fb.value().reset();
+  auto rep = CheckVolume(v, false);
+  REQUIRE(rep.ok());
+  CHECK(rep->clean());
 }
 
 TEST_CASE("volume: fsck is clean after use and finds a broken refcount", "[volume][fsck]") {
