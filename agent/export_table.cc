@@ -154,7 +154,8 @@ Status Export::SetDedup(bool on) {
 }
 
 Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua,
-                     const std::function<void(const Status&)>& written) {
+                     const std::function<void(const Status&)>& written,
+                     const std::vector<Fingerprint>* fps) {
   Status st;
   {
     RangeGuard g(&ranges_, offset, len);
@@ -182,7 +183,7 @@ Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua,
         }
         if (monitor_) {
           if (st.ok()) {
-            monitor_->OnWrite(id_, offset, buf, len);
+            monitor_->OnWrite(id_, offset, buf, len, fps);
           } else {
             monitor_->OnInvalidate(id_, offset, len);
           }
@@ -202,7 +203,7 @@ Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua,
     if (monitor_) {
       // A failed write leaves the blocks' content unknown: forget them.
       if (st.ok()) {
-        monitor_->OnWrite(id_, offset, buf, len);
+        monitor_->OnWrite(id_, offset, buf, len, fps);
       } else {
         monitor_->OnInvalidate(id_, offset, len);
       }

@@ -114,8 +114,18 @@ class Export {
   //    FUA).
   // The blocks stay range-locked until the monitor has them. Returns the
   // write's own outcome (after `written` was called, only for logging).
+  // `fps`: the payload's fingerprints from FingerprintWrite, if the caller
+  // hashed it already (nullptr: the monitor hashes it).
   Status Write(uint64_t offset, const void* buf, size_t len, bool fua,
-               const std::function<void(const Status&)>& written = nullptr);
+               const std::function<void(const Status&)>& written = nullptr,
+               const std::vector<Fingerprint>* fps = nullptr);
+  // Whether the write monitor fingerprints this export's writes now (on,
+  // and dedup=on): worth hashing a WRITE's payload while it is in the
+  // CPU's cache, as it arrives, and passing the result to Write().
+  bool fingerprints_writes() const { return monitor_ != nullptr && dedup_.load(); }
+  std::vector<Fingerprint> FingerprintWrite(uint64_t offset, const void* buf, size_t len) const {
+    return monitor_ ? monitor_->FingerprintWrite(offset, buf, len) : std::vector<Fingerprint>{};
+  }
   Status Trim(uint64_t offset, uint64_t len, bool fua);
   // no_hole: allocate and write zeros; else blocks become holes (read as 0).
   Status WriteZeroes(uint64_t offset, uint64_t len, bool fua, bool no_hole);

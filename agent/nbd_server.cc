@@ -229,7 +229,16 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     inflight_++;
     inflight_bytes_ += req.length;
     server_->c_requests_++;
-    server_->RunBlocking([self = shared_from_this(), e = export_, req = std::move(req)]() mutable {
+    // A WRITE's payload is hashed here, as it arrives: it is in this
+    // CPU's cache now, and may not be by the time a worker has written it
+    // (other requests' payloads pass through the cache meanwhile). The
+    // monitor records the fingerprints after the device write, in order.
+    std::vector<Fingerprint> fps;
+    if (req.type == nbd::kCmdWrite && export_->fingerprints_writes()) {
+      fps = export_->FingerprintWrite(req.offset, req.payload.data(), req.payload.size());
+    }
+    server_->RunBlocking([self = shared_from_this(), e = export_, req = std::move(req),
+                          fps = std::move(fps)]() mutable {
       IoBytes data;  // READ reply data, aligned so O_DIRECT needs no bounce
       bool replied = false;
       // Posts the reply to the connection's strand (once).
@@ -261,9 +270,10 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
           st = e->Read(req.offset, req.length, &data);
           break;
         case nbd::kCmdWrite:
-          // Answered as soon as the data is on the volume; the write monitor
-          // fingerprints it afterwards (still on this worker).
-          st = e->Write(req.offset, req.payload.data(), req.payload.size(), fua, reply);
+          // Answered as early as Export::Write allows; the write monitor
+          // records it afterwards (still on this worker).
+          st = e->Write(req.offset, req.payload.data(), req.payload.size(), fua, reply,
+                        fps.empty() ? nullptr : &fps);
           break;
         case nbd::kCmdFlush:
           st = e->Flush();

@@ -517,7 +517,24 @@ void WriteMonitor::CountUnrecorded(FileBuffer* fb, uint64_t blocks) {
   unrecorded_blocks_.fetch_add(blocks, std::memory_order_relaxed);
 }
 
-void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t len) {
+std::vector<Fingerprint> WriteMonitor::FingerprintWrite(uint64_t offset, const void* data,
+                                                        size_t len) const {
+  std::vector<Fingerprint> out;
+  uint64_t end = offset + len;
+  if (len == 0 || end < offset) return out;
+  const uint64_t first_full = offset / kBlockSize + (offset % kBlockSize != 0);
+  const uint64_t end_full = end / kBlockSize;
+  if (first_full >= end_full) return out;
+  out.reserve(end_full - first_full);
+  const uint8_t* p = static_cast<const uint8_t*>(data) + (first_full * kBlockSize - offset);
+  for (uint64_t b = first_full; b < end_full; b++, p += kBlockSize) {
+    out.push_back(ComputeFingerprint(opts_.algo, p, kBlockSize));
+  }
+  return out;
+}
+
+void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t len,
+                           const std::vector<Fingerprint>* precomputed) {
   if (len == 0) return;
   std::shared_ptr<FileBuffer> fb = Find(id);
   if (fb == nullptr || !fb->dedup.load(std::memory_order_relaxed)) return;
@@ -545,6 +562,10 @@ void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t 
   if (offset % kBlockSize != 0) new (&ops[n++]) Op{head, 1, now, {}};
   if (end % kBlockSize != 0) new (&ops[n++]) Op{tail, 1, now, {}};
   const uint8_t* p = static_cast<const uint8_t*>(data) + (first_full * kBlockSize - offset);
+  const Fingerprint* pre =
+      precomputed != nullptr && precomputed->size() == end_full - first_full
+          ? precomputed->data()
+          : nullptr;
   size_t hashed = 0;
   for (uint64_t b = first_full; b < end_full; b++, p += kBlockSize) {
     if (n == kOpsPerRound) {
@@ -552,8 +573,9 @@ void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t 
       n = 0;
       hashed = 0;
     }
-    // Hashing happens here, with no lock held.
-    new (&ops[n++]) Op{b, 0, now, ComputeFingerprint(opts_.algo, p, kBlockSize)};
+    // Hashing happens here (unless it happened earlier), with no lock held.
+    new (&ops[n++])
+        Op{b, 0, now, pre ? pre[b - first_full] : ComputeFingerprint(opts_.algo, p, kBlockSize)};
     hashed++;
   }
   Append(fb.get(), ops, n, hashed);

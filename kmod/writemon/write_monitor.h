@@ -140,7 +140,16 @@ class WriteMonitor {
   // A write of `len` bytes at byte `offset` completed successfully with
   // `data`. Whole aligned blocks are fingerprinted; partial edge blocks are
   // invalidated.
-  void OnWrite(FileId id, uint64_t offset, const void* data, size_t len);
+  // `precomputed`: FingerprintWrite(offset, data, len) of the same data,
+  // hashed earlier by a caller that had it in the CPU's cache (dedupd hashes
+  // a WRITE's payload as it arrives); used instead of hashing again if it
+  // has one fingerprint per whole block.
+  void OnWrite(FileId id, uint64_t offset, const void* data, size_t len,
+               const std::vector<Fingerprint>* precomputed = nullptr);
+  // The fingerprints OnWrite would compute for a write of `len` bytes at
+  // `offset`: one per whole aligned block, in order. Hashing happens here,
+  // with no lock held.
+  std::vector<Fingerprint> FingerprintWrite(uint64_t offset, const void* data, size_t len) const;
   // Bytes [offset, offset+len) changed without data to hash (TRIM,
   // WRITE_ZEROES, failed write): every block it touches is invalidated.
   void OnInvalidate(FileId id, uint64_t offset, uint64_t len);

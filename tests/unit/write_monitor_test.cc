@@ -129,6 +129,41 @@ TEST_CASE("writemon: only whole aligned blocks are fingerprinted", "[writemon]")
   }
 }
 
+TEST_CASE("writemon: fingerprints hashed ahead are the ones OnWrite would compute, and used",
+          "[writemon]") {
+  for (HashAlgo algo : {HashAlgo::kXxh128, HashAlgo::kSha256}) {
+    ManualClock clock;
+    WriteMonitor m(Opts(&clock, algo));
+    m.AddFile(kF, true);
+    // Unaligned: whole blocks 11 and 12, partial 10 and 13.
+    std::vector<uint8_t> u = Data(3 * kB, 3);
+    const std::vector<Fingerprint> ahead = m.FingerprintWrite(10 * kB + 100, u.data(), u.size());
+    REQUIRE(ahead.size() == 2);
+    CHECK(ahead[0] == Fp(algo, u.data() + kB - 100));
+    CHECK(ahead[1] == Fp(algo, u.data() + 2 * kB - 100));
+    CHECK(m.FingerprintWrite(20 * kB + 5, u.data(), 10).empty());  // no whole block
+    CHECK(m.FingerprintWrite(0, u.data(), 0).empty());
+
+    // Given to OnWrite, they are what it records (here deliberately not
+    // the data's, to see that they are used and the data not hashed again).
+    std::vector<std::vector<uint8_t>> other = {Data(kB, 7), Data(kB, 8)};
+    const std::vector<Fingerprint> given = {Fp(algo, other[0].data()), Fp(algo, other[1].data())};
+    m.OnWrite(kF, 10 * kB + 100, u.data(), u.size(), &given);
+    // The wrong count for the write: ignored, the data is hashed.
+    const std::vector<Fingerprint> wrong = {given[0]};
+    m.OnWrite(kF, 30 * kB, u.data(), 2 * kB, &wrong);
+    CHECK(m.FileStats(kF).hashed_blocks == 4);
+    MonitorBatch b = m.Take(kF);
+    auto recs = Records(b);
+    REQUIRE(recs.size() == 4);
+    CHECK(recs.at(11) == given[0]);
+    CHECK(recs.at(12) == given[1]);
+    CHECK(recs.at(30) == Fp(algo, u.data()));
+    CHECK(recs.at(31) == Fp(algo, u.data() + kB));
+    CHECK(InvalidBlocks(b) == std::set<uint64_t>{10, 13});
+  }
+}
+
 TEST_CASE("writemon: rewrites coalesce, latest wins", "[writemon]") {
   ManualClock clock;
   WriteMonitor m(Opts(&clock));
