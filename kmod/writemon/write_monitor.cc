@@ -517,17 +517,33 @@ void WriteMonitor::CountUnrecorded(FileBuffer* fb, uint64_t blocks) {
   unrecorded_blocks_.fetch_add(blocks, std::memory_order_relaxed);
 }
 
+namespace {
+
+// The blocks a write of `len` (> 0) bytes at `offset` touches, [head,
+// tail], and the whole ones among them, [first_full, end_full).
+struct WriteBlocks {
+  WriteBlocks(uint64_t offset, size_t len) {
+    end = offset + len;
+    if (end < offset) end = std::numeric_limits<uint64_t>::max();  // nonsense; stay in range
+    head = offset / kBlockSize;
+    tail = (end - 1) / kBlockSize;
+    first_full = head + (offset % kBlockSize != 0);
+    end_full = end / kBlockSize;
+  }
+  uint64_t whole() const { return end_full > first_full ? end_full - first_full : 0; }
+  uint64_t end, head, tail, first_full, end_full;
+};
+
+}  // namespace
+
 std::vector<Fingerprint> WriteMonitor::FingerprintWrite(uint64_t offset, const void* data,
                                                         size_t len) const {
   std::vector<Fingerprint> out;
-  uint64_t end = offset + len;
-  if (len == 0 || end < offset) return out;
-  const uint64_t first_full = offset / kBlockSize + (offset % kBlockSize != 0);
-  const uint64_t end_full = end / kBlockSize;
-  if (first_full >= end_full) return out;
-  out.reserve(end_full - first_full);
-  const uint8_t* p = static_cast<const uint8_t*>(data) + (first_full * kBlockSize - offset);
-  for (uint64_t b = first_full; b < end_full; b++, p += kBlockSize) {
+  if (len == 0) return out;
+  const WriteBlocks w(offset, len);
+  out.reserve(w.whole());
+  const uint8_t* p = static_cast<const uint8_t*>(data) + (w.first_full * kBlockSize - offset);
+  for (uint64_t b = w.first_full; b < w.end_full; b++, p += kBlockSize) {
     out.push_back(ComputeFingerprint(opts_.algo, p, kBlockSize));
   }
   return out;
@@ -538,12 +554,10 @@ void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t 
   if (len == 0) return;
   std::shared_ptr<FileBuffer> fb = Find(id);
   if (fb == nullptr || !fb->dedup.load(std::memory_order_relaxed)) return;
-  uint64_t end = offset + len;
-  if (end < offset) end = std::numeric_limits<uint64_t>::max();  // nonsense; stay in range
-  const uint64_t head = offset / kBlockSize, tail = (end - 1) / kBlockSize;
-  const uint64_t first_full = head + (offset % kBlockSize != 0);
-  const uint64_t end_full = end / kBlockSize;
-  if (SkipForFullLog(fb.get(), end_full > first_full ? end_full - first_full : 0)) return;
+  const WriteBlocks w(offset, len);
+  const uint64_t end = w.end, head = w.head, tail = w.tail;
+  const uint64_t first_full = w.first_full, end_full = w.end_full;
+  if (SkipForFullLog(fb.get(), w.whole())) return;
   const uint64_t now = clock_->NowNanos();
 
   // Raw storage: every slot used is assigned first (no 4 KiB zeroing per call).
@@ -563,7 +577,7 @@ void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t 
   if (end % kBlockSize != 0) new (&ops[n++]) Op{tail, 1, now, {}};
   const uint8_t* p = static_cast<const uint8_t*>(data) + (first_full * kBlockSize - offset);
   const Fingerprint* pre =
-      precomputed != nullptr && precomputed->size() == end_full - first_full
+      precomputed != nullptr && precomputed->size() == w.whole()
           ? precomputed->data()
           : nullptr;
   size_t hashed = 0;
