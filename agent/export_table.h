@@ -152,7 +152,8 @@ class Export {
   AnsweredWrites answered_;
   std::atomic<uint64_t> answered_early_{0};
   // Every content change invalidates it after its device I/O, before it is
-  // acknowledged (Write, Trim, WriteZeroes).
+  // acknowledged (Write, Trim, WriteZeroes); a write answered before its
+  // device I/O also invalidates it before the answer.
   ReadAhead read_ahead_;
   int clients_ = 0;  // guarded by ExportTable::mu_
 };
