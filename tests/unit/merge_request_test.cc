@@ -199,6 +199,18 @@ bool HasRequestFile(Volume* vol, uint64_t target_ino) {
 }
 
 constexpr uint64_t kFileBlocks = 8;
+
+// Creates `name` with kFileBlocks blocks, block b holding Content(content_base
+// + b), and returns it open.
+std::unique_ptr<File> CreateFilled(Volume* vol, const std::string& name, uint64_t content_base) {
+  REQUIRE(vol->Create(name, kFileBlocks * kB).ok());
+  auto f = vol->OpenFile(name);
+  REQUIRE(f.ok());
+  for (uint64_t b = 0; b < kFileBlocks; b++) {
+    WriteBlock(f->get(), nullptr, b, Content(content_base + b));
+  }
+  return std::move(*f);
+}
 constexpr uint64_t kXBlock = 3;  // X's block holding the shared content C
 constexpr uint64_t kYBlock = 5;  // Y's block holding C
 constexpr uint64_t kC = 1000;    // content id of C
@@ -341,14 +353,7 @@ class OneHost {
   }
 
   std::unique_ptr<File> Make(const std::string& name, uint64_t content_base) {
-    auto id = vol_->Create(name, kFileBlocks * kB);
-    REQUIRE(id.ok());
-    auto f = vol_->OpenFile(name);
-    REQUIRE(f.ok());
-    for (uint64_t b = 0; b < kFileBlocks; b++) {
-      WriteBlock(f->get(), nullptr, b, Content(content_base + b));
-    }
-    return std::move(*f);
+    return CreateFilled(vol_.get(), name, content_base);
   }
 
   Fingerprint Fp(uint64_t content) const {
@@ -1049,6 +1054,27 @@ class HookedLocks : public LockManager {
   std::function<void()> release_hook_, acquire_hook_;
 };
 
+// Hosts A and B on one device, like TwoHosts; one of them locks through
+// HookedLocks. Each has a file ("x" on A, "y" on B) filled with
+// Content(1 + b), held open.
+struct HookedHosts {
+  enum class Hooked { kA, kB };
+  explicit HookedHosts(Hooked which) : dev(96ull << 20) {
+    REQUIRE(FormatVolume(&dev, SmallGroups(), false).ok());
+    std::shared_ptr<LockManager> la, lb;
+    LockPair(&la, &lb);
+    hooked = std::make_shared<HookedLocks>(which == Hooked::kA ? la : lb);
+    a = OpenHost(&dev, which == Hooked::kA ? hooked : la, 1);
+    b = OpenHost(&dev, which == Hooked::kB ? hooked : lb, 2);
+    x = CreateFilled(a.get(), "x", 1);
+    y = CreateFilled(b.get(), "y", 1);
+  }
+  MemDevice dev;
+  std::shared_ptr<HookedLocks> hooked;
+  std::unique_ptr<Volume> a, b;
+  std::unique_ptr<File> x, y;
+};
+
 }  // namespace
 
 TEST_CASE("a post that lands the moment an apply lets go of the request file is not lost",
@@ -1059,25 +1085,12 @@ TEST_CASE("a post that lands the moment an apply lets go of the request file is 
   // in between saw its groups removed with the file. A now removes the
   // file before it lets go of it, so B's post finds no file and creates a
   // fresh one, which A's next apply takes.
-  MemDevice dev(96ull << 20);
-  REQUIRE(FormatVolume(&dev, SmallGroups(), false).ok());
-  std::shared_ptr<LockManager> la, lb;
-  LockPair(&la, &lb);
-  auto hooked = std::make_shared<HookedLocks>(la);
-  std::unique_ptr<Volume> a = OpenHost(&dev, hooked, 1);
-  std::unique_ptr<Volume> b = OpenHost(&dev, lb, 2);
-
   // X on A (held open, a running VM) and Y on B with the same contents.
-  auto make = [](Volume* v, const std::string& name) {
-    REQUIRE(v->Create(name, kFileBlocks * kB).ok());
-    auto f = v->OpenFile(name);
-    REQUIRE(f.ok());
-    for (uint64_t blk = 0; blk < kFileBlocks; blk++) {
-      WriteBlock(f->get(), nullptr, blk, Content(blk + 1));
-    }
-    return std::move(*f);
-  };
-  std::unique_ptr<File> x = make(a.get(), "x");
+  HookedHosts h(HookedHosts::Hooked::kA);
+  Volume* a = h.a.get();
+  Volume* b = h.b.get();
+  HookedLocks* hooked = h.hooked.get();
+  std::unique_ptr<File>& x = h.x;
   const FileId x_id = x->id();
   const Fingerprint fp1 = ComputeFingerprint(HashAlgo::kXxh128, Content(2).data(), kB);
   const Fingerprint fp2 = ComputeFingerprint(HashAlgo::kXxh128, Content(3).data(), kB);
@@ -1086,11 +1099,11 @@ TEST_CASE("a post that lands the moment an apply lets go of the request file is 
   auto post = [&](uint64_t blk, const Fingerprint& fp) {
     auto y = b->OpenFile("y");
     REQUIRE(y.ok());
-    Status st = PostMergeRequests(b.get(), x_id, {MergeRequest{blk, fp, blk}}, y->get());
+    Status st = PostMergeRequests(b, x_id, {MergeRequest{blk, fp, blk}}, y->get());
     INFO(st.ToString());
     REQUIRE(st.ok());
   };
-  make(b.get(), "y").reset();
+  h.y.reset();
   post(1, fp1);
   auto request_file = a->Lookup(MergeRequestFileName(x_id.ino));
   REQUIRE(request_file.ok());
@@ -1101,7 +1114,7 @@ TEST_CASE("a post that lands the moment an apply lets go of the request file is 
     post(2, fp2);
     posted_in_between = true;
   });
-  auto first = ApplyMergeRequests(a.get(), x.get(), VerifyMode::kByteCompare);
+  auto first = ApplyMergeRequests(a, x.get(), VerifyMode::kByteCompare);
   INFO(first.status().ToString());
   REQUIRE(first.ok());
   REQUIRE(posted_in_between);
@@ -1111,17 +1124,17 @@ TEST_CASE("a post that lands the moment an apply lets go of the request file is 
   CHECK(Refs(x.get(), 2) == 1);  // B's request for it waits in a fresh file
 
   // B's post survived: the next apply shares block 2 as well.
-  CHECK(HasRequestFile(a.get(), x_id.ino));
-  auto second = ApplyMergeRequests(a.get(), x.get(), VerifyMode::kByteCompare);
+  CHECK(HasRequestFile(a, x_id.ino));
+  auto second = ApplyMergeRequests(a, x.get(), VerifyMode::kByteCompare);
   INFO(second.status().ToString());
   REQUIRE(second.ok());
   CHECK(second->applied == 1);
   CHECK(second->already_shared == 0);
-  CHECK_FALSE(HasRequestFile(a.get(), x_id.ino));
+  CHECK_FALSE(HasRequestFile(a, x_id.ino));
   CHECK(Refs(x.get(), 2) == 2);  // X and Y
   x.reset();
-  b.reset();
-  RequireFsckClean(a.get());
+  h.b.reset();
+  RequireFsckClean(a);
 }
 
 TEST_CASE("a post whose new request file an apply removes before the post opens it creates another",
@@ -1129,24 +1142,12 @@ TEST_CASE("a post whose new request file an apply removes before the post opens 
   // Host B creates X's request file and, before B opens it, A's timer
   // applies X's requests: it finds the file empty and removes it. B
   // creates the file again instead of failing its pass with kNotFound.
-  MemDevice dev(96ull << 20);
-  REQUIRE(FormatVolume(&dev, SmallGroups(), false).ok());
-  std::shared_ptr<LockManager> la, lb;
-  LockPair(&la, &lb);
-  auto hooked = std::make_shared<HookedLocks>(lb);
-  std::unique_ptr<Volume> a = OpenHost(&dev, la, 1);
-  std::unique_ptr<Volume> b = OpenHost(&dev, hooked, 2);
-  auto make = [](Volume* v, const std::string& name) {
-    REQUIRE(v->Create(name, kFileBlocks * kB).ok());
-    auto f = v->OpenFile(name);
-    REQUIRE(f.ok());
-    for (uint64_t blk = 0; blk < kFileBlocks; blk++) {
-      WriteBlock(f->get(), nullptr, blk, Content(blk + 1));
-    }
-    return std::move(*f);
-  };
-  std::unique_ptr<File> x = make(a.get(), "x");
-  std::unique_ptr<File> y = make(b.get(), "y");
+  HookedHosts h(HookedHosts::Hooked::kB);
+  Volume* a = h.a.get();
+  Volume* b = h.b.get();
+  HookedLocks* hooked = h.hooked.get();
+  std::unique_ptr<File>& x = h.x;
+  std::unique_ptr<File>& y = h.y;
   const uint64_t x_ino = x->id().ino, y_ino = y->id().ino;
 
   int removed_under_b = 0;
@@ -1158,24 +1159,24 @@ TEST_CASE("a post whose new request file an apply removes before the post opens 
         return id.kind == LockKind::kInode && id.id != y_ino && ++inode_takes[id.id] == 2;
       },
       [&] {
-        REQUIRE(HasRequestFile(a.get(), x_ino));
-        auto applied = ApplyMergeRequests(a.get(), x.get(), VerifyMode::kByteCompare);
+        REQUIRE(HasRequestFile(a, x_ino));
+        auto applied = ApplyMergeRequests(a, x.get(), VerifyMode::kByteCompare);
         REQUIRE(applied.ok());
         removed_under_b = static_cast<int>(applied->request_files);
       });
   const Fingerprint fp = ComputeFingerprint(HashAlgo::kXxh128, Content(4).data(), kB);
-  Status st = PostMergeRequests(b.get(), x->id(), {MergeRequest{3, fp, 3}}, y.get());
+  Status st = PostMergeRequests(b, x->id(), {MergeRequest{3, fp, 3}}, y.get());
   INFO(st.ToString());
   REQUIRE(st.ok());
   REQUIRE(removed_under_b == 1);  // the moment happened, and A removed B's new file
 
-  auto applied = ApplyMergeRequests(a.get(), x.get(), VerifyMode::kByteCompare);
+  auto applied = ApplyMergeRequests(a, x.get(), VerifyMode::kByteCompare);
   REQUIRE(applied.ok());
   CHECK(applied->applied == 1);
   CHECK(Refs(x.get(), 3) == 2);  // X and Y
-  CHECK_FALSE(HasRequestFile(a.get(), x_ino));
+  CHECK_FALSE(HasRequestFile(a, x_ino));
   x.reset();
   y.reset();
-  b.reset();
-  RequireFsckClean(a.get());
+  h.b.reset();
+  RequireFsckClean(a);
 }
