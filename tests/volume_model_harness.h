@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "tests/temp_locks.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
@@ -35,34 +36,14 @@ constexpr size_t kMaxFiles = 6;
 constexpr size_t kMaxWrite = 300 * 1024;
 constexpr int kPatterns = 6;
 
-[[maybe_unused]] std::shared_ptr<LockManager> ModelLocks() {
-  static int n = 0;
-  std::string p =
-      "/tmp/dede-model-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
-  auto lm = OpenLocalLockManager(p);
-  REQUIRE(lm.ok());
-  ::unlink(p.c_str());
-  return std::shared_ptr<LockManager>(std::move(lm.value()));
-}
-
 // Lock managers on one lock file: like hosts, they exclude each other.
 void ModelLockPair(std::shared_ptr<LockManager>* a, std::shared_ptr<LockManager>* b,
                    std::shared_ptr<LockManager>* c = nullptr) {
-  static int n = 0;
-  std::string p =
-      "/tmp/dede-model-locks2-" + std::to_string(getpid()) + "-" + std::to_string(n++);
-  auto la = OpenLocalLockManager(p);
-  auto lb = OpenLocalLockManager(p);
-  REQUIRE(la.ok());
-  REQUIRE(lb.ok());
-  *a = std::shared_ptr<LockManager>(std::move(la.value()));
-  *b = std::shared_ptr<LockManager>(std::move(lb.value()));
-  if (c != nullptr) {
-    auto lc = OpenLocalLockManager(p);
-    REQUIRE(lc.ok());
-    *c = std::shared_ptr<LockManager>(std::move(lc.value()));
-  }
-  ::unlink(p.c_str());
+  std::vector<std::shared_ptr<LockManager>> hosts =
+      dede::test::TempLockGroup(c != nullptr ? 3 : 2);
+  *a = hosts[0];
+  *b = hosts[1];
+  if (c != nullptr) *c = hosts[2];
 }
 
 [[maybe_unused]] std::vector<uint64_t> SeedList(std::vector<uint64_t> defaults) {

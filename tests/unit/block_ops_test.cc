@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "tests/forwarding_device.h"
+#include "tests/temp_locks.h"
 #include "util/fingerprint.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
@@ -38,15 +39,7 @@ using Op = Volume::BlockOp;
 using Kind = Volume::BlockOp::Kind;
 using Code = Status::Code;
 using dede::test::CutDevice;
-
-std::shared_ptr<LockManager> OpsLocks() {
-  static int n = 0;
-  std::string p = "/tmp/dede-blockops-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
-  auto lm = OpenLocalLockManager(p);
-  REQUIRE(lm.ok());
-  ::unlink(p.c_str());
-  return std::shared_ptr<LockManager>(std::move(lm.value()));
-}
+using dede::test::TempLocks;
 
 std::vector<uint64_t> OpsSeeds(std::vector<uint64_t> defaults) {
   const char* s = std::getenv("DEDE_SEED");
@@ -95,7 +88,7 @@ struct TestVol {
   }
 
   void Open() {
-    locks = OpsLocks();
+    locks = TempLocks();
     cut = std::make_unique<CutDevice>(&fdev);
     OpenOptions oo;
     oo.locks = locks;

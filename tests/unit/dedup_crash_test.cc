@@ -45,13 +45,15 @@
 #include "index/shard_map.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
+#include "tests/dedup_accounting.h"
+#include "tests/process_device.h"
+#include "tests/temp_locks.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
-#include "tests/dedup_accounting.h"
-#include "tests/process_device.h"
 
 using namespace dede;
+using dede::test::TempLocks;
 
 namespace {
 
@@ -68,16 +70,6 @@ uint64_t Trials(uint64_t def) {
   const char* s = std::getenv("DEDE_TRIALS");
   if (s != nullptr && *s != '\0') return std::strtoull(s, nullptr, 0);
   return def;
-}
-
-std::shared_ptr<LockManager> NewLocks() {
-  static int n = 0;
-  std::string p =
-      "/tmp/dede-dedup-crash-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
-  auto lm = OpenLocalLockManager(p);
-  REQUIRE(lm.ok());
-  ::unlink(p.c_str());
-  return std::shared_ptr<LockManager>(std::move(lm.value()));
 }
 
 void FillContent(uint64_t id, uint8_t* out) {
@@ -145,7 +137,7 @@ class DedupCrashScene {
     what_ = "build";
     MemDevice dev(kDevBytes);
     REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
-    auto locks = NewLocks();
+    auto locks = TempLocks();
     OpenOptions oo;
     oo.locks = locks;
     auto v = Volume::Open(&dev, oo);
@@ -297,7 +289,7 @@ class DedupCrashScene {
                           : "process death after " + std::to_string(n) + " writes") +
              ", crash keep " + std::to_string(keep);
     ProcessDevice pdev(fdev_.get());
-    auto locks = NewLocks();
+    auto locks = TempLocks();
     OpenOptions oo;
     oo.locks = locks;
     auto v = Volume::Open(&pdev, oo);
@@ -336,7 +328,7 @@ class DedupCrashScene {
   }
 
   std::unique_ptr<Volume> OpenClean(std::shared_ptr<LockManager>* locks) {
-    *locks = NewLocks();
+    *locks = TempLocks();
     OpenOptions oo;
     oo.locks = *locks;
     auto v = Volume::Open(fdev_.get(), oo);

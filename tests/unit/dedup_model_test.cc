@@ -36,6 +36,7 @@
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "tests/dedup_accounting.h"
+#include "tests/temp_locks.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
@@ -116,13 +117,8 @@ class DedupModel {
  public:
   explicit DedupModel(uint64_t seed) : rng_(seed), dev_(192ull << 20) {
     REQUIRE(FormatVolume(&dev_, FormatOptions{}, false).ok());
-    const std::string lp = "/tmp/dede-dedup-model-" + std::to_string(getpid()) + "-" +
-                           std::to_string(seed);
-    auto lm = OpenLocalLockManager(lp);
-    REQUIRE(lm.ok());
-    ::unlink(lp.c_str());
     OpenOptions oo;
-    oo.locks = std::shared_ptr<LockManager>(std::move(lm.value()));
+    oo.locks = dede::test::TempLocks();
     auto v = Volume::Open(&dev_, oo);
     REQUIRE(v.ok());
     vol_ = std::move(v.value());

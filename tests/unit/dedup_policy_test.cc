@@ -15,11 +15,13 @@
 #include <vector>
 
 #include "index/shard_format.h"
+#include "tests/temp_locks.h"
 #include "util/coding.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
 
 using namespace dede;
+using dede::test::TempLocks;
 
 namespace {
 
@@ -112,16 +114,6 @@ void Reseal(std::vector<uint8_t>* blk, uint32_t slot = 0) {
 
 Status::Code DecodeCode(const std::vector<uint8_t>& blk, uint32_t slot = 0) {
   return DecodePolicyBlock(blk.data(), kUuid, kPolicyFile, slot).status().code();
-}
-
-std::shared_ptr<LockManager> TempLocks() {
-  static int n = 0;
-  std::string p =
-      "/tmp/dede-unit-policy-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
-  auto lm = OpenLocalLockManager(p);
-  REQUIRE(lm.ok());
-  ::unlink(p.c_str());
-  return std::shared_ptr<LockManager>(std::move(lm.value()));
 }
 
 struct TestVolume {

@@ -24,6 +24,7 @@
 #include "kmod/writemon/write_monitor.h"
 #include "tests/dedup_accounting.h"
 #include "tests/index_entries.h"
+#include "tests/temp_locks.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
 
@@ -85,13 +86,8 @@ class Scene {
  public:
   explicit Scene(TestClock* clock) : clock_(clock), dev_(160ull << 20) {
     REQUIRE(FormatVolume(&dev_, FormatOptions{}, false).ok());
-    const std::string lp = "/tmp/dede-schedule-test-" + std::to_string(getpid()) + "-" +
-                           std::to_string(counter_++);
-    auto lm = OpenLocalLockManager(lp);
-    REQUIRE(lm.ok());
-    ::unlink(lp.c_str());
     OpenOptions oo;
-    oo.locks = std::shared_ptr<LockManager>(std::move(lm.value()));
+    oo.locks = dede::test::TempLocks();
     oo.clock = clock;
     auto v = Volume::Open(&dev_, oo);
     REQUIRE(v.ok());
@@ -198,7 +194,6 @@ class Scene {
     std::function<bool(const std::string&)> wanted_;
   };
 
-  static inline int counter_ = 0;
   TestClock* clock_;
   MemDevice dev_;
   std::unique_ptr<Volume> vol_;

@@ -16,11 +16,13 @@
 #include <thread>
 
 #include "tests/forwarding_device.h"
+#include "tests/temp_locks.h"
 #include "volume/format.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
 
 using namespace dede;
+using dede::test::TempLocks;
 using namespace std::chrono_literals;
 
 namespace {
@@ -85,15 +87,6 @@ std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
   std::mt19937 r(seed);
   for (auto& b : v) b = static_cast<uint8_t>(r());
   return v;
-}
-
-std::shared_ptr<LockManager> TempLocks() {
-  static int n = 0;
-  std::string p = "/tmp/dede-export-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
-  auto lm = OpenLocalLockManager(p);
-  REQUIRE(lm.ok());
-  ::unlink(p.c_str());
-  return std::shared_ptr<LockManager>(std::move(lm.value()));
 }
 
 // A volume on a gated device with one file "vm": its first half written

@@ -25,12 +25,13 @@
 #include "index/shard_format.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
+#include "tests/dedup_accounting.h"
+#include "tests/process_device.h"
+#include "tests/temp_locks.h"
 #include "util/coding.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
-#include "tests/dedup_accounting.h"
-#include "tests/process_device.h"
 
 using namespace dede;
 
@@ -97,18 +98,11 @@ void Reseal(std::vector<uint8_t>* blk, uint64_t at) {
 }
 
 // A lock-manager pair on one lock file: like two hosts, they exclude each
-// other (tests/volume_model_harness.h does the same).
+// other.
 void LockPair(std::shared_ptr<LockManager>* a, std::shared_ptr<LockManager>* b) {
-  static int n = 0;
-  const std::string p =
-      "/tmp/dede-merge-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
-  auto la = OpenLocalLockManager(p);
-  auto lb = OpenLocalLockManager(p);
-  ::unlink(p.c_str());
-  REQUIRE(la.ok());
-  REQUIRE(lb.ok());
-  *a = std::shared_ptr<LockManager>(std::move(la.value()));
-  *b = std::shared_ptr<LockManager>(std::move(lb.value()));
+  std::vector<std::shared_ptr<LockManager>> hosts = dede::test::TempLockGroup(2);
+  *a = hosts[0];
+  *b = hosts[1];
 }
 
 std::unique_ptr<Volume> OpenHost(BlockDevice* dev, std::shared_ptr<LockManager> locks,

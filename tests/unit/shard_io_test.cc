@@ -16,25 +16,17 @@
 #include <string>
 #include <vector>
 
+#include "tests/temp_locks.h"
 #include "util/coding.h"
 #include "volume/lock_manager.h"
 #include "volume/mem_device.h"
 
 using namespace dede;
+using dede::test::TempLocks;
 
 namespace {
 
 constexpr uint64_t kB = kBlockSize;
-
-std::shared_ptr<LockManager> TempLocks() {
-  static int n = 0;
-  std::string p =
-      "/tmp/dede-unit-shardio-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
-  auto lm = OpenLocalLockManager(p);
-  REQUIRE(lm.ok());
-  ::unlink(p.c_str());
-  return std::shared_ptr<LockManager>(std::move(lm.value()));
-}
 
 struct MemVolume {
   explicit MemVolume(HashAlgo algo = HashAlgo::kXxh128, uint64_t bytes = 64 << 20) : dev(bytes) {

@@ -10,22 +10,15 @@
 #include <vector>
 
 #include "tests/forwarding_device.h"
+#include "tests/temp_locks.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
 
 using namespace dede;
+using dede::test::TempLocks;
 
 namespace {
-std::shared_ptr<LockManager> TempLocks() {
-  static int n = 0;
-  std::string p = "/tmp/dede-unit-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
-  auto lm = OpenLocalLockManager(p);
-  REQUIRE(lm.ok());
-  ::unlink(p.c_str());
-  return std::shared_ptr<LockManager>(std::move(lm.value()));
-}
-
 std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
   std::vector<uint8_t> v(n);
   std::mt19937 r(seed);

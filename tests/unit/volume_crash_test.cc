@@ -48,8 +48,9 @@
 #include <unordered_map>
 #include <vector>
 
-#include "tests/fsck_problems.h"
 #include "tests/forwarding_device.h"
+#include "tests/fsck_problems.h"
+#include "tests/temp_locks.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
@@ -58,6 +59,8 @@ using namespace dede;
 using dede::test::CutDevice;
 using dede::test::ForwardingDevice;
 using dede::test::FsckProblems;
+using dede::test::TempLockGroup;
+using dede::test::TempLocks;
 
 namespace {
 
@@ -67,22 +70,12 @@ constexpr uint64_t kCapBlocks = 768;  // files up to 3 MiB; past 508 blocks: two
 constexpr uint64_t kCap = kCapBlocks * kB;
 constexpr int kPatterns = 5;
 
-std::shared_ptr<LockManager> CrashLocks() {
-  static int n = 0;
-  std::string p =
-      "/tmp/dede-crash-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
-  auto lm = OpenLocalLockManager(p);
-  REQUIRE(lm.ok());
-  ::unlink(p.c_str());
-  return std::shared_ptr<LockManager>(std::move(lm.value()));
-}
-
 // The process died: the device loses (or, with keep > 0, keeps or tears)
 // what was not flushed, and the volume is opened again (journal replay).
 std::unique_ptr<Volume> CrashAndReopen(FaultDevice* dev, std::mt19937_64& rng, double keep) {
   dev->Crash(rng, keep);
   OpenOptions oo;
-  oo.locks = CrashLocks();
+  oo.locks = TempLocks();
   auto vol = Volume::Open(dev, oo);
   REQUIRE(vol.ok());
   return std::move(vol.value());
@@ -238,7 +231,7 @@ class CrashHarness {
   // ------------------------------------------------------------- volume
 
   void Open(uint32_t host) {
-    locks_ = CrashLocks();
+    locks_ = TempLocks();
     cut_ = std::make_unique<CutDevice>(&fdev_);
     OpenOptions oo;
     oo.locks = locks_;
@@ -572,7 +565,7 @@ class CrashHarness {
       desc_ += "; crash during replay after " + std::to_string(budget) + " writes";
       fdev_.FailWritesAfter(budget, EIO);
       {
-        locks_ = CrashLocks();
+        locks_ = TempLocks();
         CutDevice cut(&fdev_);
         OpenOptions oo;
         oo.locks = locks_;
@@ -804,7 +797,7 @@ struct SmallVolume {
     FormatOptions fo;
     fo.max_hosts = max_hosts;
     REQUIRE(FormatVolume(&dev, fo, false).ok());
-    locks = CrashLocks();
+    locks = TempLocks();
     OpenOptions oo;
     oo.locks = locks;
     auto v = Volume::Open(&dev, oo);
@@ -832,7 +825,7 @@ TEST_CASE("volume crash: closing files after a device write error does not abort
     MemDevice base(64 << 20);
     FaultDevice dev(&base);
     if (!FormatVolume(&dev, FormatOptions{}, false).ok()) return 10;
-    auto locks = CrashLocks();
+    auto locks = TempLocks();
     OpenOptions oo;
     oo.locks = locks;
     auto vol = Volume::Open(&dev, oo);
@@ -1055,7 +1048,7 @@ TEST_CASE("volume crash: Sync makes in-place overwrites durable", "[crash][volum
   {
     CutDevice cut(&dev);
     OpenOptions oo;
-    oo.locks = CrashLocks();
+    oo.locks = TempLocks();
     auto vol = Volume::Open(&cut, oo);
     REQUIRE(vol.ok());
     REQUIRE(vol.value()->Create("a", 1 << 20).ok());
@@ -1095,17 +1088,11 @@ TEST_CASE("volume crash: a host that lost its disk does not expose stale metadat
   MemDevice base(64 << 20);
   FaultDevice d1(&base);  // host 1's path to the disk; host 2 uses `base`
   REQUIRE(FormatVolume(&base, FormatOptions{}, false).ok());
-  std::string lock_path =
-      "/tmp/dede-crash-mh-" + std::to_string(getpid()) + "-" + std::to_string(rand());
-  auto lm1 = OpenLocalLockManager(lock_path);
-  auto lm2 = OpenLocalLockManager(lock_path);  // separate descriptions: they conflict
-  ::unlink(lock_path.c_str());
-  REQUIRE(lm1.ok());
-  REQUIRE(lm2.ok());
+  auto hosts = TempLockGroup(2);  // separate descriptions: they conflict
   OpenOptions o1, o2;
-  o1.locks = std::shared_ptr<LockManager>(std::move(lm1.value()));
+  o1.locks = std::move(hosts[0]);
   o1.host_id = 1;
-  o2.locks = std::shared_ptr<LockManager>(std::move(lm2.value()));
+  o2.locks = std::move(hosts[1]);
   o2.host_id = 2;
   std::vector<uint8_t> synced(kB, 0x77);
   auto v1 = Volume::Open(&d1, o1);
@@ -1203,7 +1190,7 @@ TEST_CASE("volume crash: a flush point during a write's data I/O, then a crash, 
     CutDevice cut(&dev);
     GateDevice gate(&cut, 0x08);
     OpenOptions oo;
-    oo.locks = CrashLocks();
+    oo.locks = TempLocks();
     auto vol = Volume::Open(&gate, oo);
     REQUIRE(vol.ok());
     REQUIRE(vol.value()->Create("a", 1 << 20).ok());
@@ -1259,17 +1246,11 @@ TEST_CASE("volume: a wait that gives back a group with a write in flight counts 
   fo.max_hosts = 2;
   fo.group_refblocks = 1;
   REQUIRE(FormatVolume(&base, fo, false).ok());
-  const std::string lock_path =
-      "/tmp/dede-reserve-mh-" + std::to_string(getpid()) + "-" + std::to_string(rand());
-  auto lm1 = OpenLocalLockManager(lock_path);
-  auto lm2 = OpenLocalLockManager(lock_path);
-  ::unlink(lock_path.c_str());
-  REQUIRE(lm1.ok());
-  REQUIRE(lm2.ok());
+  auto hosts = TempLockGroup(2);
   OpenOptions o1, o2;
-  o1.locks = std::shared_ptr<LockManager>(std::move(lm1.value()));
+  o1.locks = std::move(hosts[0]);
   o1.host_id = 1;
-  o2.locks = std::shared_ptr<LockManager>(std::move(lm2.value()));
+  o2.locks = std::move(hosts[1]);
   o2.host_id = 2;
   GateDevice gate(&base, 0x08);
   auto v1 = Volume::Open(&gate, o1);
@@ -1418,7 +1399,7 @@ TEST_CASE("volume crash: concurrent writers and flush points, crash at a random 
       CutDevice cut(&dev);
       SlowDataDevice slow(&cut);
       OpenOptions oo;
-      oo.locks = CrashLocks();
+      oo.locks = TempLocks();
       auto vol = Volume::Open(&slow, oo);
       REQUIRE(vol.ok());
       std::vector<std::unique_ptr<File>> files;

@@ -59,7 +59,7 @@ TEST_CASE("volume model: extending a file after clone_block into its last block 
   MemDevice dev(64 << 20);
   REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
   OpenOptions oo;
-  oo.locks = ModelLocks();
+  oo.locks = dede::test::TempLocks();
   auto v = Volume::Open(&dev, oo);
   REQUIRE(v.ok());
   Volume* vol = v.value().get();

@@ -22,8 +22,9 @@
 #include <thread>
 #include <vector>
 
-#include "util/fingerprint.h"
 #include "tests/fsck_problems.h"
+#include "tests/temp_locks.h"
+#include "util/fingerprint.h"
 #include "volume/fsck.h"
 #include "volume/lock_manager.h"
 #include "volume/mem_device.h"
@@ -66,15 +67,12 @@ TEST_CASE("volume stress: three hosts write, share, log and remove at once and f
   FormatOptions fo;
   fo.group_refblocks = 4;  // 4096-block groups: a handful, so hosts meet in them
   REQUIRE(FormatVolume(&dev, fo, false).ok());
-  const std::string lock_path =
-      "/tmp/dede-stress-" + std::to_string(getpid()) + "-" + std::to_string(rand());
+  const std::vector<std::shared_ptr<LockManager>> host_locks = dede::test::TempLockGroup(kHosts);
   Host hosts[kHosts];
   for (int h = 0; h < kHosts; h++) {
     Host& host = hosts[h];
     host.id = static_cast<uint32_t>(h + 1);
-    auto lm = OpenLocalLockManager(lock_path);
-    REQUIRE(lm.ok());
-    host.locks = std::shared_ptr<LockManager>(std::move(lm.value()));
+    host.locks = host_locks[h];
     OpenOptions oo;
     oo.host_id = host.id;
     oo.locks = host.locks;
@@ -263,5 +261,4 @@ TEST_CASE("volume stress: three hosts write, share, log and remove at once and f
   INFO(problems);
   CHECK(problems.empty());
   hosts[0].vol.reset();
-  ::unlink(lock_path.c_str());
 }

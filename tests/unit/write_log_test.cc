@@ -17,11 +17,13 @@
 #include <vector>
 
 #include "agent/log_flusher.h"
+#include "tests/temp_locks.h"
 #include "util/coding.h"
 #include "util/crc32c.h"
 #include "volume/mem_device.h"
 
 using namespace dede;
+using dede::test::TempLocks;
 
 namespace {
 
@@ -96,15 +98,6 @@ void ResealHeader(uint8_t* frame, const Uuid& uuid, FileId owner, uint64_t log_o
   uint32_t crc = Crc32cExtend(0, prefix, sizeof prefix);
   crc = Crc32cExtend(crc, frame, kWriteLogHeaderSize);
   EncodeU32(frame + 8, crc);
-}
-
-std::shared_ptr<LockManager> TempLocks() {
-  static int n = 0;
-  std::string p = "/tmp/dede-unit-wlog-locks-" + std::to_string(getpid()) + "-" + std::to_string(n++);
-  auto lm = OpenLocalLockManager(p);
-  REQUIRE(lm.ok());
-  ::unlink(p.c_str());
-  return std::shared_ptr<LockManager>(std::move(lm.value()));
 }
 
 struct MemVolume {
