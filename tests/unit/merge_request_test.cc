@@ -337,9 +337,7 @@ class OneHost {
  public:
   explicit OneHost(HashAlgo algo = HashAlgo::kXxh128) : dev_(64ull << 20) {
     REQUIRE(FormatVolume(&dev_, SmallGroups(algo), false).ok());
-    std::shared_ptr<LockManager> locks, unused;
-    LockPair(&locks, &unused);
-    vol_ = OpenHost(&dev_, locks, 1);
+    vol_ = OpenHost(&dev_, dede::test::TempLocks(), 1);
     algo_ = algo;
     target_ = Make("target", 0);
     source_ = Make("source", 0);
@@ -851,12 +849,6 @@ namespace {
 
 using DyingProcessDevice = test::ProcessDevice;  // tests/process_device.h
 
-std::shared_ptr<LockManager> ProcessLocks() {
-  std::shared_ptr<LockManager> locks, unused;
-  LockPair(&locks, &unused);
-  return locks;
-}
-
 }  // namespace
 
 TEST_CASE("a crash at any instant of a post or an apply loses no data", "[merge]") {
@@ -870,7 +862,7 @@ TEST_CASE("a crash at any instant of a post or an apply loses no data", "[merge]
   REQUIRE(FormatVolume(&base, SmallGroups(), false).ok());
   std::vector<uint8_t> target_bytes, source_bytes;
   {
-    auto v = OpenHost(&base, ProcessLocks(), 1);
+    auto v = OpenHost(&base, dede::test::TempLocks(), 1);
     for (const char* name : {"target", "source"}) {
       REQUIRE(v->Create(name, kFileBlocks * kB).ok());
       auto f = v->OpenFile(name);
@@ -903,7 +895,7 @@ TEST_CASE("a crash at any instant of a post or an apply loses no data", "[merge]
   auto post_and_apply = [&](BlockDevice* dev) -> Status {
     auto v = Volume::Open(dev, [] {
       OpenOptions oo;
-      oo.locks = ProcessLocks();
+      oo.locks = dede::test::TempLocks();
       oo.host_id = 1;
       return oo;
     }());
@@ -947,7 +939,7 @@ TEST_CASE("a crash at any instant of a post or an apply loses no data", "[merge]
       fdev.Crash(rng, keep);
       fdev.ClearFault();
       // Recovery: a new process.
-      auto v = OpenHost(&fdev, ProcessLocks(), 1);
+      auto v = OpenHost(&fdev, dede::test::TempLocks(), 1);
       RequireFsckClean(v.get());
       auto target = v->OpenFile("target");
       auto source = v->OpenFile("source");
