@@ -123,6 +123,33 @@ struct State {
   }
 };
 
+// SortRecords's working memory, kept per thread (the flusher, and the
+// writers that coalesce) so a flush does not fault in fresh pages for it
+// (7-30 us a page on these guests; a sort of 40k ops needs 640 KiB). What
+// grew past kMaxKeptBytes (a writer's coalesce of a backed-off buffer, a
+// rare big batch) is given back: at most 2 MiB stays per thread.
+struct SortKey {
+  uint64_t block;
+  uint64_t index;
+};
+// A table of this many slots per op is still cheaper to fill and scan
+// than sorting the ops (4 bytes a slot against 16 bytes a key and log n
+// passes).
+constexpr uint64_t kDenseSpanFactor = 4;
+struct SortScratch {
+  static constexpr size_t kMaxKeptBytes = size_t{1} << 20;
+  std::vector<uint32_t> slots;
+  std::vector<SortKey> keys;
+  static SortScratch& ForThread() {
+    thread_local SortScratch scratch;
+    return scratch;
+  }
+  void Trim() {
+    if (slots.capacity() * sizeof(uint32_t) > kMaxKeptBytes) std::vector<uint32_t>().swap(slots);
+    if (keys.capacity() * sizeof(SortKey) > kMaxKeptBytes) std::vector<SortKey>().swap(keys);
+  }
+};
+
 }  // namespace
 
 // One change, as the write path appends it: a record (count == 0) or the
@@ -345,32 +372,59 @@ struct WriteMonitor::FileBuffer {
   // Calls f for the latest op of each block of `list` (records only), in
   // block order. The first `sorted_prefix` ops are known to be in strictly
   // increasing block order (what the last coalescing sort left).
+  //
+  // Without a comparison sort when it can: ops already increasing are
+  // their own answer, and ops whose blocks are dense (a span of at most
+  // kDenseSpanFactor slots per op) are placed by block into a table, the
+  // latest op of a block overwriting the earlier ones, then read back in
+  // block order: linear. That is the common case of one sequential writer
+  // whose requests dedupd's workers finish out of order (never increasing,
+  // never a rewrite), which a sort paid n log n for at every flush (a
+  // third of the flusher thread's CPU, docs/BENCHMARKS.md, session 28).
+  // Sparse blocks (random writes over a big file) are sorted.
   template <typename F>
   static void SortRecords(const OpList& list, size_t sorted_prefix, F&& f) {
-    struct Key {
-      uint64_t block;
-      uint64_t index;
-    };
-    std::vector<Key> keys;
-    keys.reserve(list.size());
-    bool sorted = true;
-    for (size_t i = 0; i < list.size(); i++) {
+    const size_t n = list.size();
+    if (n == 0) return;
+    uint64_t lo = list[0].block, hi = lo;
+    bool increasing = true;
+    for (size_t i = 1; i < n; i++) {
       const uint64_t b = list[i].block;
-      sorted = sorted && (keys.empty() || b > keys.back().block);
-      keys.push_back(Key{b, i});
+      increasing = increasing && b > list[i - 1].block;
+      lo = std::min(lo, b);
+      hi = std::max(hi, b);
     }
-    if (!sorted) {
-      auto less = [](const Key& a, const Key& b) {
-        return a.block < b.block || (a.block == b.block && a.index < b.index);
-      };
-      const auto mid = keys.begin() + static_cast<ptrdiff_t>(std::min(sorted_prefix, keys.size()));
-      std::sort(mid, keys.end(), less);
-      std::inplace_merge(keys.begin(), mid, keys.end(), less);
+    if (increasing) {
+      list.ForEach(f);
+      return;
     }
-    for (size_t i = 0; i < keys.size(); i++) {
-      if (i + 1 < keys.size() && keys[i + 1].block == keys[i].block) continue;  // a later write wins
+    SortScratch& scratch = SortScratch::ForThread();
+    const uint64_t span = hi - lo + 1;  // blocks stay below 2^52: no wrap
+    if (n < std::numeric_limits<uint32_t>::max() && span / kDenseSpanFactor <= n) {
+      std::vector<uint32_t>& slot = scratch.slots;
+      slot.assign(span, 0);
+      for (size_t i = 0; i < n; i++) slot[list[i].block - lo] = static_cast<uint32_t>(i + 1);
+      for (uint32_t s : slot) {
+        if (s != 0) f(list[s - 1]);
+      }
+      scratch.Trim();
+      return;
+    }
+    std::vector<SortKey>& keys = scratch.keys;
+    keys.clear();
+    keys.reserve(n);
+    for (size_t i = 0; i < n; i++) keys.push_back(SortKey{list[i].block, i});
+    auto less = [](const SortKey& a, const SortKey& b) {
+      return a.block < b.block || (a.block == b.block && a.index < b.index);
+    };
+    const auto mid = keys.begin() + static_cast<ptrdiff_t>(std::min(sorted_prefix, n));
+    std::sort(mid, keys.end(), less);
+    std::inplace_merge(keys.begin(), mid, keys.end(), less);
+    for (size_t i = 0; i < n; i++) {
+      if (i + 1 < n && keys[i + 1].block == keys[i].block) continue;  // a later write wins
       f(list[keys[i].index]);
     }
+    scratch.Trim();
   }
 
   // Drops the ops (applied or discarded by the caller).
@@ -439,7 +493,9 @@ WriteMonitor::WriteMonitor(const WriteMonitorOptions& opts)
       // Backed off, a file still coalesces before its ops fill a quarter
       // of the cap: a writer that turns to hot rewrites then costs memory
       // for a while, never the other files' room.
-      max_coalesce_ops_(std::max<size_t>(coalesce_ops_, opts.memory_cap_bytes / kOpBytes / 4)) {}
+      max_coalesce_ops_(std::max<size_t>(coalesce_ops_, opts.memory_cap_bytes / kOpBytes / 4)),
+      // The least bound b with b / 8 * 7 >= flush_bytes.
+      backed_off_due_bytes_(8 * ((opts.flush_bytes + 6) / 7)) {}
 
 size_t WriteMonitor::CoalesceAt(const FileBuffer& fb) const {
   const uint64_t backoff = fb.coalesce_backoff.load(std::memory_order_relaxed);
@@ -643,9 +699,17 @@ void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed
   }
 }
 
+uint64_t WriteMonitor::DueBound(const FileBuffer* fb) const NO_THREAD_SAFETY_ANALYSIS {
+  const bool backed_off = fb->coalesce_backoff.load(std::memory_order_relaxed) > 1;
+  return backed_off && !fb->Sequential() ? backed_off_due_bytes_ : opts_.flush_bytes;
+}
+
 bool WriteMonitor::ReachedFlushBytes(FileBuffer* fb) NO_THREAD_SAFETY_ANALYSIS {
   if (fb->flush_due_signalled) return false;
-  if (fb->LogBytesBound(record_bytes_, range_bytes_) < opts_.flush_bytes) return false;
+  // A backed-off file is signalled when DueFiles will take it as it is:
+  // signalled at flush_bytes, it was coalesced there once per flush, only
+  // to be found as big and sorted again by Take.
+  if (fb->LogBytesBound(record_bytes_, range_bytes_) < DueBound(fb)) return false;
   fb->flush_due_signalled = true;
   return true;
 }
@@ -792,9 +856,9 @@ std::vector<FileId> WriteMonitor::DueFiles(bool all) {
         continue;
       }
       // Coalescing this file has not paid lately: the bound less an eighth
-      // will do, and Take coalesces once.
+      // will do (DueBound), and Take coalesces once.
       const bool backed_off = fb->coalesce_backoff.load(std::memory_order_relaxed) > 1;
-      if (backed_off && b / 8 * 7 >= opts_.flush_bytes) {
+      if (backed_off && b >= backed_off_due_bytes_) {
         due.push_back(fb->id);
         continue;
       }

@@ -242,9 +242,15 @@ class WriteMonitor {
   // The caller holds fb's mu (not annotated: FileBuffer is defined in the
   // .cc), so LogTaken happens-after the write it counts.
   void CountUnrecorded(FileBuffer* fb, uint64_t blocks);
-  // Whether the ops just added took fb's buffer to flush_bytes since it
+  // Whether the ops just added took fb's buffer to its DueBound since it
   // was last taken or found not due; marks it so. Caller holds fb's mu.
   bool ReachedFlushBytes(FileBuffer* fb);
+  // The log bytes bound (every op counted as a new entry) at which fb is
+  // due without coalescing it first: flush_bytes, or, while coalescing fb
+  // has not paid lately (it backed off) and its ops are not simply
+  // sequential, backed_off_due_bytes_, since its ops are then trusted to
+  // shrink by less than an eighth. Caller holds fb's mu.
+  uint64_t DueBound(const FileBuffer* fb) const;
   void CallFlushDueHook() EXCLUDES(hook_mu_);
   // Charges `bytes` to the shared budget if it stays within the cap.
   bool Reserve(uint64_t bytes);
@@ -258,6 +264,7 @@ class WriteMonitor {
   const size_t range_bytes_;    // WriteLogRangeBytes()
   const size_t coalesce_ops_;   // pending ops at which Append coalesces
   const size_t max_coalesce_ops_;  // the same, however far backed off
+  const uint64_t backed_off_due_bytes_;  // see DueBound
   // Guards the map only: the write path takes it shared, just long enough
   // to find the file; AddFile/RemoveFile take it exclusively.
   SharedMutex mu_;

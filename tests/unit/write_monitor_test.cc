@@ -1122,3 +1122,95 @@ TEST_CASE("writemon: backing off from a shuffled sequential writer, then hot rew
   CHECK(log == truth);
   CHECK(m.Stats().buffered_bytes == 0);
 }
+
+TEST_CASE("writemon: records coalesce the same whether their blocks are dense or sparse",
+          "[writemon]") {
+  // Take orders a file's records by block with a table when their blocks
+  // are dense (at most a few slots per op) and by a sort when they are
+  // sparse; both must keep the latest write of every block, in block order.
+  // The same shuffled writes with rewrites (3000 ops over 4096 slots) are
+  // laid out with a stride of 1 and 2 blocks (dense: a table of at most 4
+  // slots per op) and of 3 and 2^20 blocks (sparse: sorted).
+  for (uint64_t stride : {uint64_t{1}, uint64_t{2}, uint64_t{3}, uint64_t{1} << 20}) {
+    CAPTURE(stride);
+    ManualClock clock;
+    WriteMonitor m(Opts(&clock));
+    m.AddFile(kF, true);
+    std::mt19937_64 rng(stride);
+    std::vector<uint8_t> d = Data(kB, 9);
+    std::map<uint64_t, std::pair<Fingerprint, uint64_t>> model;
+    for (int i = 0; i < 3000; i++) {
+      clock.Advance(kMs);
+      // Mostly distinct slots out of order, some rewritten.
+      const uint64_t slot = i % 4 == 0 ? rng() % 64 : (i ^ 0x155) % 4096;
+      const uint64_t block = 100 + slot * stride;
+      const uint32_t v = static_cast<uint32_t>(rng());
+      std::memcpy(d.data(), &v, sizeof v);
+      m.OnWrite(kF, block * kB, d.data(), kB);
+      model[block] = {Fp(HashAlgo::kXxh128, d.data()), clock.NowNanos()};
+    }
+    const MonitorBatch b = m.Take(kF);
+    CheckBatchShape(b);
+    REQUIRE(b.records.size() == model.size());
+    size_t i = 0;
+    for (const auto& [block, v] : model) {
+      CAPTURE(block);
+      REQUIRE(b.records[i].block == block);
+      CHECK(b.records[i].fp == v.first);
+      CHECK(b.records[i].time_ns == v.second);
+      i++;
+    }
+    CHECK(m.FileStats(kF).buffered_records == 0);
+  }
+}
+
+TEST_CASE("writemon: a backed-off shuffled writer is signalled once DueFiles takes it as it is",
+          "[writemon]") {
+  // A shuffled sequential writer never rewrites: coalescing it does not
+  // pay, so the file backs off. From then on the hook waits until the
+  // bound is big enough that DueFiles takes the file without coalescing it
+  // (an eighth over flush_bytes), rather than firing at flush_bytes and
+  // having DueFiles sort it once for nothing before Take sorts it again.
+  ManualClock clock;
+  WriteMonitorOptions o = Opts(&clock);
+  const size_t per = WriteLogRecordBytes(o.algo);
+  o.flush_bytes = 112 * per;  // an eighth over it: 128 records
+  WriteMonitor m(o);
+  std::atomic<int> calls{0};
+  m.SetFlushDueHook([&] { calls++; });
+  m.AddFile(kF, true);
+  std::vector<uint8_t> d = Data(kB, 4);
+  uint64_t next = 0;
+  // Writes blocks next.. in runs of 8 reversed (never increasing).
+  auto shuffled = [&](uint64_t n) {
+    for (uint64_t k = 0; k < n; k += 8, next += 8) {
+      for (uint64_t j = 8; j-- > 0;) m.OnWrite(kF, (next + j) * kB, d.data(), kB);
+    }
+  };
+  // Not backed off yet: signalled at flush_bytes (112 records); the first
+  // coalesce (DueFiles) finds nothing to fold and backs the file off.
+  shuffled(104);
+  CHECK(calls == 0);
+  shuffled(8);
+  CHECK(calls == 1);
+  CHECK(m.DueFiles(false) == std::vector<FileId>{kF});
+  MonitorBatch b = m.Take(kF);
+  CheckBatchShape(b);
+  CHECK(b.records.size() == 112);
+  // Backed off: 112 records do not signal it, 128 do, and DueFiles takes
+  // it as it is. (A DueFiles of its own, at the flush timer, would still
+  // find it due from flush_bytes on, after coalescing it.)
+  shuffled(112);
+  CHECK(calls == 1);
+  shuffled(8);
+  CHECK(calls == 1);
+  shuffled(8);
+  CHECK(calls == 2);
+  CHECK(m.DueFiles(false) == std::vector<FileId>{kF});
+  b = m.Take(kF);
+  CheckBatchShape(b);
+  CHECK(b.records.size() == 128);
+  // Plain sequential writing is exact whatever the backoff: at flush_bytes.
+  for (uint64_t k = 0; k < 112; k++, next++) m.OnWrite(kF, next * kB, d.data(), kB);
+  CHECK(calls == 3);
+}
