@@ -119,10 +119,13 @@ class Export {
   Status Write(uint64_t offset, const void* buf, size_t len, bool fua,
                const std::function<void(const Status&)>& written = nullptr,
                const std::vector<Fingerprint>* fps = nullptr);
-  // Whether the write monitor fingerprints this export's writes now (on,
-  // and dedup=on): worth hashing a WRITE's payload while it is in the
-  // CPU's cache, as it arrives, and passing the result to Write().
-  bool fingerprints_writes() const { return monitor_ != nullptr && dedup_.load(); }
+  // Whether the write monitor records this export's writes now (on,
+  // dedup=on, and its write log not full): worth hashing a WRITE's payload
+  // while it is in the CPU's cache, as it arrives, and passing the result
+  // to Write().
+  bool fingerprints_writes() const {
+    return monitor_ != nullptr && dedup_.load() && monitor_->Recording(id_);
+  }
   std::vector<Fingerprint> FingerprintWrite(uint64_t offset, const void* buf, size_t len) const {
     return monitor_ ? monitor_->FingerprintWrite(offset, buf, len) : std::vector<Fingerprint>{};
   }

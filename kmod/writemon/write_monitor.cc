@@ -1026,6 +1026,11 @@ uint64_t WriteMonitor::LogEpoch(FileId id) {
   return fb->log_epoch;
 }
 
+bool WriteMonitor::Recording(FileId id) {
+  std::shared_ptr<FileBuffer> fb = Find(id);
+  return fb != nullptr && fb->Recording();
+}
+
 MonitorFileStats WriteMonitor::FileStats(FileId id) {
   MonitorFileStats st;
   std::shared_ptr<FileBuffer> fb = Find(id);

@@ -205,6 +205,12 @@ class WriteMonitor {
   // The file's LogTaken count (0 for files not monitored), for a caller
   // that checks the log itself before calling PauseForFullLog.
   uint64_t LogEpoch(FileId id);
+  // Whether a write of `id` would be recorded now: monitored, dedup=on and
+  // not paused for a full log. A caller that hashes payloads ahead
+  // (FingerprintWrite) asks first, so a file whose log is full is not
+  // hashed for nothing until a pass takes its log. A hint: the answer may
+  // change before OnWrite (OnWrite hashes what it was not given).
+  bool Recording(FileId id);
 
   // Unknown files report zeros and dedup = false.
   MonitorFileStats FileStats(FileId id);

@@ -15,6 +15,7 @@
 #include <random>
 #include <thread>
 
+#include "kmod/writemon/write_monitor.h"
 #include "tests/forwarding_device.h"
 #include "tests/temp_locks.h"
 #include "volume/format.h"
@@ -92,7 +93,7 @@ std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
 // A volume on a gated device with one file "vm": its first half written
 // (allocated, in place from then on), its second half a hole.
 struct Rig {
-  Rig() : mem(64 << 20), gate(&mem) {
+  explicit Rig(WriteMonitor* monitor = nullptr) : mem(64 << 20), gate(&mem) {
     REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
     OpenOptions oo;
     oo.locks = TempLocks();
@@ -107,7 +108,7 @@ struct Rig {
       REQUIRE((*f)->Write(0, old.data(), old.size()).ok());
     }
     REQUIRE(vol->Sync().ok());
-    table = std::make_unique<ExportTable>(vol.get(), nullptr, nullptr);
+    table = std::make_unique<ExportTable>(vol.get(), monitor, nullptr);
     auto e = table->Acquire("vm");
     REQUIRE(e.ok());
     ex = *e;
@@ -245,4 +246,38 @@ TEST_CASE("export: writes that may fail for want of space, or need FUA, are answ
     CHECK(r.Read(c.offset, c.len) == data);
   }
   CHECK(r.ex->writes_answered_early() == 0);
+}
+
+TEST_CASE("export: a WRITE's payload is hashed ahead only while the monitor records its file",
+          "[export]") {
+  // dedupd hashes a WRITE's payload as it arrives when fingerprints_writes()
+  // says so. A file whose write log is full is not recorded until a pass
+  // takes the log, and neither is a file with dedup=off: hashing their
+  // payloads would be CPU for nothing.
+  WriteMonitor monitor{WriteMonitorOptions{}};
+  Rig rig(&monitor);
+  const FileId id = rig.ex->id();
+  CHECK(rig.ex->fingerprints_writes());
+  monitor.PauseForFullLog(id, monitor.LogEpoch(id));
+  CHECK_FALSE(rig.ex->fingerprints_writes());
+  // Written meanwhile: not recorded, counted as such.
+  const std::vector<uint8_t> data = Pattern(4 * kB, 5);
+  REQUIRE(rig.ex->Write(0, data.data(), data.size(), false).ok());
+  CHECK(monitor.FileStats(id).unrecorded_blocks == 4);
+  CHECK(monitor.FileStats(id).buffered_records == 0);
+  monitor.LogTaken(id);  // a pass took the log
+  CHECK(rig.ex->fingerprints_writes());
+  const std::vector<Fingerprint> fps = rig.ex->FingerprintWrite(0, data.data(), data.size());
+  REQUIRE(fps.size() == 4);
+  REQUIRE(rig.ex->Write(0, data.data(), data.size(), false, nullptr, &fps).ok());
+  CHECK(monitor.FileStats(id).buffered_records == 4);
+  REQUIRE(rig.ex->SetDedup(false).ok());
+  CHECK_FALSE(rig.ex->fingerprints_writes());
+  REQUIRE(rig.ex->SetDedup(true).ok());
+  CHECK(rig.ex->fingerprints_writes());
+}
+
+TEST_CASE("export: without a write monitor nothing is hashed ahead", "[export]") {
+  Rig rig;
+  CHECK_FALSE(rig.ex->fingerprints_writes());
 }

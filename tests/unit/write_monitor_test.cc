@@ -249,6 +249,8 @@ TEST_CASE("writemon: dedup=off files are not hashed; SetDedup off discards", "[w
   WriteMonitor m(Opts(&clock));
   m.AddFile(kF, false);
   m.AddFile(kG, true);
+  CHECK_FALSE(m.Recording(kF));
+  CHECK(m.Recording(kG));
   std::vector<uint8_t> a = Data(4 * kB, 1);
   m.OnWrite(kF, 0, a.data(), a.size());
   m.OnInvalidate(kF, 0, kB);
@@ -260,6 +262,7 @@ TEST_CASE("writemon: dedup=off files are not hashed; SetDedup off discards", "[w
   CHECK(m.FileStats(kG).buffered_records == 4);
   CHECK(m.Stats().buffered_bytes > 0);
   m.SetDedup(kG, false);
+  CHECK_FALSE(m.Recording(kG));
   CHECK(m.FileStats(kG).buffered_records == 0);
   CHECK(m.Stats().buffered_bytes == 0);
   m.OnWrite(kG, 0, a.data(), a.size());
@@ -275,6 +278,7 @@ TEST_CASE("writemon: dedup=off files are not hashed; SetDedup off discards", "[w
   CHECK(m.Take(FileId{99, 1}).empty());
   m.OnWrite(kG, 0, a.data(), a.size());
   m.RemoveFile(kG);
+  CHECK_FALSE(m.Recording(kG));
   CHECK(m.Stats().buffered_bytes == 0);
   CHECK(m.Stats().files == 1);
   m.OnWrite(kG, 0, a.data(), a.size());
@@ -285,8 +289,10 @@ TEST_CASE("writemon: a file whose log is full is not hashed until a pass takes t
           "[writemon]") {
   ManualClock clock;
   WriteMonitor m(Opts(&clock));
+  CHECK_FALSE(m.Recording(kF));  // not monitored
   m.AddFile(kF, true);
   m.AddFile(kG, true);
+  CHECK(m.Recording(kF));
   std::vector<uint8_t> a = Data(8 * kB, 2);
   m.OnWrite(kF, 0, a.data(), 4 * kB);
   MonitorBatch first = m.Take(kF);
@@ -297,6 +303,8 @@ TEST_CASE("writemon: a file whose log is full is not hashed until a pass takes t
   // goes, and later writes are neither hashed nor buffered.
   m.PauseForFullLog(kF, first.log_epoch);
   CHECK(m.FileStats(kF).log_full);
+  CHECK_FALSE(m.Recording(kF));  // dedupd does not hash its payloads ahead
+  CHECK(m.Recording(kG));
   CHECK(m.FileStats(kF).buffered_records == 0);
   CHECK(m.Stats().buffered_bytes == 0);
   CHECK(m.Stats().log_full_files == 1);
@@ -315,6 +323,7 @@ TEST_CASE("writemon: a file whose log is full is not hashed until a pass takes t
   // A pass takes the log: what is written from then on is recorded again.
   m.LogTaken(kF);
   CHECK_FALSE(m.FileStats(kF).log_full);
+  CHECK(m.Recording(kF));
   CHECK(m.Stats().log_full_files == 0);
   m.OnWrite(kF, 2 * kB, a.data() + 2 * kB, 2 * kB);
   MonitorBatch after = m.Take(kF);
