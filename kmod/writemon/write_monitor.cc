@@ -4,7 +4,6 @@
 #include <limits>
 #include <new>
 #include <type_traits>
-#include <utility>
 
 #include "kmod/writemon/write_log.h"
 #include "volume/format.h"
@@ -124,40 +123,23 @@ struct State {
   }
 };
 
-// The least and greatest of a set of blocks; empty while lo > hi.
-struct BlockBounds {
-  uint64_t lo = std::numeric_limits<uint64_t>::max();
-  uint64_t hi = 0;
-  void Add(uint64_t b) {
-    lo = std::min(lo, b);
-    hi = std::max(hi, b);
-  }
-  bool Holds(uint64_t b) const { return lo <= b && b <= hi; }
-};
-
 // SortRecords's working memory, kept per thread (the flusher, and the
 // writers that coalesce) so a flush does not fault in fresh pages for it
-// (7-30 us a page on these guests; a radix sort of 40k ops needs 1.3 MiB
-// of keys). What grew past kMaxKeptBytes (a writer's coalesce of a
-// backed-off buffer, a rare big batch) is given back: at most about 3 MiB
-// stays per thread.
+// (7-30 us a page on these guests; a sort of 40k ops needs 640 KiB). What
+// grew past kMaxKeptBytes (a writer's coalesce of a backed-off buffer, a
+// rare big batch) is given back: at most 2 MiB stays per thread.
 struct SortKey {
   uint64_t block;
   uint64_t index;
 };
 // A table of this many slots per op is still cheaper to fill and scan
-// than radix-sorting the ops (4 bytes a slot against a 16-byte key
-// counted and moved in each of two or more passes).
+// than sorting the ops (4 bytes a slot against 16 bytes a key and log n
+// passes).
 constexpr uint64_t kDenseSpanFactor = 4;
-// The radix sort's digit: 2048 counters (16 KiB) per pass.
-constexpr unsigned kRadixBits = 11;
-constexpr size_t kRadixSize = size_t{1} << kRadixBits;
 struct SortScratch {
   static constexpr size_t kMaxKeptBytes = size_t{1} << 20;
   std::vector<uint32_t> slots;
   std::vector<SortKey> keys;
-  std::vector<SortKey> moved;
-  std::vector<size_t> digit_at;
   static SortScratch& ForThread() {
     thread_local SortScratch scratch;
     return scratch;
@@ -165,7 +147,6 @@ struct SortScratch {
   void Trim() {
     if (slots.capacity() * sizeof(uint32_t) > kMaxKeptBytes) std::vector<uint32_t>().swap(slots);
     if (keys.capacity() * sizeof(SortKey) > kMaxKeptBytes) std::vector<SortKey>().swap(keys);
-    if (moved.capacity() * sizeof(SortKey) > kMaxKeptBytes) std::vector<SortKey>().swap(moved);
   }
 };
 
@@ -333,10 +314,6 @@ struct WriteMonitor::FileBuffer {
   // coalesced form (sequential writing): sizing is exact, coalescing gains
   // nothing, and Take needs no tree.
   bool ops_increasing GUARDED_BY(mu) = true;
-  // The least and greatest block of the records among `ops` (lo > hi when
-  // there are none), so ordering them (SortRecords) needs no pass of its
-  // own to size its table.
-  BlockBounds ops_bounds GUARDED_BY(mu);
   State state GUARDED_BY(mu);              // everything before `ops`
   uint64_t charged GUARDED_BY(mu) = 0;     // this file's part of buffered_bytes_
   uint64_t dropped_total GUARDED_BY(mu) = 0;
@@ -373,7 +350,6 @@ struct WriteMonitor::FileBuffer {
       record_ops += op.count == 0;
       ops_increasing =
           ops_increasing && op.count == 0 && (ops.empty() || op.block > ops.back().block);
-      if (op.count == 0) ops_bounds.Add(op.block);
       ops.push_back(op);
     }
   }
@@ -394,74 +370,56 @@ struct WriteMonitor::FileBuffer {
   }
 
   // Calls f for the latest op of each block of `list` (records only), in
-  // block order.
+  // block order. The first `sorted_prefix` ops are known to be in strictly
+  // increasing block order (what the last coalescing sort left).
   //
-  // Callers order only ops that are not increasing (increasing ops are
-  // their own answer: Sequential). Without a comparison sort: ops whose
-  // blocks are dense (a span of at most kDenseSpanFactor slots per op)
-  // are placed by block into a table, the
+  // Without a comparison sort when it can: ops already increasing are
+  // their own answer, and ops whose blocks are dense (a span of at most
+  // kDenseSpanFactor slots per op) are placed by block into a table, the
   // latest op of a block overwriting the earlier ones, then read back in
   // block order: linear. That is the common case of one sequential writer
   // whose requests dedupd's workers finish out of order (never increasing,
   // never a rewrite), which a sort paid n log n for at every flush (a
   // third of the flusher thread's CPU, docs/BENCHMARKS.md, session 28).
-  // Sparse blocks (random writes over a big file, the wrap of a
-  // sequential writer) are radix-sorted: linear too.
-  // `bounds`: the list's blocks are within them (ops_bounds); the table
-  // is not trusted to them blindly: an op outside sends the list to the
-  // sort.
+  // Sparse blocks (random writes over a big file) are sorted.
   template <typename F>
-  static void SortRecords(const OpList& list, BlockBounds bounds, F&& f) {
+  static void SortRecords(const OpList& list, size_t sorted_prefix, F&& f) {
     const size_t n = list.size();
     if (n == 0) return;
-    SortScratch& scratch = SortScratch::ForThread();
-    if (bounds.lo <= bounds.hi && n < std::numeric_limits<uint32_t>::max() &&
-        (bounds.hi - bounds.lo) / kDenseSpanFactor < n) {
-      const uint64_t lo = bounds.lo, span = bounds.hi - bounds.lo + 1;  // below 2^52: no wrap
-      std::vector<uint32_t>& slot = scratch.slots;
-      slot.assign(span, 0);
-      bool inside = true;
-      for (size_t i = 0; i < n && inside; i++) {
-        const uint64_t b = list[i].block;
-        inside = bounds.Holds(b);
-        if (inside) slot[b - lo] = static_cast<uint32_t>(i + 1);
-      }
-      if (inside) {
-        for (uint32_t s : slot) {
-          if (s != 0) f(list[s - 1]);
-        }
-        scratch.Trim();
-        return;
-      }
-    }
-    // Sparse: a least-significant-digit radix sort of (block, call order)
-    // keys, kRadixBits of (block - lo) a pass, as many passes as the span
-    // needs (at most 5: blocks are below 2^52). Each pass is stable, so the
-    // ops of one block stay in call order and the last is the latest. A
-    // comparison sort cost ~16 compares an op at flush size, mispredicted
-    // half the time (the wrap of a sequential writer, random writes).
-    std::vector<SortKey>& keys = scratch.keys;
-    std::vector<SortKey>& moved = scratch.moved;
-    keys.resize(n);
-    moved.resize(n);
-    uint64_t lo = std::numeric_limits<uint64_t>::max(), hi = 0;
-    for (size_t i = 0; i < n; i++) {
+    uint64_t lo = list[0].block, hi = lo;
+    bool increasing = true;
+    for (size_t i = 1; i < n; i++) {
       const uint64_t b = list[i].block;
+      increasing = increasing && b > list[i - 1].block;
       lo = std::min(lo, b);
       hi = std::max(hi, b);
-      keys[i] = SortKey{b, i};
     }
-    const uint64_t range = hi - lo;
-    std::vector<size_t>& at = scratch.digit_at;
-    for (unsigned shift = 0; shift == 0 || (shift < 64 && (range >> shift) != 0);
-         shift += kRadixBits) {
-      at.assign(kRadixSize, 0);
-      for (const SortKey& k : keys) at[((k.block - lo) >> shift) & (kRadixSize - 1)]++;
-      size_t sum = 0;
-      for (size_t& c : at) sum += std::exchange(c, sum);
-      for (const SortKey& k : keys) moved[at[((k.block - lo) >> shift) & (kRadixSize - 1)]++] = k;
-      keys.swap(moved);
+    if (increasing) {
+      list.ForEach(f);
+      return;
     }
+    SortScratch& scratch = SortScratch::ForThread();
+    const uint64_t span = hi - lo + 1;  // blocks stay below 2^52: no wrap
+    if (n < std::numeric_limits<uint32_t>::max() && span / kDenseSpanFactor <= n) {
+      std::vector<uint32_t>& slot = scratch.slots;
+      slot.assign(span, 0);
+      for (size_t i = 0; i < n; i++) slot[list[i].block - lo] = static_cast<uint32_t>(i + 1);
+      for (uint32_t s : slot) {
+        if (s != 0) f(list[s - 1]);
+      }
+      scratch.Trim();
+      return;
+    }
+    std::vector<SortKey>& keys = scratch.keys;
+    keys.clear();
+    keys.reserve(n);
+    for (size_t i = 0; i < n; i++) keys.push_back(SortKey{list[i].block, i});
+    auto less = [](const SortKey& a, const SortKey& b) {
+      return a.block < b.block || (a.block == b.block && a.index < b.index);
+    };
+    const auto mid = keys.begin() + static_cast<ptrdiff_t>(std::min(sorted_prefix, n));
+    std::sort(mid, keys.end(), less);
+    std::inplace_merge(keys.begin(), mid, keys.end(), less);
     for (size_t i = 0; i < n; i++) {
       if (i + 1 < n && keys[i + 1].block == keys[i].block) continue;  // a later write wins
       f(list[keys[i].index]);
@@ -474,7 +432,6 @@ struct WriteMonitor::FileBuffer {
     ops.clear();
     record_ops = 0;
     ops_increasing = true;
-    ops_bounds = BlockBounds{};
     sorted_ops = 0;
   }
 
@@ -772,13 +729,13 @@ void WriteMonitor::CallFlushDueHook() {
 void WriteMonitor::CoalesceOutsideLock(FileBuffer* fb) {
   OpList ops(pool_.get());
   State state;
-  BlockBounds bounds;
+  size_t sorted_prefix;
   bool records_only;
   {
     MutexLock l(&fb->mu);
     if (fb->removed || fb->ops.empty() || fb->Sequential()) return;
     records_only = fb->RecordsOnly();
-    bounds = fb->ops_bounds;
+    sorted_prefix = fb->sorted_ops;
     fb->detached_charge = fb->Charge();
     fb->detached_records = fb->BufferedRecords();
     ops.swap(fb->ops);
@@ -788,7 +745,7 @@ void WriteMonitor::CoalesceOutsideLock(FileBuffer* fb) {
   }
   OpList sorted(pool_.get());
   if (records_only) {
-    FileBuffer::SortRecords(ops, bounds, [&sorted](const Op& op) { sorted.push_back(op); });
+    FileBuffer::SortRecords(ops, sorted_prefix, [&sorted](const Op& op) { sorted.push_back(op); });
     fb->NoteCoalesce(ops.size(), sorted.size());
   } else {
     const uint64_t before = ops.size() + state.records.size() + state.ranges.size();
@@ -807,21 +764,14 @@ void WriteMonitor::CoalesceOutsideLock(FileBuffer* fb) {
     const size_t n = sorted.size();
     uint64_t records = n;
     bool increasing = true;
-    BlockBounds now;
-    if (n > 0) {
-      now.Add(sorted[0].block);
-      now.Add(sorted.back().block);
-    }
     fb->ops.ForEach([&](const Op& op) {
       records += op.count == 0;
       increasing = increasing && op.count == 0 && (sorted.empty() || op.block > sorted.back().block);
-      if (op.count == 0) now.Add(op.block);
       sorted.push_back(op);
     });
     fb->ops.swap(sorted);
     fb->record_ops = records;
     fb->ops_increasing = increasing;
-    fb->ops_bounds = now;
     fb->sorted_ops = n;
   } else {
     fb->state = std::move(state);  // before `ops`, as they were appended
@@ -937,13 +887,13 @@ MonitorBatch WriteMonitor::Take(FileId id, std::vector<BlockRecord> reuse) {
   OpList ops(pool_.get());
   State state;
   bool sequential, records_only;
-  BlockBounds bounds;
+  size_t sorted_prefix;
   {
     MutexLock restructure(&fb->restructure_mu);  // nothing detached by a coalesce
     MutexLock l(&fb->mu);
     sequential = fb->Sequential();
     records_only = fb->RecordsOnly();
-    bounds = fb->ops_bounds;
+    sorted_prefix = fb->sorted_ops;
     ops.swap(fb->ops);
     std::swap(state, fb->state);
     fb->ClearOps();
@@ -970,7 +920,7 @@ MonitorBatch WriteMonitor::Take(FileId id, std::vector<BlockRecord> reuse) {
   if (records_only) {
     // Coalesced outside the file's lock by a sort: no tree.
     batch.records.reserve(ops.size());
-    FileBuffer::SortRecords(ops, bounds, [&](const Op& op) {
+    FileBuffer::SortRecords(ops, sorted_prefix, [&](const Op& op) {
       batch.records.push_back(BlockRecord{op.block, op.time_ns, op.fp});
       note_time(op.time_ns);
     });
