@@ -288,6 +288,7 @@ struct WriteMonitor::FileBuffer {
   // times longer before coalescing, and DueFiles trusts the bound instead
   // of sorting to size the file exactly. Kept across Takes.
   std::atomic<uint32_t> coalesce_backoff{1};
+  bool BackedOff() const { return coalesce_backoff.load(std::memory_order_relaxed) > 1; }
 
   void NoteCoalesce(uint64_t ops_before, uint64_t entries_after) {
     if (ops_before == 0) return;
@@ -373,30 +374,24 @@ struct WriteMonitor::FileBuffer {
   // block order. The first `sorted_prefix` ops are known to be in strictly
   // increasing block order (what the last coalescing sort left).
   //
-  // Without a comparison sort when it can: ops already increasing are
-  // their own answer, and ops whose blocks are dense (a span of at most
+  // Callers order only ops that are not increasing (increasing records
+  // are Sequential: their own coalesced form). Without a comparison sort
+  // when it can: ops whose blocks are dense (a span of at most
   // kDenseSpanFactor slots per op) are placed by block into a table, the
   // latest op of a block overwriting the earlier ones, then read back in
   // block order: linear. That is the common case of one sequential writer
   // whose requests dedupd's workers finish out of order (never increasing,
-  // never a rewrite), which a sort paid n log n for at every flush (a
-  // third of the flusher thread's CPU, docs/BENCHMARKS.md, session 28).
+  // never a rewrite), which a sort paid n log n for at every flush (two
+  // fifths of the flusher thread's CPU, docs/BENCHMARKS.md, session 28).
   // Sparse blocks (random writes over a big file) are sorted.
   template <typename F>
   static void SortRecords(const OpList& list, size_t sorted_prefix, F&& f) {
     const size_t n = list.size();
     if (n == 0) return;
     uint64_t lo = list[0].block, hi = lo;
-    bool increasing = true;
     for (size_t i = 1; i < n; i++) {
-      const uint64_t b = list[i].block;
-      increasing = increasing && b > list[i - 1].block;
-      lo = std::min(lo, b);
-      hi = std::max(hi, b);
-    }
-    if (increasing) {
-      list.ForEach(f);
-      return;
+      lo = std::min(lo, list[i].block);
+      hi = std::max(hi, list[i].block);
     }
     SortScratch& scratch = SortScratch::ForThread();
     const uint64_t span = hi - lo + 1;  // blocks stay below 2^52: no wrap
@@ -700,8 +695,7 @@ void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed
 }
 
 uint64_t WriteMonitor::DueBound(const FileBuffer* fb) const NO_THREAD_SAFETY_ANALYSIS {
-  const bool backed_off = fb->coalesce_backoff.load(std::memory_order_relaxed) > 1;
-  return backed_off && !fb->Sequential() ? backed_off_due_bytes_ : opts_.flush_bytes;
+  return fb->BackedOff() && !fb->Sequential() ? backed_off_due_bytes_ : opts_.flush_bytes;
 }
 
 bool WriteMonitor::ReachedFlushBytes(FileBuffer* fb) NO_THREAD_SAFETY_ANALYSIS {
@@ -857,8 +851,7 @@ std::vector<FileId> WriteMonitor::DueFiles(bool all) {
       }
       // Coalescing this file has not paid lately: the bound less an eighth
       // will do (DueBound), and Take coalesces once.
-      const bool backed_off = fb->coalesce_backoff.load(std::memory_order_relaxed) > 1;
-      if (backed_off && b >= backed_off_due_bytes_) {
+      if (fb->BackedOff() && b >= backed_off_due_bytes_) {
         due.push_back(fb->id);
         continue;
       }
