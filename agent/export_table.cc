@@ -101,8 +101,8 @@ class RangeGuard {
 // -------------------------------------------------------------------- Export
 
 Export::Export(std::string name, std::unique_ptr<File> file, const FileInfo& info, Volume* vol,
-               WriteMonitor* monitor, size_t read_ahead_bytes, ReadAheadBudget* budget,
-               LogFlusher* flusher)
+               WriteMonitor* monitor, WriteMonitor::FileHandle monitored, size_t read_ahead_bytes,
+               ReadAheadBudget* budget, LogFlusher* flusher)
     : name_(std::move(name)),
       id_(info.id),
       size_(info.size),
@@ -110,6 +110,7 @@ Export::Export(std::string name, std::unique_ptr<File> file, const FileInfo& inf
       file_(std::move(file)),
       vol_(vol),
       monitor_(monitor),
+      monitored_(std::move(monitored)),
       flusher_(flusher),
       read_ahead_([f = file_.get()](uint64_t off, void* buf, size_t len) { return f->Read(off, buf, len); },
                   info.size, read_ahead_bytes, budget) {}
@@ -148,7 +149,7 @@ Status Export::SetDedup(bool on) {
   dedup_ = on;
   if (monitor_) {
     monitor_->SetDedup(id_, on);
-    if (on && size_ > 0) monitor_->OnInvalidate(id_, 0, size_);
+    if (on && size_ > 0) monitor_->OnInvalidate(monitored_, 0, size_);
   }
   return Status::Ok();
 }
@@ -183,9 +184,9 @@ Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua,
         }
         if (monitor_) {
           if (st.ok()) {
-            monitor_->OnWrite(id_, offset, buf, len, fps);
+            monitor_->OnWrite(monitored_, offset, buf, len, fps);
           } else {
-            monitor_->OnInvalidate(id_, offset, len);
+            monitor_->OnInvalidate(monitored_, offset, len);
           }
         }
         return st;
@@ -203,9 +204,9 @@ Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua,
     if (monitor_) {
       // A failed write leaves the blocks' content unknown: forget them.
       if (st.ok()) {
-        monitor_->OnWrite(id_, offset, buf, len, fps);
+        monitor_->OnWrite(monitored_, offset, buf, len, fps);
       } else {
-        monitor_->OnInvalidate(id_, offset, len);
+        monitor_->OnInvalidate(monitored_, offset, len);
       }
     }
   }
@@ -219,7 +220,7 @@ Status Export::Trim(uint64_t offset, uint64_t len, bool fua) {
     RangeGuard g(&ranges_, offset, len);
     st = file_->Trim(offset, len);
     read_ahead_.Invalidate(offset, len);
-    if (monitor_) monitor_->OnInvalidate(id_, offset, len);
+    if (monitor_) monitor_->OnInvalidate(monitored_, offset, len);
   }
   if (st.ok() && fua) st = vol_->Sync();
   return st;
@@ -239,7 +240,7 @@ Status Export::WriteZeroes(uint64_t offset, uint64_t len, bool fua, bool no_hole
     }
     read_ahead_.Invalidate(offset, len);
     // Zero blocks are never worth sharing: drop, don't hash.
-    if (monitor_) monitor_->OnInvalidate(id_, offset, len);
+    if (monitor_) monitor_->OnInvalidate(monitored_, offset, len);
   }
   if (st.ok() && fua) st = vol_->Sync();
   return st;
@@ -329,9 +330,11 @@ Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name)
     return file.status().WithContext("opening export '" + name + "'");
   }
   ASSIGN_OR_RETURN(FileInfo info, (*file)->Info());
-  auto e = std::make_shared<Export>(name, std::move(*file), info, vol_, monitor_, read_ahead_bytes_,
-                                    &read_ahead_budget_, flusher_);
-  if (monitor_) monitor_->AddFile(info.id, info.dedup);
+  WriteMonitor::FileHandle monitored;
+  if (monitor_) monitored = monitor_->AddFile(info.id, info.dedup);
+  auto e = std::make_shared<Export>(name, std::move(*file), info, vol_, monitor_,
+                                    std::move(monitored), read_ahead_bytes_, &read_ahead_budget_,
+                                    flusher_);
   if (flusher_) flusher_->TrackFile(info.id, info.size);
   e->clients_ = 1;
   LOG(kInfo) << "export '" << name << "' opened (" << info.size << " bytes, dedup "

@@ -74,10 +74,12 @@ class Export {
   // next request is prefetched (read_ahead.h); 0: never. `budget`: the
   // host's read-ahead memory (may be nullptr: unbounded). `flusher`: where
   // the opt-out marker goes, as it may hold the file's log open (nullptr:
-  // straight to the log).
+  // straight to the log). `monitored`: the file's handle from
+  // monitor->AddFile (ExportTable adds the file before it builds the Export
+  // and removes it after closing it).
   Export(std::string name, std::unique_ptr<File> file, const FileInfo& info, Volume* vol,
-         WriteMonitor* monitor, size_t read_ahead_bytes = 0, ReadAheadBudget* budget = nullptr,
-         LogFlusher* flusher = nullptr);
+         WriteMonitor* monitor, WriteMonitor::FileHandle monitored, size_t read_ahead_bytes = 0,
+         ReadAheadBudget* budget = nullptr, LogFlusher* flusher = nullptr);
   const std::string& name() const { return name_; }
   FileId id() const { return id_; }
   uint64_t size() const { return size_; }
@@ -124,7 +126,7 @@ class Export {
   // while it is in the CPU's cache, as it arrives, and passing the result
   // to Write().
   bool fingerprints_writes() const {
-    return monitor_ != nullptr && dedup_.load() && monitor_->Recording(id_);
+    return monitor_ != nullptr && dedup_.load() && monitor_->Recording(monitored_);
   }
   std::vector<Fingerprint> FingerprintWrite(uint64_t offset, const void* buf, size_t len) const {
     return monitor_ ? monitor_->FingerprintWrite(offset, buf, len) : std::vector<Fingerprint>{};
@@ -150,6 +152,7 @@ class Export {
   std::unique_ptr<File> file_;
   Volume* const vol_;
   WriteMonitor* const monitor_;  // nullptr: monitoring disabled
+  const WriteMonitor::FileHandle monitored_;  // this file in monitor_
   LogFlusher* const flusher_;    // may be nullptr
   BlockRangeLock ranges_;
   AnsweredWrites answered_;

@@ -306,7 +306,9 @@ struct WriteMonitor::FileBuffer {
   // Lock order: restructure_mu, then mu, then the pool's mutex.
   Mutex restructure_mu;
   Mutex mu;
-  bool removed GUARDED_BY(mu) = false;
+  // Changed under mu; read without it by Resolve, to tell a handle's
+  // buffer from the file's current one.
+  std::atomic<bool> removed{false};
   uint64_t log_epoch GUARDED_BY(mu) = 0;  // LogTaken calls
   OpList ops GUARDED_BY(mu);  // since the last coalesce, in call order
   uint64_t record_ops GUARDED_BY(mu) = 0;  // ops with count == 0
@@ -517,16 +519,30 @@ void WriteMonitor::Release(uint64_t bytes) {
   buffered_bytes_.fetch_sub(bytes, std::memory_order_relaxed);
 }
 
-void WriteMonitor::AddFile(FileId id, bool dedup_on) {
+WriteMonitor::FileHandle WriteMonitor::AddFile(FileId id, bool dedup_on) {
+  std::shared_ptr<FileBuffer> fb;
   {
     WriterLock l(&mu_);
     auto& slot = files_[id];
     if (slot == nullptr) {
       slot = std::make_shared<FileBuffer>(id, dedup_on, pool_.get());
-      return;
+      return FileHandle(id, slot);
     }
+    fb = slot;
   }
   SetDedup(id, dedup_on);  // already monitored: only the setting changes
+  return FileHandle(id, std::move(fb));
+}
+
+WriteMonitor::FileBuffer* WriteMonitor::Resolve(const FileHandle& file,
+                                                std::shared_ptr<FileBuffer>* found) {
+  // A handle's buffer taken out by RemoveFile is never used again: the
+  // file may have been added anew, with a new buffer.
+  if (file.fb_ != nullptr && !file.fb_->removed.load(std::memory_order_acquire)) {
+    return file.fb_.get();
+  }
+  *found = Find(file.id_);
+  return found->get();
 }
 
 void WriteMonitor::RemoveFile(FileId id) {
@@ -542,7 +558,7 @@ void WriteMonitor::RemoveFile(FileId id) {
   // `removed` turns it away.
   MutexLock restructure(&fb->restructure_mu);
   MutexLock l(&fb->mu);
-  fb->removed = true;
+  fb->removed.store(true, std::memory_order_release);
   fb->Discard(&buffered_bytes_);
 }
 
@@ -600,15 +616,16 @@ std::vector<Fingerprint> WriteMonitor::FingerprintWrite(uint64_t offset, const v
   return out;
 }
 
-void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t len,
+void WriteMonitor::OnWrite(const FileHandle& file, uint64_t offset, const void* data, size_t len,
                            const std::vector<Fingerprint>* precomputed) {
   if (len == 0) return;
-  std::shared_ptr<FileBuffer> fb = Find(id);
+  std::shared_ptr<FileBuffer> found;
+  FileBuffer* const fb = Resolve(file, &found);
   if (fb == nullptr || !fb->dedup.load(std::memory_order_relaxed)) return;
   const WriteBlocks w(offset, len);
   const uint64_t end = w.end, head = w.head, tail = w.tail;
   const uint64_t first_full = w.first_full, end_full = w.end_full;
-  if (SkipForFullLog(fb.get(), w.whole())) return;
+  if (SkipForFullLog(fb, w.whole())) return;
   const uint64_t now = clock_->NowNanos();
 
   // Raw storage: every slot used is assigned first (no 4 KiB zeroing per call).
@@ -621,7 +638,7 @@ void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t 
   if (first_full >= end_full) {
     // No whole block: the one or two blocks touched are invalidated.
     new (&ops[n++]) Op{head, tail - head + 1, now, {}};
-    Append(fb.get(), ops, n, 0);
+    Append(fb, ops, n, 0);
     return;
   }
   if (offset % kBlockSize != 0) new (&ops[n++]) Op{head, 1, now, {}};
@@ -634,7 +651,7 @@ void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t 
   size_t hashed = 0;
   for (uint64_t b = first_full; b < end_full; b++, p += kBlockSize) {
     if (n == kOpsPerRound) {
-      Append(fb.get(), ops, n, hashed);
+      Append(fb, ops, n, hashed);
       n = 0;
       hashed = 0;
     }
@@ -643,20 +660,21 @@ void WriteMonitor::OnWrite(FileId id, uint64_t offset, const void* data, size_t 
         Op{b, 0, now, pre ? pre[b - first_full] : ComputeFingerprint(opts_.algo, p, kBlockSize)};
     hashed++;
   }
-  Append(fb.get(), ops, n, hashed);
+  Append(fb, ops, n, hashed);
 }
 
-void WriteMonitor::OnInvalidate(FileId id, uint64_t offset, uint64_t len) {
+void WriteMonitor::OnInvalidate(const FileHandle& file, uint64_t offset, uint64_t len) {
   if (len == 0) return;
-  std::shared_ptr<FileBuffer> fb = Find(id);
+  std::shared_ptr<FileBuffer> found;
+  FileBuffer* const fb = Resolve(file, &found);
   if (fb == nullptr || !fb->dedup.load(std::memory_order_relaxed)) return;
-  if (SkipForFullLog(fb.get(), 0)) return;
+  if (SkipForFullLog(fb, 0)) return;
   uint64_t end = offset + len;
   if (end < offset) end = std::numeric_limits<uint64_t>::max();
   const uint64_t first = offset / kBlockSize, last = (end - 1) / kBlockSize;
   // One op whatever the length: a TRIM of a whole disk stays O(1).
   Op op{first, last - first + 1, clock_->NowNanos(), {}};
-  Append(fb.get(), &op, 1, 0);
+  Append(fb, &op, 1, 0);
 }
 
 void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed) {
@@ -1019,8 +1037,9 @@ uint64_t WriteMonitor::LogEpoch(FileId id) {
   return fb->log_epoch;
 }
 
-bool WriteMonitor::Recording(FileId id) {
-  std::shared_ptr<FileBuffer> fb = Find(id);
+bool WriteMonitor::Recording(const FileHandle& file) {
+  std::shared_ptr<FileBuffer> found;
+  const FileBuffer* fb = Resolve(file, &found);
   return fb != nullptr && fb->Recording();
 }
 

@@ -130,8 +130,36 @@ class WriteMonitor {
 
   HashAlgo algo() const { return opts_.algo; }
 
-  // Starts monitoring `id`. Calls for files never added are ignored.
-  void AddFile(FileId id, bool dedup_on);
+ private:
+  // Defined in write_monitor.cc. One file's buffer: an append-only list of
+  // compact ops and the coalesced state they are folded into, under its
+  // own mutex.
+  struct FileBuffer;
+
+ public:
+  // A monitored file as a caller that writes it keeps it (dedupd's Export,
+  // for as long as it serves the file). Calls through a handle skip the
+  // lookup of the file in the monitor's map, which costs a shared lock and
+  // two reference-count updates per call, and dedupd makes two calls per
+  // WRITE. A handle stays safe after RemoveFile: calls through it then look
+  // the file up by id, as the id-taking calls do. It must not outlive the
+  // monitor.
+  class FileHandle {
+   public:
+    FileHandle() = default;
+    explicit FileHandle(FileId id) : id_(id) {}  // looks the file up at every call
+    FileId id() const { return id_; }
+
+   private:
+    friend class WriteMonitor;
+    FileHandle(FileId id, std::shared_ptr<FileBuffer> fb) : id_(id), fb_(std::move(fb)) {}
+    FileId id_;
+    std::shared_ptr<FileBuffer> fb_;
+  };
+
+  // Starts monitoring `id` (or, already monitored, sets dedup) and returns
+  // its handle. Calls for files never added are ignored.
+  FileHandle AddFile(FileId id, bool dedup_on);
   // Stops monitoring and discards the file's buffer (take it first).
   void RemoveFile(FileId id);
   // dedup=off discards the file's buffer and stops hashing; on resumes.
@@ -144,15 +172,22 @@ class WriteMonitor {
   // hashed earlier by a caller that had it in the CPU's cache (dedupd hashes
   // a WRITE's payload as it arrives); used instead of hashing again if it
   // has one fingerprint per whole block.
-  void OnWrite(FileId id, uint64_t offset, const void* data, size_t len,
+  void OnWrite(const FileHandle& file, uint64_t offset, const void* data, size_t len,
                const std::vector<Fingerprint>* precomputed = nullptr);
+  void OnWrite(FileId id, uint64_t offset, const void* data, size_t len,
+               const std::vector<Fingerprint>* precomputed = nullptr) {
+    OnWrite(FileHandle(id), offset, data, len, precomputed);
+  }
   // The fingerprints OnWrite would compute for a write of `len` bytes at
   // `offset`: one per whole aligned block, in order. Hashing happens here,
   // with no lock held.
   std::vector<Fingerprint> FingerprintWrite(uint64_t offset, const void* data, size_t len) const;
   // Bytes [offset, offset+len) changed without data to hash (TRIM,
   // WRITE_ZEROES, failed write): every block it touches is invalidated.
-  void OnInvalidate(FileId id, uint64_t offset, uint64_t len);
+  void OnInvalidate(const FileHandle& file, uint64_t offset, uint64_t len);
+  void OnInvalidate(FileId id, uint64_t offset, uint64_t len) {
+    OnInvalidate(FileHandle(id), offset, len);
+  }
 
   // `hook` is called when a file's buffer reaches flush_bytes: once per
   // crossing, on the write path that crossed it, outside the file's locks,
@@ -210,23 +245,25 @@ class WriteMonitor {
   // (FingerprintWrite) asks first, so a file whose log is full is not
   // hashed for nothing until a pass takes its log. A hint: the answer may
   // change before OnWrite (OnWrite hashes what it was not given).
-  bool Recording(FileId id);
+  bool Recording(const FileHandle& file);
+  bool Recording(FileId id) { return Recording(FileHandle(id)); }
 
   // Unknown files report zeros and dedup = false.
   MonitorFileStats FileStats(FileId id);
   MonitorStats Stats();
 
  private:
-  // Defined in write_monitor.cc. One file's buffer: an append-only list of
-  // compact ops (a record, or an invalidated block range) and the coalesced
-  // state they are folded into, under its own mutex. The list lives in
-  // chunks recycled through the monitor's pool.
+  // Defined in write_monitor.cc: a change as the write path appends it (a
+  // run of records, or an invalidated block range), kept in chunks recycled
+  // through the monitor's pool.
   struct Op;
   struct ChunkPool;
   class OpList;
-  struct FileBuffer;
 
   std::shared_ptr<FileBuffer> Find(FileId id) EXCLUDES(mu_);
+  // The handle's buffer while its file is monitored; else the file's
+  // buffer found by id (kept alive in `found`), or nullptr.
+  FileBuffer* Resolve(const FileHandle& file, std::shared_ptr<FileBuffer>* found) EXCLUDES(mu_);
   // Adds the ops of one call to `fb` (appended while under the cap; else
   // applied one by one to the coalesced state, shed when there is no room).
   void Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed);

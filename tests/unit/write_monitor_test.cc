@@ -285,6 +285,52 @@ TEST_CASE("writemon: dedup=off files are not hashed; SetDedup off discards", "[w
   CHECK(m.Take(kG).empty());
 }
 
+TEST_CASE("writemon: a file's handle records like its id, and after RemoveFile finds the file anew",
+          "[writemon]") {
+  ManualClock clock;
+  WriteMonitor m(Opts(&clock));
+  const std::vector<uint8_t> a = Data(4 * kB, 1), b = Data(2 * kB, 2);
+  WriteMonitor::FileHandle h = m.AddFile(kF, true);
+  CHECK(h.id() == kF);
+  CHECK(m.Recording(h));
+  m.OnWrite(h, 0, a.data(), a.size());
+  m.OnInvalidate(h, kB, kB);
+  MonitorBatch first = m.Take(kF);
+  CHECK(Records(first).size() == 3);
+  CHECK(InvalidBlocks(first) == std::set<uint64_t>{1});
+
+  // Adding the file again (dedup changes) keeps the same buffer.
+  WriteMonitor::FileHandle again = m.AddFile(kF, false);
+  CHECK_FALSE(m.Recording(h));
+  m.OnWrite(h, 0, a.data(), a.size());
+  CHECK(m.FileStats(kF).hashed_blocks == 4);  // the first write's only
+  m.AddFile(kF, true);
+  CHECK(m.Recording(again));
+
+  // Removed: the handle records nothing and says so.
+  m.RemoveFile(kF);
+  CHECK_FALSE(m.Recording(h));
+  m.OnWrite(h, 0, a.data(), a.size());
+  CHECK(m.Take(kF).empty());
+  CHECK(m.Stats().buffered_bytes == 0);
+
+  // Added anew (a new buffer): the old handle's writes reach it, not the
+  // removed buffer it still holds.
+  m.AddFile(kF, true);
+  CHECK(m.Recording(h));
+  m.OnWrite(h, 8 * kB, b.data(), b.size());
+  m.OnInvalidate(again, 8 * kB, kB);
+  MonitorBatch second = m.Take(kF);
+  CHECK(Records(second) == std::map<uint64_t, Fingerprint>{{9, Fp(HashAlgo::kXxh128, b.data() + kB)}});
+  CHECK(InvalidBlocks(second) == std::set<uint64_t>{8});
+
+  // A handle of a file never added is ignored.
+  WriteMonitor::FileHandle none(FileId{99, 1});
+  CHECK_FALSE(m.Recording(none));
+  m.OnWrite(none, 0, a.data(), a.size());
+  CHECK(m.Take(FileId{99, 1}).empty());
+}
+
 TEST_CASE("writemon: a file whose log is full is not hashed until a pass takes the log",
           "[writemon]") {
   ManualClock clock;
