@@ -88,10 +88,9 @@ struct MonitorBatch {
 struct WriteMonitorOptions {
   HashAlgo algo = HashAlgo::kXxh128;
   // Cap on buffered bytes (all files): past it new records are shed. What
-  // is counted is an estimate of the heap the buffers take, on the high
-  // side (a pending record or range, or a coalesced entry, is charged like
-  // a tree node, ~88 bytes); up to 16 MiB of spare chunks kept for reuse
-  // come on top.
+  // is counted is an estimate of the heap the buffers take (an op or a
+  // coalesced entry is charged like a tree node, ~88 bytes); up to 16 MiB
+  // of spare op chunks kept for reuse come on top.
   size_t memory_cap_bytes = size_t{64} << 20;
   // A file is due for flushing when its coalesced records would encode to
   // at least this many bytes in the write log (so a flush under sustained
