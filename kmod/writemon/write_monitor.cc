@@ -1,7 +1,6 @@
 #include "kmod/writemon/write_monitor.h"
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 #include <new>
 #include <type_traits>
@@ -133,7 +132,7 @@ struct SortKey {
   uint64_t block;
   uint64_t index;
 };
-// A table of this many slots per record is still cheaper to fill and scan
+// A table of this many slots per op is still cheaper to fill and scan
 // than sorting the ops (4 bytes a slot against 16 bytes a key and log n
 // passes).
 constexpr uint64_t kDenseSpanFactor = 4;
@@ -153,77 +152,57 @@ struct SortScratch {
 
 }  // namespace
 
-// One change, as the write path appends it: a run of records, blocks
-// [block, block + count) with their fingerprints at [fp_at, fp_at + count)
-// of the list's fingerprint store, or the invalidation of [block, block +
-// count) (fp_at == kNoFp). A 64 KiB write is one op and 16 packed
-// fingerprints, 18 bytes a record: an op per block with its fingerprint
-// inline took 64, and moving those bytes was most of what Append and Take
-// cost (docs/BENCHMARKS.md, session 29).
+// One change, as the write path appends it: a record (count == 0) or the
+// invalidation of [block, block + count).
 struct WriteMonitor::Op {
-  static constexpr uint64_t kNoFp = ~uint64_t{0};
   uint64_t block = 0;
   uint64_t count = 0;
   uint64_t time_ns = 0;
-  uint64_t fp_at = kNoFp;
-  bool records() const { return fp_at != kNoFp; }
-  uint64_t end() const { return block + count; }
+  Fingerprint fp;
 };
 
 namespace {
 
-// An entry (a record, or an invalidated range) is charged like the tree
-// node it may become, so coalescing never raises a file's charge (except a
-// record splitting a range in two). It is an estimate on the high side:
-// buffered, a record takes a fraction of it.
-constexpr uint64_t kEntryBytes = std::max<uint64_t>(kNodeBytes, 64);
+// An op is charged like the tree node it may become, so coalescing never
+// raises a file's charge (except a record splitting a range in two).
+constexpr uint64_t kOpBytes = std::max<uint64_t>(kNodeBytes, 64);
 
-// Ops and fingerprints are kept in fixed-size chunks, so growing a buffer
-// never copies what is there (a vector doubling 2 MiB under the file's
-// lock would stall the write path). Chunks are raw storage (no zeroing)
-// and recycled through a small pool, so steady writing reuses memory that
-// is already mapped instead of faulting in fresh pages.
-constexpr size_t kChunkBytes = size_t{64} << 10;
+// Ops are kept in fixed-size chunks, so growing a buffer never copies what
+// is there (a vector doubling 2 MiB under the file's lock would stall the
+// write path). Chunks are raw storage (Op is trivially copyable: no
+// zeroing) and recycled through a small pool, so steady writing reuses
+// memory that is already mapped instead of faulting in fresh pages.
+constexpr size_t kChunkOps = 1024;
 
 constexpr uint32_t kMaxCoalesceBackoff = 64;
-
-// A fingerprint of `size` bytes as packed in an OpList's store.
-Fingerprint UnpackFingerprint(const uint8_t* p, size_t size) {
-  Fingerprint f;
-  std::memcpy(f.bytes.data(), p, size);
-  f.size = static_cast<uint8_t>(size);
-  return f;
-}
 
 }  // namespace
 
 struct WriteMonitor::ChunkPool {
-  explicit ChunkPool(size_t fp) : fp_size(fp), chunk_fps(kChunkBytes / fp) {}
   // Spare chunks kept for reuse, all files together (16 MiB); not charged to
   // the cap, which counts what is buffered. Sized for what one flush interval
-  // of a busy VM buffers, with room to spare (500 MB/s for 1 s is 128k
-  // records, 2 MiB of fingerprints): with fewer, every flush freed the
-  // surplus and the next interval faulted it in again, at 7-30 us a page on
-  // these guests (docs/BENCHMARKS.md, "NBD data path").
-  static constexpr size_t kMaxSpareChunks = (size_t{16} << 20) / kChunkBytes;
-  static constexpr size_t kAlign = 64;
+  // of a busy VM buffers (500 MB/s for 1 s is 128k ops, 125 chunks): with
+  // fewer, every flush freed the surplus and the next interval faulted it
+  // in again, at 7-30 us a page on these guests (docs/BENCHMARKS.md, "NBD
+  // data path").
+  static constexpr size_t kMaxSpareChunks = (size_t{16} << 20) / (kChunkOps * sizeof(Op));
 
   ~ChunkPool() {
     MutexLock l(&mu);
-    for (void* c : spare) Free(c);
+    for (Op* c : spare) Free(c);
   }
-  void* Get() {
+  Op* Get() {
     {
       MutexLock l(&mu);
       if (!spare.empty()) {
-        void* c = spare.back();
+        Op* c = spare.back();
         spare.pop_back();
         return c;
       }
     }
-    return ::operator new(kChunkBytes, std::align_val_t{kAlign});
+    return static_cast<Op*>(::operator new(kChunkOps * sizeof(Op), std::align_val_t{alignof(Op)}));
   }
-  void Put(void* c) {
+  void Put(Op* c) {
     {
       MutexLock l(&mu);
       if (spare.size() < kMaxSpareChunks) {
@@ -233,19 +212,14 @@ struct WriteMonitor::ChunkPool {
     }
     Free(c);
   }
-  static void Free(void* c) { ::operator delete(c, std::align_val_t{kAlign}); }
+  static void Free(Op* c) { ::operator delete(c, std::align_val_t{alignof(Op)}); }
 
-  const size_t fp_size;    // bytes of a fingerprint (the monitor's algo)
-  const size_t chunk_fps;  // fingerprints a chunk holds
   Mutex mu;  // a leaf: taken under a file's mutex, never the other way
-  std::vector<void*> spare GUARDED_BY(mu);
+  std::vector<Op*> spare GUARDED_BY(mu);
 };
 
-// A file's ops in call order, and the fingerprints of their records packed
-// in a store of their own (fp_size bytes each, in the order appended).
 class WriteMonitor::OpList {
   static_assert(std::is_trivially_copyable_v<Op> && std::is_trivially_destructible_v<Op>);
-  static constexpr size_t kChunkOps = kChunkBytes / sizeof(Op);
 
  public:
   explicit OpList(ChunkPool* pool) : pool_(pool) {}
@@ -253,107 +227,35 @@ class WriteMonitor::OpList {
   OpList(const OpList&) = delete;
   OpList& operator=(const OpList&) = delete;
 
-  // Appends a run of `count` (> 0) records of blocks [block, block +
-  // count), their fingerprints packed at `fps`. A run that continues the
-  // last op (the next block, the same time) extends it.
-  void PushRecords(uint64_t block, uint64_t count, uint64_t time_ns, const uint8_t* fps) {
-    const uint64_t at = fps_;
-    StoreFps(fps, count);
-    if (size_ > 0) {
-      Op& last = Last();
-      if (last.records() && last.end() == block && last.time_ns == time_ns &&
-          last.fp_at + last.count == at) {
-        last.count += count;
-        return;
-      }
-    }
-    PushOp(Op{block, count, time_ns, at});
+  void push_back(const Op& v) {
+    if (size_ % kChunkOps == 0) chunks_.push_back(pool_->Get());
+    // Placement copy into raw storage: no zeroing first.
+    new (chunks_.back() + size_ % kChunkOps) Op(v);
+    size_++;
   }
-  void PushInvalid(uint64_t block, uint64_t count, uint64_t time_ns) {
-    PushOp(Op{block, count, time_ns, Op::kNoFp});
-  }
-  // Appends `op` of `from` (its fingerprints copied).
-  void PushFrom(const OpList& from, const Op& op) {
-    if (!op.records()) {
-      PushOp(op);
-      return;
-    }
-    const size_t per = pool_->chunk_fps;
-    for (uint64_t done = 0; done < op.count;) {
-      const uint64_t at = op.fp_at + done;
-      const uint64_t n = std::min<uint64_t>(op.count - done, per - at % per);
-      PushRecords(op.block + done, n, op.time_ns, from.Fp(at));
-      done += n;
-    }
-  }
-  // A record of `from`, one block of `op`.
-  void PushRecordFrom(const OpList& from, const Op& op, uint64_t block) {
-    PushRecords(block, 1, op.time_ns, from.Fp(op.fp_at + (block - op.block)));
-  }
-
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
-  const Op& back() const { return ops_.back()[(size_ - 1) % kChunkOps]; }
-  const Op& operator[](size_t i) const { return ops_[i / kChunkOps][i % kChunkOps]; }
-  // The fingerprint bytes at store index `at`.
-  const uint8_t* Fp(uint64_t at) const {
-    return fp_chunks_[at / pool_->chunk_fps] + (at % pool_->chunk_fps) * pool_->fp_size;
-  }
-  Fingerprint FingerprintAt(uint64_t at) const { return UnpackFingerprint(Fp(at), pool_->fp_size); }
+  const Op& back() const { return chunks_.back()[(size_ - 1) % kChunkOps]; }
+  const Op& operator[](size_t i) const { return chunks_[i / kChunkOps][i % kChunkOps]; }
   void clear() {
-    for (Op* c : ops_) pool_->Put(c);
-    for (uint8_t* c : fp_chunks_) pool_->Put(c);
-    ops_.clear();
-    fp_chunks_.clear();
+    for (Op* c : chunks_) pool_->Put(c);
+    chunks_.clear();
     size_ = 0;
-    fps_ = 0;
   }
   void swap(OpList& o) {
-    ops_.swap(o.ops_);
-    fp_chunks_.swap(o.fp_chunks_);
+    chunks_.swap(o.chunks_);
     std::swap(size_, o.size_);
-    std::swap(fps_, o.fps_);
     std::swap(pool_, o.pool_);
   }
   template <typename F>
   void ForEach(F&& f) const {
-    for (size_t i = 0; i < size_; i++) f(ops_[i / kChunkOps][i % kChunkOps]);
-  }
-  // Calls f(block, time_ns, fp) for every record of every records op, in
-  // call order.
-  template <typename F>
-  void ForEachRecord(F&& f) const {
-    ForEach([&](const Op& op) {
-      if (!op.records()) return;
-      for (uint64_t j = 0; j < op.count; j++) f(op.block + j, op.time_ns, op.fp_at + j);
-    });
+    for (size_t i = 0; i < size_; i++) f(chunks_[i / kChunkOps][i % kChunkOps]);
   }
 
  private:
-  Op& Last() { return ops_.back()[(size_ - 1) % kChunkOps]; }
-  void PushOp(const Op& v) {
-    if (size_ % kChunkOps == 0) ops_.push_back(static_cast<Op*>(pool_->Get()));
-    // Placement copy into raw storage: no zeroing first.
-    new (ops_.back() + size_ % kChunkOps) Op(v);
-    size_++;
-  }
-  void StoreFps(const uint8_t* fps, uint64_t count) {
-    const size_t per = pool_->chunk_fps, fp = pool_->fp_size;
-    while (count > 0) {
-      if (fps_ % per == 0) fp_chunks_.push_back(static_cast<uint8_t*>(pool_->Get()));
-      const uint64_t n = std::min<uint64_t>(count, per - fps_ % per);
-      std::memcpy(fp_chunks_.back() + (fps_ % per) * fp, fps, n * fp);
-      fps += n * fp;
-      fps_ += n;
-      count -= n;
-    }
-  }
-
   ChunkPool* pool_;
-  std::vector<Op*> ops_;
-  std::vector<uint8_t*> fp_chunks_;
-  size_t size_ = 0;   // ops
-  uint64_t fps_ = 0;  // fingerprints in the store
+  std::vector<Op*> chunks_;
+  size_t size_ = 0;
 };
 
 struct WriteMonitor::FileBuffer {
@@ -409,12 +311,11 @@ struct WriteMonitor::FileBuffer {
   std::atomic<bool> removed{false};
   uint64_t log_epoch GUARDED_BY(mu) = 0;  // LogTaken calls
   OpList ops GUARDED_BY(mu);  // since the last coalesce, in call order
-  uint64_t op_records GUARDED_BY(mu) = 0;   // records in `ops`' runs
-  uint64_t invalid_ops GUARDED_BY(mu) = 0;  // invalidations in `ops`
-  // `ops` are runs of records of strictly increasing blocks (kept up to
-  // date in O(1) per op). With an empty `state` too the ops are already
-  // their own coalesced form (sequential writing): sizing is exact,
-  // coalescing gains nothing, and Take needs no tree.
+  uint64_t record_ops GUARDED_BY(mu) = 0;  // ops with count == 0
+  // `ops` are records of strictly increasing blocks (kept up to date in
+  // O(1) per op). With an empty `state` too the ops are already their own
+  // coalesced form (sequential writing): sizing is exact, coalescing gains
+  // nothing, and Take needs no tree.
   bool ops_increasing GUARDED_BY(mu) = true;
   State state GUARDED_BY(mu);              // everything before `ops`
   uint64_t charged GUARDED_BY(mu) = 0;     // this file's part of buffered_bytes_
@@ -431,11 +332,8 @@ struct WriteMonitor::FileBuffer {
   uint64_t detached_charge GUARDED_BY(mu) = 0;
   uint64_t detached_records GUARDED_BY(mu) = 0;
 
-  // Records and invalidations in `ops`, each an entry of the log to be.
-  uint64_t OpEntries() const REQUIRES(mu) { return op_records + invalid_ops; }
-
   uint64_t Charge() const REQUIRES(mu) {
-    return OpEntries() * kEntryBytes + state.nodes() * kNodeBytes + detached_charge;
+    return ops.size() * kOpBytes + state.nodes() * kNodeBytes + detached_charge;
   }
 
   // Brings the shared counter in line with what the file holds now.
@@ -449,20 +347,13 @@ struct WriteMonitor::FileBuffer {
     charged = now;
   }
 
-  // Appends one call's ops; a records op's fingerprints are at `fps` +
-  // op.fp_at * fp_size (packed).
-  void Append(const Op* in, size_t n, const uint8_t* fps, size_t fp_size) REQUIRES(mu) {
+  void Append(const Op* in, size_t n) REQUIRES(mu) {
     for (size_t i = 0; i < n; i++) {
       const Op& op = in[i];
-      if (op.records()) {
-        ops_increasing = ops_increasing && (ops.empty() || op.block >= ops.back().end());
-        op_records += op.count;
-        ops.PushRecords(op.block, op.count, op.time_ns, fps + op.fp_at * fp_size);
-      } else {
-        ops_increasing = false;
-        invalid_ops++;
-        ops.PushInvalid(op.block, op.count, op.time_ns);
-      }
+      record_ops += op.count == 0;
+      ops_increasing =
+          ops_increasing && op.count == 0 && (ops.empty() || op.block > ops.back().block);
+      ops.push_back(op);
     }
   }
 
@@ -470,83 +361,65 @@ struct WriteMonitor::FileBuffer {
 
   // Only records, nothing coalesced before them: coalescing is a sort of
   // the ops by block, latest first (SortRecords), no tree.
-  bool RecordsOnly() const REQUIRES(mu) { return invalid_ops == 0 && state.empty(); }
+  bool RecordsOnly() const REQUIRES(mu) { return record_ops == ops.size() && state.empty(); }
 
-  // The first sorted_ops of `ops` are what the last in-place sort left:
-  // sorted_records records in increasing block order. Append coalesces in
-  // place again past the threshold and at least twice that, so hot
-  // rewrites cost O(log n) per record, not a re-sort per write.
+  // Ops at which Append coalesces in place again: past the threshold and
+  // at least twice what the last in-place sort left, so hot rewrites cost
+  // O(log n) per op, not a re-sort per write.
   size_t sorted_ops GUARDED_BY(mu) = 0;
-  uint64_t sorted_records GUARDED_BY(mu) = 0;
   // `threshold`: the monitor's, times the backoff (CoalesceAt).
-  bool CoalesceDue(uint64_t threshold) const REQUIRES(mu) {
-    return !detached && OpEntries() >= std::max(threshold, 2 * sorted_records) && !Sequential();
+  bool CoalesceDue(size_t threshold) const REQUIRES(mu) {
+    return !detached && ops.size() >= std::max(threshold, 2 * sorted_ops) && !Sequential();
   }
 
-  // Calls f(block, time_ns, fp_at) for the latest record of each block of
-  // `list` (records ops only), in block order; fp_at indexes `list`'s
-  // fingerprints. The first `sorted_prefix` ops are known to hold strictly
-  // increasing blocks (what the last coalescing sort left).
+  // Calls f for the latest op of each block of `list` (records only), in
+  // block order. The first `sorted_prefix` ops are known to be in strictly
+  // increasing block order (what the last coalescing sort left).
   //
   // Callers order only ops that are not increasing (increasing records
   // are Sequential: their own coalesced form). Without a comparison sort
-  // when it can: records whose blocks are dense (a span of at most
-  // kDenseSpanFactor slots per record) are placed by block into a table,
-  // the latest op of a block overwriting the earlier ones, then read back
-  // in block order: linear. That is the common case of one sequential
-  // writer whose requests dedupd's workers finish out of order (never
-  // increasing, never a rewrite), which a sort paid n log n for at every
-  // flush (two fifths of the flusher thread's CPU, docs/BENCHMARKS.md,
-  // session 28). Sparse blocks (random writes over a big file) are sorted.
+  // when it can: ops whose blocks are dense (a span of at most
+  // kDenseSpanFactor slots per op) are placed by block into a table, the
+  // latest op of a block overwriting the earlier ones, then read back in
+  // block order: linear. That is the common case of one sequential writer
+  // whose requests dedupd's workers finish out of order (never increasing,
+  // never a rewrite), which a sort paid n log n for at every flush (two
+  // fifths of the flusher thread's CPU, docs/BENCHMARKS.md, session 28).
+  // Sparse blocks (random writes over a big file) are sorted.
   template <typename F>
   static void SortRecords(const OpList& list, size_t sorted_prefix, F&& f) {
     const size_t n = list.size();
     if (n == 0) return;
-    uint64_t lo = list[0].block, hi = list[0].end() - 1, records = 0;
-    list.ForEach([&](const Op& op) {
-      lo = std::min(lo, op.block);
-      hi = std::max(hi, op.end() - 1);
-      records += op.count;
-    });
+    uint64_t lo = list[0].block, hi = lo;
+    for (size_t i = 1; i < n; i++) {
+      lo = std::min(lo, list[i].block);
+      hi = std::max(hi, list[i].block);
+    }
     SortScratch& scratch = SortScratch::ForThread();
     const uint64_t span = hi - lo + 1;  // blocks stay below 2^52: no wrap
-    if (n < std::numeric_limits<uint32_t>::max() && span / kDenseSpanFactor <= records) {
+    if (n < std::numeric_limits<uint32_t>::max() && span / kDenseSpanFactor <= n) {
       std::vector<uint32_t>& slot = scratch.slots;
       slot.assign(span, 0);
-      for (size_t i = 0; i < n; i++) {
-        const Op& op = list[i];
-        std::fill_n(slot.begin() + static_cast<ptrdiff_t>(op.block - lo), op.count,
-                    static_cast<uint32_t>(i + 1));
-      }
-      for (uint64_t b = 0; b < span; b++) {
-        if (slot[b] == 0) continue;
-        const Op& op = list[slot[b] - 1];
-        f(lo + b, op.time_ns, op.fp_at + (lo + b - op.block));
+      for (size_t i = 0; i < n; i++) slot[list[i].block - lo] = static_cast<uint32_t>(i + 1);
+      for (uint32_t s : slot) {
+        if (s != 0) f(list[s - 1]);
       }
       scratch.Trim();
       return;
     }
-    // Keys of one block in op order, so the last of equal blocks is the
-    // latest (ops of one call never repeat a block).
     std::vector<SortKey>& keys = scratch.keys;
     keys.clear();
-    keys.reserve(records);
-    size_t prefix_keys = 0;
-    for (size_t i = 0; i < n; i++) {
-      const Op& op = list[i];
-      for (uint64_t j = 0; j < op.count; j++) keys.push_back(SortKey{op.block + j, i});
-      if (i < sorted_prefix) prefix_keys = keys.size();
-    }
+    keys.reserve(n);
+    for (size_t i = 0; i < n; i++) keys.push_back(SortKey{list[i].block, i});
     auto less = [](const SortKey& a, const SortKey& b) {
       return a.block < b.block || (a.block == b.block && a.index < b.index);
     };
-    const auto mid = keys.begin() + static_cast<ptrdiff_t>(prefix_keys);
+    const auto mid = keys.begin() + static_cast<ptrdiff_t>(std::min(sorted_prefix, n));
     std::sort(mid, keys.end(), less);
     std::inplace_merge(keys.begin(), mid, keys.end(), less);
-    for (size_t i = 0; i < keys.size(); i++) {
-      if (i + 1 < keys.size() && keys[i + 1].block == keys[i].block) continue;  // a later write wins
-      const Op& op = list[keys[i].index];
-      f(keys[i].block, op.time_ns, op.fp_at + (keys[i].block - op.block));
+    for (size_t i = 0; i < n; i++) {
+      if (i + 1 < n && keys[i + 1].block == keys[i].block) continue;  // a later write wins
+      f(list[keys[i].index]);
     }
     scratch.Trim();
   }
@@ -554,16 +427,15 @@ struct WriteMonitor::FileBuffer {
   // Drops the ops (applied or discarded by the caller).
   void ClearOps() REQUIRES(mu) {
     ops.clear();
-    op_records = 0;
-    invalid_ops = 0;
+    record_ops = 0;
     ops_increasing = true;
     sorted_ops = 0;
-    sorted_records = 0;
   }
 
   void Coalesce(std::atomic<uint64_t>* total) REQUIRES(mu) {
     if (ops.empty()) return;
-    ApplyOps(&state, ops);
+    State* s = &state;
+    ops.ForEach([s](const Op& op) { ApplyOp(s, op); });
     ClearOps();
     Recharge(total);
   }
@@ -584,34 +456,28 @@ struct WriteMonitor::FileBuffer {
     }
   }
 
-  // The log bytes of what is buffered, every entry of the ops counted as
-  // a new one after the coalesced state: exact when the ops are Sequential
-  // or empty.
+  // The log bytes of what is buffered, every op counted as a new entry
+  // after the coalesced state: exact when the ops are Sequential or empty.
   uint64_t LogBytesBound(size_t record_bytes, size_t range_bytes) const REQUIRES(mu) {
-    return (state.records.size() + op_records) * record_bytes +
-           (state.ranges.size() + invalid_ops) * range_bytes;
+    return (state.records.size() + record_ops) * record_bytes +
+           (state.ranges.size() + ops.size() - record_ops) * range_bytes;
   }
 
   uint64_t BufferedRecords() const REQUIRES(mu) {
-    return state.records.size() + op_records + detached_records;
+    return state.records.size() + record_ops + detached_records;
   }
 
-  // Applies `list`'s ops, in order, to `s`.
-  static void ApplyOps(State* s, const OpList& list) {
-    list.ForEach([&](const Op& op) {
-      if (!op.records()) {
-        s->Invalidate(op.block, op.end(), op.time_ns);
-        return;
-      }
-      for (uint64_t j = 0; j < op.count; j++) {
-        s->SetRecord(op.block + j, op.time_ns, list.FingerprintAt(op.fp_at + j));
-      }
-    });
+  static void ApplyOp(State* s, const Op& op) {
+    if (op.count == 0) {
+      s->SetRecord(op.block, op.time_ns, op.fp);
+    } else {
+      s->Invalidate(op.block, op.block + op.count, op.time_ns);
+    }
   }
 };
 
 WriteMonitor::WriteMonitor(const WriteMonitorOptions& opts)
-    : pool_(std::make_unique<ChunkPool>(HashAlgoSize(opts.algo))),
+    : pool_(std::make_unique<ChunkPool>()),
       opts_(opts),
       clock_(opts.clock != nullptr ? opts.clock : Clock::Real()),
       record_bytes_(WriteLogRecordBytes(opts.algo)),
@@ -624,7 +490,7 @@ WriteMonitor::WriteMonitor(const WriteMonitorOptions& opts)
       // Backed off, a file still coalesces before its ops fill a quarter
       // of the cap: a writer that turns to hot rewrites then costs memory
       // for a while, never the other files' room.
-      max_coalesce_ops_(std::max<size_t>(coalesce_ops_, opts.memory_cap_bytes / kEntryBytes / 4)),
+      max_coalesce_ops_(std::max<size_t>(coalesce_ops_, opts.memory_cap_bytes / kOpBytes / 4)),
       // The least bound b with b / 8 * 7 >= flush_bytes.
       backed_off_due_bytes_(8 * ((opts.flush_bytes + 6) / 7)) {}
 
@@ -762,39 +628,39 @@ void WriteMonitor::OnWrite(const FileHandle& file, uint64_t offset, const void* 
   if (SkipForFullLog(fb, w.whole())) return;
   const uint64_t now = clock_->NowNanos();
 
-  // A call appends at most three ops (two partial edges, one run) per
-  // round; the round's fingerprints are packed here. Raw storage: every
-  // byte used is written first (no zeroing per call).
-  Op ops[3];
+  // Raw storage: every slot used is assigned first (no 4 KiB zeroing per call).
+  union OpArray {
+    OpArray() {}
+    Op v[kOpsPerRound];
+  } storage;
+  Op* const ops = storage.v;
   size_t n = 0;
   if (first_full >= end_full) {
     // No whole block: the one or two blocks touched are invalidated.
-    ops[n++] = Op{head, tail - head + 1, now, Op::kNoFp};
-    Append(fb, ops, n, nullptr, 0);
+    new (&ops[n++]) Op{head, tail - head + 1, now, {}};
+    Append(fb, ops, n, 0);
     return;
   }
-  if (offset % kBlockSize != 0) ops[n++] = Op{head, 1, now, Op::kNoFp};
-  if (end % kBlockSize != 0) ops[n++] = Op{tail, 1, now, Op::kNoFp};
-  uint8_t fps[kOpsPerRound * sizeof(Fingerprint::bytes)];
-  const size_t fp_size = pool_->fp_size;
+  if (offset % kBlockSize != 0) new (&ops[n++]) Op{head, 1, now, {}};
+  if (end % kBlockSize != 0) new (&ops[n++]) Op{tail, 1, now, {}};
   const uint8_t* p = static_cast<const uint8_t*>(data) + (first_full * kBlockSize - offset);
   const Fingerprint* pre =
       precomputed != nullptr && precomputed->size() == w.whole()
           ? precomputed->data()
           : nullptr;
-  for (uint64_t b = first_full; b < end_full;) {
-    const uint64_t round = std::min<uint64_t>(end_full - b, kOpsPerRound);
-    for (uint64_t j = 0; j < round; j++, p += kBlockSize) {
-      // Hashing happens here (unless it happened earlier), with no lock held.
-      const Fingerprint f =
-          pre ? pre[b + j - first_full] : ComputeFingerprint(opts_.algo, p, kBlockSize);
-      std::memcpy(fps + j * fp_size, f.bytes.data(), fp_size);
+  size_t hashed = 0;
+  for (uint64_t b = first_full; b < end_full; b++, p += kBlockSize) {
+    if (n == kOpsPerRound) {
+      Append(fb, ops, n, hashed);
+      n = 0;
+      hashed = 0;
     }
-    ops[n++] = Op{b, round, now, 0};
-    Append(fb, ops, n, fps, round);
-    n = 0;
-    b += round;
+    // Hashing happens here (unless it happened earlier), with no lock held.
+    new (&ops[n++])
+        Op{b, 0, now, pre ? pre[b - first_full] : ComputeFingerprint(opts_.algo, p, kBlockSize)};
+    hashed++;
   }
+  Append(fb, ops, n, hashed);
 }
 
 void WriteMonitor::OnInvalidate(const FileHandle& file, uint64_t offset, uint64_t len) {
@@ -807,20 +673,17 @@ void WriteMonitor::OnInvalidate(const FileHandle& file, uint64_t offset, uint64_
   if (end < offset) end = std::numeric_limits<uint64_t>::max();
   const uint64_t first = offset / kBlockSize, last = (end - 1) / kBlockSize;
   // One op whatever the length: a TRIM of a whole disk stays O(1).
-  const Op op{first, last - first + 1, clock_->NowNanos(), Op::kNoFp};
-  Append(fb, &op, 1, nullptr, 0);
+  Op op{first, last - first + 1, clock_->NowNanos(), {}};
+  Append(fb, &op, 1, 0);
 }
 
-void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, const uint8_t* fps,
-                          size_t hashed) {
+void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed) {
   if (n == 0) return;
   fb->hashed.fetch_add(hashed, std::memory_order_relaxed);
   hashed_blocks_.fetch_add(hashed, std::memory_order_relaxed);
-  uint64_t entries = 0;
-  for (size_t i = 0; i < n; i++) entries += ops[i].records() ? ops[i].count : 1;
-  const uint64_t charge = entries * kEntryBytes;
+  const uint64_t charge = n * kOpBytes;
   if (!Reserve(charge)) {
-    AppendAtCap(fb, ops, n, fps, hashed);
+    AppendAtCap(fb, ops, n, hashed);
     return;
   }
   bool coalesce, due;
@@ -835,7 +698,7 @@ void WriteMonitor::Append(FileBuffer* fb, const Op* ops, size_t n, const uint8_t
     }
     // The common case: append, nothing else. Sequential ops have nothing
     // to coalesce.
-    fb->Append(ops, n, fps, pool_->fp_size);
+    fb->Append(ops, n);
     fb->charged += charge;
     coalesce = fb->CoalesceDue(CoalesceAt(*fb));
     due = ReachedFlushBytes(fb);
@@ -879,15 +742,12 @@ void WriteMonitor::CoalesceOutsideLock(FileBuffer* fb) {
   OpList ops(pool_.get());
   State state;
   size_t sorted_prefix;
-  uint64_t detached_entries, state_entries;
   bool records_only;
   {
     MutexLock l(&fb->mu);
     if (fb->removed || fb->ops.empty() || fb->Sequential()) return;
     records_only = fb->RecordsOnly();
     sorted_prefix = fb->sorted_ops;
-    detached_entries = fb->OpEntries();
-    state_entries = fb->state.nodes();
     fb->detached_charge = fb->Charge();
     fb->detached_records = fb->BufferedRecords();
     ops.swap(fb->ops);
@@ -896,16 +756,13 @@ void WriteMonitor::CoalesceOutsideLock(FileBuffer* fb) {
     fb->detached = true;
   }
   OpList sorted(pool_.get());
-  uint64_t sorted_records = 0;
   if (records_only) {
-    FileBuffer::SortRecords(ops, sorted_prefix, [&](uint64_t block, uint64_t time_ns, uint64_t at) {
-      sorted.PushRecords(block, 1, time_ns, ops.Fp(at));
-      sorted_records++;
-    });
-    fb->NoteCoalesce(detached_entries, sorted_records);
+    FileBuffer::SortRecords(ops, sorted_prefix, [&sorted](const Op& op) { sorted.push_back(op); });
+    fb->NoteCoalesce(ops.size(), sorted.size());
   } else {
-    FileBuffer::ApplyOps(&state, ops);
-    fb->NoteCoalesce(detached_entries + state_entries, state.records.size() + state.ranges.size());
+    const uint64_t before = ops.size() + state.records.size() + state.ranges.size();
+    ops.ForEach([&state](const Op& op) { FileBuffer::ApplyOp(&state, op); });
+    fb->NoteCoalesce(before, state.records.size() + state.ranges.size());
   }
   ops.clear();
   MutexLock l(&fb->mu);
@@ -917,38 +774,28 @@ void WriteMonitor::CoalesceOutsideLock(FileBuffer* fb) {
   if (records_only) {
     // The sorted records first, then the newer ops after them.
     const size_t n = sorted.size();
-    uint64_t records = sorted_records, invalid = 0;
+    uint64_t records = n;
     bool increasing = true;
-    for (size_t i = 0; i < fb->ops.size(); i++) {
-      const Op& op = fb->ops[i];
-      if (op.records()) {
-        records += op.count;
-        increasing = increasing && (sorted.empty() || op.block >= sorted.back().end());
-      } else {
-        invalid++;
-        increasing = false;
-      }
-      sorted.PushFrom(fb->ops, op);
-    }
+    fb->ops.ForEach([&](const Op& op) {
+      records += op.count == 0;
+      increasing = increasing && op.count == 0 && (sorted.empty() || op.block > sorted.back().block);
+      sorted.push_back(op);
+    });
     fb->ops.swap(sorted);
-    fb->op_records = records;
-    fb->invalid_ops = invalid;
+    fb->record_ops = records;
     fb->ops_increasing = increasing;
     fb->sorted_ops = n;
-    fb->sorted_records = sorted_records;
   } else {
     fb->state = std::move(state);  // before `ops`, as they were appended
   }
   fb->Recharge(&buffered_bytes_);
 }
 
-void WriteMonitor::AppendAtCap(FileBuffer* fb, const Op* ops, size_t n, const uint8_t* fps,
-                               size_t hashed) {
-  if (AppendAtCapLocked(fb, ops, n, fps, hashed)) CallFlushDueHook();
+void WriteMonitor::AppendAtCap(FileBuffer* fb, const Op* ops, size_t n, size_t hashed) {
+  if (AppendAtCapLocked(fb, ops, n, hashed)) CallFlushDueHook();
 }
 
-bool WriteMonitor::AppendAtCapLocked(FileBuffer* fb, const Op* ops, size_t n, const uint8_t* fps,
-                                     size_t hashed) {
+bool WriteMonitor::AppendAtCapLocked(FileBuffer* fb, const Op* ops, size_t n, size_t hashed) {
   MutexLock restructure(&fb->restructure_mu);
   MutexLock l(&fb->mu);
   if (fb->removed || !fb->Recording()) {
@@ -960,22 +807,17 @@ bool WriteMonitor::AppendAtCapLocked(FileBuffer* fb, const Op* ops, size_t n, co
   // costs nothing and only growth needs room.
   fb->Coalesce(&buffered_bytes_);
   State& s = fb->state;
-  const size_t fp_size = pool_->fp_size;
   for (size_t i = 0; i < n; i++) {
     const Op& op = ops[i];
-    if (op.records()) {
-      for (uint64_t j = 0; j < op.count; j++) {
-        const uint64_t b = op.block + j;
-        const int64_t d = s.RecordNodeDelta(b);
-        const uint64_t need = d > 0 ? static_cast<uint64_t>(d) * kNodeBytes : 0;
-        if (need == 0 || Reserve(need)) {
-          fb->charged += need;
-          s.SetRecord(b, op.time_ns, UnpackFingerprint(fps + (op.fp_at + j) * fp_size, fp_size));
-        } else {
-          fb->Drop(1, op.time_ns);
-          dropped_records_.fetch_add(1, std::memory_order_relaxed);
-        }
-        fb->Recharge(&buffered_bytes_);
+    if (op.count == 0) {
+      const int64_t d = s.RecordNodeDelta(op.block);
+      const uint64_t need = d > 0 ? static_cast<uint64_t>(d) * kNodeBytes : 0;
+      if (need == 0 || Reserve(need)) {
+        fb->charged += need;
+        s.SetRecord(op.block, op.time_ns, op.fp);
+      } else {
+        fb->Drop(1, op.time_ns);
+        dropped_records_.fetch_add(1, std::memory_order_relaxed);
       }
     } else {
       const uint64_t op_end = op.block + op.count;
@@ -991,8 +833,8 @@ bool WriteMonitor::AppendAtCapLocked(FileBuffer* fb, const Op* ops, size_t n, co
         fb->Drop(1, op.time_ns);
         dropped_records_.fetch_add(1, std::memory_order_relaxed);
       }
-      fb->Recharge(&buffered_bytes_);
     }
+    fb->Recharge(&buffered_bytes_);
   }
   return ReachedFlushBytes(fb);
 }
@@ -1057,16 +899,12 @@ MonitorBatch WriteMonitor::Take(FileId id, std::vector<BlockRecord> reuse) {
   State state;
   bool sequential, records_only;
   size_t sorted_prefix;
-  uint64_t op_entries, state_entries, op_records;
   {
     MutexLock restructure(&fb->restructure_mu);  // nothing detached by a coalesce
     MutexLock l(&fb->mu);
     sequential = fb->Sequential();
     records_only = fb->RecordsOnly();
     sorted_prefix = fb->sorted_ops;
-    op_entries = fb->OpEntries();
-    op_records = fb->op_records;
-    state_entries = fb->state.nodes();
     ops.swap(fb->ops);
     std::swap(state, fb->state);
     fb->ClearOps();
@@ -1082,30 +920,28 @@ MonitorBatch WriteMonitor::Take(FileId id, std::vector<BlockRecord> reuse) {
     if (batch.first_ns == 0 || t < batch.first_ns) batch.first_ns = t;
     batch.last_ns = std::max(batch.last_ns, t);
   };
-  auto add_record = [&](uint64_t block, uint64_t time_ns, uint64_t at) {
-    batch.records.push_back(BlockRecord{block, time_ns, ops.FingerprintAt(at)});
-  };
   if (sequential) {
-    batch.records.reserve(op_records);
+    batch.records.reserve(ops.size());
     ops.ForEach([&](const Op& op) {
-      for (uint64_t j = 0; j < op.count; j++) add_record(op.block + j, op.time_ns, op.fp_at + j);
+      batch.records.push_back(BlockRecord{op.block, op.time_ns, op.fp});
       note_time(op.time_ns);
     });
     return batch;
   }
   if (records_only) {
     // Coalesced outside the file's lock by a sort: no tree.
-    batch.records.reserve(op_records);
-    FileBuffer::SortRecords(ops, sorted_prefix, [&](uint64_t block, uint64_t time_ns, uint64_t at) {
-      add_record(block, time_ns, at);
-      note_time(time_ns);
+    batch.records.reserve(ops.size());
+    FileBuffer::SortRecords(ops, sorted_prefix, [&](const Op& op) {
+      batch.records.push_back(BlockRecord{op.block, op.time_ns, op.fp});
+      note_time(op.time_ns);
     });
-    fb->NoteCoalesce(op_entries, batch.records.size());
+    fb->NoteCoalesce(ops.size(), batch.records.size());
     return batch;
   }
   // Coalesced outside the file's lock: writes go on into a fresh buffer.
-  FileBuffer::ApplyOps(&state, ops);
-  fb->NoteCoalesce(op_entries + state_entries, state.records.size() + state.ranges.size());
+  const uint64_t before = ops.size() + state.records.size() + state.ranges.size();
+  ops.ForEach([&state](const Op& op) { FileBuffer::ApplyOp(&state, op); });
+  fb->NoteCoalesce(before, state.records.size() + state.ranges.size());
   batch.records.reserve(state.records.size());
   batch.invalidated.reserve(state.ranges.size());
   for (const auto& [first, r] : state.ranges) {

@@ -266,13 +266,11 @@ class WriteMonitor {
   FileBuffer* Resolve(const FileHandle& file, std::shared_ptr<FileBuffer>* found) EXCLUDES(mu_);
   // Adds the ops of one call to `fb` (appended while under the cap; else
   // applied one by one to the coalesced state, shed when there is no room).
-  // A records op's fingerprints are packed at `fps` + op.fp_at * fp size.
-  void Append(FileBuffer* fb, const Op* ops, size_t n, const uint8_t* fps, size_t hashed);
+  void Append(FileBuffer* fb, const Op* ops, size_t n, size_t hashed);
   // Append's path once the cap is reached. Takes fb's restructure_mu.
-  void AppendAtCap(FileBuffer* fb, const Op* ops, size_t n, const uint8_t* fps, size_t hashed);
+  void AppendAtCap(FileBuffer* fb, const Op* ops, size_t n, size_t hashed);
   // AppendAtCap under the file's locks; true when the hook is to be called.
-  bool AppendAtCapLocked(FileBuffer* fb, const Op* ops, size_t n, const uint8_t* fps,
-                         size_t hashed);
+  bool AppendAtCapLocked(FileBuffer* fb, const Op* ops, size_t n, size_t hashed);
   // Coalesces fb's ops (a sort when they are all records, else into the
   // tree) with fb's mu released, so writes keep appending. The caller holds
   // fb's restructure_mu (not annotated: FileBuffer is defined in the .cc).
