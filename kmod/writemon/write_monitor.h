@@ -254,8 +254,8 @@ class WriteMonitor {
 
  private:
   // Defined in write_monitor.cc: a change as the write path appends it (a
-  // run of records, or an invalidated block range), kept in chunks recycled
-  // through the monitor's pool.
+  // record, or an invalidated block range), kept in chunks recycled through
+  // the monitor's pool.
   struct Op;
   struct ChunkPool;
   class OpList;

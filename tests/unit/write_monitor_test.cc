@@ -186,6 +186,51 @@ TEST_CASE("writemon: rewrites coalesce, latest wins", "[writemon]") {
   CHECK(batch.last_ns == clock.NowNanos());
 }
 
+TEST_CASE("writemon: a write's records keep its time, next to other writes and after coalescing",
+          "[writemon]") {
+  // Each record carries the time of its own write, whether the writes
+  // come in order or not, and whether Take orders them or a coalesce did.
+  ManualClock clock;
+  WriteMonitor m(Opts(&clock));
+  m.AddFile(kF, true);
+  const std::vector<uint8_t> a = Data(64 * kB, 1);
+  const uint64_t t0 = clock.NowNanos();
+  m.OnWrite(kF, 0, a.data(), 16 * kB);
+  clock.Advance(3 * kMs);
+  m.OnWrite(kF, 16 * kB, a.data() + 16 * kB, 16 * kB);  // continues the first
+  clock.Advance(3 * kMs);
+  m.OnWrite(kF, 48 * kB, a.data() + 48 * kB, 16 * kB);  // out of order: 48..63, then 32..47
+  clock.Advance(3 * kMs);
+  m.OnWrite(kF, 32 * kB, a.data() + 32 * kB, 16 * kB);
+  auto check = [&](const MonitorBatch& b) {
+    REQUIRE(b.records.size() == 64);
+    for (const BlockRecord& r : b.records) {
+      const uint64_t expect = t0 + (r.block < 16 ? 0 : r.block < 32 ? 3 : r.block < 48 ? 9 : 6) * kMs;
+      INFO("block " << r.block);
+      CHECK(r.time_ns == expect);
+      CHECK(r.fp == Fp(HashAlgo::kXxh128, a.data() + r.block * kB));
+    }
+    CHECK(b.first_ns == t0);
+    CHECK(b.last_ns == t0 + 9 * kMs);
+  };
+  check(m.Take(kF));
+  // The same through an in-place coalesce (DueFiles with a small flush size).
+  WriteMonitorOptions o = Opts(&clock);
+  o.flush_bytes = 1;
+  WriteMonitor small(o);
+  small.AddFile(kF, true);
+  clock = ManualClock();
+  small.OnWrite(kF, 0, a.data(), 16 * kB);
+  clock.Advance(3 * kMs);
+  small.OnWrite(kF, 16 * kB, a.data() + 16 * kB, 16 * kB);
+  clock.Advance(3 * kMs);
+  small.OnWrite(kF, 48 * kB, a.data() + 48 * kB, 16 * kB);
+  clock.Advance(3 * kMs);
+  small.OnWrite(kF, 32 * kB, a.data() + 32 * kB, 16 * kB);
+  CHECK(small.DueFiles(false) == std::vector<FileId>{kF});
+  check(small.Take(kF));
+}
+
 TEST_CASE("writemon: a partial write drops the record and invalidates", "[writemon]") {
   ManualClock clock;
   WriteMonitor m(Opts(&clock));
