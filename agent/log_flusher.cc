@@ -42,7 +42,7 @@ Status LogFlusher::FlushLocked(FileId id, bool keep_open, bool skip_if_no_space)
     if (!st.ok() || !keep_open || !Tracked(id)) open_logs_.erase(kept);
   }
   if (st.ok()) {
-    no_space_.erase(id);
+    if (no_space_.erase(id) > 0) monitor_->SetLogNoSpace(id, false);
     switch (outcome) {
       case LogAppendOutcome::kAppended:
         stats_.flushes++;
@@ -84,11 +84,14 @@ Status LogFlusher::FlushLocked(FileId id, bool keep_open, bool skip_if_no_space)
   const uint64_t lost = batch.entries();
   monitor_->MarkDropped(id, lost, batch.oldest_ns(), batch.dropped_records);
   const bool no_space = st.code() == Status::Code::kNoSpace;
-  if (no_space) no_space_.insert(id);
+  if (no_space) {
+    no_space_.insert(id);
+    monitor_->SetLogNoSpace(id, true);
+  }
   LOG(kWarning) << "write log of file " << id.ino << "." << id.generation << ": " << lost
                 << " records lost: " << st.ToString()
-                << (no_space ? " (its records are dropped without trying until the next "
-                               "flush interval tries again)"
+                << (no_space ? " (until the next flush interval tries again, its writes are "
+                               "not hashed and its records are dropped without trying)"
                              : "");
   return st;
 }
@@ -188,7 +191,7 @@ void LogFlusher::TrackFile(FileId id, uint64_t file_bytes) {
 void LogFlusher::ForgetFile(FileId id) {
   MutexLock l(&mu_);
   open_logs_.erase(id);
-  no_space_.erase(id);
+  if (no_space_.erase(id) > 0) monitor_->SetLogNoSpace(id, false);
   MutexLock f(&files_mu_);
   max_log_bytes_.erase(id);
 }

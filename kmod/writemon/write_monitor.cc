@@ -271,9 +271,16 @@ struct WriteMonitor::FileBuffer {
   std::atomic<uint64_t> hashed{0};
   std::atomic<uint64_t> unrecorded{0};
 
+  // The flusher's last append to the file's write log found the volume
+  // full (SetLogNoSpace); changed by the flusher, read on the write path.
+  std::atomic<bool> log_no_space{false};
+
   bool Recording() const {
     return dedup.load(std::memory_order_relaxed) && !log_full.load(std::memory_order_relaxed);
   }
+  // Recording with fingerprints: while the log takes nothing, writes are
+  // buffered as invalidations (no hashing; the pass rehashes the blocks).
+  bool Hashing() const { return Recording() && !log_no_space.load(std::memory_order_relaxed); }
   // Not recording only because the write log is full: the writes that
   // find it so are counted as unrecorded.
   bool PausedForFullLog() const {
@@ -627,6 +634,15 @@ void WriteMonitor::OnWrite(const FileHandle& file, uint64_t offset, const void* 
   const uint64_t first_full = w.first_full, end_full = w.end_full;
   if (SkipForFullLog(fb, w.whole())) return;
   const uint64_t now = clock_->NowNanos();
+  if (fb->log_no_space.load(std::memory_order_relaxed)) {
+    // Its records would only be dropped untried (LogFlusher's no-space
+    // files): the blocks are invalidated instead, one op and no hashing.
+    // The log takes them with the next batch that fits, and the pass that
+    // reads it rehashes them.
+    const Op op{head, tail - head + 1, now, {}};
+    Append(fb, &op, 1, 0);
+    return;
+  }
 
   // Raw storage: every slot used is assigned first (no 4 KiB zeroing per call).
   union OpArray {
@@ -1040,7 +1056,12 @@ uint64_t WriteMonitor::LogEpoch(FileId id) {
 bool WriteMonitor::Recording(const FileHandle& file) {
   std::shared_ptr<FileBuffer> found;
   const FileBuffer* fb = Resolve(file, &found);
-  return fb != nullptr && fb->Recording();
+  return fb != nullptr && fb->Hashing();
+}
+
+void WriteMonitor::SetLogNoSpace(FileId id, bool no_space) {
+  std::shared_ptr<FileBuffer> fb = Find(id);
+  if (fb != nullptr) fb->log_no_space.store(no_space, std::memory_order_relaxed);
 }
 
 MonitorFileStats WriteMonitor::FileStats(FileId id) {
@@ -1058,6 +1079,7 @@ MonitorFileStats WriteMonitor::FileStats(FileId id) {
   st.dropped_since_ns = fb->dropped_since_ns;
   st.dedup = fb->dedup.load(std::memory_order_relaxed);
   st.log_full = fb->log_full.load(std::memory_order_relaxed);
+  st.log_no_space = fb->log_no_space.load(std::memory_order_relaxed);
   st.unrecorded_blocks = fb->unrecorded.load(std::memory_order_relaxed);
   return st;
 }

@@ -107,6 +107,7 @@ struct MonitorFileStats {
   uint64_t dropped_since_ns = 0;     // first shed not yet taken in a batch; 0 = none
   bool dedup = true;
   bool log_full = false;             // paused: see PauseForFullLog
+  bool log_no_space = false;         // writes invalidate: see SetLogNoSpace
   uint64_t unrecorded_blocks = 0;    // blocks written while paused, since AddFile
 };
 
@@ -237,11 +238,20 @@ class WriteMonitor {
   // the pass may not see is recorded (the flag is cleared under the file's
   // mutex, which the write path takes before it skips a write).
   void LogTaken(FileId id);
+  // The file's last write-log append found the volume full (`no_space`),
+  // or a later one succeeded. Meanwhile the flusher drops the file's
+  // batches untried until its next interval (LogFlusher), so hashing the
+  // file's writes would be CPU for records that are thrown away: its
+  // writes invalidate the blocks they touch instead (one op each, which a
+  // sequential writer coalesces into one range), and the log takes those
+  // with the first batch that fits, so the pass rehashes the blocks.
+  void SetLogNoSpace(FileId id, bool no_space);
   // The file's LogTaken count (0 for files not monitored), for a caller
   // that checks the log itself before calling PauseForFullLog.
   uint64_t LogEpoch(FileId id);
-  // Whether a write of `id` would be recorded now: monitored, dedup=on and
-  // not paused for a full log. A caller that hashes payloads ahead
+  // Whether a write of `id` would be recorded with fingerprints now:
+  // monitored, dedup=on, not paused for a full log, and its log not out of
+  // space (SetLogNoSpace). A caller that hashes payloads ahead
   // (FingerprintWrite) asks first, so a file whose log is full is not
   // hashed for nothing until a pass takes its log. A hint: the answer may
   // change before OnWrite (OnWrite hashes what it was not given).

@@ -973,7 +973,8 @@ TEST_CASE("log flusher: a busy file's log stays open between appends, and a pass
   }
 }
 
-TEST_CASE("log flusher: after a log append finds the volume full, Tick drops without trying",
+TEST_CASE("log flusher: after a log append finds the volume full, Tick drops without trying "
+          "and writes are not hashed",
           "[writemon]") {
   FlusherRig rig(10, 64);
   const HashAlgo algo = rig.kAlgo;
@@ -1008,32 +1009,47 @@ TEST_CASE("log flusher: after a log append finds the volume full, Tick drops wit
   CHECK(flusher.stats().failed == 1);
   CHECK(flusher.stats().no_space_skipped == 0);
   CHECK(monitor.FileStats(owner).dropped_records == 10);
+  CHECK(monitor.FileStats(owner).log_no_space);
+  CHECK_FALSE(monitor.Recording(owner));  // dedupd does not hash ahead
+  CHECK(monitor.FileStats(owner).hashed_blocks == 10);
 
-  // Space comes back, but Tick does not try: the next batch is dropped
-  // untried (had it tried, the append would have succeeded).
+  // Space comes back, but Tick does not try: the next batch due is
+  // dropped untried (had it tried, the append would have succeeded). The
+  // writes were not hashed: each is an invalidation of the blocks it
+  // touched (16 scattered blocks: 16 ranges, enough to be due).
   REQUIRE(vol->Remove("filler").ok());
-  monitor.OnWrite(owner, 10 * kB, data.data() + 10 * kB, 10 * kB);
+  for (uint64_t b = 10; b < 42; b += 2) monitor.OnWrite(owner, b * kB, data.data() + b * kB, kB);
+  CHECK(monitor.FileStats(owner).hashed_blocks == 10);
   REQUIRE(flusher.Tick().ok());
   CHECK(flusher.stats().no_space_skipped == 1);
   CHECK(flusher.stats().flushes == 0);
   CHECK(flusher.stats().failed == 1);
-  CHECK(monitor.FileStats(owner).dropped_records == 20);
+  CHECK(monitor.FileStats(owner).dropped_records == 26);
 
-  // FlushAll tries again and succeeds; the log says records were lost.
-  monitor.OnWrite(owner, 20 * kB, data.data() + 20 * kB, 10 * kB);
+  // FlushAll tries again and succeeds; the log says entries were lost, and
+  // the blocks written since are invalidated (the pass rehashes them).
+  monitor.OnWrite(owner, 20 * kB + 512, data.data() + 20 * kB, 10 * kB);  // blocks 20-30
+  CHECK(monitor.FileStats(owner).hashed_blocks == 10);
   REQUIRE(flusher.FlushAll().ok());
   CHECK(flusher.stats().flushes == 1);
   WriteLogState log = Replay(vol, owner);
-  CHECK(log.stats.dropped_records == 20);
-  REQUIRE(log.records.size() == 10);
-  for (uint64_t b = 20; b < 30; b++) {
-    CHECK(log.records.at(b).fp == ComputeFingerprint(algo, data.data() + b * kB, kB));
-  }
+  CHECK(log.stats.dropped_records == 26);
+  CHECK(log.records.empty());
+  REQUIRE(log.invalidated.size() == 1);
+  CHECK(log.invalidated[0].first == 20);
+  CHECK(log.invalidated[0].count == 11);
 
-  // And Tick appends again.
+  // Recording with fingerprints again: Tick appends records.
+  CHECK_FALSE(monitor.FileStats(owner).log_no_space);
+  CHECK(monitor.Recording(owner));
   monitor.OnWrite(owner, 30 * kB, data.data() + 30 * kB, 10 * kB);
+  CHECK(monitor.FileStats(owner).hashed_blocks == 20);
   REQUIRE(flusher.Tick().ok());
   CHECK(flusher.stats().flushes == 2);
   CHECK(flusher.stats().no_space_skipped == 1);
-  CHECK(Replay(vol, owner).records.size() == 20);
+  log = Replay(vol, owner);
+  REQUIRE(log.records.size() == 10);
+  for (uint64_t b = 30; b < 40; b++) {
+    CHECK(log.records.at(b).fp == ComputeFingerprint(algo, data.data() + b * kB, kB));
+  }
 }
