@@ -634,11 +634,12 @@ void WriteMonitor::OnWrite(const FileHandle& file, uint64_t offset, const void* 
   const uint64_t first_full = w.first_full, end_full = w.end_full;
   if (SkipForFullLog(fb, w.whole())) return;
   const uint64_t now = clock_->NowNanos();
-  if (fb->log_no_space.load(std::memory_order_relaxed)) {
-    // Its records would only be dropped untried (LogFlusher's no-space
-    // files): the blocks are invalidated instead, one op and no hashing.
-    // The log takes them with the next batch that fits, and the pass that
-    // reads it rehashes them.
+  if (first_full >= end_full || fb->log_no_space.load(std::memory_order_relaxed)) {
+    // Nothing to fingerprint: the write has no whole block, or the file's
+    // log found the volume full, so its records would only be dropped
+    // untried (LogFlusher's no-space files). The blocks it touches are
+    // invalidated, one op and no hashing; the log takes the range with the
+    // next batch that fits, and the pass that reads it rehashes them.
     const Op op{head, tail - head + 1, now, {}};
     Append(fb, &op, 1, 0);
     return;
@@ -651,12 +652,6 @@ void WriteMonitor::OnWrite(const FileHandle& file, uint64_t offset, const void* 
   } storage;
   Op* const ops = storage.v;
   size_t n = 0;
-  if (first_full >= end_full) {
-    // No whole block: the one or two blocks touched are invalidated.
-    new (&ops[n++]) Op{head, tail - head + 1, now, {}};
-    Append(fb, ops, n, 0);
-    return;
-  }
   if (offset % kBlockSize != 0) new (&ops[n++]) Op{head, 1, now, {}};
   if (end % kBlockSize != 0) new (&ops[n++]) Op{tail, 1, now, {}};
   const uint8_t* p = static_cast<const uint8_t*>(data) + (first_full * kBlockSize - offset);
