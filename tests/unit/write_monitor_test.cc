@@ -191,17 +191,18 @@ TEST_CASE("writemon: a write's records keep its time, next to other writes and a
   // Each record carries the time of its own write, whether the writes
   // come in order or not, and whether Take orders them or a coalesce did.
   ManualClock clock;
-  WriteMonitor m(Opts(&clock));
-  m.AddFile(kF, true);
   const std::vector<uint8_t> a = Data(64 * kB, 1);
   const uint64_t t0 = clock.NowNanos();
-  m.OnWrite(kF, 0, a.data(), 16 * kB);
-  clock.Advance(3 * kMs);
-  m.OnWrite(kF, 16 * kB, a.data() + 16 * kB, 16 * kB);  // continues the first
-  clock.Advance(3 * kMs);
-  m.OnWrite(kF, 48 * kB, a.data() + 48 * kB, 16 * kB);  // out of order: 48..63, then 32..47
-  clock.Advance(3 * kMs);
-  m.OnWrite(kF, 32 * kB, a.data() + 32 * kB, 16 * kB);
+  // Blocks 0-15 at t0, 16-31 at t0 + 3 ms (next to the first), then out
+  // of order: 48-63 at t0 + 6 ms, 32-47 at t0 + 9 ms.
+  auto write = [&](WriteMonitor& m) {
+    clock = ManualClock(t0);
+    m.AddFile(kF, true);
+    for (uint64_t first : {0, 16, 48, 32}) {
+      m.OnWrite(kF, first * kB, a.data() + first * kB, 16 * kB);
+      clock.Advance(3 * kMs);
+    }
+  };
   auto check = [&](const MonitorBatch& b) {
     REQUIRE(b.records.size() == 64);
     for (const BlockRecord& r : b.records) {
@@ -213,20 +214,14 @@ TEST_CASE("writemon: a write's records keep its time, next to other writes and a
     CHECK(b.first_ns == t0);
     CHECK(b.last_ns == t0 + 9 * kMs);
   };
+  WriteMonitor m(Opts(&clock));
+  write(m);
   check(m.Take(kF));
   // The same through an in-place coalesce (DueFiles with a small flush size).
   WriteMonitorOptions o = Opts(&clock);
   o.flush_bytes = 1;
   WriteMonitor small(o);
-  small.AddFile(kF, true);
-  clock = ManualClock();
-  small.OnWrite(kF, 0, a.data(), 16 * kB);
-  clock.Advance(3 * kMs);
-  small.OnWrite(kF, 16 * kB, a.data() + 16 * kB, 16 * kB);
-  clock.Advance(3 * kMs);
-  small.OnWrite(kF, 48 * kB, a.data() + 48 * kB, 16 * kB);
-  clock.Advance(3 * kMs);
-  small.OnWrite(kF, 32 * kB, a.data() + 32 * kB, 16 * kB);
+  write(small);
   CHECK(small.DueFiles(false) == std::vector<FileId>{kF});
   check(small.Take(kF));
 }
