@@ -18,7 +18,10 @@
 // Environment: DEDE_BENCH_VM_MIB (size of each VM, default 16),
 // DEDE_BENCH_REPS (alternations of part 2 and runs of part 1 per host
 // count, default 2), DEDE_BENCH_SECONDS (fio runtime per phase, default 8),
-// DEDE_BENCH_SPLIT_AFTER (dedupd --split-after in seconds, default 0.25).
+// DEDE_BENCH_SPLIT_AFTER (dedupd --split-after in seconds, default 0.25),
+// DEDE_BENCH_ISCSI_SESSIONS (parts 1 and 2: a comma-separated list of
+// dedupd --iscsi-sessions values to compare in the same run, e.g. "1,4";
+// default: dedupd's own default, reported as 0).
 #include <algorithm>
 #include <map>
 #include <cstdio>
@@ -35,6 +38,35 @@ namespace {
 double EnvNumber(const char* name, double dflt) {
   const char* v = std::getenv(name);
   return v && *v ? std::atof(v) : dflt;
+}
+
+// DEDE_BENCH_ISCSI_SESSIONS as a list; {0} (dedupd's default) if unset.
+std::vector<int> SessionCounts() {
+  std::vector<int> out;
+  const char* v = std::getenv("DEDE_BENCH_ISCSI_SESSIONS");
+  std::string list = v ? v : "";
+  for (size_t at = 0; at < list.size();) {
+    size_t comma = list.find(',', at);
+    if (comma == std::string::npos) comma = list.size();
+    const std::string item = list.substr(at, comma - at);
+    if (!item.empty()) {
+      const int n = std::atoi(item.c_str());
+      if (n < 1) FAIL("DEDE_BENCH_ISCSI_SESSIONS: '" << item << "' is not a session count");
+      out.push_back(n);
+    }
+    at = comma + 1;
+  }
+  if (out.empty()) out.push_back(0);
+  return out;
+}
+
+// dedupd's arguments for `sessions` (0: its default).
+std::vector<std::string> WithSessions(std::vector<std::string> args, int sessions) {
+  if (sessions > 0) {
+    args.push_back("--iscsi-sessions");
+    args.push_back(std::to_string(sessions));
+  }
+  return args;
 }
 
 void Emit(const nlohmann::json& j) {
@@ -184,66 +216,74 @@ TEST_CASE("bench: dedup pass over iSCSI with 1, 2 and 3 hosts", "[.][bench-multi
   const uint64_t exact = distinct.size();
   const double logical_mib = double(images.size() * vm_blocks) / 256;
 
+  const std::vector<int> session_counts = SessionCounts();
   for (int rep = 0; rep < reps; rep++) {
-    // 1, 2, 3 then 3, 2, 1: drift in the machine's load hits both ends.
+    // 1, 2, 3 then 3, 2, 1: drift in the machine's load hits both ends;
+    // the session counts alternate the same way inside each.
     std::vector<int> counts = rep % 2 ? std::vector<int>{3, 2, 1} : std::vector<int>{1, 2, 3};
+    std::vector<int> sessions_order = session_counts;
+    if (rep % 2) std::reverse(sessions_order.begin(), sessions_order.end());
     for (int k : counts) {
-      Cluster c(1ull << 30);
-      c.Format();
-      c.StartAll({"--split-after", split_after, "--log-flush-interval", "3600"});
-      for (int h = 1; h <= kHosts; h++) {
-        for (int v = 0; v < 2; v++) {
-          c.CreateAndWrite(h, "vm" + std::to_string(h) + "-" + std::to_string(v),
-                           images[size_t((h - 1) * 2 + v)]);
+      for (int sessions : sessions_order) {
+        Cluster c(1ull << 30);
+        c.Format();
+        c.StartAll(WithSessions({"--split-after", split_after, "--log-flush-interval", "3600"},
+                                sessions));
+        for (int h = 1; h <= kHosts; h++) {
+          for (int v = 0; v < 2; v++) {
+            c.CreateAndWrite(h, "vm" + std::to_string(h) + "-" + std::to_string(v),
+                             images[size_t((h - 1) * 2 + v)]);
+          }
         }
-      }
-      const uint64_t shards_before = c.Stats(1)["index_shards"].get<uint64_t>();
-      std::vector<size_t> log_from(kHosts + 1);
-      for (int h = 1; h <= kHosts; h++) log_from[h] = c.dedupd(h).Log().size();
+        const uint64_t shards_before = c.Stats(1)["index_shards"].get<uint64_t>();
+        std::vector<size_t> log_from(kHosts + 1);
+        for (int h = 1; h <= kHosts; h++) log_from[h] = c.dedupd(h).Log().size();
 
-      // Rounds of k simultaneous passes until the exact figure.
-      auto t0 = Clock::now();
-      int rounds = 0;
-      uint64_t physical = 0;
-      while (rounds < 10) {
-        rounds++;
-        std::vector<int> passing;
-        for (int h = 1; h <= k; h++) passing.push_back(h);
-        c.PassTogether(passing, 900 - Since(t0));
-        physical = c.Stats(1)["physical_data_blocks"].get<uint64_t>();
-        if (physical == exact) break;
+        // Rounds of k simultaneous passes until the exact figure.
+        auto t0 = Clock::now();
+        int rounds = 0;
+        uint64_t physical = 0;
+        while (rounds < 10) {
+          rounds++;
+          std::vector<int> passing;
+          for (int h = 1; h <= k; h++) passing.push_back(h);
+          c.PassTogether(passing, 900 - Since(t0));
+          physical = c.Stats(1)["physical_data_blocks"].get<uint64_t>();
+          if (physical == exact) break;
+        }
+        const double seconds = Since(t0);
+        LockTotals locks;
+        std::string logs;
+        for (int h = 1; h <= kHosts; h++) {
+          const std::string log = c.dedupd(h).Log().substr(log_from[h]);
+          AddLockStats(log, &locks);
+          logs += log;
+        }
+        INFO(logs);
+        CHECK(physical == exact);
+        CHECK(LogSum(logs, R"(dedup pass \d+: [^\n]*error)") == 0);
+        const uint64_t shards_after = c.Stats(1)["index_shards"].get<uint64_t>();
+        Emit({{"bench", "multihost_pass"},
+              {"hosts_passing", k},
+              {"iscsi_sessions", sessions},
+              {"rep", rep},
+              {"logical_mib", logical_mib},
+              {"seconds", seconds},
+              {"mib_per_s", logical_mib / seconds},
+              {"rounds", rounds},
+              {"physical_blocks", physical},
+              {"exact_blocks", exact},
+              {"lock_acquires", locks.acquired},
+              {"lock_acquire_mean_ms", locks.acquired ? locks.acquire_ms / double(locks.acquired) : 0},
+              {"lease_retries", locks.retries},
+              {"shards_before", shards_before},
+              {"shards_after", shards_after},
+              {"shards_split", locks.splits},
+              {"shard_waits", locks.waits},
+              {"index_updates", UpdateConcurrency(logs)},
+              {"held_back_and_waits", HeldBackAndWaits(locks)}});
+        for (int h = 1; h <= kHosts; h++) c.Stop(h);
       }
-      const double seconds = Since(t0);
-      LockTotals locks;
-      std::string logs;
-      for (int h = 1; h <= kHosts; h++) {
-        const std::string log = c.dedupd(h).Log().substr(log_from[h]);
-        AddLockStats(log, &locks);
-        logs += log;
-      }
-      INFO(logs);
-      CHECK(physical == exact);
-      CHECK(LogSum(logs, R"(dedup pass \d+: [^\n]*error)") == 0);
-      const uint64_t shards_after = c.Stats(1)["index_shards"].get<uint64_t>();
-      Emit({{"bench", "multihost_pass"},
-            {"hosts_passing", k},
-            {"rep", rep},
-            {"logical_mib", logical_mib},
-            {"seconds", seconds},
-            {"mib_per_s", logical_mib / seconds},
-            {"rounds", rounds},
-            {"physical_blocks", physical},
-            {"exact_blocks", exact},
-            {"lock_acquires", locks.acquired},
-            {"lock_acquire_mean_ms", locks.acquired ? locks.acquire_ms / double(locks.acquired) : 0},
-            {"lease_retries", locks.retries},
-            {"shards_before", shards_before},
-            {"shards_after", shards_after},
-            {"shards_split", locks.splits},
-            {"shard_waits", locks.waits},
-            {"index_updates", UpdateConcurrency(logs)},
-            {"held_back_and_waits", HeldBackAndWaits(locks)}});
-      for (int h = 1; h <= kHosts; h++) c.Stop(h);
     }
   }
 }
@@ -254,109 +294,114 @@ TEST_CASE("bench: VM writes on one host while the others run dedup passes",
   const int reps = int(EnvNumber("DEDE_BENCH_REPS", 2));
   const int seconds = int(EnvNumber("DEDE_BENCH_SECONDS", 8));
   const uint64_t target_mib = 64;
-  Cluster c(1ull << 30);
-  c.Format();
-  c.StartAll({"--log-flush-interval", "3600"});
-  // Host 1's VM, allocated once and held open like a running VM.
-  c.CreateAndWrite(1, "target", Image(std::vector<uint64_t>(target_mib * 256, 5)));
-  c.PowerOn(1, "target");
-  const std::string fio = RequireProgram("fio");
+  // Each session count gets its own cluster; idle and passing phases
+  // alternate inside it.
+  for (int sessions : SessionCounts()) {
+    Cluster c(1ull << 30);
+    c.Format();
+    c.StartAll(WithSessions({"--log-flush-interval", "3600"}, sessions));
+    // Host 1's VM, allocated once and held open like a running VM.
+    c.CreateAndWrite(1, "target", Image(std::vector<uint64_t>(target_mib * 256, 5)));
+    c.PowerOn(1, "target");
+    const std::string fio = RequireProgram("fio");
 
-  uint64_t generation = 0;
-  for (int rep = 0; rep < reps; rep++) {
-    for (bool passes : {false, true}) {
-      std::vector<uint64_t> passes_before(kHosts + 1);
-      if (passes) {
-        // Fresh data on hosts 2 and 3 so their passes have work, then passes
-        // back to back for the whole phase.
-        for (int h = 2; h <= kHosts; h++) {
-          generation++;
-          const std::string name = "load" + std::to_string(h) + "-" + std::to_string(generation);
-          std::vector<uint64_t> ids = VmIds(h, int(generation), vm_blocks);
-          for (uint64_t& id : ids) id += generation * 10000000;
-          c.CreateAndWrite(h, name, Image(ids));
-          passes_before[h] = Cluster::PassesDone(c.dedupd(h).Log());
-        }
-      }
-      std::atomic<bool> stop{false};
-      std::atomic<int> passes_run{0};
-      // Passes each host was asked for (a pass finishes before the next ask).
-      std::vector<uint64_t> expect(kHosts + 1, 0);
-      std::thread driver;
-      if (passes) {
-        // Not from a thread that starts children (they die with it): this
-        // thread only signals.
-        driver = std::thread([&] {
-          std::vector<uint64_t> seen = passes_before;
+    uint64_t generation = 0;
+    for (int rep = 0; rep < reps; rep++) {
+      for (bool passes : {false, true}) {
+        std::vector<uint64_t> passes_before(kHosts + 1);
+        if (passes) {
+          // Fresh data on hosts 2 and 3 so their passes have work, then passes
+          // back to back for the whole phase.
           for (int h = 2; h <= kHosts; h++) {
-            expect[h] = seen[h] + 1;
-            ::kill(c.dedupd(h).pid(), SIGUSR1);
+            generation++;
+            const std::string name = "load" + std::to_string(h) + "-" + std::to_string(generation);
+            std::vector<uint64_t> ids = VmIds(h, int(generation), vm_blocks);
+            for (uint64_t& id : ids) id += generation * 10000000;
+            c.CreateAndWrite(h, name, Image(ids));
+            passes_before[h] = Cluster::PassesDone(c.dedupd(h).Log());
           }
-          while (!stop) {
+        }
+        std::atomic<bool> stop{false};
+        std::atomic<int> passes_run{0};
+        // Passes each host was asked for (a pass finishes before the next ask).
+        std::vector<uint64_t> expect(kHosts + 1, 0);
+        std::thread driver;
+        if (passes) {
+          // Not from a thread that starts children (they die with it): this
+          // thread only signals.
+          driver = std::thread([&] {
+            std::vector<uint64_t> seen = passes_before;
             for (int h = 2; h <= kHosts; h++) {
-              const uint64_t now = Cluster::PassesDone(c.dedupd(h).Log());
-              if (now > seen[h]) {
-                passes_run += int(now - seen[h]);
-                seen[h] = now;
-                expect[h] = now + 1;
-                ::kill(c.dedupd(h).pid(), SIGUSR1);
-              }
+              expect[h] = seen[h] + 1;
+              ::kill(c.dedupd(h).pid(), SIGUSR1);
             }
+            while (!stop) {
+              for (int h = 2; h <= kHosts; h++) {
+                const uint64_t now = Cluster::PassesDone(c.dedupd(h).Log());
+                if (now > seen[h]) {
+                  passes_run += int(now - seen[h]);
+                  seen[h] = now;
+                  expect[h] = now + 1;
+                  ::kill(c.dedupd(h).pid(), SIGUSR1);
+                }
+              }
+              std::this_thread::sleep_for(std::chrono::milliseconds(50));
+            }
+          });
+        }
+        // Host 1's waits for locks other hosts held (its VM's writes: groups
+        // handed over to passes, the namespace), from its status.
+        auto host1_waits = [&]() {
+          return nlohmann::json::parse(c.DedeOk(1, {"status", "--control", c.dedupd(1).control(),
+                                                    "--json"}))["lock_waits"];
+        };
+        const nlohmann::json waits_before = host1_waits();
+        const std::string out = c.rig().dir().file("fio-" + std::to_string(rep) +
+                                                   (passes ? "-passes" : "-idle") + ".json");
+        std::vector<std::string> argv = {fio, "--name=vmwrite", "--ioengine=nbd",
+                                         "--uri=" + c.Uri(1, "target"), "--rw=randwrite",
+                                         "--bs=4k", "--iodepth=16", "--size=" +
+                                         std::to_string(target_mib) + "M",
+                                         "--time_based", "--runtime=" + std::to_string(seconds),
+                                         "--randseed=" + std::to_string(rep + 1),
+                                         "--output-format=json", "--output=" + out};
+        ProcessResult r = RunProcess(argv, seconds + 120);
+        stop = true;
+        if (driver.joinable()) driver.join();
+        // The last passes asked for finish before the next phase starts.
+        for (int h = 2; h <= kHosts && passes; h++) {
+          auto t0 = Clock::now();
+          while (Cluster::PassesDone(c.dedupd(h).Log()) < expect[h]) {
+            REQUIRE(Since(t0) < 600);
             std::this_thread::sleep_for(std::chrono::milliseconds(50));
           }
-        });
-      }
-      // Host 1's waits for locks other hosts held (its VM's writes: groups
-      // handed over to passes, the namespace), from its status.
-      auto host1_waits = [&]() {
-        return nlohmann::json::parse(c.DedeOk(1, {"status", "--control", c.dedupd(1).control(),
-                                                  "--json"}))["lock_waits"];
-      };
-      const nlohmann::json waits_before = host1_waits();
-      const std::string out = c.rig().dir().file("fio-" + std::to_string(rep) +
-                                                 (passes ? "-passes" : "-idle") + ".json");
-      std::vector<std::string> argv = {fio, "--name=vmwrite", "--ioengine=nbd",
-                                       "--uri=" + c.Uri(1, "target"), "--rw=randwrite",
-                                       "--bs=4k", "--iodepth=16", "--size=" +
-                                       std::to_string(target_mib) + "M",
-                                       "--time_based", "--runtime=" + std::to_string(seconds),
-                                       "--randseed=" + std::to_string(rep + 1),
-                                       "--output-format=json", "--output=" + out};
-      ProcessResult r = RunProcess(argv, seconds + 120);
-      stop = true;
-      if (driver.joinable()) driver.join();
-      // The last passes asked for finish before the next phase starts.
-      for (int h = 2; h <= kHosts && passes; h++) {
-        auto t0 = Clock::now();
-        while (Cluster::PassesDone(c.dedupd(h).Log()) < expect[h]) {
-          REQUIRE(Since(t0) < 600);
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
         }
+        INFO(DescribeRun(argv, r));
+        REQUIRE(r.exit_code == 0);
+        std::vector<uint8_t> raw = ReadWholeFile(out);
+        nlohmann::json j = nlohmann::json::parse(std::string(raw.begin(), raw.end()));
+        const double bw_kib = j["jobs"][0]["write"]["bw"].get<double>();
+        const double iops = j["jobs"][0]["write"]["iops"].get<double>();
+        if (passes) CHECK(passes_run > 0);
+        const nlohmann::json waits_after = host1_waits();
+        Emit({{"bench", "multihost_vm_writes"},
+              {"iscsi_sessions", sessions},
+              {"rep", rep},
+              {"others_passing", passes},
+              {"passes_finished_during", passes_run.load()},
+              {"seconds", seconds},
+              {"write_mib_per_s", bw_kib / 1024},
+              {"write_iops", iops},
+              {"host1_lock_waits",
+               waits_after["waits"].get<uint64_t>() - waits_before["waits"].get<uint64_t>()},
+              {"host1_lock_wait_s",
+               waits_after["wait_s"].get<double>() - waits_before["wait_s"].get<double>()}});
       }
-      INFO(DescribeRun(argv, r));
-      REQUIRE(r.exit_code == 0);
-      std::vector<uint8_t> raw = ReadWholeFile(out);
-      nlohmann::json j = nlohmann::json::parse(std::string(raw.begin(), raw.end()));
-      const double bw_kib = j["jobs"][0]["write"]["bw"].get<double>();
-      const double iops = j["jobs"][0]["write"]["iops"].get<double>();
-      if (passes) CHECK(passes_run > 0);
-      const nlohmann::json waits_after = host1_waits();
-      Emit({{"bench", "multihost_vm_writes"},
-            {"rep", rep},
-            {"others_passing", passes},
-            {"passes_finished_during", passes_run.load()},
-            {"seconds", seconds},
-            {"write_mib_per_s", bw_kib / 1024},
-            {"write_iops", iops},
-            {"host1_lock_waits",
-             waits_after["waits"].get<uint64_t>() - waits_before["waits"].get<uint64_t>()},
-            {"host1_lock_wait_s",
-             waits_after["wait_s"].get<double>() - waits_before["wait_s"].get<double>()}});
     }
+    c.PowerOff("target");
+    for (int h = 1; h <= kHosts; h++) c.Stop(h);
+    c.FsckClean(1);
   }
-  c.PowerOff("target");
-  for (int h = 1; h <= kHosts; h++) c.Stop(h);
-  c.FsckClean(1);
 }
 
 TEST_CASE("bench: index shards split as hosts update the index at once", "[.][bench-multihost]") {
