@@ -50,7 +50,8 @@ std::vector<int> SessionCounts() {
     if (comma == std::string::npos) comma = list.size();
     const std::string item = list.substr(at, comma - at);
     if (!item.empty()) {
-      const int n = std::atoi(item.c_str());
+      const bool digits = item.find_first_not_of("0123456789") == std::string::npos;
+      const int n = digits && item.size() < 4 ? std::atoi(item.c_str()) : 0;
       if (n < 1) FAIL("DEDE_BENCH_ISCSI_SESSIONS: '" << item << "' is not a session count");
       out.push_back(n);
     }
