@@ -661,16 +661,16 @@ int Run(const Config& cfg) {
     j["version"] = DEDE_VERSION;
     j["uptime_s"] = double(Clock::Real()->NowNanos() - started_wall_ns) / 1e9;
     nlohmann::json exports = nlohmann::json::array();
-    for (const auto& [e, clients] : table.SnapshotWithClients()) {
+    for (const ExportTable::ExportStatus& e : table.StatusOfOpen()) {
       nlohmann::json x;
-      x["name"] = e->name();
-      x["clients"] = clients;
-      x["dedup"] = e->dedup();
-      x["cow_copies"] = e->cow_copies();
-      x["writes_answered_early"] = e->writes_answered_early();
-      x["read_ahead"] = ReadAheadJson(e->read_ahead_stats());
+      x["name"] = e.name;
+      x["clients"] = e.clients;
+      x["dedup"] = e.dedup;
+      x["cow_copies"] = e.cow_copies;
+      x["writes_answered_early"] = e.writes_answered_early;
+      x["read_ahead"] = ReadAheadJson(e.read_ahead);
       if (cfg.write_monitor) {
-        const MonitorFileStats fs = monitor.FileStats(e->id());
+        const MonitorFileStats fs = monitor.FileStats(e.id);
         x["buffered_records"] = fs.buffered_records;
         x["dropped_records"] = fs.dropped_records;
         x["hashed_blocks"] = fs.hashed_blocks;
@@ -801,9 +801,13 @@ int Run(const Config& cfg) {
           req["volume_uuid"] != UuidToString(vol->superblock().uuid)) {
         return nlohmann::json{{"served", false}, {"reason", "another volume"}};
       }
-      std::shared_ptr<Export> e = table.FindOpen(name);
+      // Entered as a client: a VM leaving meanwhile must not close the
+      // file under SetDedup (the last Release closes it, maybe this one).
+      std::shared_ptr<Export> e = table.AcquireIfOpen(name);
       if (!e) return nlohmann::json{{"served", false}};
-      RETURN_IF_ERROR(e->SetDedup(on));
+      Status set = e->SetDedup(on);
+      table.Release(e);
+      RETURN_IF_ERROR(set);
       if (!on) sweep_next_pass = true;
       LOG(kInfo) << "export '" << name << "': dedup=" << (on ? "on" : "off");
       return nlohmann::json{{"served", true}, {"dedup", on}};

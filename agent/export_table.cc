@@ -402,10 +402,21 @@ bool ExportTable::SoleClient(const std::shared_ptr<Export>& e) {
   return e->clients_ == 1;
 }
 
-std::vector<std::pair<std::shared_ptr<Export>, int>> ExportTable::SnapshotWithClients() {
+std::vector<ExportTable::ExportStatus> ExportTable::StatusOfOpen() {
+  // Under mu_: a listed export's file is open (see totals()).
   MutexLock l(&mu_);
-  std::vector<std::pair<std::shared_ptr<Export>, int>> out;
-  for (const auto& [name, e] : exports_) out.emplace_back(e, e->clients_);
+  std::vector<ExportStatus> out;
+  for (const auto& [name, e] : exports_) {
+    ExportStatus x;
+    x.name = name;
+    x.id = e->id();
+    x.clients = e->clients_;
+    x.dedup = e->dedup();
+    x.cow_copies = e->cow_copies();
+    x.writes_answered_early = e->writes_answered_early();
+    x.read_ahead = e->read_ahead_stats();
+    out.push_back(std::move(x));
+  }
   return out;
 }
 
@@ -426,10 +437,12 @@ ExportTable::Totals ExportTable::totals() {
   return t;
 }
 
-std::shared_ptr<Export> ExportTable::FindOpen(const std::string& name) {
+std::shared_ptr<Export> ExportTable::AcquireIfOpen(const std::string& name) {
   MutexLock l(&mu_);
   auto it = exports_.find(name);
-  return it == exports_.end() ? nullptr : it->second;
+  if (it == exports_.end()) return nullptr;
+  it->second->clients_++;
+  return it->second;
 }
 
 std::vector<std::shared_ptr<Export>> ExportTable::Snapshot() {

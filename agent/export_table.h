@@ -190,9 +190,18 @@ class ExportTable {
   // Closes every export (shutdown, after all clients are gone).
   void CloseAll() EXCLUDES(mu_);
   std::vector<std::shared_ptr<Export>> Snapshot() EXCLUDES(mu_);
-  // The open exports with their client counts (a dedup pass or merge-request
-  // job borrowing an export counts as a client).
-  std::vector<std::pair<std::shared_ptr<Export>, int>> SnapshotWithClients() EXCLUDES(mu_);
+  // What `dede status` and the metrics show of one open export, read under
+  // mu_ (an export's file may be closed the moment it leaves the table).
+  struct ExportStatus {
+    std::string name;
+    FileId id;
+    int clients = 0;  // a dedup pass or merge-request job borrowing it counts
+    bool dedup = false;
+    uint64_t cow_copies = 0;
+    uint64_t writes_answered_early = 0;
+    ReadAheadStats read_ahead;
+  };
+  std::vector<ExportStatus> StatusOfOpen() EXCLUDES(mu_);
   // Is the holder of `e` (one Acquire) its only client: no VM uses it?
   bool SoleClient(const std::shared_ptr<Export>& e) EXCLUDES(mu_);
   // Counters summed over every export served since start, open or closed.
@@ -203,8 +212,10 @@ class ExportTable {
   };
   Totals totals() EXCLUDES(mu_);
   const ReadAheadBudget& read_ahead_budget() const { return read_ahead_budget_; }
-  // The open export of `name`, or nullptr (nothing is opened).
-  std::shared_ptr<Export> FindOpen(const std::string& name) EXCLUDES(mu_);
+  // The open export of `name` entered for one more client, or nullptr when
+  // it is not open (nothing is opened). Release() it like an Acquire: while
+  // held, its file stays open even if every VM client leaves.
+  std::shared_ptr<Export> AcquireIfOpen(const std::string& name) EXCLUDES(mu_);
 
  private:
   Result<std::shared_ptr<Export>> TryAcquire(const std::string& name) EXCLUDES(mu_, open_mu_);

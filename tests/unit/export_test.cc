@@ -281,3 +281,35 @@ TEST_CASE("export: without a write monitor nothing is hashed ahead", "[export]")
   Rig rig;
   CHECK_FALSE(rig.ex->fingerprints_writes());
 }
+
+TEST_CASE("export: the control socket's hold keeps a file open while its VM leaves", "[export]") {
+  // `dede set NAME dedup=off` on a running export enters it as a client:
+  // a VM disconnecting meanwhile must not close the file under SetDedup
+  // (it did, before: the handler held the Export but not a client's count).
+  Rig rig;
+  CHECK(rig.table->AcquireIfOpen("nope") == nullptr);
+  std::shared_ptr<Export> held = rig.table->AcquireIfOpen("vm");
+  REQUIRE(held == rig.ex);
+  std::vector<ExportTable::ExportStatus> st = rig.table->StatusOfOpen();
+  REQUIRE(st.size() == 1);
+  CHECK(st[0].name == "vm");
+  CHECK(st[0].clients == 2);
+  // The VM leaves.
+  rig.table->Release(rig.ex);
+  rig.ex.reset();
+  REQUIRE(held->file() != nullptr);
+  REQUIRE(held->SetDedup(false).ok());
+  CHECK_FALSE(held->dedup());
+  st = rig.table->StatusOfOpen();
+  REQUIRE(st.size() == 1);
+  CHECK(st[0].clients == 1);
+  CHECK_FALSE(st[0].dedup);
+  // The hold was the last client: its release closes the file.
+  rig.table->Release(held);
+  CHECK(held->file() == nullptr);
+  CHECK(rig.table->StatusOfOpen().empty());
+  CHECK(rig.table->AcquireIfOpen("vm") == nullptr);
+  auto info = rig.vol->Lookup("vm");
+  REQUIRE(info.ok());
+  CHECK_FALSE(info->dedup);
+}
