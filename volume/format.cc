@@ -251,9 +251,13 @@ Result<Superblock> PlanLayout(const FormatParams& p) {
   const uint64_t drop_blocks =
       p.drop_blocks >= 0 ? static_cast<uint64_t>(p.drop_blocks)
                          : std::clamp<uint64_t>(sb.journal_blocks / 32, 1, 0xffff);
-  if (drop_blocks > 0xffff || drop_blocks + 2 + 12 > sb.journal_blocks) {
-    return Status::Invalid("the drop list (" + std::to_string(drop_blocks) +
-                           " blocks) leaves the journal ring fewer than 12 blocks");
+  // The ring must let one transaction hold kMinTxnBlocks (MaxTxnBlocks()
+  // is half the ring, less one).
+  const uint64_t min_ring = 2 * (uint64_t{kMinTxnBlocks} + 1);
+  if (drop_blocks > 0xffff || drop_blocks + 2 + min_ring > sb.journal_blocks) {
+    return Status::Invalid("the drop list (" + std::to_string(drop_blocks) + " blocks) leaves the " +
+                           std::to_string(sb.journal_blocks) + "-block journal's ring fewer than " +
+                           std::to_string(min_ring) + " blocks: the journal is too small");
   }
   sb.drop_blocks = static_cast<uint32_t>(drop_blocks);
   if (sb.drop_blocks > 0) sb.incompat_features |= kIncompatDropLists;

@@ -204,6 +204,10 @@ Result<JournalHeader> DecodeJournalHeader(const uint8_t* blk, const Uuid& uuid, 
 
 // A transaction: one descriptor block then `homes.size()` block images.
 inline constexpr uint32_t kMaxTxnBlocks = (kBlockSize - 40) / 8;  // 507
+// The fewest metadata blocks a volume's transactions must be able to hold
+// (JournalRingBlocks() / 2 - 1): a block operation asks for 32, and a
+// write round one refcount block per new block. Format refuses less.
+inline constexpr uint32_t kMinTxnBlocks = 32;
 struct JournalTxn {
   uint64_t seq = 0;
   uint32_t images_crc = 0;  // crc32c over the images, in order

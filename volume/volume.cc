@@ -397,6 +397,15 @@ Status VolumeImpl::ScanDeadHosts() {
       continue;
     }
     RETURN_IF_ERROR(locks_->Acquire(rec, LockMode::kExclusive, true));
+    // A new owner may have taken the slot while we waited for kRecovery
+    // (it replays its own journal under it, then commits to it): its
+    // journal is live now, not ours to replay.
+    Result<bool> taken = locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h});
+    if (!taken.ok() || *taken) {
+      (void)locks_->Release(rec);
+      RETURN_IF_ERROR(taken.status());
+      continue;
+    }
     Status st = ReplayJournalOf(h);
     (void)locks_->Release(rec);
     RETURN_IF_ERROR(st);
@@ -559,6 +568,13 @@ size_t VolumeImpl::MaxTxnBlocks() const {
 }
 
 Status VolumeImpl::EnsureJournalRoom(size_t blocks) {
+  // More than one transaction holds would overflow it at the commit (and
+  // poison the volume); refuse before anything changes.
+  if (blocks > MaxTxnBlocks()) {
+    return Status::Invalid("an operation needs " + std::to_string(blocks) +
+                           " metadata blocks in one transaction; this volume's journal holds " +
+                           std::to_string(MaxTxnBlocks()));
+  }
   if (txn_.size() + blocks > MaxTxnBlocks()) RETURN_IF_ERROR(Commit(/*durable=*/false));
   if (journal_->free_blocks() < MaxTxnBlocks() + 1) RETURN_IF_ERROR(Checkpoint());
   return Status::Ok();
@@ -1848,7 +1864,13 @@ Status VolumeImpl::ReplaceBlock(Inode* in, uint64_t index, uint64_t value) {
   // reference is dropped here (deferred if its group is held elsewhere).
   if (old != 0) RETURN_IF_ERROR(PrepareDrop(PtrAddr(old)));
   RETURN_IF_ERROR(SetPtr(in, index, value));
-  if (old != 0) RETURN_IF_ERROR(DropRef(PtrAddr(old)));
+  // The map names `value` now. An old reference that cannot be dropped
+  // leaves the running transaction half-applied: no caller can undo it
+  // (giving `value` back would leave the map naming a free block), so it
+  // must never commit.
+  if (old != 0) {
+    if (Status st = DropRef(PtrAddr(old)); !st.ok()) return Poison(st);
+  }
   if (old == 0 && value != 0) in->mapped_blocks++;
   if (old != 0 && value == 0) in->mapped_blocks--;
   return Status::Ok();
@@ -1996,7 +2018,7 @@ Result<std::unique_ptr<InPlaceWrite>> VolumeImpl::PrepareInPlace(OpenFileState* 
     MutexLock l(&mu_);
     RETURN_IF_ERROR(CheckWritable());
     ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
-    if (offset + len > in.size) {
+    if (offset > in.size || len > in.size - offset) {
       return Status::Invalid("write past the end of '" + in.name + "'");
     }
     for (uint64_t i = first; i <= last; i++) {
@@ -2023,8 +2045,27 @@ Status VolumeImpl::WriteInPlace(const std::vector<uint64_t>& ptrs, const uint8_t
   return Status::Ok();
 }
 
+size_t VolumeImpl::PublishCost(const std::vector<uint64_t>& old, const std::vector<uint64_t>& target,
+                               const std::vector<bool>& fresh, size_t map_cost) const {
+  // Claiming the new blocks dirties their refcount blocks (each counted
+  // once); every old COW block's drop may dirty one more or take a drop
+  // list entry (counted each).
+  std::set<uint64_t> refblocks;
+  size_t drops = 0;
+  for (size_t k = 0; k < target.size(); k++) {
+    if (!fresh[k]) continue;
+    uint32_t g, slot;
+    uint64_t rb;
+    if (LocateRef(target[k], &g, &rb, &slot).ok()) refblocks.insert(rb);
+    drops += old[k] != 0;
+  }
+  return refblocks.size() + drops + map_cost;
+}
+
 Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* buf, size_t len) {
   if (len == 0) return Status::Ok();
+  // Past any file's end; and the block arithmetic below must not wrap.
+  if (offset > UINT64_MAX - len) return Status::Invalid("write range wraps around");
   uint64_t first = offset / kBlockSize, last = (offset + len - 1) / kBlockSize;
   bool partial = offset % kBlockSize != 0 || (offset + len) % kBlockSize != 0;
   {
@@ -2047,31 +2088,41 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
     std::vector<uint64_t> old, target;
     std::vector<bool> fresh;
     size_t nblk;
-    size_t round_cost;
+    size_t map_cost;
     {
       MutexLock l(&mu_);
       RETURN_IF_ERROR(CheckWritable());
       ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
-      if (offset + len > in.size) return Status::Invalid("write past the end of '" + in.name + "'");
+      if (offset > in.size || len > in.size - offset) {
+        return Status::Invalid("write past the end of '" + in.name + "'");
+      }
       nblk = std::min<uint64_t>(256, last + 1 - r0);
       for (size_t k = 0; k < nblk; k++) {
         ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, r0 + k));
         old.push_back(p);
       }
       // Dirtied per round: one refcount block per old COW block (worst
-      // case), the refcount blocks of a contiguous allocation, block-map
-      // blocks along two leaf paths, the inode.
-      auto cost = [&](size_t n) {
+      // case), the refcount blocks of the new blocks, block-map blocks
+      // along two leaf paths, the inode. `cost` assumes the new blocks are
+      // contiguous (the usual case, and what phase 1 dirties at most);
+      // `worst` that each has a refcount block of its own (free space
+      // fragmented by dedup), which phase 3 must still fit in one
+      // transaction: it counts the real ones (PublishCost).
+      map_cost = 2 * (in.depth + 2) + 2;
+      auto cows = [&](size_t n) {
         size_t cow = 0;
         for (size_t k = 0; k < n; k++) cow += (old[k] != 0 && PtrCow(old[k]));
-        return cow + n / kRefsPerBlock + 2 + 2 * (in.depth + 2) + 2;
+        return cow;
       };
-      while (nblk > 1 && cost(nblk) > MaxTxnBlocks() / 2) nblk /= 2;
+      auto cost = [&](size_t n) { return cows(n) + n / kRefsPerBlock + 2 + map_cost; };
+      auto worst = [&](size_t n) { return cows(n) + n + map_cost; };
+      while (nblk > 1 && (cost(nblk) > MaxTxnBlocks() / 2 || worst(nblk) > MaxTxnBlocks())) {
+        nblk /= 2;
+      }
       old.resize(nblk);
       target.assign(nblk, 0);
       fresh.assign(nblk, false);
-      round_cost = cost(nblk);
-      RETURN_IF_ERROR(EnsureRoom(round_cost));
+      RETURN_IF_ERROR(EnsureRoom(cost(nblk)));
       // The groups of the COW blocks: their counts tell whether a block is
       // ours alone. A group held elsewhere is not waited for: its blocks
       // are copied (a last reference merely costs a copy).
@@ -2167,7 +2218,7 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
     Status st = io;
     if (!io.ok()) (void)Poison(io);
     // Other threads used the transaction and the drop list since phase 1.
-    if (st.ok()) st = EnsureRoom(round_cost);
+    if (st.ok()) st = EnsureRoom(PublishCost(old, target, fresh, map_cost));
     if (st.ok()) {
       std::vector<uint64_t> drops;
       for (size_t k = 0; k < nblk; k++) {
@@ -2212,6 +2263,7 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
 
 Status VolumeImpl::TrimData(OpenFileState* f, uint64_t offset, uint64_t len) {
   if (len == 0) return Status::Ok();
+  if (offset > UINT64_MAX - len) return Status::Invalid("trim range wraps around");
   uint64_t first_full = (offset + kBlockSize - 1) / kBlockSize;
   uint64_t end_full = (offset + len) / kBlockSize;  // exclusive
   // Zero the partial edges through the ordinary write path.

@@ -139,6 +139,11 @@ class VolumeImpl : public Volume {
   // kLocked where that last resort would wait for another host's group.
   Status EnsureRoom(size_t blocks, bool may_wait = true) REQUIRES(mu_);
   Status EnsureJournalRoom(size_t blocks) REQUIRES(mu_);
+  // Metadata blocks WriteData's phase 3 dirties publishing one round:
+  // `old`/`target`/`fresh` as phase 1 left them, `map_cost` for the block
+  // map and the inode.
+  size_t PublishCost(const std::vector<uint64_t>& old, const std::vector<uint64_t>& target,
+                     const std::vector<bool>& fresh, size_t map_cost) const REQUIRES(mu_);
   size_t MaxTxnBlocks() const;
   Status Poison(Status s) REQUIRES(mu_);
   Status CheckWritable() REQUIRES(mu_);

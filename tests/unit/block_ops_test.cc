@@ -1096,7 +1096,7 @@ TEST_CASE("block ops: a write error poisons the volume and a reopen is consisten
   // A small journal: every operation's EnsureRoom commits the ones before
   // it, and checkpoints come often, so a batch writes all along.
   FormatOptions fo;
-  fo.journal_blocks = 64;
+  fo.journal_blocks = 70;  // the least format takes
   TestVol t(fo, 32ull << 20);
   const uint64_t kN = 96;
   {

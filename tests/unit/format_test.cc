@@ -896,7 +896,7 @@ TEST_CASE("PlanLayout: default sizing rules", "[format]") {
   p.hash_algo = HashAlgo::kSha256;
   p.inode_count = 1000;
   p.lease_slots = 5;
-  p.journal_blocks = 64;
+  p.journal_blocks = 96;
   p.group_refblocks = 7;
   Result<Superblock> r = PlanLayout(p);
   REQUIRE(r.ok());
@@ -905,8 +905,8 @@ TEST_CASE("PlanLayout: default sizing rules", "[format]") {
   CHECK(r->inode_count == 1000);
   CHECK(r->lease_slots == 5);
   CHECK(r->lease_blocks == 256 * 6);
-  CHECK(r->journal_blocks == 64);
-  CHECK(r->inode_start == 256 + 256 * 6 + 3 * 64);
+  CHECK(r->journal_blocks == 96);
+  CHECK(r->inode_start == 256 + 256 * 6 + 3 * 96);
   CHECK(r->group_refblocks == 7);
   CheckTiling(*r);
 }
@@ -957,7 +957,13 @@ TEST_CASE("PlanLayout: invalid parameters", "[format]") {
   p.max_hosts = 8;
   p.journal_blocks = 15;
   CHECK(PlanLayout(p).status().code() == Status::Code::kInvalid);
-  p.journal_blocks = 16;
+  // The ring (after 2 header blocks and a drop list of 1/32 of the journal)
+  // must let a transaction hold kMinTxnBlocks: 66 blocks.
+  p.journal_blocks = 69;  // drop list 2, ring 65
+  Result<Superblock> small = PlanLayout(p);
+  CHECK(small.status().code() == Status::Code::kInvalid);
+  CHECK(Contains(small.status().message(), "journal is too small"));
+  p.journal_blocks = 70;  // ring 66
   CHECK(PlanLayout(p).ok());
   p.journal_blocks = 0;
   p.group_refblocks = 0;
@@ -2088,8 +2094,8 @@ TEST_CASE("PlanLayout: drop list sizing", "[format]") {
     uint64_t journal_blocks;
     uint32_t drop_blocks;
   };
-  for (Want w : {Want{16, 1}, Want{31, 1}, Want{32, 1}, Want{63, 1}, Want{64, 2}, Want{100, 3},
-                 Want{256, 8}, Want{1024, 32}, Want{4096, 128}}) {
+  for (Want w : {Want{70, 2}, Want{95, 2}, Want{96, 3}, Want{100, 3}, Want{256, 8},
+                 Want{1024, 32}, Want{4096, 128}}) {
     INFO("journal_blocks " << w.journal_blocks);
     p.journal_blocks = w.journal_blocks;
     Result<Superblock> r = PlanLayout(p);
@@ -2121,13 +2127,15 @@ TEST_CASE("PlanLayout: drop list sizing", "[format]") {
   p.drop_blocks = -7;
   CHECK(PlanLayout(p)->drop_blocks == 32);
 
-  // Sizes that leave the ring fewer than 12 blocks, or do not fit.
+  // Sizes that leave the ring fewer than 66 blocks (a transaction must hold
+  // kMinTxnBlocks, 32), or do not fit.
   struct Bad {
     uint64_t journal_blocks;
     int64_t drop_blocks;
   };
   for (Bad b :
-       {Bad{256, 243}, Bad{256, 254}, Bad{256, 256}, Bad{256, 1000}, Bad{16, 3}, Bad{0, 1011},
+       {Bad{256, 189}, Bad{256, 254}, Bad{256, 256}, Bad{256, 1000}, Bad{16, 3}, Bad{16, 2},
+        Bad{69, -1}, Bad{70, 3}, Bad{0, 957},
         Bad{0, int64_t{1} << 32}, Bad{0, (int64_t{1} << 32) + 5}, Bad{0, INT64_MAX}}) {
     INFO("journal_blocks " << b.journal_blocks << ", drop_blocks " << b.drop_blocks);
     p.journal_blocks = b.journal_blocks;
@@ -2137,17 +2145,17 @@ TEST_CASE("PlanLayout: drop list sizing", "[format]") {
     CHECK(Contains(r.status().message(), "drop list"));
   }
   p.journal_blocks = 256;
-  p.drop_blocks = 243;
-  CHECK(Contains(PlanLayout(p).status().message(), "fewer than 12"));
+  p.drop_blocks = 189;
+  CHECK(Contains(PlanLayout(p).status().message(), "fewer than 66"));
   // The limits themselves are fine.
-  for (Bad b : {Bad{256, 242}, Bad{16, 2}, Bad{0, 1010}}) {
+  for (Bad b : {Bad{256, 188}, Bad{70, 2}, Bad{70, -1}, Bad{0, 956}}) {
     INFO("journal_blocks " << b.journal_blocks << ", drop_blocks " << b.drop_blocks);
     p.journal_blocks = b.journal_blocks;
     p.drop_blocks = b.drop_blocks;
     r = PlanLayout(p);
     INFO(r.status().ToString());
     REQUIRE(r.ok());
-    CHECK(r->JournalRingBlocks() == 12);
+    CHECK(r->JournalRingBlocks() == 66);
     CheckTiling(*r);
   }
 }

@@ -14,6 +14,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <atomic>
 #include <memory>
 #include <random>
@@ -22,8 +23,10 @@
 #include <vector>
 
 #include "util/clock.h"
+#include "tests/forwarding_device.h"
 #include "tests/fsck_problems.h"
 #include "volume/fsck.h"
+#include "volume/journal.h"
 #include "volume/lock_manager.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
@@ -630,4 +633,145 @@ TEST_CASE("volume: a quiet host's flush points write its journal home for other 
   REQUIRE(r.v1->Sync().ok());
   CHECK(shared_seen_by_reader() == 0);
   a.value().reset();
+}
+
+namespace {
+
+// At the first write after Arm() (in a copy-on-write write, the data write
+// between looking at the old blocks and publishing the new ones), runs
+// `hook`; from then on, the first read of a refcount block fails with EIO.
+class HookDevice : public test::ForwardingDevice {
+ public:
+  explicit HookDevice(BlockDevice* base) : ForwardingDevice(base, "hook") {}
+  void Arm(std::function<void()> hook) { hook_ = std::move(hook); }
+  bool failed_read() const { return failed_read_; }
+  Status Write(uint64_t offset, const void* buf, size_t len) override {
+    if (hook_) {
+      auto h = std::move(hook_);
+      hook_ = nullptr;
+      h();
+      fail_refcount_read_ = true;
+    }
+    return base()->Write(offset, buf, len);
+  }
+  Status Read(uint64_t offset, void* buf, size_t len) override {
+    RETURN_IF_ERROR(base()->Read(offset, buf, len));
+    if (fail_refcount_read_ && len == kB &&
+        PeekHeader(static_cast<const uint8_t*>(buf)).magic == kMagicRefcountBlock) {
+      fail_refcount_read_ = false;
+      failed_read_ = true;
+      return Status::IoError("injected refcount block read error");
+    }
+    return Status::Ok();
+  }
+
+ private:
+  std::function<void()> hook_;
+  bool fail_refcount_read_ = false;
+  bool failed_read_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("volume drops: a failed drop after a copy's pointer is published never commits",
+          "[volume][drops]") {
+  // Host 2 copies b's shared blocks while the holder has their group, so it
+  // does not read their counts first. The holder lets go during the data
+  // write; publishing then takes the group and reads its refcount block to
+  // drop the old reference, after the new pointer is in the map, and that
+  // read fails. The write fails, and the round must never commit: a drop
+  // that failed after its pointer was published used to be undone by
+  // giving the new block back, so the next commit left b naming a free
+  // block, which the next allocation handed to another file.
+  Rig r;
+  r.HoldGroupZero();
+  HookDevice hook(&r.base);
+  auto v2 = r.OpenAs(&hook, 2, r.lm2);
+  auto b = v2->OpenFile("b");
+  REQUIRE(b.ok());
+  hook.Arm([&] {
+    r.LetGo();
+    r.clock.Advance(1'000'000'000);
+  });
+  Status w = b.value()->Write(0, r.y.data(), r.y.size());
+  INFO("host 2's write: " << w.ToString());
+  REQUIRE(hook.failed_read());
+  REQUIRE_FALSE(w.ok());
+  // Refused from now on: nothing of the half-published round reaches the
+  // disk, and no other write or commit carries on past it.
+  CHECK_FALSE(v2->Sync().ok());
+  CHECK_FALSE(b.value()->Write(0, r.y.data(), kB).ok());
+  b.value().reset();
+  v2.reset();
+  r.lm2.reset();
+  // Host 2's lock manager is gone (the process died); the next opener
+  // replays what it committed, which is everything before this write.
+  r.v1.reset();
+  auto v3 = r.OpenAs(&r.base, 3, r.NewLocks());
+  std::string problems = test::FsckProblems(v3.get());
+  INFO("fsck:" << problems);
+  CHECK(problems.empty());
+  std::vector<uint8_t> got(kShared * kB);
+  auto b3 = v3->OpenFile("b");
+  REQUIRE(b3.ok());
+  REQUIRE(b3.value()->Read(0, got.data(), got.size()).ok());
+  CHECK(got == r.x);
+}
+
+TEST_CASE("volume: a dead slot's journal is not replayed once a new owner has taken the slot",
+          "[volume][drops][crash]") {
+  // Host 3's scan sees host 2's slot free with transactions and waits for
+  // kRecovery(2). Meanwhile host 2 comes back: it takes its slot and
+  // kRecovery(2), replays, releases kRecovery(2) and commits to its journal
+  // again. The scan must look at the slot again under kRecovery(2) and leave
+  // a live journal alone (it used to replay it, racing its owner).
+  Rig r;
+  r.v1.reset();
+  FaultDevice d2(&r.base);
+  auto v2 = r.OpenAs(&d2, 2, r.lm2);
+  const Superblock sb = v2->superblock();
+  {
+    auto a = v2->OpenFile("a");
+    REQUIRE(a.ok());
+    REQUIRE(a.value()->Write(0, r.y.data(), kB).ok());
+    REQUIRE(a.value()->Flush().ok());
+    // Host 2 dies: its file's close (a checkpoint) cannot reach the disk.
+    std::mt19937_64 rng(7);
+    d2.Crash(rng, 0.0);
+    d2.FailWritesAfter(0, EIO);
+  }
+  v2.reset();
+  r.lm2.reset();
+  const LockId slot2{LockKind::kHostSlot, 2};
+  const LockId rec2{LockKind::kRecovery, 2};
+  auto pending = [&] {
+    auto j = Journal::Open(&r.base, sb, 2);
+    REQUIRE(j.ok());
+    auto p = j.value()->HasTransactions();
+    REQUIRE(p.ok());
+    return p.value();
+  };
+  REQUIRE(pending());
+  // "Host 2 coming back" holds kRecovery(2) while host 3 starts.
+  REQUIRE(r.holder->Acquire(rec2, LockMode::kExclusive, false).ok());
+  Status came_back;  // Catch's assertions are for the test's own thread
+  std::thread back([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    came_back = r.holder->Acquire(slot2, LockMode::kExclusive, false);
+    if (came_back.ok()) came_back = r.holder->Release(rec2);
+  });
+  std::shared_ptr<LockManager> lm3 = r.NewLocks();
+  OpenOptions oo;
+  oo.host_id = 3;
+  oo.locks = lm3;
+  oo.clock = &r.clock;
+  auto v3 = Volume::Open(&r.base, oo);
+  Status created = v3.ok() ? v3.value()->Create("c", 1 << 20).status() : v3.status();
+  back.join();
+  INFO("host 2 coming back: " << came_back.ToString());
+  REQUIRE(came_back.ok());
+  INFO("host 3 opening and creating a file (so that its scan ran): " << created.ToString());
+  REQUIRE(created.ok());
+  CHECK(pending());  // host 2's, not host 3's, to replay
+  REQUIRE(r.holder->Release(slot2).ok());
 }
