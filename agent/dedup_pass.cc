@@ -1043,6 +1043,10 @@ class Pass {
       // (but see TouchedThisPass: not on a revisit).
       if (TouchedThisPass(fi, pr.block)) continue;
       if (!slot.range.Contains(KeyPrefix(pr.fp))) continue;
+      // Past the file's end (a file shrunk since the record was parked;
+      // nothing shrinks a VM file today): a block op on it is kInvalid,
+      // which would fail this shard's rewrite in every pass from now on.
+      if (pr.block >= files_[fi].WholeBlocks()) continue;
       recs.push_back(PassRecord{pr.fp, pr.block, fi});
       stats_.pending_records_applied++;
     }
