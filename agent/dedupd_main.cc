@@ -93,6 +93,7 @@ struct Config {
   double fence_after = 0;   // sanlock volumes: exit when the lockspace cannot be confirmed for SEC
   double merge_interval = 10;  // apply merge requests for served files; 0: only at passes
   double open_wait = 30;       // a client's export open waits this long for a busy file
+  double drain_timeout = 10;  // shutdown: how long a client may take to read its last replies
   double split_after = 30;     // split a shard whose last update took longer (seconds)
   double window_interval = 600;  // inside a policy window: seconds between passes
   double policy_refresh = 30;    // re-read the volume's policy every SEC
@@ -142,6 +143,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"), "rewrite an index shard when its new records exceed F times its entries (default 0.05)")
       ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
       ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that)")
+      ("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"), "on SIGTERM, replies a client has not read within SEC seconds are given up and its connection closed, so that a stuck client cannot keep the other disks' locks (default 10)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600)")
       ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30)")
@@ -219,6 +221,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   if (cfg->fence_after < 0) return UsageError("--fence-after: must be >= 0");
   if (!(cfg->merge_interval >= 0)) return UsageError("--merge-interval: must be >= 0");
   if (!(cfg->open_wait >= 0)) return UsageError("--open-wait: must be >= 0");
+  if (!(cfg->drain_timeout >= 0)) return UsageError("--drain-timeout: must be >= 0");
   if (!(cfg->split_after > 0)) return UsageError("--split-after: must be > 0");
   if (!(cfg->window_interval >= 0)) return UsageError("--window-interval: must be >= 0");
   if (!(cfg->policy_refresh > 0)) return UsageError("--policy-refresh: must be > 0");
@@ -315,6 +318,7 @@ int Run(const Config& cfg) {
   so.tcp_port = cfg.tcp_port;
   so.worker_threads = cfg.threads;
   so.open_wait_s = cfg.open_wait;
+  so.drain_timeout_s = cfg.drain_timeout;
   NbdServer server(io, &table, so);
 
   PeriodicJob sync_job(io, &server, cfg.sync_interval, [&] {

@@ -53,19 +53,33 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     });
   }
 
-  // Shutdown: stop taking requests, finish what is in flight, close.
+  // Shutdown: stop taking requests, finish what is in flight, close. Replies
+  // the client has not taken within drain_timeout_s are given up.
   void Drain() {
     asio::dispatch(strand_, [self = shared_from_this()] {
       if (self->finished_) return;
       self->stop_reading_ = true;
+      self->drain_timer_.expires_after(std::chrono::duration_cast<std::chrono::nanoseconds>(
+          std::chrono::duration<double>(self->server_->opts_.drain_timeout_s)));
+      self->drain_timer_.async_wait(
+          asio::bind_executor(self->strand_, [self](boost::system::error_code ec) {
+            if (ec || self->finished_) return;
+            LOG(kWarning) << "nbd connection " << self->id_ << ": client took no replies for "
+                          << self->server_->opts_.drain_timeout_s << " s of shutdown; closing it";
+            self->client_gone_ = true;
+            boost::system::error_code ignored;
+            self->sock_.cancel(ignored);
+            self->MaybeFinish();
+          }));
       self->MaybeFinish();
     });
   }
 
  private:
+  // Requests executing plus replies queued, and their bytes.
   bool Backpressured() const {
-    return inflight_ >= server_->opts_.max_inflight_requests ||
-           inflight_bytes_ >= server_->opts_.max_inflight_bytes;
+    return inflight_ + wq_.size() >= server_->opts_.max_inflight_requests ||
+           inflight_bytes_ + wq_bytes_ >= server_->opts_.max_inflight_bytes;
   }
 
   void SendSessionOutput() {
@@ -311,6 +325,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   }
   void Send(OutMessage m) {
     if (client_gone_) return;
+    wq_bytes_ += m.head.size() + m.data.size();
     wq_.push_back(std::move(m));
     if (!writing_) WriteNext();
   }
@@ -332,13 +347,19 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
             self->client_gone_ = true;
             self->stop_reading_ = true;
             self->wq_.clear();
+            self->wq_bytes_ = 0;
             self->MaybeFinish();
             return;
           }
+          const bool was_backpressured = self->Backpressured();
+          for (size_t i = 0; i < n; i++) {
+            self->wq_bytes_ -= self->wq_[i].head.size() + self->wq_[i].data.size();
+          }
           self->wq_.erase(self->wq_.begin(), self->wq_.begin() + n);
-          if (!self->wq_.empty()) {
-            self->WriteNext();
-          } else {
+          if (!self->wq_.empty()) self->WriteNext();
+          if (was_backpressured && !self->Backpressured()) {
+            self->Pump();  // reads again (or finishes, when stopped)
+          } else if (self->wq_.empty()) {
             self->MaybeFinish();
           }
         }));
@@ -359,6 +380,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     if (writing_ && !client_gone_) return;
     finished_ = true;
     boost::system::error_code ec;
+    drain_timer_.cancel();
     sock_.shutdown(asio::socket_base::shutdown_both, ec);
     sock_.close(ec);
     if (export_) {
@@ -384,6 +406,8 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   bool writing_ = false;
   bool finished_ = false;
   std::deque<OutMessage> wq_;
+  size_t wq_bytes_ = 0;  // of wq_'s messages, heads and data
+  asio::steady_timer drain_timer_{strand_};
   std::shared_ptr<Export> export_;
   size_t inflight_ = 0;
   size_t inflight_bytes_ = 0;

@@ -6,8 +6,9 @@
 // around an nbd::NbdSession (agent/nbd_protocol.h), which does all parsing.
 //
 // Per connection, at most max_inflight_requests requests (and
-// max_inflight_bytes of payload) are executing; past that, the connection
-// stops reading from its socket until replies go out (back-pressure).
+// max_inflight_bytes of payload and reply data) are executing or waiting
+// to be written; past that, the connection stops reading from its socket
+// until replies go out (back-pressure).
 #pragma once
 
 #include <atomic>
@@ -32,8 +33,16 @@ struct NbdServerOptions {
   // How long an export open waits for a file held elsewhere (see
   // ExportTable::Acquire).
   double open_wait_s = 30;
+  // Requests executing or answered but not yet written to the client,
+  // and their bytes (READ data included): past either, the connection
+  // stops reading requests, so a client that never reads its replies
+  // holds at most this much of dedupd's memory.
   size_t max_inflight_requests = 64;
   size_t max_inflight_bytes = size_t{64} << 20;
+  // Shutdown: how long a connection may take to write its last replies
+  // before they are given up and it is closed (a client that stopped
+  // reading must not keep the daemon, and every other disk's lock, up).
+  double drain_timeout_s = 10;
   nbd::SessionOptions session;
 };
 

@@ -1018,6 +1018,56 @@ TEST_CASE("SIGTERM with a client connected drains, flushes, releases and exits 0
   REQUIRE(c2.Go("vm") > 0);
 }
 
+
+// Resident memory of a process, in bytes (0 if unreadable).
+uint64_t RssBytes(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("VmRSS:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+
+TEST_CASE("a client that never reads its replies holds bounded memory and cannot stall shutdown",
+          "[nbd]") {
+  // Replies waiting to be written count toward the connection's
+  // back-pressure (--max-inflight bytes: 64 MiB by default): it stops
+  // reading requests instead of queueing every READ's data. Before, a
+  // client sending 32 MiB READs and never reading grew dedupd by 32 MiB a
+  // request. On SIGTERM, replies not taken within --drain-timeout are given
+  // up, so the stop completes (the other disks' locks are released).
+  TestVolume tv({{"vm", 64 * kMiB}, {"other", 8 * kMiB}});
+  auto d = std::make_unique<DedupdProcess>(tv.vol, 1, tv.sock,
+                                           std::vector<std::string>{"--drain-timeout", "2"});
+  RawClient warm(tv.sock);
+  REQUIRE(warm.Hello());
+  REQUIRE(warm.Go("other") > 0);
+  RawClient c(tv.sock);
+  REQUIRE(c.Hello());
+  REQUIRE(c.Go("vm") > 0);
+  const uint64_t before = RssBytes(d->pid());
+  REQUIRE(before > 0);
+  const int kReads = 24;  // 768 MiB of replies if all were queued
+  for (int i = 0; i < kReads; i++) c.SendRequest(0, i, 0, 32 * kMiB);
+  // Let dedupd take what it will.
+  std::this_thread::sleep_for(std::chrono::seconds(3));
+  const uint64_t after = RssBytes(d->pid());
+  INFO("dedupd RSS before " << before / kMiB << " MiB, after " << after / kMiB << " MiB");
+  CHECK(after < before + 200 * kMiB);
+  const auto t0 = std::chrono::steady_clock::now();
+  REQUIRE(d->Stop(30) == 0);
+  const double stop_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO("stopped in " << stop_s << " s");
+  CHECK(stop_s < 15);
+  // Another dedupd can serve the disk the stuck client had.
+  DedupdProcess d2(tv.vol, 2, tv.dir.file("second.sock"));
+  RawClient c2(d2.socket());
+  REQUIRE(c2.Hello());
+  REQUIRE(c2.Go("vm") > 0);
+}
+
 }  // namespace
 }  // namespace dede
 
