@@ -239,6 +239,10 @@ class ExportTable {
   Totals closed_ GUARDED_BY(mu_);
 };
 
+// How long an export's close waits for its write log when another process
+// or a pass holds it (LogFlusher::FlushFile).
+inline constexpr double kCloseLogWaitS = 5;
+
 // The NBD error number for a failed volume operation.
 uint32_t NbdErrorFor(const Status& s);
 

@@ -2,6 +2,9 @@
 
 #include <pthread.h>
 
+#include <chrono>
+#include <thread>
+
 #include "kmod/writemon/write_log.h"
 #include "util/log.h"
 
@@ -117,11 +120,26 @@ Status LogFlusher::FlushAll() {
   return first;
 }
 
-Status LogFlusher::FlushFile(FileId id) {
-  MutexLock l(&mu_);
-  Status st = FlushLocked(id, /*keep_open=*/false, /*skip_if_no_space=*/false);
-  open_logs_.erase(id);
-  return st;
+Status LogFlusher::FlushFile(FileId id, double wait_s) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(std::max(0.0, wait_s)));
+  while (true) {
+    {
+      MutexLock l(&mu_);
+      const uint64_t deferred = stats_.deferred;
+      Status st = FlushLocked(id, /*keep_open=*/false, /*skip_if_no_space=*/false);
+      open_logs_.erase(id);
+      if (stats_.deferred == deferred) return st;  // appended, or failed for good
+      if (std::chrono::steady_clock::now() >= deadline) {
+        return Status::Locked("its write log is held elsewhere; " +
+                              std::to_string(monitor_->FileStats(id).buffered_records) +
+                              " buffered records were not logged");
+      }
+    }
+    // Not under mu_: the other files' flushes go on meanwhile.
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
 }
 
 std::unique_ptr<File> LogFlusher::LendLog(FileId id) {

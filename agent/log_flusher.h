@@ -125,8 +125,12 @@ class LogFlusher {
   // Flushes every file with anything buffered, then closes every log kept
   // open: afterwards every log is on the volume for anyone to open.
   Status FlushAll() EXCLUDES(mu_);
-  // Flushes one file (an export closing) and closes its log.
-  Status FlushFile(FileId id) EXCLUDES(mu_);
+  // Flushes one file (an export closing) and closes its log. While its log
+  // is held elsewhere (a pass consuming it, `dede ls -l` reading it), tries
+  // again for up to `wait_s` seconds, then gives up with kLocked: the
+  // batch is put back in the monitor, and dropping it there (RemoveFile)
+  // would lose its records, its invalidations and any drop mark it carries.
+  Status FlushFile(FileId id, double wait_s = 0) EXCLUDES(mu_);
   FlusherStats stats() EXCLUDES(mu_);
 
  private:

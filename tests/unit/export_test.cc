@@ -15,9 +15,12 @@
 #include <random>
 #include <thread>
 
+#include "agent/log_flusher.h"
+#include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "tests/forwarding_device.h"
 #include "tests/temp_locks.h"
+#include "util/fingerprint.h"
 #include "volume/format.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
@@ -312,4 +315,48 @@ TEST_CASE("export: the control socket's hold keeps a file open while its VM leav
   auto info = rig.vol->Lookup("vm");
   REQUIRE(info.ok());
   CHECK_FALSE(info->dedup);
+}
+
+TEST_CASE("export: a close waits for a write log held elsewhere instead of dropping its batch",
+          "[export]") {
+  // `dede ls -l` or a pass may hold the file's log for a moment as its VM
+  // shuts down. The close used to flush once, have the batch put back
+  // (kLocked) and then drop it with the monitor's buffer: the log kept the
+  // block's old fingerprint, with no sign that records were lost.
+  MemDevice mem(64 << 20);
+  REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  auto v = Volume::Open(&mem, oo);
+  REQUIRE(v.ok());
+  std::unique_ptr<Volume> vol = std::move(v.value());
+  REQUIRE(vol->Create("vm", kFileBytes).ok());
+  WriteMonitor monitor{WriteMonitorOptions{}};
+  LogFlusher flusher(vol.get(), &monitor);
+  ExportTable table(vol.get(), &monitor, &flusher);
+  auto e = table.Acquire("vm");
+  REQUIRE(e.ok());
+  std::shared_ptr<Export> ex = *e;
+  const FileId id = ex->id();
+  const std::vector<uint8_t> first = Pattern(kB, 21), second = Pattern(kB, 22);
+  REQUIRE(ex->Write(0, first.data(), kB, false).ok());
+  REQUIRE(flusher.FlushAll().ok());
+  REQUIRE(ex->Write(0, second.data(), kB, false).ok());
+  // Someone holds the log; it lets go after a moment.
+  auto held = OpenWriteLog(vol.get(), id);
+  REQUIRE(held.ok());
+  std::unique_ptr<File> log = std::move(held.value());
+  std::thread letgo([&] {
+    std::this_thread::sleep_for(300ms);
+    log.reset();
+  });
+  table.Release(ex);
+  letgo.join();
+  ex.reset();
+  auto opened = OpenWriteLog(vol.get(), id);
+  REQUIRE(opened.ok());
+  auto state = ReplayWriteLog(opened.value().get(), HashAlgo::kXxh128, vol->superblock().uuid, id);
+  REQUIRE(state.ok());
+  REQUIRE(state->records.count(0) == 1);
+  CHECK(state->records.at(0).fp == ComputeFingerprint(HashAlgo::kXxh128, second.data(), kB));
 }
