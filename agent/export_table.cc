@@ -274,34 +274,52 @@ Result<std::vector<std::string>> ExportTable::List() {
 }
 
 Result<std::shared_ptr<Export>> ExportTable::Acquire(const std::string& name, double wait_s) {
-  const auto start = std::chrono::steady_clock::now();
-  const auto deadline = start + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                    std::chrono::duration<double>(std::max(0.0, wait_s)));
-  bool waited = false;
-  std::optional<FileId> announced;  // the file whose open wait we announced
+  OpenWait w(this, name, wait_s);
   while (true) {
-    Result<std::shared_ptr<Export>> e = TryAcquire(name);
-    if (e.ok() || e.status().code() != Status::Code::kLocked ||
-        std::chrono::steady_clock::now() >= deadline) {
-      if (announced) (void)vol_->AnnounceOpenWait(*announced, false);
-      if (waited) {
-        // A VM start held up by another host's pass is worth knowing.
-        const double s =
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-        LOG(kInfo) << "export '" << name << "': " << (e.ok() ? "opened" : "gave up") << " after "
-                   << s << " s waiting for its lock, held elsewhere";
-      }
-      return e;
-    }
-    if (!waited) {
-      // A pass that only borrowed the disk hands it back when it sees this.
-      Result<FileInfo> info = vol_->Lookup(name);
-      if (info.ok() && vol_->AnnounceOpenWait(info->id, true).ok()) announced = info->id;
-    }
-    waited = true;
+    Result<std::shared_ptr<Export>> e = w.Step();
+    if (!w.retry()) return e;
     // Not under open_mu_: other exports open meanwhile.
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    std::this_thread::sleep_for(OpenWait::kRetryInterval);
   }
+}
+
+ExportTable::OpenWait::OpenWait(ExportTable* table, std::string name, double wait_s)
+    : table_(table),
+      name_(std::move(name)),
+      start_(std::chrono::steady_clock::now()),
+      deadline_(start_ + std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                             std::chrono::duration<double>(std::max(0.0, wait_s)))) {}
+
+void ExportTable::OpenWait::Abandon() {
+  if (announced_) (void)table_->vol_->AnnounceOpenWait(*announced_, false);
+  announced_.reset();
+  retry_ = false;
+}
+
+Result<std::shared_ptr<Export>> ExportTable::OpenWait::Step() {
+  Volume* vol = table_->vol_;
+  Result<std::shared_ptr<Export>> e = table_->TryAcquire(name_);
+  retry_ = !e.ok() && e.status().code() == Status::Code::kLocked &&
+           std::chrono::steady_clock::now() < deadline_;
+  if (retry_) {
+    if (!waited_) {
+      // A pass that only borrowed the disk hands it back when it sees this.
+      Result<FileInfo> info = vol->Lookup(name_);
+      if (info.ok() && vol->AnnounceOpenWait(info->id, true).ok()) announced_ = info->id;
+    }
+    waited_ = true;
+    return e;
+  }
+  if (announced_) (void)vol->AnnounceOpenWait(*announced_, false);
+  announced_.reset();
+  if (waited_) {
+    // A VM start held up by another host's pass is worth knowing.
+    const double s =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start_).count();
+    LOG(kInfo) << "export '" << name_ << "': " << (e.ok() ? "opened" : "gave up") << " after " << s
+               << " s waiting for its lock, held elsewhere";
+  }
+  return e;
 }
 
 Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name) {

@@ -16,11 +16,13 @@
 #pragma once
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -185,6 +187,29 @@ class ExportTable {
   // sleeps): call from a worker thread.
   Result<std::shared_ptr<Export>> Acquire(const std::string& name, double wait_s = 0)
       EXCLUDES(mu_, open_mu_);
+  // Acquire's wait, for a caller that must not hold a thread while it
+  // waits (the NBD server: a sleeping worker would stall every disk's
+  // I/O). Each Step() is one attempt; kLocked with retry() true means
+  // "not yet": call Step() again after about kRetryInterval (not sooner).
+  // The first refusal announces the wait (Volume::AnnounceOpenWait); the
+  // final Step withdraws it. Not thread-safe: one caller at a time.
+  class OpenWait {
+   public:
+    static constexpr std::chrono::milliseconds kRetryInterval{200};
+    OpenWait(ExportTable* table, std::string name, double wait_s);
+    Result<std::shared_ptr<Export>> Step() EXCLUDES(table_->mu_, table_->open_mu_);
+    bool retry() const { return retry_; }
+    // No more Steps (the client left): withdraws the announcement.
+    void Abandon();
+
+   private:
+    ExportTable* const table_;
+    const std::string name_;
+    const std::chrono::steady_clock::time_point start_, deadline_;
+    bool waited_ = false;
+    bool retry_ = false;
+    std::optional<FileId> announced_;  // the file whose open wait we announced
+  };
   // One client left; the last one flushes the file's records and closes it.
   void Release(const std::shared_ptr<Export>& e) EXCLUDES(mu_);
   // Closes every export (shutdown, after all clients are gone).

@@ -202,12 +202,41 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
 
   void OpenExport() {
     waiting_backend_ = true;
+    TryOpen(std::make_shared<ExportTable::OpenWait>(server_->table_, session_.export_name(),
+                                                    server_->opts_.open_wait_s),
+            session_.info_only());
+  }
+
+  // One attempt to enter the export, on a worker. A refusal that may clear
+  // (the file held elsewhere for a moment) is tried again after a timer on
+  // the strand: a waiting open holds no worker, which every disk's I/O
+  // needs.
+  void TryOpen(std::shared_ptr<ExportTable::OpenWait> wait, bool info_only) {
     ExportTable* table = server_->table_;
-    std::string name = session_.export_name();
-    bool info_only = session_.info_only();
-    const double wait_s = server_->opts_.open_wait_s;
-    server_->RunBlocking([self = shared_from_this(), table, name, info_only, wait_s] {
-      Result<std::shared_ptr<Export>> e = table->Acquire(name, wait_s);
+    const std::string name = session_.export_name();
+    server_->RunBlocking([self = shared_from_this(), table, wait, name, info_only] {
+      Result<std::shared_ptr<Export>> e = wait->Step();
+      if (wait->retry()) {
+        asio::post(self->strand_, [self, wait, info_only] {
+          if (self->stop_reading_) {
+            // The client left, or dedupd stops: no one is waiting now.
+            self->server_->RunBlocking([self, wait] {
+              wait->Abandon();
+              asio::post(self->strand_, [self] {
+                self->waiting_backend_ = false;
+                self->MaybeFinish();
+              });
+            });
+            return;
+          }
+          self->open_timer_.expires_after(ExportTable::OpenWait::kRetryInterval);
+          self->open_timer_.async_wait(asio::bind_executor(
+              self->strand_, [self, wait, info_only](boost::system::error_code) {
+                self->TryOpen(wait, info_only);
+              }));
+        });
+        return;
+      }
       nbd::ExportInfo info;
       if (e.ok()) {
         info.size = (*e)->size();
@@ -408,6 +437,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   std::deque<OutMessage> wq_;
   size_t wq_bytes_ = 0;  // of wq_'s messages, heads and data
   asio::steady_timer drain_timer_{strand_};
+  asio::steady_timer open_timer_{strand_};  // a waiting open's next attempt
   std::shared_ptr<Export> export_;
   size_t inflight_ = 0;
   size_t inflight_bytes_ = 0;

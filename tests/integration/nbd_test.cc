@@ -814,6 +814,53 @@ TEST_CASE("a client waits --open-wait for a file that another dedupd holds for a
   RequireFsckClean(tv.vol);
 }
 
+TEST_CASE("clients waiting to open a disk held elsewhere hold up no other disk's I/O", "[nbd]") {
+  // Each waiting open used to sleep on an NBD worker for up to --open-wait;
+  // with as many waiting as there are workers (2 here), every other
+  // export's requests, opens included, waited behind them. A waiting open
+  // now retries on a timer and holds no worker.
+  TestVolume tv({{"busy", 4 * kMiB}, {"vm", 4 * kMiB}});
+  const std::string sock2 = tv.dir.file("nbd2.sock");
+  DedupdProcess a(tv.vol, 1, tv.sock);
+  DedupdProcess b(tv.vol, 2, sock2, {"--threads", "2", "--open-wait", "6"});
+  RawClient holder(tv.sock);  // "busy" runs on a
+  REQUIRE(holder.Hello());
+  REQUIRE(holder.Go("busy") == int64_t(4 * kMiB));
+  std::vector<std::unique_ptr<RawClient>> waiting;
+  for (int i = 0; i < 3; i++) {
+    waiting.push_back(std::make_unique<RawClient>(sock2));
+    REQUIRE(waiting.back()->Hello());
+    std::vector<uint8_t> d;
+    const std::string name = "busy";
+    RawClient::Put32(&d, static_cast<uint32_t>(name.size()));
+    d.insert(d.end(), name.begin(), name.end());
+    RawClient::Put16(&d, 0);
+    waiting.back()->SendOption(7, d);  // NBD_OPT_GO; the reply comes after the wait
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const auto t0 = std::chrono::steady_clock::now();
+  RawClient c(sock2);
+  REQUIRE(c.Hello());
+  REQUIRE(c.Go("vm") == int64_t(4 * kMiB));
+  c.SendRequest(0, 1, 0, 4096);
+  uint32_t err = 1;
+  uint64_t cookie = 0;
+  REQUIRE(c.RecvReply(&err, &cookie));
+  CHECK(err == 0);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  INFO("open and READ of another disk took " << took << " s");
+  CHECK(took < 3.0);
+  // The waiting clients are refused once --open-wait has passed.
+  for (auto& w : waiting) {
+    RawClient::OptReply r;
+    REQUIRE(w->RecvOptReply(&r));
+    CHECK((r.type & 0x80000000u) != 0);
+    CHECK(std::string(r.data.begin(), r.data.end()).find("in use") != std::string::npos);
+  }
+  REQUIRE(b.Stop() == 0);
+  REQUIRE(a.Stop() == 0);
+}
+
 TEST_CASE("a dedup pass gives a borrowed disk back to a client waiting to open it", "[nbd]") {
   // dedupd a's pass opens "vm" (its VM is off) to use the blocks its write
   // log names; meanwhile the VM starts on b. b announces its wait, and a
