@@ -1349,7 +1349,31 @@ class Pass {
     const bool damaged = reader && (reader->stats().corrupt_blocks > 0 ||
                                     reader->stats().file_table_corrupt ||
                                     reader->stats().lost_entries > 0);
-    if (damaged || opts_.force) {
+    // Arena blocks this version names or this rewrite punches.
+    std::vector<bool> accounted = arena_used;
+    uint64_t known = uint64_t(std::count(accounted.begin(), accounted.end(), true));
+    for (uint64_t idx : arenas[0].to_punch) {
+      if (idx >= accounted.size()) accounted.resize(idx + 1, false);
+      if (!accounted[idx]) {
+        accounted[idx] = true;
+        known++;
+      }
+    }
+    // A pass that died after making its version durable but before its
+    // punches (below) left arena blocks no entry names: the arena maps more
+    // blocks than are accounted for. One inode read tells; the sweep then
+    // finds them.
+    bool leaked = false;
+    if (!damaged && !opts_.force) {
+      ASSIGN_OR_RETURN(const FileInfo ai, arenas[0].f->Info());
+      if (ai.mapped_blocks > known) {
+        leaked = true;
+        LOG(kInfo) << "index shard " << slot.range.ToString() << ": its arena maps "
+                   << ai.mapped_blocks - known << " blocks no entry names (an update died "
+                   << "before dropping them); sweeping";
+      }
+    }
+    if (damaged || opts_.force || leaked) {
       // Sweep: arena blocks no entry names (their entries were lost with
       // a damaged block, or an update died before punching them) are only
       // the arena's references; drop them.
@@ -1357,7 +1381,7 @@ class Pass {
       // cloning into new arena blocks left references past arena_next.
       const uint64_t arena_blocks = arenas[0].f->size() / kBlockSize;
       for (uint64_t i = 0; i < arena_blocks; i++) {
-        if (i < arena_used.size() && arena_used[i]) continue;
+        if (i < accounted.size() && accounted[i]) continue;
         ASSIGN_OR_RETURN(const std::optional<uint32_t> counted,
                          ArenaRefsIfFree(arenas[0].f.get(), i));
         const uint32_t refs = counted.value_or(0);  // busy: swept by a later sweep
