@@ -49,9 +49,10 @@ const ShardSlot* RealSlotAt(const ShardMap& m, uint64_t lo) {
 
 class Checker {
  public:
-  Checker(Volume* vol, bool repair)
+  Checker(Volume* vol, bool repair, std::function<void()> before_repair)
       : vol_(vol),
         repair_(repair),
+        before_repair_(std::move(before_repair)),
         uuid_(vol->superblock().uuid),
         algo_(vol->superblock().hash_algo) {}
 
@@ -100,7 +101,10 @@ class Checker {
                       " block references no entry names; files keep their data)");
     }
     RETURN_IF_ERROR(CheckWriteLogs(files));
-    if (repair_) RETURN_IF_ERROR(Repair());
+    if (repair_) {
+      if (before_repair_) before_repair_();
+      RETURN_IF_ERROR(Repair());
+    }
     return std::move(report_);
   }
 
@@ -447,7 +451,40 @@ class Checker {
     }
   }
 
+  // Is what the check decided on `a` still so? Called under the range's
+  // lock, where no update of the range runs, with the map loaded there.
+  // (The check ran without it: a version an update was writing was still
+  // empty, so it looked incomplete, and may be complete and live now.)
+  static bool StillSo(const Action& a, const ShardMap& now) {
+    auto named = [&](const std::vector<IndexFile>& v) {
+      return std::any_of(v.begin(), v.end(), [&](const IndexFile& f) { return f.name == a.name; });
+    };
+    const bool live = std::any_of(now.live.begin(), now.live.end(), [&](const ShardSlot& s) {
+      return s.version != 0 && s.name == a.name;
+    });
+    switch (a.op) {
+      case Action::Op::kRemoveVersion:
+        return live;  // a damaged version, still the live one
+      case Action::Op::kCutPending:
+        for (const IndexFile& f : now.pending) {
+          if (f.name == a.name) return now.IsLivePending(f.range);
+        }
+        return false;
+      case Action::Op::kRemoveStale:
+        if (named(now.incomplete) || named(now.stale_shards)) return true;
+        for (const IndexFile& f : now.pending) {
+          if (f.name == a.name) return !now.IsLivePending(f.range);
+        }
+        for (const IndexFile& f : now.arenas) {
+          if (f.name == a.name) return RealSlotAt(now, f.range.lo) == nullptr;
+        }
+        return false;
+    }
+    return false;
+  }
+
   Status RepairRange(uint64_t lo, const std::vector<Action*>& acts) {
+    ASSIGN_OR_RETURN(const ShardMap now, LoadShardMap(vol_));
     bool removed_version = false;
     // Stale files first, so removing a damaged version cannot bring an
     // older (superseded) one back to life.
@@ -456,6 +493,10 @@ class Checker {
         if (pass == 0 && a->op != Action::Op::kRemoveStale) continue;
         if (pass == 1 && a->op != Action::Op::kRemoveVersion) continue;
         if (pass == 2 && a->op != Action::Op::kCutPending) continue;
+        if (!StillSo(*a, now)) {
+          MarkRepaired(a, false, "a dedup pass changed the range since the check; check again");
+          continue;
+        }
         bool done = false;
         if (a->op == Action::Op::kCutPending) {
           Result<std::unique_ptr<File>> f = vol_->OpenFile(a->name);
@@ -498,6 +539,7 @@ class Checker {
 
   Volume* vol_;
   const bool repair_;
+  const std::function<void()> before_repair_;
   const Uuid uuid_;
   const HashAlgo algo_;
   std::unordered_map<uint64_t, FileInfo> by_ino_;
@@ -589,8 +631,9 @@ Result<IndexSummary> SummarizeIndex(Volume* vol) {
 
 // ---------------------------------------------------------------- check
 
-Result<IndexCheckReport> CheckIndex(Volume* vol, bool repair) {
-  Checker c(vol, repair);
+Result<IndexCheckReport> CheckIndex(Volume* vol, bool repair,
+                                    const std::function<void()>& before_repair) {
+  Checker c(vol, repair, before_repair);
   return c.Run();
 }
 

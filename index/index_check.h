@@ -49,6 +49,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -142,7 +143,12 @@ struct IndexCheckReport {
 };
 
 // `repair` needs a writable volume. Only I/O errors (and a volume that
-// cannot be listed) fail; damage is reported.
-Result<IndexCheckReport> CheckIndex(Volume* vol, bool repair);
+// cannot be listed) fail; damage is reported. The check runs without the
+// ranges' locks (a pass may be updating the index meanwhile); the repair
+// takes each range's lock and first looks again at what the check found
+// there, leaving alone what changed since (reported "not repaired").
+// `before_repair` (tests) runs between the check and the repair.
+Result<IndexCheckReport> CheckIndex(Volume* vol, bool repair,
+                                    const std::function<void()>& before_repair = nullptr);
 
 }  // namespace dede

@@ -42,6 +42,8 @@
 #include <vector>
 
 #include "agent/dedup_pass.h"
+#include "index/index_check.h"
+#include "index/shard_format.h"
 #include "index/shard_map.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
@@ -635,4 +637,90 @@ TEST_CASE("dedup: arena references no entry names are swept by the next pass tha
   REQUIRE(rep.ok());
   for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
   CHECK(rep->clean());
+}
+
+TEST_CASE("index repair leaves alone a version that a pass completed after the check saw it empty",
+          "[dedup][index]") {
+  // `dede check --repair` checks the index without the ranges' locks. A
+  // version a pass is writing is empty until its first chunk, so the check
+  // files it as incomplete; if the pass then finishes (retiring the old
+  // version), a repair acting on the check's findings removed the live
+  // version and the range's arena with it. The repair now looks again
+  // under the range's lock.
+  MemDevice dev(kDevBytes);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  auto v = Volume::Open(&dev, oo);
+  REQUIRE(v.ok());
+  std::unique_ptr<Volume> vol = std::move(v.value());
+  WriteMonitorOptions mo;
+  mo.algo = vol->superblock().hash_algo;
+  WriteMonitor monitor(mo);
+  std::vector<MFile> files(2);
+  std::vector<uint8_t> blk(kB);
+  auto write = [&](MFile& f, uint64_t b, uint64_t content) {
+    FillContent(content, blk.data());
+    REQUIRE(f.file->Write(b * kB, blk.data(), kB).ok());
+    monitor.OnWrite(f.id, b * kB, blk.data(), kB);
+  };
+  auto flush_logs = [&] {
+    for (FileId id : monitor.DueFiles(true)) {
+      MonitorBatch b = monitor.Take(id);
+      REQUIRE(AppendToWriteLog(vol.get(), b).ok());
+    }
+  };
+  for (size_t i = 0; i < files.size(); i++) {
+    MFile& f = files[i];
+    f.name = "vm" + std::to_string(i);
+    auto id = vol->Create(f.name, 16 * kB);
+    REQUIRE(id.ok());
+    f.id = *id;
+    auto opened = vol->OpenFile(f.name);
+    REQUIRE(opened.ok());
+    f.file = std::move(*opened);
+    monitor.AddFile(f.id, true);
+    for (uint64_t b = 0; b < 16; b++) write(f, b, 1 + b);
+  }
+  flush_logs();
+  SceneAccess access(&files);
+  REQUIRE(RunDedupPass(vol.get(), &access, DedupOptions{}).ok());
+  auto live = [&] {
+    auto m = LoadShardMap(vol.get());
+    REQUIRE(m.ok());
+    REQUIRE(m->live.size() == 1);
+    return m->live[0];
+  };
+  const ShardSlot v1 = live();
+  REQUIRE(v1.version >= 1);
+  // More duplicates for the next pass; and the next version's file, empty,
+  // as a pass writing it leaves it for a while.
+  write(files[0], 5, 700);
+  write(files[1], 9, 700);
+  flush_logs();
+  const std::string next = ShardFileName(v1.range, v1.version + 1);
+  REQUIRE(vol->Create(next, 0, FileKind::kIndexShard).ok());
+  Status pass_status;
+  auto report = CheckIndex(vol.get(), /*repair=*/true, [&] {
+    // Between the check and the repair: the pass finishes that version.
+    pass_status = RunDedupPass(vol.get(), &access, DedupOptions{}).status();
+  });
+  REQUIRE(pass_status.ok());
+  REQUIRE(report.ok());
+  bool saw_empty_version = false;
+  for (const IndexProblem& p : report->problems) {
+    INFO(p.where << ": " << p.what << (p.repaired ? " (repaired)" : ""));
+    if (p.file == next) {
+      saw_empty_version = true;
+      CHECK_FALSE(p.repaired);
+    }
+  }
+  CHECK(saw_empty_version);
+  const ShardSlot v2 = live();
+  CHECK(v2.version == v1.version + 1);
+  CHECK(v2.name == next);
+  auto again = CheckIndex(vol.get(), false);
+  REQUIRE(again.ok());
+  for (const IndexProblem& p : again->problems) INFO(p.where << ": " << p.what);
+  CHECK(again->clean());
 }
