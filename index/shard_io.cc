@@ -206,6 +206,13 @@ Result<bool> ShardReader::Next(IndexEntry* out) {
       }
       const uint64_t meta = LoadMeta(p + stored_fp_) & ((1ull << 56) - 1);
       if (meta >> 55) {
+        // Arena blocks are handed out below arena_next: naming one past it
+        // is damage (a block this version does not own, maybe handed to
+        // another fingerprint later). Lost, so a pass sweeps the arena.
+        if ((meta & kMaxArenaIndex) >= header_.arena_next) {
+          stats_.lost_entries++;
+          continue;
+        }
         out->kind = EntryKind::kShared;
         out->file = FileId{};
         out->block = 0;

@@ -109,7 +109,7 @@ ShardHeader Proto(HashAlgo algo, const ShardRange& r, uint64_t version) {
 }
 
 Status WriteShard(Volume* vol, File* f, const ShardHeader& proto,
-                  const std::vector<IndexEntry>& entries, uint64_t arena_next = 4242,
+                  const std::vector<IndexEntry>& entries, uint64_t arena_next = 42424,
                   uint64_t update_ns = 31337) {
   ShardWriter w(vol, f, proto);
   for (const IndexEntry& e : entries) RETURN_IF_ERROR(w.Add(e));
@@ -215,7 +215,7 @@ TEST_CASE("shardio: a written shard reads back entry for entry", "[index]") {
     CHECK(h.file_count == first_use.size());
     CHECK(h.file_count <= 3);
     CHECK(h.file_blocks == fblocks);
-    CHECK(h.arena_next == 4242);
+    CHECK(h.arena_next == 42424);
     CHECK(h.update_ns == 31337);
     CHECK(h.created_ns == 1'700'000'000'000'000'000ull);
     CHECK(h.host_id == 1);
@@ -323,7 +323,7 @@ TEST_CASE("shardio: a shard bigger than one read chunk", "[index]") {
     auto early = ShardReader::Open(f.get(), mv.uuid(), name);
     REQUIRE_FALSE(early.ok());
     CHECK(early.status().code() == Status::Code::kCorruption);
-    REQUIRE(w.Finish(1, 2).ok());
+    REQUIRE(w.Finish(3 * n + 1, 2).ok());  // above every sample arena index
     CHECK(w.entries() == n);
   }
   const uint64_t per = 177;
@@ -636,7 +636,7 @@ TEST_CASE("shardio: the writer refuses entries out of order or outside its range
     arena.arena = kMaxArenaIndex;
     REQUIRE(w.Add(big).ok());
     REQUIRE(w.Add(arena).ok());
-    REQUIRE(w.Finish(0, 0).ok());
+    REQUIRE(w.Finish(kMaxArenaIndex + 1, 0).ok());  // arena indexes are below it
     CHECK(w.entries() == 2);
     const ReadBack rb = ReadAll(f.get(), mv.uuid(), "s");
     REQUIRE(rb.entries.size() == 2);
@@ -823,4 +823,34 @@ TEST_CASE("shardio: pending frame counts out of range stop the count", "[index]"
   auto count = CountPendingRecords(f.get(), algo, mv.uuid());
   REQUIRE(count.ok());
   CHECK(*count == 10);
+}
+
+TEST_CASE("shardio: a shared entry naming an arena block at or past arena_next is skipped",
+          "[index]") {
+  // Arena indexes are handed out below the header's arena_next, so an entry
+  // naming one at or past it is damage (fsck counts it so): the reader
+  // drops it as lost, and a pass then sweeps the arena rather than keep a
+  // name for a block it may hand to another fingerprint.
+  MemVolume mv;
+  Volume* vol = mv.vol.get();
+  const ShardRange r{0, 0};
+  const std::string name = ShardFileName(r, 1);
+  auto f = CreateOpen(vol, name);
+  const auto entries = SampleEntries(HashAlgo::kXxh128, r, 600, 33);
+  uint64_t max_arena = 0;
+  for (const IndexEntry& e : entries) {
+    if (e.kind == EntryKind::kShared) max_arena = std::max(max_arena, e.arena);
+  }
+  REQUIRE(max_arena > 1);
+  const uint64_t arena_next = max_arena / 2;
+  std::vector<IndexEntry> want;
+  for (const IndexEntry& e : entries) {
+    if (e.kind == EntryKind::kUnique || e.arena < arena_next) want.push_back(e);
+  }
+  REQUIRE(want.size() < entries.size());
+  REQUIRE(WriteShard(vol, f.get(), Proto(HashAlgo::kXxh128, r, 1), entries, arena_next).ok());
+  ReadBack rb = ReadAll(f.get(), mv.uuid(), name);
+  CHECK(rb.stats.corrupt_blocks == 0);
+  CHECK(rb.stats.lost_entries == entries.size() - want.size());
+  CHECK(SameEntries(rb.entries, want));
 }
