@@ -244,7 +244,11 @@ class WriteMonitor {
   // file's writes would be CPU for records that are thrown away: its
   // writes invalidate the blocks they touch instead (one op each, which a
   // sequential writer coalesces into one range), and the log takes those
-  // with the first batch that fits, so the pass rehashes the blocks.
+  // with the first batch that fits, so the pass rehashes the blocks. A
+  // random writer's ops can make the file due before then: that batch is
+  // dropped untried like any other (MarkDropped: the log's next frame says
+  // records were lost), and its blocks keep whatever records the log had,
+  // which the volume's verification of every share makes harmless.
   void SetLogNoSpace(FileId id, bool no_space);
   // The file's LogTaken count (0 for files not monitored), for a caller
   // that checks the log itself before calling PauseForFullLog.
