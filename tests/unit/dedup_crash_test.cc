@@ -536,6 +536,64 @@ TEST_CASE("dedup crash: recovery after a pass died part-way ends with exact dedu
   if (trials >= 8) CHECK(scene.failed_passes() > 0);
 }
 
+namespace {
+
+// Two 16-block files written alike (block b holds content 1 + b) through a
+// write monitor, their logs flushed: the next pass shares every block.
+struct TwinFiles {
+  static constexpr uint64_t kBlocks = 16;
+  TwinFiles() : dev(kDevBytes), files(2), blk(kB) {
+    REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+    OpenOptions oo;
+    oo.locks = TempLocks();
+    auto v = Volume::Open(&dev, oo);
+    REQUIRE(v.ok());
+    vol = std::move(v.value());
+    WriteMonitorOptions mo;
+    mo.algo = vol->superblock().hash_algo;
+    monitor = std::make_unique<WriteMonitor>(mo);
+    for (size_t i = 0; i < files.size(); i++) {
+      MFile& f = files[i];
+      f.name = "vm" + std::to_string(i);
+      auto id = vol->Create(f.name, kBlocks * kB);
+      REQUIRE(id.ok());
+      f.id = *id;
+      auto opened = vol->OpenFile(f.name);
+      REQUIRE(opened.ok());
+      f.file = std::move(*opened);
+      monitor->AddFile(f.id, true);
+      for (uint64_t b = 0; b < kBlocks; b++) Write(f, b, 1 + b);
+    }
+    FlushLogs();
+  }
+  // Block `b` of `f` gets content number `content` (FillContent).
+  void Write(MFile& f, uint64_t b, uint64_t content) {
+    FillContent(content, blk.data());
+    REQUIRE(f.file->Write(b * kB, blk.data(), kB).ok());
+    monitor->OnWrite(f.id, b * kB, blk.data(), kB);
+  }
+  void FlushLogs() {
+    for (FileId id : monitor->DueFiles(true)) {
+      MonitorBatch b = monitor->Take(id);
+      REQUIRE(AppendToWriteLog(vol.get(), b).ok());
+    }
+  }
+  Result<DedupStats> Pass(bool force = false) {
+    SceneAccess access(&files);
+    DedupOptions opts;
+    opts.force = force;
+    return RunDedupPass(vol.get(), &access, opts);
+  }
+
+  MemDevice dev;
+  std::unique_ptr<Volume> vol;
+  std::unique_ptr<WriteMonitor> monitor;
+  std::vector<MFile> files;
+  std::vector<uint8_t> blk;
+};
+
+}  // namespace
+
 TEST_CASE("dedup: arena references no entry names are swept by the next pass that rewrites "
           "their shard, forced or not",
           "[dedup][crash]") {
@@ -547,46 +605,9 @@ TEST_CASE("dedup: arena references no entry names are swept by the next pass tha
   // rewrites the shard notices the arena maps more blocks than it accounts
   // for and sweeps too. The dead pass is played by cloning file blocks
   // into unnamed arena slots.
-  MemDevice dev(kDevBytes);
-  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
-  OpenOptions oo;
-  oo.locks = TempLocks();
-  auto v = Volume::Open(&dev, oo);
-  REQUIRE(v.ok());
-  std::unique_ptr<Volume> vol = std::move(v.value());
-  WriteMonitorOptions mo;
-  mo.algo = vol->superblock().hash_algo;
-  WriteMonitor monitor(mo);
-  std::vector<MFile> files(2);
-  constexpr uint64_t kBlocks = 16;
-  std::vector<uint8_t> blk(kB);
-  auto write = [&](MFile& f, uint64_t b, uint64_t content) {
-    FillContent(content, blk.data());
-    REQUIRE(f.file->Write(b * kB, blk.data(), kB).ok());
-    monitor.OnWrite(f.id, b * kB, blk.data(), kB);
-  };
-  auto flush_logs = [&] {
-    for (FileId id : monitor.DueFiles(true)) {
-      MonitorBatch b = monitor.Take(id);
-      REQUIRE(AppendToWriteLog(vol.get(), b).ok());
-    }
-  };
-  for (size_t i = 0; i < files.size(); i++) {
-    MFile& f = files[i];
-    f.name = "vm" + std::to_string(i);
-    auto id = vol->Create(f.name, kBlocks * kB);
-    REQUIRE(id.ok());
-    f.id = *id;
-    auto opened = vol->OpenFile(f.name);
-    REQUIRE(opened.ok());
-    f.file = std::move(*opened);
-    monitor.AddFile(f.id, true);
-    for (uint64_t b = 0; b < kBlocks; b++) write(f, b, 1 + b);  // both files alike
-  }
-  flush_logs();
-  SceneAccess access(&files);
-  DedupOptions opts;
-  REQUIRE(RunDedupPass(vol.get(), &access, opts).ok());
+  TwinFiles t;
+  Volume* vol = t.vol.get();
+  REQUIRE(t.Pass().ok());
   auto arenas = [&] {
     auto list = vol->List();
     REQUIRE(list.ok());
@@ -608,32 +629,31 @@ TEST_CASE("dedup: arena references no entry names are swept by the next pass tha
   REQUIRE(arena_only() == 0);
   // The dead pass's leftovers: references past the arena's end to blocks
   // the files then rewrite, so the arena holds them alone.
-  write(files[0], 3, 1000);
-  write(files[0], 4, 1001);
+  t.Write(t.files[0], 3, 1000);
+  t.Write(t.files[0], 4, 1001);
   {
     auto af = vol->OpenFile(arena_name);
     REQUIRE(af.ok());
     const uint64_t end = (*af)->size() / kB;
     REQUIRE((*af)->Truncate((end + 2) * kB).ok());
-    REQUIRE(vol->CloneBlock(files[0].file.get(), 3, af->get(), end).ok());
-    REQUIRE(vol->CloneBlock(files[0].file.get(), 4, af->get(), end + 1).ok());
+    REQUIRE(vol->CloneBlock(t.files[0].file.get(), 3, af->get(), end).ok());
+    REQUIRE(vol->CloneBlock(t.files[0].file.get(), 4, af->get(), end + 1).ok());
   }
-  write(files[0], 3, 1002);
-  write(files[0], 4, 1003);
+  t.Write(t.files[0], 3, 1002);
+  t.Write(t.files[0], 4, 1003);
   REQUIRE(arena_only() == 2);
   // New duplicates in the same (only) shard: a normal, unforced pass
   // rewrites it.
-  write(files[0], 7, 500);
-  write(files[1], 7, 500);
-  flush_logs();
-  opts.force = false;
-  auto st = RunDedupPass(vol.get(), &access, opts);
+  t.Write(t.files[0], 7, 500);
+  t.Write(t.files[1], 7, 500);
+  t.FlushLogs();
+  auto st = t.Pass(/*force=*/false);
   REQUIRE(st.ok());
   CHECK(st->shards_rewritten >= 1);
   CHECK(st->arena_blocks_swept == 2);
   CHECK(arena_only() == 0);
-  for (MFile& f : files) f.file.reset();
-  auto rep = CheckVolume(vol.get(), false);
+  for (MFile& f : t.files) f.file.reset();
+  auto rep = CheckVolume(vol, false);
   REQUIRE(rep.ok());
   for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
   CHECK(rep->clean());
@@ -647,46 +667,11 @@ TEST_CASE("index repair leaves alone a version that a pass completed after the c
   // version), a repair acting on the check's findings removed the live
   // version and the range's arena with it. The repair now looks again
   // under the range's lock.
-  MemDevice dev(kDevBytes);
-  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
-  OpenOptions oo;
-  oo.locks = TempLocks();
-  auto v = Volume::Open(&dev, oo);
-  REQUIRE(v.ok());
-  std::unique_ptr<Volume> vol = std::move(v.value());
-  WriteMonitorOptions mo;
-  mo.algo = vol->superblock().hash_algo;
-  WriteMonitor monitor(mo);
-  std::vector<MFile> files(2);
-  std::vector<uint8_t> blk(kB);
-  auto write = [&](MFile& f, uint64_t b, uint64_t content) {
-    FillContent(content, blk.data());
-    REQUIRE(f.file->Write(b * kB, blk.data(), kB).ok());
-    monitor.OnWrite(f.id, b * kB, blk.data(), kB);
-  };
-  auto flush_logs = [&] {
-    for (FileId id : monitor.DueFiles(true)) {
-      MonitorBatch b = monitor.Take(id);
-      REQUIRE(AppendToWriteLog(vol.get(), b).ok());
-    }
-  };
-  for (size_t i = 0; i < files.size(); i++) {
-    MFile& f = files[i];
-    f.name = "vm" + std::to_string(i);
-    auto id = vol->Create(f.name, 16 * kB);
-    REQUIRE(id.ok());
-    f.id = *id;
-    auto opened = vol->OpenFile(f.name);
-    REQUIRE(opened.ok());
-    f.file = std::move(*opened);
-    monitor.AddFile(f.id, true);
-    for (uint64_t b = 0; b < 16; b++) write(f, b, 1 + b);
-  }
-  flush_logs();
-  SceneAccess access(&files);
-  REQUIRE(RunDedupPass(vol.get(), &access, DedupOptions{}).ok());
+  TwinFiles t;
+  Volume* vol = t.vol.get();
+  REQUIRE(t.Pass().ok());
   auto live = [&] {
-    auto m = LoadShardMap(vol.get());
+    auto m = LoadShardMap(vol);
     REQUIRE(m.ok());
     REQUIRE(m->live.size() == 1);
     return m->live[0];
@@ -695,15 +680,15 @@ TEST_CASE("index repair leaves alone a version that a pass completed after the c
   REQUIRE(v1.version >= 1);
   // More duplicates for the next pass; and the next version's file, empty,
   // as a pass writing it leaves it for a while.
-  write(files[0], 5, 700);
-  write(files[1], 9, 700);
-  flush_logs();
+  t.Write(t.files[0], 5, 700);
+  t.Write(t.files[1], 9, 700);
+  t.FlushLogs();
   const std::string next = ShardFileName(v1.range, v1.version + 1);
   REQUIRE(vol->Create(next, 0, FileKind::kIndexShard).ok());
   Status pass_status;
-  auto report = CheckIndex(vol.get(), /*repair=*/true, [&] {
+  auto report = CheckIndex(vol, /*repair=*/true, [&] {
     // Between the check and the repair: the pass finishes that version.
-    pass_status = RunDedupPass(vol.get(), &access, DedupOptions{}).status();
+    pass_status = t.Pass().status();
   });
   REQUIRE(pass_status.ok());
   REQUIRE(report.ok());
@@ -719,7 +704,7 @@ TEST_CASE("index repair leaves alone a version that a pass completed after the c
   const ShardSlot v2 = live();
   CHECK(v2.version == v1.version + 1);
   CHECK(v2.name == next);
-  auto again = CheckIndex(vol.get(), false);
+  auto again = CheckIndex(vol, false);
   REQUIRE(again.ok());
   for (const IndexProblem& p : again->problems) INFO(p.where << ": " << p.what);
   CHECK(again->clean());
