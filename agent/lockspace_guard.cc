@@ -42,11 +42,15 @@ void LockspaceGuard::CheckLoop() {
   std::unique_lock<std::mutex> l(mu_);
   while (!stop_) {
     l.unlock();
-    Status st = locks_->CheckLockspace();
-    if (st.ok()) {
-      last_ok_ns_.store(SteadyNs());
+    // Timed from the lease's last renewal, not from this check: the check
+    // passes while the lease is up to 4 io_timeouts old, and others count
+    // from the renewal too (DEAD at 8 io_timeouts + 60 s after it).
+    Result<uint64_t> age_ns = locks_->CheckLockspace();
+    if (age_ns.ok()) {
+      const int64_t renewed = SteadyNs() - static_cast<int64_t>(*age_ns);
+      if (renewed > last_ok_ns_.load()) last_ok_ns_.store(renewed);
     } else {
-      LOG(kWarning) << "lockspace check: " << st.ToString();
+      LOG(kWarning) << "lockspace check: " << age_ns.status().ToString();
     }
     l.lock();
     cv_.wait_for(l, std::chrono::seconds(1), [this] { return stop_; });
@@ -77,8 +81,8 @@ void LockspaceGuard::WatchLoop() {
     cv_.wait_for(l, std::chrono::milliseconds(200), [this] { return stop_; });
     int64_t age_ns = SteadyNs() - last_ok_ns_.load();
     if (age_ns > std::chrono::duration_cast<std::chrono::nanoseconds>(fence_after_).count()) {
-      LOG(kError) << "FENCED: this host's sanlock lockspace has not been confirmed live for "
-                  << age_ns / 1000000 << " ms (limit " << fence_after_.count()
+      LOG(kError) << "FENCED: this host's sanlock lease was last seen renewed "
+                  << age_ns / 1000000 << " ms ago (limit " << fence_after_.count()
                   << " ms); exiting before other hosts may take over its leases";
       std::_Exit(kExitFenced);
     }

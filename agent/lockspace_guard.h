@@ -6,8 +6,8 @@
 // needs a working daemon. If the daemon itself hangs or dies, nobody would
 // stop us, so the guard checks every second, on the LUN itself, that this
 // host's delta lease is still ours and freshly renewed
-// (SanlockLockManager::CheckLockspace) and, once that has not been
-// confirmed for `fence_after`, ends the process at once
+// (SanlockLockManager::CheckLockspace) and, once the last renewal it saw is
+// `fence_after` old, ends the process at once
 // (std::_Exit: no flush, no further volume I/O). Acknowledged writes are
 // safe: flushed data and committed journal transactions are on the LUN,
 // and whoever takes the host's locks next replays its journal.
@@ -45,7 +45,8 @@ class LockspaceGuard {
   SanlockLockManager* locks_;
   const std::chrono::milliseconds fence_after_;
   const std::chrono::milliseconds collect_every_;
-  // Steady-clock nanoseconds of the last confirmation; read by WatchLoop.
+  // Steady-clock nanoseconds of the lease's last renewal seen (at start: the
+  // join); read by WatchLoop.
   std::atomic<int64_t> last_ok_ns_;
   std::mutex mu_;
   std::condition_variable cv_;

@@ -131,7 +131,9 @@ Status LogFlusher::FlushFile(FileId id, double wait_s) {
       Status st = FlushLocked(id, /*keep_open=*/false, /*skip_if_no_space=*/false);
       open_logs_.erase(id);
       if (stats_.deferred == deferred) return st;  // appended, or failed for good
-      if (std::chrono::steady_clock::now() >= deadline) {
+      // Held by this process (a dedup pass consuming it, maybe on this very
+      // thread, handing the disk back): waiting would be in vain.
+      if (std::chrono::steady_clock::now() >= deadline || vol_->IsOpenHere(WriteLogName(id))) {
         return Status::Locked("its write log is held elsewhere; " +
                               std::to_string(monitor_->FileStats(id).buffered_records) +
                               " buffered records were not logged");

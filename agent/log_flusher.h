@@ -126,8 +126,9 @@ class LogFlusher {
   // open: afterwards every log is on the volume for anyone to open.
   Status FlushAll() EXCLUDES(mu_);
   // Flushes one file (an export closing) and closes its log. While its log
-  // is held elsewhere (a pass consuming it, `dede ls -l` reading it), tries
-  // again for up to `wait_s` seconds, then gives up with kLocked: the
+  // is held by another process or host (a pass consuming it, `dede ls -l`
+  // reading it), tries again for up to `wait_s` seconds (not when this
+  // process holds it: its pass), then gives up with kLocked: the
   // batch is put back in the monitor, and dropping it there (RemoveFile)
   // would lose its records, its invalidations and any drop mark it carries.
   Status FlushFile(FileId id, double wait_s = 0) EXCLUDES(mu_);

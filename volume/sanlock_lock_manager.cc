@@ -402,7 +402,7 @@ class SanlockImpl : public SanlockLockManager {
   // magic u32 at 0 (0x12212010), owner_id u64 at 32, owner_generation u64
   // at 40, timestamp u64 at 152 = the renewing host's CLOCK_MONOTONIC
   // seconds, the same clock as ours (same host).
-  Status CheckLockspace() override {
+  Result<uint64_t> CheckLockspace() override {
     BlockBuf buf = NewBlockBuf(1);
     const uint64_t off = layout_.lockspace_offset + uint64_t{opts_.host_id - 1} * kBlockSize;
     RETURN_IF_ERROR(dev_->Read(off, buf.get(), kBlockSize)
@@ -426,7 +426,9 @@ class SanlockImpl : public SanlockLockManager {
       return Status::Unavailable("this host's delta lease was last renewed " +
                                  std::to_string(now - stamp) + " s ago");
     }
-    return Status::Ok();
+    const uint64_t now_ns = uint64_t(ts.tv_sec) * 1'000'000'000ull + uint64_t(ts.tv_nsec);
+    const uint64_t stamp_ns = stamp * 1'000'000'000ull;
+    return now_ns > stamp_ns ? now_ns - stamp_ns : 0;
   }
 
   uint32_t sanlock_host_id() const override { return opts_.host_id; }

@@ -87,8 +87,12 @@ class SanlockLockManager : public LockManager {
   // Whether this host's lockspace membership is alive: reads our delta
   // lease from the LUN (through the volume's device) and checks it is ours
   // (host id, generation) and was renewed within 4 io_timeouts. Fails if
-  // the daemon stopped renewing or our path to the LUN is gone.
-  virtual Status CheckLockspace() = 0;
+  // the daemon stopped renewing or our path to the LUN is gone. Returns how
+  // long ago (nanoseconds of CLOCK_MONOTONIC, i.e. std::chrono::
+  // steady_clock) the lease was last renewed: at least the true age (the
+  // lease stores whole seconds), so a fence timed from it comes early,
+  // never late.
+  virtual Result<uint64_t> CheckLockspace() = 0;
   virtual uint32_t sanlock_host_id() const = 0;
   virtual uint64_t generation() const = 0;
   // The io_timeout this host's lockspace membership runs with (seconds;

@@ -729,6 +729,14 @@ void VolumeImpl::DropCache(LockId owner) {
   }
 }
 
+bool VolumeImpl::IsOpenHere(const std::string& name) {
+  Result<FileInfo> info = Lookup(name);
+  if (!info.ok()) return false;
+  MutexLock l(&mu_);
+  auto it = open_.find(info->id.ino);
+  return it != open_.end() && it->second->id == info->id;
+}
+
 Status VolumeImpl::AnnounceOpenWait(FileId id, bool on) {
   const LockId want = WantedLock(InodeLock(id.ino));
   return on ? locks_->Acquire(want, LockMode::kShared, false) : locks_->Release(want);

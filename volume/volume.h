@@ -242,6 +242,12 @@ class Volume {
   // and closes the file; the opener still only retries, and nobody waits
   // on the announcement itself.
   virtual Status AnnounceOpenWait(FileId id, bool on) = 0;
+  // Whether the file named `name` is open in this process (OpenFile then
+  // fails with kLocked "already open here"): a caller that would retry a
+  // kLocked open can tell a holder that may let go soon (another process
+  // or host) from one it would wait for in vain (this process, maybe on
+  // the caller's own thread).
+  virtual bool IsOpenHere(const std::string& name) = 0;
 
   // DeDe's primitives across two open files (they may be the same file).
   //

@@ -67,6 +67,7 @@ class VolumeImpl : public Volume {
   Result<std::unique_ptr<File>> OpenFile(const std::string& name) EXCLUDES(mu_) override;
   Result<std::unique_ptr<File>> OpenFileById(FileId id) EXCLUDES(mu_) override;
   Status AnnounceOpenWait(FileId id, bool on) override;
+  bool IsOpenHere(const std::string& name) override EXCLUDES(mu_);
   // File::WantedElsewhere. locks_ is const and synchronises itself: no mu_.
   Result<bool> FileWantedElsewhere(uint64_t ino);
   Status CompareAndShare(File* src, uint64_t src_index, File* dst, uint64_t dst_index,

@@ -379,12 +379,12 @@ TEST_CASE("a killed host and a fenced host lose no acknowledged data", "[multiho
 TEST_CASE("a host whose sanlock daemon hangs fences itself", "[multihost]") {
   // The LockspaceGuard's own path: the daemon that would SIGKILL dedupd is
   // itself hung (SIGSTOP), so nothing else stops dedupd; it must exit (75,
-  // "FENCED") once its delta lease has not been confirmed for
-  // --fence-after, long before others may call the host dead (8
-  // io_timeouts + 60 s). The network cut-off is the test above.
+  // "FENCED") once its delta lease was last renewed --fence-after ago,
+  // long before others may call the host dead (8 io_timeouts + 60 s after
+  // that renewal). The network cut-off is the test above.
   Cluster c;
   c.Format();
-  c.Start(1, {"--fence-after", "4"});
+  c.Start(1, {"--fence-after", "6"});  // io_timeout 1 s: renewals every 2 s
   c.DedeOk(1, {"create", c.Url(1), "vm1", "--size", "1M"});
   c.PowerOn(1, "vm1");
   const auto t_stop = Clock::now();
@@ -404,10 +404,12 @@ TEST_CASE("a host whose sanlock daemon hangs fences itself", "[multihost]") {
   CHECK(WIFEXITED(ws));
   CHECK(WEXITSTATUS(ws) == 75);
   CHECK(c.dedupd(1).Log().find("FENCED") != std::string::npos);
-  // Expected at most 4 io_timeouts of lease age + --fence-after (~8 s);
-  // the bound that matters is that it comes long before 8 io_timeouts +
-  // 60 s, when others may call the host dead.
-  CHECK(t_fenced < 30);
+  // The last renewal came before the stop, so the fence comes at most
+  // --fence-after (6 s) after it, plus the guard's 0.2 s watch period. It
+  // used to be timed from the last check that passed, which passes while
+  // the lease is up to 4 io_timeouts old: 8-10 s here, and with the
+  // default io_timeout (10 s) after others could call the host dead.
+  CHECK(t_fenced < 7.5);
   std::printf("multihost hung daemon: dedupd fenced itself %.1f s after its sanlock daemon "
               "stopped\n",
               t_fenced);

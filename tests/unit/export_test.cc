@@ -325,11 +325,16 @@ TEST_CASE("export: a close waits for a write log held elsewhere instead of dropp
   // block's old fingerprint, with no sign that records were lost.
   MemDevice mem(64 << 20);
   REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
-  OpenOptions oo;
-  oo.locks = TempLocks();
-  auto v = Volume::Open(&mem, oo);
-  REQUIRE(v.ok());
-  std::unique_ptr<Volume> vol = std::move(v.value());
+  const auto locks = test::TempLockGroup(2);  // two processes' lock managers
+  auto open_as = [&](uint32_t host) {
+    OpenOptions oo;
+    oo.host_id = host;
+    oo.locks = locks[host - 1];
+    auto v = Volume::Open(&mem, oo);
+    REQUIRE(v.ok());
+    return std::move(v.value());
+  };
+  std::unique_ptr<Volume> vol = open_as(1);
   REQUIRE(vol->Create("vm", kFileBytes).ok());
   WriteMonitor monitor{WriteMonitorOptions{}};
   LogFlusher flusher(vol.get(), &monitor);
@@ -342,8 +347,9 @@ TEST_CASE("export: a close waits for a write log held elsewhere instead of dropp
   REQUIRE(ex->Write(0, first.data(), kB, false).ok());
   REQUIRE(flusher.FlushAll().ok());
   REQUIRE(ex->Write(0, second.data(), kB, false).ok());
-  // Someone holds the log; it lets go after a moment.
-  auto held = OpenWriteLog(vol.get(), id);
+  // Another process holds the log; it lets go after a moment.
+  std::unique_ptr<Volume> other = open_as(2);
+  auto held = OpenWriteLog(other.get(), id);
   REQUIRE(held.ok());
   std::unique_ptr<File> log = std::move(held.value());
   std::thread letgo([&] {
@@ -353,10 +359,43 @@ TEST_CASE("export: a close waits for a write log held elsewhere instead of dropp
   table.Release(ex);
   letgo.join();
   ex.reset();
+  other.reset();
   auto opened = OpenWriteLog(vol.get(), id);
   REQUIRE(opened.ok());
   auto state = ReplayWriteLog(opened.value().get(), HashAlgo::kXxh128, vol->superblock().uuid, id);
   REQUIRE(state.ok());
   REQUIRE(state->records.count(0) == 1);
   CHECK(state->records.at(0).fp == ComputeFingerprint(HashAlgo::kXxh128, second.data(), kB));
+}
+
+TEST_CASE("export: a close does not wait for a write log this process holds", "[export]") {
+  // A dedup pass in dedupd holds the logs it consumes until it ends, and
+  // hands a borrowed disk back (closing it) meanwhile, on its own thread:
+  // waiting for that log would only add kCloseLogWaitS under the table's
+  // open mutex.
+  MemDevice mem(64 << 20);
+  REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  auto v = Volume::Open(&mem, oo);
+  REQUIRE(v.ok());
+  std::unique_ptr<Volume> vol = std::move(v.value());
+  REQUIRE(vol->Create("vm", kFileBytes).ok());
+  WriteMonitor monitor{WriteMonitorOptions{}};
+  LogFlusher flusher(vol.get(), &monitor);
+  ExportTable table(vol.get(), &monitor, &flusher);
+  auto e = table.Acquire("vm");
+  REQUIRE(e.ok());
+  const FileId id = (*e)->id();
+  const std::vector<uint8_t> data = Pattern(kB, 23);
+  REQUIRE((*e)->Write(0, data.data(), kB, false).ok());
+  REQUIRE(flusher.FlushAll().ok());  // the log exists
+  REQUIRE((*e)->Write(kB, data.data(), kB, false).ok());
+  auto held = OpenWriteLog(vol.get(), id);  // "the pass", on this thread
+  REQUIRE(held.ok());
+  const auto t0 = std::chrono::steady_clock::now();
+  table.Release(*e);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(s < 1.0);
+  CHECK(monitor.FileStats(id).buffered_records == 0);  // gone with the file (the log was taken)
 }
