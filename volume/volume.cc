@@ -462,8 +462,18 @@ Status VolumeImpl::AdoptDropsOf(uint32_t h) {
   if (!lists.ok()) return Status::Ok();  // fsck reports it; repair clears it
   std::vector<uint64_t> taken;
   std::vector<size_t> changed;
-  const size_t room = DropRoom();
-  for (size_t i = 0; i < lists->size() && taken.size() < room; i++) {
+  // Each step below is one transaction: at most MaxTxnBlocks() blocks of
+  // h's list changed, and of ours touched (a list may be far bigger).
+  const size_t max_blocks = MaxTxnBlocks();
+  size_t room = 0, own_blocks = 0;
+  for (size_t i = 0; i < drop_list_.size() && own_blocks < max_blocks; i++) {
+    const size_t free_slots = kDropsPerBlock - std::min<size_t>(kDropsPerBlock, drop_list_[i].size());
+    if (free_slots == 0) continue;
+    room += free_slots;
+    own_blocks++;
+  }
+  for (size_t i = 0; i < lists->size() && taken.size() < room && changed.size() < max_blocks;
+       i++) {
     std::vector<uint64_t>& blk = (*lists)[i];
     if (blk.empty()) continue;
     const size_t n = std::min(blk.size(), room - taken.size());
@@ -489,7 +499,7 @@ Status VolumeImpl::AdoptDropsOf(uint32_t h) {
   }
   RETURN_IF_ERROR(Checkpoint());
   DropCache(slot);
-  RETURN_IF_ERROR(EnsureJournalRoom(sb_.drop_blocks));
+  RETURN_IF_ERROR(EnsureJournalRoom(own_blocks));
   size_t next = 0;
   for (size_t i = 0; i < drop_list_.size() && next < taken.size(); i++) {
     bool touched = false;
@@ -885,11 +895,14 @@ Status VolumeImpl::MaterializeReservations(const std::vector<LockId>* ids) {
     if (!materialized && sb_.LocateData(addr, &g, &rb, &slot) && wanted(g)) rbs.insert(rb);
   }
   if (rbs.empty()) return Status::Ok();
-  RETURN_IF_ERROR(EnsureJournalRoom(rbs.size()));
+  RETURN_IF_ERROR(EnsureJournalRoom(std::min(rbs.size(), MaxTxnBlocks())));
   for (auto& [addr, materialized] : reserved_) {
     uint32_t g, slot;
     uint64_t rb;
     if (materialized || !sb_.LocateData(addr, &g, &rb, &slot) || !wanted(g)) continue;
+    // Scattered reservations may touch more refcount blocks than one
+    // transaction holds: each count dirties at most one.
+    RETURN_IF_ERROR(EnsureJournalRoom(1));
     RETURN_IF_ERROR(CountReserved(addr, g, rb, slot));
     materialized = true;
     reservations_materialized_++;
@@ -2116,7 +2129,13 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
       // `worst` that each has a refcount block of its own (free space
       // fragmented by dedup), which phase 3 must still fit in one
       // transaction: it counts the real ones (PublishCost).
-      map_cost = 2 * (in.depth + 2) + 2;
+      // The block map: along each of (at most) two leaf paths, every
+      // pointer block may be new (the tree may also grow to cover the
+      // round: a first write far into a fresh file), and a new one dirties
+      // its refcount block too; plus the inode and one to spare.
+      uint32_t depth = std::max<uint32_t>(in.depth, 1);
+      while (Capacity(depth) <= last) depth++;
+      map_cost = 2 * (2 * (depth + 1)) + 2;
       auto cows = [&](size_t n) {
         size_t cow = 0;
         for (size_t k = 0; k < n; k++) cow += (old[k] != 0 && PtrCow(old[k]));
