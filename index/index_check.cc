@@ -112,6 +112,7 @@ class Checker {
   struct Action {
     enum class Op { kRemoveVersion, kRemoveStale, kCutPending } op;
     std::string name;
+    FileId id;                       // the file the check found under `name`
     uint64_t lo = 0;
     uint64_t cut_block = 0;          // kCutPending
     std::vector<size_t> problems;    // indexes into report_.problems
@@ -128,22 +129,22 @@ class Checker {
     return report_.problems.size() - 1;
   }
 
-  Action* ActionFor(Action::Op op, const std::string& name, uint64_t lo) {
+  Action* ActionFor(Action::Op op, const std::string& name, FileId id, uint64_t lo) {
     for (Action& a : actions_) {
       if (a.name == name) return &a;
     }
-    actions_.push_back(Action{op, name, lo, 0, {}});
+    actions_.push_back(Action{op, name, id, lo, 0, {}});
     return &actions_.back();
   }
 
   void AddStale(const IndexFile& f, const std::string& what) {
     const size_t p = Add(IndexProblem::Kind::kStaleFile, f.name, f.name, "stale: " + what);
-    ActionFor(Action::Op::kRemoveStale, f.name, f.range.lo)->problems.push_back(p);
+    ActionFor(Action::Op::kRemoveStale, f.name, f.id, f.range.lo)->problems.push_back(p);
   }
 
   void AddShardDamage(const ShardSlot& s, const std::string& where, const std::string& what) {
     const size_t p = Add(IndexProblem::Kind::kShardDamaged, s.name, where, what);
-    ActionFor(Action::Op::kRemoveVersion, s.name, s.range.lo)->problems.push_back(p);
+    ActionFor(Action::Op::kRemoveVersion, s.name, s.id, s.range.lo)->problems.push_back(p);
     damaged_.insert(s.name);
   }
 
@@ -332,7 +333,7 @@ class Checker {
                 "bad pending frame (" + Reason(st, pf.name) + "): the " +
                     std::to_string(size - block * kBlockSize) +
                     " bytes from here on are skipped by dedup passes");
-        Action* a = ActionFor(Action::Op::kCutPending, pf.name, pf.range.lo);
+        Action* a = ActionFor(Action::Op::kCutPending, pf.name, pf.id, pf.range.lo);
         a->cut_block = block;
         a->problems.push_back(p);
         return Status::Ok();
@@ -342,7 +343,7 @@ class Checker {
     if (size % kBlockSize != 0) {
       const size_t p = Add(IndexProblem::Kind::kPendingDamaged, pf.name, AtBlock(pf.name, blocks),
                            "pending file ends inside a block (" + std::to_string(size) + " bytes)");
-      Action* a = ActionFor(Action::Op::kCutPending, pf.name, pf.range.lo);
+      Action* a = ActionFor(Action::Op::kCutPending, pf.name, pf.id, pf.range.lo);
       a->cut_block = blocks;
       a->problems.push_back(p);
     }
@@ -455,28 +456,32 @@ class Checker {
   // lock, where no update of the range runs, with the map loaded there.
   // (The check ran without it: a version an update was writing was still
   // empty, so it looked incomplete, and may be complete and live now.)
+  // Matching is by name and file id: a name may have been removed and
+  // created again meanwhile (a pass re-creating a pending file or a
+  // version of the same name), and the new file is not what was checked.
   static bool StillSo(const Action& a, const ShardMap& now) {
+    auto same = [&](const IndexFile& f) { return f.name == a.name && f.id == a.id; };
     auto named = [&](const std::vector<IndexFile>& v) {
-      return std::any_of(v.begin(), v.end(), [&](const IndexFile& f) { return f.name == a.name; });
+      return std::any_of(v.begin(), v.end(), same);
     };
     const bool live = std::any_of(now.live.begin(), now.live.end(), [&](const ShardSlot& s) {
-      return s.version != 0 && s.name == a.name;
+      return s.version != 0 && s.name == a.name && s.id == a.id;
     });
     switch (a.op) {
       case Action::Op::kRemoveVersion:
         return live;  // a damaged version, still the live one
       case Action::Op::kCutPending:
         for (const IndexFile& f : now.pending) {
-          if (f.name == a.name) return now.IsLivePending(f.range);
+          if (same(f)) return now.IsLivePending(f.range);
         }
         return false;
       case Action::Op::kRemoveStale:
         if (named(now.incomplete) || named(now.stale_shards)) return true;
         for (const IndexFile& f : now.pending) {
-          if (f.name == a.name) return !now.IsLivePending(f.range);
+          if (same(f)) return !now.IsLivePending(f.range);
         }
         for (const IndexFile& f : now.arenas) {
-          if (f.name == a.name) return RealSlotAt(now, f.range.lo) == nullptr;
+          if (same(f)) return RealSlotAt(now, f.range.lo) == nullptr;
         }
         return false;
     }
