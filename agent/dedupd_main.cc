@@ -143,7 +143,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"), "rewrite an index shard when its new records exceed F times its entries (default 0.05)")
       ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
       ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that)")
-      ("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"), "on SIGTERM, replies a client has not read within SEC seconds are given up and its connection closed, so that a stuck client cannot keep the other disks' locks (default 10)")
+      ("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"), "on SIGTERM, a client that takes none of its replies for SEC seconds loses them and is disconnected, so that a stuck client cannot keep the other disks' locks (default 10)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600)")
       ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30)")

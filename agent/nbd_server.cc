@@ -53,29 +53,36 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     });
   }
 
-  // Shutdown: stop taking requests, finish what is in flight, close. Replies
-  // the client has not taken within drain_timeout_s are given up.
+  // Shutdown: stop taking requests, finish what is in flight, close. A
+  // client that takes none of its replies for drain_timeout_s loses them.
   void Drain() {
     asio::dispatch(strand_, [self = shared_from_this()] {
       if (self->finished_) return;
       self->stop_reading_ = true;
-      self->drain_timer_.expires_after(std::chrono::duration_cast<std::chrono::nanoseconds>(
-          std::chrono::duration<double>(self->server_->opts_.drain_timeout_s)));
-      self->drain_timer_.async_wait(
-          asio::bind_executor(self->strand_, [self](boost::system::error_code ec) {
-            if (ec || self->finished_) return;
-            LOG(kWarning) << "nbd connection " << self->id_ << ": client took no replies for "
-                          << self->server_->opts_.drain_timeout_s << " s of shutdown; closing it";
-            self->client_gone_ = true;
-            boost::system::error_code ignored;
-            self->sock_.cancel(ignored);
-            self->MaybeFinish();
-          }));
+      self->draining_ = true;
+      self->ArmDrainTimer();
       self->MaybeFinish();
     });
   }
 
  private:
+  // (Re)starts the drain deadline: re-armed whenever replies go out, so a
+  // slow reader is not cut off, only one that stopped reading.
+  void ArmDrainTimer() {
+    drain_timer_.expires_after(std::chrono::duration_cast<std::chrono::nanoseconds>(
+        std::chrono::duration<double>(server_->opts_.drain_timeout_s)));
+    drain_timer_.async_wait(
+        asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+          if (ec || self->finished_) return;
+          LOG(kWarning) << "nbd connection " << self->id_ << ": client took no replies for "
+                        << self->server_->opts_.drain_timeout_s << " s of shutdown; closing it";
+          self->client_gone_ = true;
+          boost::system::error_code ignored;
+          self->sock_.cancel(ignored);
+          self->MaybeFinish();
+        }));
+  }
+
   // Requests executing plus replies queued, and their bytes.
   bool Backpressured() const {
     return inflight_ + wq_.size() >= server_->opts_.max_inflight_requests ||
@@ -380,6 +387,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
             self->MaybeFinish();
             return;
           }
+          if (self->draining_) self->ArmDrainTimer();  // the client is reading
           const bool was_backpressured = self->Backpressured();
           for (size_t i = 0; i < n; i++) {
             self->wq_bytes_ -= self->wq_[i].head.size() + self->wq_[i].data.size();
@@ -434,6 +442,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   bool client_gone_ = false;
   bool writing_ = false;
   bool finished_ = false;
+  bool draining_ = false;  // Drain() ran: the drain deadline is armed
   std::deque<OutMessage> wq_;
   size_t wq_bytes_ = 0;  // of wq_'s messages, heads and data
   asio::steady_timer drain_timer_{strand_};

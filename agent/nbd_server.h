@@ -39,9 +39,10 @@ struct NbdServerOptions {
   // holds at most this much of dedupd's memory.
   size_t max_inflight_requests = 64;
   size_t max_inflight_bytes = size_t{64} << 20;
-  // Shutdown: how long a connection may take to write its last replies
-  // before they are given up and it is closed (a client that stopped
-  // reading must not keep the daemon, and every other disk's lock, up).
+  // Shutdown: how long a connection may go without taking any of its
+  // replies before they are given up and it is closed (a client that
+  // stopped reading must not keep the daemon, and every other disk's
+  // lock, up; a slow reader is not cut off).
   double drain_timeout_s = 10;
   nbd::SessionOptions session;
 };
