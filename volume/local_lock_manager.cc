@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <map>
+#include <set>
 
 #include "util/mutex.h"
 #include "volume/lock_manager.h"
@@ -36,19 +37,29 @@ class LocalLockManager : public LockManager {
   ~LocalLockManager() override { ::close(fd_); }  // closing drops every OFD lock
 
   Status Acquire(LockId id, LockMode mode, bool wait) override {
-    MutexLock l(&mu_);
-    if (held_.count(id)) return Status::Invalid(id.ToString() + " is already held here");
     struct flock fl = Range(id);
     fl.l_type = mode == LockMode::kExclusive ? F_WRLCK : F_RDLCK;
-    while (::fcntl(fd_, wait ? F_OFD_SETLKW : F_OFD_SETLK, &fl) != 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EACCES) {
-        return Status::Locked(id.ToString() + " is held by another process");
+    {
+      MutexLock l(&mu_);
+      // (OFD locks of one description never conflict with each other: two
+      // threads must not both take one id.)
+      if (held_.count(id) || acquiring_.count(id)) {
+        return Status::Invalid(id.ToString() + " is already held here");
       }
-      return Status::FromErrno("locking " + id.ToString() + " on " + path_, errno);
+      if (!wait) {
+        Status st = Set(id, &fl, F_OFD_SETLK);
+        if (st.ok()) held_[id] = mode;
+        return st;
+      }
+      acquiring_.insert(id);
     }
-    held_[id] = mode;
-    return Status::Ok();
+    // Blocking: not under mu_, which every other lock operation of this
+    // process needs (a wait for one process's lock must not stall them all).
+    Status st = Set(id, &fl, F_OFD_SETLKW);
+    MutexLock l(&mu_);
+    acquiring_.erase(id);
+    if (st.ok()) held_[id] = mode;
+    return st;
   }
 
   Status Release(LockId id) override {
@@ -83,6 +94,17 @@ class LocalLockManager : public LockManager {
   }
 
  private:
+  Status Set(LockId id, struct flock* fl, int cmd) {
+    while (::fcntl(fd_, cmd, fl) != 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EACCES) {
+        return Status::Locked(id.ToString() + " is held by another process");
+      }
+      return Status::FromErrno("locking " + id.ToString() + " on " + path_, errno);
+    }
+    return Status::Ok();
+  }
+
   static struct flock Range(LockId id) {
     struct flock fl {};
     fl.l_whence = SEEK_SET;
@@ -97,6 +119,7 @@ class LocalLockManager : public LockManager {
   int fd_;
   Mutex mu_;
   std::map<LockId, LockMode> held_ GUARDED_BY(mu_);
+  std::set<LockId> acquiring_ GUARDED_BY(mu_);  // waiting in F_OFD_SETLKW
 };
 
 }  // namespace
