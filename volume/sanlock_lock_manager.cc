@@ -129,6 +129,10 @@ uint64_t NowNs() {
 // registered connection, and SIGKILLs the process if the lockspace fails.
 Mutex g_register_mu;
 int g_register_fd GUARDED_BY(g_register_mu) = -1;
+// Every command on the registration connection, from any SanlockImpl of
+// the process (two volumes, or a reopen while the old one lives): they
+// share the connection, so they share its serialisation (SanlockImpl).
+Mutex g_command_mu;
 
 Result<int> RegisterProcess() {
   MutexLock l(&g_register_mu);
@@ -522,7 +526,7 @@ class SanlockImpl : public SanlockLockManager {
     sanlk_resource* rp = VolumeLease(&r, LockMode::kShared);
     sanlk_host* owners = nullptr;
     int count = 0;
-    // Its own connection to the daemon, like sanlock_get_hosts: no cmd_mu_.
+    // Its own connection to the daemon, like sanlock_get_hosts: no g_command_mu.
     int rv = sanlock_read_resource_owners(rp, 0, &owners, &count);
     if (rv < 0) {
       std::free(owners);
@@ -691,7 +695,7 @@ class SanlockImpl : public SanlockLockManager {
     int rv = 0;
     for (int attempt = 0; attempt < 3; attempt++) {
       {
-        MutexLock c(&cmd_mu_);
+        MutexLock c(&g_command_mu);
         rv = sanlock_release(reg_fd_, -1, 0, 1, &rp);
       }
       if (rv == 0 || rv == -ENOENT) return rv;
@@ -710,7 +714,7 @@ class SanlockImpl : public SanlockLockManager {
     while (true) {
       int rv;
       {
-        MutexLock c(&cmd_mu_);
+        MutexLock c(&g_command_mu);
         rv = sanlock_acquire(reg_fd_, -1, 0, 1, &rp, nullptr);
       }
       if (rv == 0) return Status::Ok();
@@ -810,11 +814,11 @@ class SanlockImpl : public SanlockLockManager {
   // answers on the registration socket in order: two threads talking on
   // reg_fd_ at once read each other's replies (seen under load as a
   // release "failing" with an acquire's -243 while the lease stayed held,
-  // wedging its partition). Every command on reg_fd_ holds cmd_mu_; it is
+  // wedging its partition). Every command on reg_fd_ holds g_command_mu
+  // (process-wide: reg_fd_ is the process's one registration); it is
   // taken last (after a partition mutex) and nothing is taken under it.
   // The daemon would refuse a second concurrent command (-EBUSY) anyway,
   // so this costs no parallelism.
-  Mutex cmd_mu_;
   mutable Mutex mu_;
   std::map<LockId, LockMode> held_ GUARDED_BY(mu_);
   Counters counters_ GUARDED_BY(mu_);
