@@ -490,13 +490,19 @@ class IscsiDevice final : public BlockDevice {
       uint32_t n = static_cast<uint32_t>(std::min<size_t>(len - done, max_transfer_));
       uint64_t at = offset + done;
       scsi_iovec iov{p + done, n};
-      auto task = Execute("WRITE(16) at offset " + std::to_string(at),
-                          [&](iscsi_context* ctx, iscsi_command_cb cb, void* priv) {
-                            return iscsi_write16_iov_task(ctx, url_.lun, at / block_size_, nullptr,
-                                                          n, static_cast<int>(block_size_), 0, 0, 0,
-                                                          0, 0, cb, priv, &iov, 1);
-                          });
+      const std::string what = "WRITE(16) at offset " + std::to_string(at);
+      auto task = Execute(what, [&](iscsi_context* ctx, iscsi_command_cb cb, void* priv) {
+        return iscsi_write16_iov_task(ctx, url_.lun, at / block_size_, nullptr, n,
+                                      static_cast<int>(block_size_), 0, 0, 0, 0, 0, cb, priv, &iov,
+                                      1);
+      });
       if (!task.ok()) return task.status();
+      // A target that took less than it was sent did not write it all.
+      const scsi_task& t = *task.value();
+      if (t.residual_status == SCSI_RESIDUAL_UNDERFLOW && t.residual > 0) {
+        return Status::IoError(name() + ": short " + what + ": " + std::to_string(t.residual) +
+                               " of " + std::to_string(n) + " bytes not written");
+      }
       done += n;
     }
     return Status::Ok();
