@@ -124,7 +124,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("host-id", po::value(&cfg->host_id)->value_name("N"), "this host's slot on the volume (1..max-hosts)")
       ("lease-path", po::value(&cfg->lease_path)->value_name("PATH"), "sanlock volumes: the LUN as a path for sanlock (block device; in tests the file backing the LUN); default VOL when VOL is a path")
       ("lease-io-timeout", po::value(&cfg->lease_io_timeout)->value_name("SEC"), "sanlock volumes: io_timeout of this host's lockspace membership (default: the daemon's, 10)")
-      ("fence-after", po::value(&cfg->fence_after)->value_name("SEC"), "sanlock volumes: stop (exit) when this host's lease was last seen renewed SEC seconds ago (default 8 x io_timeout + 30, before other hosts may call this one dead at 8 x io_timeout + 60; at least 3 x io_timeout)")
+      ("fence-after", po::value(&cfg->fence_after)->value_name("SEC"), "sanlock volumes: stop (exit) when this host's lease was last seen renewed SEC seconds ago (default 8 x io_timeout + 30, before other hosts may call this one dead at 8 x io_timeout + 60; at least 4 x io_timeout + 4)")
       ("socket", po::value(&cfg->socket)->value_name("PATH"), "Unix socket to serve NBD on")
       ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port)")
       ("config", po::value(&config_file)->value_name("FILE"), "read options from FILE (lines: name = value)")
@@ -296,11 +296,14 @@ int Run(const Config& cfg) {
     // us at 8 io_timeouts. The guard is the backstop for a daemon that
     // cannot: it must fire before 8T + 60 s, with room for I/O in flight.
     double fence = cfg.fence_after > 0 ? cfg.fence_after : 8 * io + 30;
-    // Timed from the last renewal, which comes every 2 io_timeouts: less
-    // than 3 would fence a healthy host whose renewal is a little late.
-    if (fence < 3 * io) {
-      LOG(kError) << "--fence-after " << fence << ": must be at least 3 io_timeouts ("
-                  << 3 * io << " s): the lease is renewed every 2";
+    // Timed from the last renewal seen. A healthy lease is renewed about
+    // every 2 io_timeouts + 1 s (whole-second stamps), its write may take
+    // an io_timeout, and the guard looks every second: its age reaches
+    // about 3 io_timeouts + 3 s. CheckLockspace calls up to 4 alive.
+    const double floor_s = 4 * io + 4;
+    if (fence < floor_s) {
+      LOG(kError) << "--fence-after " << fence << ": must be at least 4 io_timeouts + 4 s ("
+                  << floor_s << " s), or a healthy host whose renewal is late would fence itself";
       return kExitUsage;
     }
     guard = std::make_unique<LockspaceGuard>(

@@ -20,6 +20,10 @@ LockspaceGuard::LockspaceGuard(SanlockLockManager* locks, std::chrono::milliseco
       fence_after_(fence_after),
       collect_every_(collect_every),
       last_ok_ns_(SteadyNs()) {
+  // The lease may be old already (a restarted dedupd rejoins a lockspace
+  // its host never left): start from its renewal, not from now.
+  Result<uint64_t> age_ns = locks_->CheckLockspace();
+  if (age_ns.ok()) last_ok_ns_.store(SteadyNs() - static_cast<int64_t>(*age_ns));
   checker_ = std::thread([this] { CheckLoop(); });
   watchdog_ = std::thread([this] { WatchLoop(); });
   collector_ = std::thread([this] { CollectLoop(); });

@@ -384,7 +384,7 @@ TEST_CASE("a host whose sanlock daemon hangs fences itself", "[multihost]") {
   // that renewal). The network cut-off is the test above.
   Cluster c;
   c.Format();
-  c.Start(1, {"--fence-after", "6"});  // io_timeout 1 s: renewals every 2 s
+  c.Start(1, {"--fence-after", "8"});  // io_timeout 1 s: the least dedupd takes (4 io + 4)
   c.DedeOk(1, {"create", c.Url(1), "vm1", "--size", "1M"});
   c.PowerOn(1, "vm1");
   const auto t_stop = Clock::now();
@@ -405,11 +405,12 @@ TEST_CASE("a host whose sanlock daemon hangs fences itself", "[multihost]") {
   CHECK(WEXITSTATUS(ws) == 75);
   CHECK(c.dedupd(1).Log().find("FENCED") != std::string::npos);
   // The last renewal came before the stop, so the fence comes at most
-  // --fence-after (6 s) after it, plus the guard's 0.2 s watch period. It
+  // --fence-after (8 s) after it, plus the guard's 0.2 s watch period. It
   // used to be timed from the last check that passed, which passes while
-  // the lease is up to 4 io_timeouts old: 8-10 s here, and with the
-  // default io_timeout (10 s) after others could call the host dead.
-  CHECK(t_fenced < 7.5);
+  // the lease is up to 4 io_timeouts old: at least 9 s here (renewals are
+  // about 3 s apart), and with the default io_timeout (10 s) after others
+  // could call the host dead.
+  CHECK(t_fenced < 8.8);
   std::printf("multihost hung daemon: dedupd fenced itself %.1f s after its sanlock daemon "
               "stopped\n",
               t_fenced);
