@@ -375,8 +375,19 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       bufs.push_back(asio::buffer(wq_[i].head));
       if (!wq_[i].data.empty()) bufs.push_back(asio::buffer(wq_[i].data));
     }
+    // The completion condition runs between the socket writes a gathered
+    // write is made of (on the strand, like the handler): while draining,
+    // any progress restarts the deadline, so a client reading slowly is
+    // not cut off in the middle of a big batch. 64 KiB per write, asio's
+    // default (transfer_all).
+    auto progress = [self = shared_from_this()](const boost::system::error_code& ec,
+                                                size_t) -> size_t {
+      if (ec) return 0;
+      if (self->draining_ && !self->finished_) self->ArmDrainTimer();
+      return 65536;
+    };
     asio::async_write(
-        sock_, bufs,
+        sock_, bufs, progress,
         asio::bind_executor(strand_, [self = shared_from_this(), n](boost::system::error_code ec, size_t) {
           self->writing_ = false;
           if (ec) {
