@@ -397,6 +397,17 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
     json ls = DedeJson({"ls", vol, "--json"});
     CHECK(FindFile(ls, "small") == nullptr);
   }
+  SECTION("import --size of exactly the image's (unaligned) size keeps every byte") {
+    // The last partial block used to be written padded to 4 KiB, past the
+    // end of a file of exactly the image's size: the import failed.
+    const std::string exact = std::to_string(odd_data.size());
+    DedeOk({"import", vol, "exact", odd, "--size", exact});
+    json ls = DedeJson({"ls", vol, "--json"});
+    REQUIRE(FindFile(ls, "exact") != nullptr);
+    CHECK(FindFile(ls, "exact")->at("size") == odd_data.size());
+    DedeOk({"export", vol, "exact", out});
+    CHECK(ReadWholeFile(out) == odd_data);
+  }
   SECTION("import --size makes a bigger file with a hole at the end") {
     DedeOk({"import", vol, "big", odd, "--size", "8M"});
     json ls = DedeJson({"ls", vol, "--json"});

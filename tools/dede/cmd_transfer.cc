@@ -126,8 +126,10 @@ Status CopyIn(int src_fd, const std::string& src_path, uint64_t src_bytes, Volum
       return Status::IoError(src_path + ": file shrank while importing (end at offset " +
                              std::to_string(pos + got) + ")");
     }
-    // Pad the last partial block with zeros; the file's size covers it.
-    const size_t padded = static_cast<size_t>(RoundUpToBlock(got));
+    // Pad the last partial block with zeros, up to the file's end (which
+    // --size may put inside that block).
+    const size_t padded =
+        static_cast<size_t>(std::min<uint64_t>(RoundUpToBlock(got), file->size() - pos));
     std::memset(buf.data() + got, 0, padded - got);
     ASSIGN_OR_RETURN(uint64_t zeros,
                      ForEachDataRun(buf.data(), padded, [&](size_t off, size_t len) {
