@@ -2123,16 +2123,15 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
         old.push_back(p);
       }
       // Dirtied per round: one refcount block per old COW block (worst
-      // case), the refcount blocks of the new blocks, block-map blocks
-      // along two leaf paths, the inode. `cost` assumes the new blocks are
-      // contiguous (the usual case, and what phase 1 dirties at most);
-      // `worst` that each has a refcount block of its own (free space
-      // fragmented by dedup), which phase 3 must still fit in one
-      // transaction: it counts the real ones (PublishCost).
-      // The block map: along each of (at most) two leaf paths, every
-      // pointer block may be new (the tree may also grow to cover the
-      // round: a first write far into a fresh file), and a new one dirties
-      // its refcount block too; plus the inode and one to spare.
+      // case), the refcount blocks of the new blocks, the block map and
+      // the inode. `cost` assumes the new blocks are contiguous (the usual
+      // case, and what phase 1 dirties at most); `worst` that each has a
+      // refcount block of its own (free space fragmented by dedup), which
+      // phase 3 must still fit in one transaction: it counts the real ones
+      // (PublishCost). `map_cost`: along each of (at most) two leaf paths
+      // every pointer block may be new (the tree may also grow to cover
+      // the write: a first write far into a fresh file), and a new one
+      // dirties its refcount block too; plus the inode and one to spare.
       uint32_t depth = std::max<uint32_t>(in.depth, 1);
       while (Capacity(depth) <= last) depth++;
       map_cost = 2 * (2 * (depth + 1)) + 2;
