@@ -317,38 +317,59 @@ TEST_CASE("export: the control socket's hold keeps a file open while its VM leav
   CHECK_FALSE(info->dedup);
 }
 
-TEST_CASE("export: a close waits for a write log held elsewhere instead of dropping its batch",
-          "[export]") {
-  // `dede ls -l` or a pass may hold the file's log for a moment as its VM
-  // shuts down. The close used to flush once, have the batch put back
-  // (kLocked) and then drop it with the monitor's buffer: the log kept the
-  // block's old fingerprint, with no sign that records were lost.
-  MemDevice mem(64 << 20);
-  REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
-  const auto locks = test::TempLockGroup(2);  // two processes' lock managers
-  auto open_as = [&](uint32_t host) {
+namespace {
+
+// A volume (host 1 of two lock managers, as two processes) with one file
+// "vm", served by an ExportTable with a write monitor and its log flusher;
+// `ex` is one client's hold on "vm".
+struct LoggedExport {
+  LoggedExport() : mem(64 << 20) {
+    REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
+    vol = OpenAs(1);
+    REQUIRE(vol->Create("vm", kFileBytes).ok());
+    flusher = std::make_unique<LogFlusher>(vol.get(), &monitor);
+    table = std::make_unique<ExportTable>(vol.get(), &monitor, flusher.get());
+    auto e = table->Acquire("vm");
+    REQUIRE(e.ok());
+    ex = *e;
+  }
+  // The volume as another process (host 2) opens it.
+  std::unique_ptr<Volume> OpenAs(uint32_t host) {
     OpenOptions oo;
     oo.host_id = host;
     oo.locks = locks[host - 1];
     auto v = Volume::Open(&mem, oo);
     REQUIRE(v.ok());
     return std::move(v.value());
-  };
-  std::unique_ptr<Volume> vol = open_as(1);
-  REQUIRE(vol->Create("vm", kFileBytes).ok());
+  }
+
+  MemDevice mem;
+  const std::vector<std::shared_ptr<LockManager>> locks = test::TempLockGroup(2);
+  std::unique_ptr<Volume> vol;
   WriteMonitor monitor{WriteMonitorOptions{}};
-  LogFlusher flusher(vol.get(), &monitor);
-  ExportTable table(vol.get(), &monitor, &flusher);
-  auto e = table.Acquire("vm");
-  REQUIRE(e.ok());
-  std::shared_ptr<Export> ex = *e;
+  std::unique_ptr<LogFlusher> flusher;
+  std::unique_ptr<ExportTable> table;
+  std::shared_ptr<Export> ex;
+};
+
+}  // namespace
+
+TEST_CASE("export: a close waits for a write log held elsewhere instead of dropping its batch",
+          "[export]") {
+  // `dede ls -l` or a pass may hold the file's log for a moment as its VM
+  // shuts down. The close used to flush once, have the batch put back
+  // (kLocked) and then drop it with the monitor's buffer: the log kept the
+  // block's old fingerprint, with no sign that records were lost.
+  LoggedExport t;
+  Volume* vol = t.vol.get();
+  std::shared_ptr<Export> ex = std::move(t.ex);
   const FileId id = ex->id();
   const std::vector<uint8_t> first = Pattern(kB, 21), second = Pattern(kB, 22);
   REQUIRE(ex->Write(0, first.data(), kB, false).ok());
-  REQUIRE(flusher.FlushAll().ok());
+  REQUIRE(t.flusher->FlushAll().ok());
   REQUIRE(ex->Write(0, second.data(), kB, false).ok());
   // Another process holds the log; it lets go after a moment.
-  std::unique_ptr<Volume> other = open_as(2);
+  std::unique_ptr<Volume> other = t.OpenAs(2);
   auto held = OpenWriteLog(other.get(), id);
   REQUIRE(held.ok());
   std::unique_ptr<File> log = std::move(held.value());
@@ -356,11 +377,11 @@ TEST_CASE("export: a close waits for a write log held elsewhere instead of dropp
     std::this_thread::sleep_for(300ms);
     log.reset();
   });
-  table.Release(ex);
+  t.table->Release(ex);
   letgo.join();
   ex.reset();
   other.reset();
-  auto opened = OpenWriteLog(vol.get(), id);
+  auto opened = OpenWriteLog(vol, id);
   REQUIRE(opened.ok());
   auto state = ReplayWriteLog(opened.value().get(), HashAlgo::kXxh128, vol->superblock().uuid, id);
   REQUIRE(state.ok());
@@ -373,29 +394,18 @@ TEST_CASE("export: a close does not wait for a write log this process holds", "[
   // hands a borrowed disk back (closing it) meanwhile, on its own thread:
   // waiting for that log would only add kCloseLogWaitS under the table's
   // open mutex.
-  MemDevice mem(64 << 20);
-  REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
-  OpenOptions oo;
-  oo.locks = TempLocks();
-  auto v = Volume::Open(&mem, oo);
-  REQUIRE(v.ok());
-  std::unique_ptr<Volume> vol = std::move(v.value());
-  REQUIRE(vol->Create("vm", kFileBytes).ok());
-  WriteMonitor monitor{WriteMonitorOptions{}};
-  LogFlusher flusher(vol.get(), &monitor);
-  ExportTable table(vol.get(), &monitor, &flusher);
-  auto e = table.Acquire("vm");
-  REQUIRE(e.ok());
-  const FileId id = (*e)->id();
+  LoggedExport t;
+  std::shared_ptr<Export> e = std::move(t.ex);
+  const FileId id = e->id();
   const std::vector<uint8_t> data = Pattern(kB, 23);
-  REQUIRE((*e)->Write(0, data.data(), kB, false).ok());
-  REQUIRE(flusher.FlushAll().ok());  // the log exists
-  REQUIRE((*e)->Write(kB, data.data(), kB, false).ok());
-  auto held = OpenWriteLog(vol.get(), id);  // "the pass", on this thread
+  REQUIRE(e->Write(0, data.data(), kB, false).ok());
+  REQUIRE(t.flusher->FlushAll().ok());  // the log exists
+  REQUIRE(e->Write(kB, data.data(), kB, false).ok());
+  auto held = OpenWriteLog(t.vol.get(), id);  // "the pass", on this thread
   REQUIRE(held.ok());
   const auto t0 = std::chrono::steady_clock::now();
-  table.Release(*e);
+  t.table->Release(e);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   CHECK(s < 1.0);
-  CHECK(monitor.FileStats(id).buffered_records == 0);  // gone with the file (the log was taken)
+  CHECK(t.monitor.FileStats(id).buffered_records == 0);  // gone with the file (the log was taken)
 }
