@@ -123,7 +123,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("volume", po::value(&cfg->volume)->value_name("VOL"), "volume: path or iscsi://host[:port]/iqn/lun")
       ("host-id", po::value(&cfg->host_id)->value_name("N"), "this host's slot on the volume (1..max-hosts)")
       ("lease-path", po::value(&cfg->lease_path)->value_name("PATH"), "sanlock volumes: the LUN as a path for sanlock (block device; in tests the file backing the LUN); default VOL when VOL is a path")
-      ("lease-io-timeout", po::value(&cfg->lease_io_timeout)->value_name("SEC"), "sanlock volumes: io_timeout of this host's lockspace membership (default: the daemon's, 10)")
+      ("lease-io-timeout", po::value(&cfg->lease_io_timeout)->value_name("SEC"), "sanlock volumes: io_timeout of this host's lockspace membership when it joins (default: the daemon's, 10); once joined, the membership keeps the io_timeout of the process that joined first, and dedupd uses that one")
       ("fence-after", po::value(&cfg->fence_after)->value_name("SEC"), "sanlock volumes: stop (exit) when this host's lease was last seen renewed SEC seconds ago (default 8 x io_timeout + 30, before other hosts may call this one dead at 8 x io_timeout + 60; at least 4 x io_timeout + 4)")
       ("socket", po::value(&cfg->socket)->value_name("PATH"), "Unix socket to serve NBD on")
       ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port)")
@@ -303,13 +303,15 @@ int Run(const Config& cfg) {
     const double floor_s = 4 * io + 4;
     if (fence < floor_s) {
       LOG(kError) << "--fence-after " << fence << ": must be at least 4 io_timeouts + 4 s ("
-                  << floor_s << " s), or a healthy host whose renewal is late would fence itself";
+                  << floor_s << " s with this host's io_timeout of " << io
+                  << " s), or a healthy host whose renewal is late would fence itself";
       return kExitUsage;
     }
     guard = std::make_unique<LockspaceGuard>(
         sl, std::chrono::milliseconds(static_cast<int64_t>(fence * 1000)));
     LOG(kInfo) << "sanlock host " << sl->sanlock_host_id() << " generation " << sl->generation()
-               << ", fencing " << fence << " s after the last lease renewal seen";
+               << ", io_timeout " << io << " s, fencing " << fence
+               << " s after the last lease renewal seen";
   }
 
   WriteMonitorOptions mo;

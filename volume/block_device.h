@@ -54,6 +54,10 @@ struct DeviceOptions {
   // flight at once (a daemon serving VMs wants several; a short-lived
   // tool, one).
   uint32_t iscsi_sessions = 1;
+  // iSCSI backend: how long one SCSI command may take before the session
+  // is dropped and the command sent again on a new one (0: 30 s, like the
+  // Linux sd driver). Tests shorten it.
+  uint32_t iscsi_command_timeout_ms = 0;
 };
 
 // Most sessions OpenIscsiDevice accepts.

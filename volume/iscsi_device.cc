@@ -14,6 +14,7 @@
 #include <iscsi/scsi-lowlevel.h>
 #include <poll.h>
 #include <pthread.h>
+#include <sys/socket.h>
 #include <signal.h>
 #include <unistd.h>
 
@@ -27,11 +28,13 @@
 #include <cstdlib>
 #include <functional>
 #include <memory>
+#include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "util/io_budget.h"
+#include "util/log.h"
 #include "util/mutex.h"
 #include "volume/block_device.h"
 
@@ -46,8 +49,12 @@ constexpr int kMaxLun = 16383;
 // TCP connect + login + LUN check. A closed port fails at once; this bounds
 // unreachable or black-holed portals.
 constexpr auto kConnectTimeout = std::chrono::seconds(10);
-// Per SCSI command, like the Linux sd driver's default.
-constexpr auto kCommandTimeout = std::chrono::seconds(30);
+// Per SCSI command, like the Linux sd driver's default
+// (DeviceOptions::iscsi_command_timeout_ms).
+constexpr auto kDefaultCommandTimeout = std::chrono::milliseconds(30000);
+// A LOGICAL UNIT RESET that fences a lost command waits for the target's
+// backing store to finish it: as long as two commands, plus some room.
+constexpr auto kResetExtraTime = std::chrono::seconds(10);
 constexpr auto kLogoutTimeout = std::chrono::seconds(2);
 // Bigger transfers gain nothing over the network and hold the session lock
 // longer against other threads.
@@ -292,6 +299,7 @@ struct Pending {
   bool done = false;
   int status = SCSI_STATUS_GOOD;
   std::string error;  // libiscsi's text at completion time (it gets overwritten later)
+  uint32_t tmf_response = 0xff;  // task management: the target's response code
 };
 
 void OnComplete(iscsi_context* ctx, int status, void* /*command_data*/, void* private_data) {
@@ -299,6 +307,37 @@ void OnComplete(iscsi_context* ctx, int status, void* /*command_data*/, void* pr
   p->done = true;
   p->status = status;
   if (status != SCSI_STATUS_GOOD) p->error = iscsi_get_error(ctx);
+}
+
+void OnTmfComplete(iscsi_context* ctx, int status, void* command_data, void* private_data) {
+  auto* p = static_cast<Pending*>(private_data);
+  if (status == SCSI_STATUS_GOOD && command_data != nullptr) {
+    p->tmf_response = *static_cast<uint32_t*>(command_data);
+  }
+  OnComplete(ctx, status, command_data, private_data);
+}
+
+// "30 s", "1.5 s".
+std::string SecondsText(std::chrono::milliseconds d) {
+  char buf[32];
+  const long long ms = d.count();
+  if (ms % 1000 == 0) {
+    std::snprintf(buf, sizeof(buf), "%lld s", ms / 1000);
+  } else {
+    std::snprintf(buf, sizeof(buf), "%.3g s", static_cast<double>(ms) / 1000);
+  }
+  return buf;
+}
+
+std::string DescribeTmfResponse(uint32_t r) {
+  switch (r) {
+    case ISCSI_TMR_FUNC_COMPLETE: return "function complete";
+    case ISCSI_TMR_LUN_DOES_NOT_EXIST: return "LUN does not exist";
+    case ISCSI_TMR_TMF_NOT_SUPPORTED: return "not supported";
+    case ISCSI_TMR_FUNC_AUTH_FAILED: return "authorization failed";
+    case ISCSI_TMR_FUNC_REJECTED: return "rejected";
+    default: return "response " + std::to_string(r);
+  }
 }
 
 using TaskFactory = std::function<scsi_task*(iscsi_context*, iscsi_command_cb, void*)>;
@@ -419,8 +458,12 @@ int LoginStatusFromError(const std::string& e) {
 
 class IscsiDevice final : public BlockDevice {
  public:
-  IscsiDevice(IscsiUrl url, bool read_only)
-      : url_(std::move(url)), read_only_(read_only), initiator_(InitiatorName()) {}
+  IscsiDevice(IscsiUrl url, bool read_only, std::chrono::milliseconds command_timeout)
+      : url_(std::move(url)),
+        read_only_(read_only),
+        initiator_(InitiatorName()),
+        isid_(RandomIsid()),
+        command_timeout_(command_timeout) {}
 
   ~IscsiDevice() override {
     ScopedSigpipeBlock no_sigpipe;
@@ -491,11 +534,14 @@ class IscsiDevice final : public BlockDevice {
       uint64_t at = offset + done;
       scsi_iovec iov{p + done, n};
       const std::string what = "WRITE(16) at offset " + std::to_string(at);
-      auto task = Execute(what, [&](iscsi_context* ctx, iscsi_command_cb cb, void* priv) {
-        return iscsi_write16_iov_task(ctx, url_.lun, at / block_size_, nullptr, n,
-                                      static_cast<int>(block_size_), 0, 0, 0, 0, 0, cb, priv, &iov,
-                                      1);
-      });
+      auto task = Execute(
+          what,
+          [&](iscsi_context* ctx, iscsi_command_cb cb, void* priv) {
+            return iscsi_write16_iov_task(ctx, url_.lun, at / block_size_, nullptr, n,
+                                          static_cast<int>(block_size_), 0, 0, 0, 0, 0, cb, priv,
+                                          &iov, 1);
+          },
+          nullptr, Effect::kModifies);
       if (!task.ok()) return task.status();
       // A target that took less than it was sent did not write it all.
       const scsi_task& t = *task.value();
@@ -551,7 +597,7 @@ class IscsiDevice final : public BlockDevice {
           [&](iscsi_context* ctx, iscsi_command_cb cb, void* priv) {
             return iscsi_unmap_task(ctx, url_.lun, 0, 0, &range, 1, cb, priv);
           },
-          &sense);
+          &sense, Effect::kModifies);
       if (!task.ok()) {
         // Discard is only a hint: a target that turns out not to unmap keeps
         // the bytes, which is allowed.
@@ -583,11 +629,12 @@ class IscsiDevice final : public BlockDevice {
   // Services the session until `p` completes or the deadline passes. A
   // non-OK result means the session is unusable; the caller must
   // Disconnect() before `p` goes out of scope.
-  Status Pump(Pending* p, Clock::time_point deadline, std::chrono::seconds limit) REQUIRES(mu_) {
+  Status Pump(Pending* p, Clock::time_point deadline, std::chrono::milliseconds limit)
+      REQUIRES(mu_) {
     while (!p->done) {
       auto now = Clock::now();
       if (now >= deadline) {
-        return Status::IoError("no answer within " + std::to_string(limit.count()) + " s");
+        return Status::IoError("no answer within " + SecondsText(limit));
       }
       auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now).count();
       pollfd pfd{};
@@ -610,8 +657,18 @@ class IscsiDevice final : public BlockDevice {
     return Status::Ok();
   }
 
-  void Disconnect() REQUIRES(mu_) {
+  enum class Close { kAbort, kAfterLogout };
+  void Disconnect(Close how = Close::kAbort) REQUIRES(mu_) {
     if (ctx_ == nullptr) return;
+    // A reset, not a FIN: what the kernel has not sent yet of a command
+    // whose session we give up on (the rest of a WRITE's data) must never
+    // reach the target later, after the command was sent again and the
+    // blocks written anew. (After a logout there is nothing left to send.)
+    const int fd = iscsi_get_fd(ctx_);
+    if (fd >= 0 && how == Close::kAbort) {
+      linger abort_close{1, 0};
+      (void)::setsockopt(fd, SOL_SOCKET, SO_LINGER, &abort_close, sizeof(abort_close));
+    }
     // Cancels whatever is still queued; completions fire into live state.
     iscsi_destroy_context(ctx_);
     ctx_ = nullptr;
@@ -622,7 +679,10 @@ class IscsiDevice final : public BlockDevice {
     if (iscsi_is_logged_in(ctx_)) {
       Pending p;
       if (iscsi_logout_async(ctx_, OnComplete, &p) == 0) {
-        (void)Pump(&p, Clock::now() + kLogoutTimeout, kLogoutTimeout);
+        if (Pump(&p, Clock::now() + kLogoutTimeout, kLogoutTimeout).ok()) {
+          Disconnect(Close::kAfterLogout);
+          return;
+        }
       }
     }
     Disconnect();
@@ -632,7 +692,7 @@ class IscsiDevice final : public BlockDevice {
   // is already torn down when this returns; otherwise the task holds the
   // target's SCSI status.
   Result<TaskPtr> Submit(const TaskFactory& make, Clock::time_point deadline,
-                         std::chrono::seconds limit) REQUIRES(mu_) {
+                         std::chrono::milliseconds limit) REQUIRES(mu_) {
     Pending p;
     TaskPtr task(make(ctx_, OnComplete, &p));
     Status st;
@@ -655,22 +715,34 @@ class IscsiDevice final : public BlockDevice {
   // attentions and busy targets are retried, a lost session is rebuilt once.
   // On CHECK CONDITION the sense data lands in `sense_out` (when given) so
   // callers can pick the conditions they tolerate.
+  //
+  // A command that `kModifies` the medium and whose session is lost before
+  // it answers (a timeout, a dropped connection) may still be running in
+  // the target, and may land after anything we send later, the same
+  // command again included: a stale write over newer data. So it is sent
+  // again, and any later command of this device is sent, only once the
+  // target has confirmed that every command it had received for the LU
+  // has finished (FenceLostCommands).
+  enum class Effect { kReadOnly, kModifies };
   Result<TaskPtr> Execute(const std::string& what, const TaskFactory& make,
-                          CheckCondition* sense_out = nullptr) REQUIRES(mu_) {
+                          CheckCondition* sense_out = nullptr,
+                          Effect effect = Effect::kReadOnly) REQUIRES(mu_) {
     std::string lost;  // why the first session died, if it did
     int unit_attentions = 0;
     int busy = 0;
     for (;;) {
       if (ctx_ == nullptr) {
         Status st = Connect();
+        if (st.ok() && lost_command_) st = FenceLostCommands();
         if (!st.ok()) {
           std::string prefix = name() + ": " + what + " failed";
           if (!lost.empty()) prefix += " (" + lost + "; reconnecting failed)";
           return st.WithContext(prefix);
         }
       }
-      auto task = Submit(make, Clock::now() + kCommandTimeout, kCommandTimeout);
+      auto task = Submit(make, Clock::now() + command_timeout_, command_timeout_);
       if (!task.ok()) {
+        if (effect == Effect::kModifies) lost_command_ = true;
         if (!lost.empty()) {
           return Status::IoError(name() + ": " + what + " failed: " + task.status().message() +
                                  " (again after reconnecting; first: " + lost + ")");
@@ -683,7 +755,11 @@ class IscsiDevice final : public BlockDevice {
       if (SenseIs(t, SCSI_SENSE_UNIT_ATTENTION) && ++unit_attentions <= kMaxUnitAttentions) {
         continue;
       }
-      if ((t.status == SCSI_STATUS_BUSY || t.status == SCSI_STATUS_TASK_SET_FULL) &&
+      // TASK ABORTED: another initiator's task management (such as the LU
+      // reset of a host fencing its own lost command) ended this one
+      // before it finished; sending it again is what the initiator is for.
+      if ((t.status == SCSI_STATUS_BUSY || t.status == SCSI_STATUS_TASK_SET_FULL ||
+           t.status == SCSI_STATUS_TASK_ABORTED) &&
           ++busy <= kMaxBusyRetries) {
         std::this_thread::sleep_for(std::chrono::milliseconds(10 * busy));
         continue;
@@ -696,6 +772,49 @@ class IscsiDevice final : public BlockDevice {
     }
   }
 
+  // Makes sure no command of an earlier session can still land: a
+  // LOGICAL UNIT RESET on the new session. A target answers it only once
+  // every command it had started for the LU, from any session, has
+  // finished (SAM: those are aborted or completed before FUNCTION
+  // COMPLETE; tgtd waits for the ones its backing store is running), and
+  // it drops the ones not started. Together with the reset that closed the
+  // old connection (Disconnect: no more of its data is sent) and the login
+  // with the same ISID (the target ends the old session if it still held
+  // it open), nothing of the lost command can come after this. Other
+  // initiators see a unit attention (29h, reset) and send their next
+  // command again, as our Execute does. If the target does not confirm,
+  // the command is not sent again and every later command of this device
+  // fails the same way: the volume above stops rather than risk a stale
+  // block.
+  Status FenceLostCommands() REQUIRES(mu_) {
+    const auto limit = 2 * command_timeout_ + kResetExtraTime;
+    Pending p;
+    Status st;
+    if (iscsi_task_mgmt_lun_reset_async(ctx_, static_cast<uint32_t>(url_.lun), OnTmfComplete,
+                                        &p) != 0) {
+      st = Status::IoError("cannot queue it: " + CleanTransportError(iscsi_get_error(ctx_)));
+    } else {
+      st = Pump(&p, Clock::now() + limit, limit);
+      if (st.ok() && p.status != SCSI_STATUS_GOOD) {
+        st = Status::IoError(CleanTransportError(p.error));
+      } else if (st.ok() && p.tmf_response != ISCSI_TMR_FUNC_COMPLETE) {
+        st = Status::IoError("the target answered " + DescribeTmfResponse(p.tmf_response));
+      }
+    }
+    if (!st.ok()) {
+      Disconnect();
+      return Status::IoError(
+          "a command that changes the LUN got no answer before its session was lost, and the "
+          "target did not confirm it has finished (LOGICAL UNIT RESET: " +
+          st.message() + "); nothing more is sent, since it could still land after newer data");
+    }
+    lost_command_ = false;
+    resets_sent_++;
+    LOG(kWarning) << name() << ": fenced a command lost with its session (LOGICAL UNIT RESET "
+                  << "confirmed by the target) before sending anything more";
+    return Status::Ok();
+  }
+
   // TCP connect, login, and a TEST UNIT READY that proves the LUN exists.
   Status Connect() REQUIRES(mu_) {
     Disconnect();
@@ -703,6 +822,11 @@ class IscsiDevice final : public BlockDevice {
     if (ctx_ == nullptr) return Status::IoError("cannot create an iSCSI context (out of memory?)");
     // Failures must reach us as errors; Execute() decides about reconnecting.
     iscsi_set_noautoreconnect(ctx_, 1);
+    // The same ISID at every login of this device: a target that still
+    // holds our previous session open (it did not see the connection go)
+    // ends it on this login (session reinstatement, RFC 7143 6.3.5) and
+    // drops the commands of it that it had not started.
+    iscsi_set_isid_random(ctx_, isid_, 0);
     if (iscsi_set_targetname(ctx_, url_.iqn.c_str()) != 0 ||
         iscsi_set_session_type(ctx_, ISCSI_SESSION_NORMAL) != 0 ||
         (!url_.user.empty() &&
@@ -712,7 +836,7 @@ class IscsiDevice final : public BlockDevice {
       return Status::Invalid("cannot set up iSCSI session to " + TargetOnPortal() + ": " + e);
     }
     const auto deadline = Clock::now() + kConnectTimeout;
-    const auto limit = std::chrono::duration_cast<std::chrono::seconds>(kConnectTimeout);
+    const auto limit = std::chrono::duration_cast<std::chrono::milliseconds>(kConnectTimeout);
 
     {
       Pending p;
@@ -888,9 +1012,16 @@ class IscsiDevice final : public BlockDevice {
     if (bl->max_unmap != 0 && bl->max_unmap != 0xffffffffu) max_unmap_blocks_ = bl->max_unmap;
   }
 
+  static uint32_t RandomIsid() {
+    std::random_device rd;
+    return rd() & 0xffffffu;
+  }
+
   const IscsiUrl url_;
   const bool read_only_;
   const std::string initiator_;
+  const uint32_t isid_;  // 24 random bits, kept across logins
+  const std::chrono::milliseconds command_timeout_;
   // Set once by Open() before the device is handed out; read-only after.
   uint64_t size_ = 0;
   uint32_t block_size_ = kSectorSize;
@@ -899,6 +1030,10 @@ class IscsiDevice final : public BlockDevice {
   Mutex mu_;
   iscsi_context* ctx_ GUARDED_BY(mu_) = nullptr;
   bool unmap_supported_ GUARDED_BY(mu_) = false;
+  // A command that changes the LUN went with its session, unanswered: it
+  // may still run in the target. Cleared by FenceLostCommands.
+  bool lost_command_ GUARDED_BY(mu_) = false;
+  uint64_t resets_sent_ GUARDED_BY(mu_) = 0;
   uint32_t max_unmap_blocks_ GUARDED_BY(mu_) = 1u << 16;
 };
 
@@ -978,7 +1113,10 @@ Result<std::unique_ptr<BlockDevice>> OpenIscsiDevice(const std::string& url,
   ASSIGN_OR_RETURN(IscsiUrl parsed, ParseIscsiUrl(url));
   std::vector<std::unique_ptr<IscsiDevice>> sessions;
   for (uint32_t i = 0; i < opts.iscsi_sessions; i++) {
-    auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only);
+    const auto timeout = opts.iscsi_command_timeout_ms > 0
+                             ? std::chrono::milliseconds(opts.iscsi_command_timeout_ms)
+                             : kDefaultCommandTimeout;
+    auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only, timeout);
     RETURN_IF_ERROR(dev->Open());
     if (!sessions.empty() && dev->size_bytes() != sessions[0]->size_bytes()) {
       return Status::IoError(dev->name() + ": sessions disagree about the LUN's size (" +

@@ -197,8 +197,32 @@ class SanlockImpl : public SanlockLockManager {
                                  std::to_string(opts_.host_id) + " on " + lease_path_ + ": " +
                                  SanlockError(rv));
     }
-    ASSIGN_OR_RETURN(sanlk_host me, HostInfo(opts_.host_id));
-    generation_ = me.generation;
+    // Our generation and the io_timeout the membership really runs with
+    // come from our delta lease, which the join has just written: the
+    // io_timeout is the daemon's own default (`sanlock daemon -o`) when we
+    // passed none, or the first joiner's when another process of this host
+    // had joined already. Other hosts time our death from that value, so
+    // the fence (dedupd's LockspaceGuard) must too. (The daemon's host
+    // list answers EAGAIN until its first renewal, 2 io_timeouts away.)
+    ASSIGN_OR_RETURN(DeltaLease lease, ReadDeltaLease());
+    if (lease.owner != opts_.host_id) {
+      return Status::Unavailable("joined lockspace " + ls_name_ + " as host " +
+                                 std::to_string(opts_.host_id) + ", but its delta lease names host " +
+                                 std::to_string(lease.owner));
+    }
+    if (lease.io_timeout_s == 0) {
+      return Status::Corruption("this host's delta lease at byte " +
+                                std::to_string(OwnDeltaLeaseOffset()) + " of " + lease_path_ +
+                                " records no io_timeout");
+    }
+    generation_ = lease.generation;
+    io_timeout_s_ = lease.io_timeout_s;
+    if (opts_.io_timeout_s != 0 && opts_.io_timeout_s != io_timeout_s_) {
+      LOG(kWarning) << "lockspace " << ls_name_ << ": this host's membership runs with io_timeout "
+                    << io_timeout_s_ << " s (what the process that joined first asked for), not "
+                    << opts_.io_timeout_s
+                    << " s; it changes only when the host leaves the lockspace and joins again";
+    }
     ASSIGN_OR_RETURN(reg_fd_, RegisterProcess());
     return Status::Ok();
   }
@@ -399,45 +423,27 @@ class SanlockImpl : public SanlockLockManager {
     return all;
   }
 
-  // Reads this host's delta lease straight from the LUN through the
-  // volume's own device, not through the daemon: a daemon busy retrying
-  // acquisitions answers commands late, but keeps renewing. The delta
-  // lease is sanlock's leader record (sanlock's format, little-endian):
-  // magic u32 at 0 (0x12212010), owner_id u64 at 32, owner_generation u64
-  // at 40, timestamp u64 at 152 = the renewing host's CLOCK_MONOTONIC
-  // seconds, the same clock as ours (same host).
+  // Whether this host's membership is alive (see the header): the lease is
+  // ours and was renewed within 4 io_timeouts.
   Result<uint64_t> CheckLockspace() override {
-    BlockBuf buf = NewBlockBuf(1);
-    const uint64_t off = layout_.lockspace_offset + uint64_t{opts_.host_id - 1} * kBlockSize;
-    RETURN_IF_ERROR(dev_->Read(off, buf.get(), kBlockSize)
-                        .WithContext("reading this host's delta lease"));
-    const uint8_t* p = buf.get();
-    const uint32_t magic = DecodeU32(p);
-    const uint64_t owner = DecodeU64(p + 32);
-    const uint64_t gen = DecodeU64(p + 40);
-    const uint64_t stamp = DecodeU64(p + 152);
-    if (magic != 0x12212010u || owner != opts_.host_id || gen != generation_) {
-      return Status::Unavailable("this host's delta lease is not ours any more (owner " +
-                                 std::to_string(owner) + " generation " + std::to_string(gen) +
-                                 ")");
-    }
+    ASSIGN_OR_RETURN(DeltaLease lease, ReadOwnDeltaLease());
     struct timespec ts;
     ::clock_gettime(CLOCK_MONOTONIC, &ts);
     const uint64_t now = static_cast<uint64_t>(ts.tv_sec);
     const uint64_t io = io_timeout_s();
     // Renewed every 2 io_timeouts; allow two renewals to be late.
-    if (now > stamp + 4 * io) {
+    if (now > lease.stamp + 4 * io) {
       return Status::Unavailable("this host's delta lease was last renewed " +
-                                 std::to_string(now - stamp) + " s ago");
+                                 std::to_string(now - lease.stamp) + " s ago");
     }
     const uint64_t now_ns = uint64_t(ts.tv_sec) * 1'000'000'000ull + uint64_t(ts.tv_nsec);
-    const uint64_t stamp_ns = stamp * 1'000'000'000ull;
+    const uint64_t stamp_ns = lease.stamp * 1'000'000'000ull;
     return now_ns > stamp_ns ? now_ns - stamp_ns : 0;
   }
 
   uint32_t sanlock_host_id() const override { return opts_.host_id; }
   uint64_t generation() const override { return generation_; }
-  uint32_t io_timeout_s() const override { return opts_.io_timeout_s ? opts_.io_timeout_s : 10; }
+  uint32_t io_timeout_s() const override { return io_timeout_s_; }
   Counters counters() const override {
     MutexLock l(&mu_);
     return counters_;
@@ -449,6 +455,53 @@ class SanlockImpl : public SanlockLockManager {
   }
 
  private:
+  struct DeltaLease {
+    uint64_t owner = 0;
+    uint64_t generation = 0;
+    uint64_t stamp = 0;         // last renewal, CLOCK_MONOTONIC seconds of this host
+    uint32_t io_timeout_s = 0;  // what the membership runs with
+  };
+
+  uint64_t OwnDeltaLeaseOffset() const {
+    return layout_.lockspace_offset + uint64_t{opts_.host_id - 1} * kBlockSize;
+  }
+
+  // Reads this host's delta lease straight from the LUN through the
+  // volume's own device, not through the daemon: a daemon busy retrying
+  // acquisitions answers commands late, but keeps renewing. The delta
+  // lease is sanlock's leader record (sanlock's format, little-endian):
+  // magic u32 at 0 (0x12212010), owner_id u64 at 32, owner_generation u64
+  // at 40, timestamp u64 at 152 = the renewing host's CLOCK_MONOTONIC
+  // seconds, the same clock as ours (same host), io_timeout u16 at 174.
+  Result<DeltaLease> ReadDeltaLease() {
+    BlockBuf buf = NewBlockBuf(1);
+    RETURN_IF_ERROR(dev_->Read(OwnDeltaLeaseOffset(), buf.get(), kBlockSize)
+                        .WithContext("reading this host's delta lease"));
+    const uint8_t* p = buf.get();
+    if (DecodeU32(p) != 0x12212010u) {
+      return Status::Unavailable("this host's delta lease at byte " +
+                                 std::to_string(OwnDeltaLeaseOffset()) +
+                                 " has no sanlock delta lease magic");
+    }
+    DeltaLease lease;
+    lease.owner = DecodeU64(p + 32);
+    lease.generation = DecodeU64(p + 40);
+    lease.stamp = DecodeU64(p + 152);
+    lease.io_timeout_s = DecodeU16(p + 174);
+    return lease;
+  }
+
+  // The same, failing unless the lease is still ours (host id, generation).
+  Result<DeltaLease> ReadOwnDeltaLease() {
+    ASSIGN_OR_RETURN(DeltaLease lease, ReadDeltaLease());
+    if (lease.owner != opts_.host_id || lease.generation != generation_) {
+      return Status::Unavailable("this host's delta lease is not ours any more (owner " +
+                                 std::to_string(lease.owner) + " generation " +
+                                 std::to_string(lease.generation) + ")");
+    }
+    return lease;
+  }
+
   static bool Matches(const LockRecord& r, LockId id) {
     return r.kind == static_cast<uint16_t>(id.kind) && r.id == id.id;
   }
@@ -471,8 +524,10 @@ class SanlockImpl : public SanlockLockManager {
     sanlk_host* hss = nullptr;
     int count = 0;
     int rv = sanlock_get_hosts(ls_name_.c_str(), host_id, &hss, &count, 0);
-    // -EAGAIN: the daemon has not read the lockspace's hosts yet (just joined).
-    for (int i = 0; rv == -EAGAIN && i < 100; i++) {
+    // -EAGAIN: the daemon has not read the lockspace's hosts yet (just
+    // joined); it does at its first renewal, 2 io_timeouts after the join.
+    const int tries = 10 * (3 * static_cast<int>(io_timeout_s_) + 5);
+    for (int i = 0; rv == -EAGAIN && i < tries; i++) {
       std::free(hss);
       hss = nullptr;
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
@@ -806,6 +861,7 @@ class SanlockImpl : public SanlockLockManager {
   std::unique_ptr<LockManager> local_;  // thread-safe itself
   int reg_fd_ = -1;                     // set once by Init
   uint64_t generation_ = 0;             // set once by Init
+  uint32_t io_timeout_s_ = 10;          // set once by Init, from our delta lease
   // One per partition: threads of this process take a partition's lease
   // one at a time (sanlock grants it once per host). Lock order: a
   // partition mutex, then mu_ or local_'s own mutex; never two partitions.

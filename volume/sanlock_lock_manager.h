@@ -96,7 +96,8 @@ class SanlockLockManager : public LockManager {
   virtual uint32_t sanlock_host_id() const = 0;
   virtual uint64_t generation() const = 0;
   // The io_timeout this host's lockspace membership runs with (seconds;
-  // sanlock's default 10 when none was given).
+  // read from our delta lease when we joined: what other hosts time our
+  // death from, whatever we asked for).
   virtual uint32_t io_timeout_s() const = 0;
   // Counters since Open (benchmarks): table acquisitions and the time they
   // took, and partition-lease retries.

@@ -3,12 +3,17 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/mount.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <iterator>
 #include <memory>
 #include <random>
@@ -23,6 +28,7 @@
 using dede::BlockDevice;
 using dede::DeviceOptions;
 using dede::Status;
+using dede::test::ChildRunning;
 using dede::test::CreateSparseFile;
 using dede::test::TempDir;
 using dede::test::TgtdRig;
@@ -557,4 +563,131 @@ TEST_CASE("a portal that accepts but never answers times out", "[iscsi]") {
   // The connect deadline is 10 s.
   CHECK(elapsed >= std::chrono::seconds(9));
   CHECK(elapsed < std::chrono::seconds(15));
+}
+
+#ifndef DEDE_HOLD_FUSE
+#error "DEDE_HOLD_FUSE (path of the dede-hold-fuse test tool) must be defined by the build"
+#endif
+
+namespace {
+
+// A target's backing file that can hold one write (tests/tools/
+// dede_hold_fuse.cc), mounted for the life of this object.
+class HoldFuse {
+ public:
+  HoldFuse(const std::string& backing, const std::string& mount_dir)
+      : mount_dir_(mount_dir), log_(mount_dir + ".log") {
+    REQUIRE(::access("/dev/fuse", R_OK | W_OK) == 0);
+    std::filesystem::create_directories(mount_dir_);
+    pid_ = dede::test::StartProcess({DEDE_HOLD_FUSE, backing, mount_dir_, "-f"}, {}, log_);
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    for (;;) {
+      struct stat st {};
+      if (::stat(lun().c_str(), &st) == 0 && st.st_size > 0) break;
+      INFO(Log());
+      REQUIRE(ChildRunning(&pid_));
+      REQUIRE(std::chrono::steady_clock::now() < deadline);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  }
+  ~HoldFuse() {
+    Release();
+    if (pid_ > 0) {
+      ::kill(pid_, SIGTERM);
+      int status = 0;
+      while (::waitpid(pid_, &status, 0) < 0 && errno == EINTR) {
+      }
+    }
+    ::umount2(mount_dir_.c_str(), MNT_DETACH);  // if the exit left it behind
+  }
+  std::string lun() const { return mount_dir_ + "/lun"; }
+  void Hold(uint64_t offset) { Control("hold " + std::to_string(offset)); }
+  void Release() { Control("release"); }
+  std::string State() const {
+    std::ifstream f(mount_dir_ + "/ctl");
+    std::string line;
+    std::getline(f, line);
+    return line;
+  }
+  std::string Log() const {
+    std::ifstream f(log_);
+    return std::string(std::istreambuf_iterator<char>(f), {});
+  }
+
+ private:
+  void Control(const std::string& cmd) {
+    const int fd = ::open((mount_dir_ + "/ctl").c_str(), O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    (void)!::write(fd, cmd.data(), cmd.size());
+    ::close(fd);
+  }
+  std::string mount_dir_;
+  std::string log_;
+  int pid_ = -1;
+};
+
+}  // namespace
+
+TEST_CASE("iSCSI: a WRITE lost with its session is sent again only once the target has finished it",
+          "[iscsi]") {
+  // The target's backing store sits on a WRITE of B (held in the FUSE
+  // file under tgtd) past the device's command timeout, so the device
+  // drops the session and must send B again; the caller then writes C to
+  // the same blocks. Sent again at once (as before), B could land, then C,
+  // while the first B still waited in the target, and when it was let go
+  // it overwrote C: an acknowledged write lost. The device now first has
+  // the target confirm, with a LOGICAL UNIT RESET, that every command it
+  // had started for the LU has finished. Here that means B is answered
+  // only after the held B was let go, and C is what stays. (The FUSE file
+  // runs one write at a time, see dede_hold_fuse.cc, so before the fix
+  // the second B waited behind the held one too and the write failed
+  // after its second timeout instead; a target writing in parallel would
+  // have let it through.)
+  TempDir dir;
+  const std::string backing = dir.file("backing.img");
+  CreateSparseFile(backing, kLunSize);
+  HoldFuse fuse(backing, dir.file("mnt"));
+  auto rig = std::make_unique<TgtdRig>(fuse.lun());
+  DeviceOptions opts;
+  opts.iscsi_command_timeout_ms = 1000;
+  auto dev = MustOpen(rig->url(), opts);
+
+  constexpr uint64_t kAt = 8 * kMiB;
+  const auto a = RandomBytes(4096, 71), b = RandomBytes(4096, 72), c = RandomBytes(4096, 73);
+  REQUIRE(dev->Write(kAt, a.data(), a.size()).ok());
+  fuse.Hold(kAt);
+  using Clock = std::chrono::steady_clock;
+  Status sb, sc;
+  Clock::time_point b_done;
+  std::thread writer([&] {
+    sb = dev->Write(kAt, b.data(), b.size());
+    b_done = Clock::now();
+    if (sb.ok()) sc = dev->Write(kAt, c.data(), c.size());
+  });
+  const auto t0 = Clock::now();
+  while (fuse.State().rfind("state=held", 0) != 0 && Clock::now() - t0 < std::chrono::seconds(10)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const bool held = fuse.State().rfind("state=held", 0) == 0;
+  // Two and a half command timeouts: long enough for the old behaviour to
+  // send B and C again, well inside the reset's wait (2 x 1 s + 10 s).
+  std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+  const auto released = Clock::now();
+  fuse.Release();
+  writer.join();
+  INFO("fuse: " << fuse.Log());
+  REQUIRE(held);
+  INFO("write B: " << sb.ToString() << "; write C: " << sc.ToString());
+  REQUIRE(sb.ok());
+  REQUIRE(sc.ok());
+  // B was not answered before the lost B had finished in the target.
+  CHECK(b_done >= released);
+  REQUIRE(dev->Flush().ok());
+  // Every write the target had has landed (C's answer came after them).
+  std::vector<uint8_t> got(4096);
+  REQUIRE(dev->Read(kAt, got.data(), got.size()).ok());
+  CHECK(got == c);
+  CHECK(ReadFile(backing, kAt, 4096) == c);
+  dev.reset();
+  rig.reset();
 }

@@ -83,8 +83,10 @@ inline uint64_t CountMatches(const std::string& text, const std::regex& re, int 
 // rig().netns(h)->CutOff() cuts them off for real.
 class Cluster {
  public:
-  explicit Cluster(uint64_t lun_bytes = 256ull << 20, const std::vector<int>& netns_hosts = {})
-      : rig_(kHosts, lun_bytes, {}, "", netns_hosts) {
+  // `daemon_args`: extra arguments of every host's `sanlock daemon`.
+  explicit Cluster(uint64_t lun_bytes = 256ull << 20, const std::vector<int>& netns_hosts = {},
+                   const std::vector<std::string>& daemon_args = {})
+      : rig_(kHosts, lun_bytes, daemon_args, "", netns_hosts) {
     for (int h = 1; h <= kHosts; h++) d_.emplace_back();
     d_.emplace_back();
   }
@@ -127,10 +129,17 @@ class Cluster {
   std::string Socket(int h) const { return rig_.dir().path() + "/nbd" + std::to_string(h); }
 
   DedupdProcess& Start(int h, const std::vector<std::string>& extra = {}) {
-    std::vector<std::string> args = {"--lease-path", rig_.lease_path(h), "--lease-io-timeout", "1",
-                                     "--merge-interval", "1", "--sync-interval", "0.5"};
+    std::vector<std::string> args = {"--lease-io-timeout", "1", "--merge-interval", "1",
+                                     "--sync-interval", "0.5"};
     args.insert(args.end(), extra.begin(), extra.end());
-    d_[h] = std::make_unique<DedupdProcess>(Url(h), h, Socket(h), args, HostEnv(h), rig_.Enter(h));
+    return StartWithArgs(h, args);
+  }
+  // Host h's dedupd with only --lease-path and `args` (no io_timeout of
+  // its own: it joins with its sanlock daemon's).
+  DedupdProcess& StartWithArgs(int h, const std::vector<std::string>& args) {
+    std::vector<std::string> all = {"--lease-path", rig_.lease_path(h)};
+    all.insert(all.end(), args.begin(), args.end());
+    d_[h] = std::make_unique<DedupdProcess>(Url(h), h, Socket(h), all, HostEnv(h), rig_.Enter(h));
     return *d_[h];
   }
   // One after the other: a child of the rig is killed when the thread that

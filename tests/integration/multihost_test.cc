@@ -416,6 +416,34 @@ TEST_CASE("a host whose sanlock daemon hangs fences itself", "[multihost]") {
               t_fenced);
 }
 
+TEST_CASE("dedupd times its fence from the io_timeout its delta lease records", "[multihost]") {
+  // Other hosts time a host's death from the io_timeout in its delta
+  // lease, and a host's membership keeps the io_timeout of the process
+  // that joined first: the lockspace stays joined when that process
+  // exits. Here `dede create` joins with 1 s (DEDE_LEASE_IO_TIMEOUT, as in
+  // every multihost test); dedupd, started after it without
+  // --lease-io-timeout, used to assume sanlock's default 10 s: its default
+  // fence came at 8 x 10 + 30 = 110 s after the last renewal, after
+  // others could call the host dead (8 x 1 + 60 = 68 s).
+  Cluster c;
+  c.Format();
+  c.DedeOk(1, {"create", c.Url(1), "vm1", "--size", "1M"});
+  c.StartWithArgs(1, {});
+  INFO("dedupd log:\n" << c.dedupd(1).Log());
+  CHECK(c.dedupd(1).Log().find("fencing 38 s after the last lease renewal seen") !=
+        std::string::npos);
+  c.Stop(1);
+  // Asking for another io_timeout changes nothing once joined: the lease's
+  // is used, and the least --fence-after is 4 of them + 4 s (8 s here, 44 s
+  // if it were 10).
+  c.StartWithArgs(1, {"--lease-io-timeout", "10", "--fence-after", "8"});
+  INFO("dedupd log (--lease-io-timeout 10 --fence-after 8):\n" << c.dedupd(1).Log());
+  CHECK(c.dedupd(1).Log().find("fencing 8 s after the last lease renewal seen") !=
+        std::string::npos);
+  CHECK(c.dedupd(1).Log().find("runs with io_timeout 1 s") != std::string::npos);
+  c.Stop(1);
+}
+
 TEST_CASE("fsck checks the sanlock lock table", "[multihost]") {
   Cluster c(4ull << 30);  // sparse; 4 GiB gives 64 lease slots, 62 partitions
   c.Format();
