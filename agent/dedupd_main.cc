@@ -5,6 +5,7 @@
 // answers `dede status` on a control socket, records its passes for
 // `dede report` and serves Prometheus metrics on loopback.
 #include <signal.h>
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include <boost/asio.hpp>
@@ -94,6 +95,7 @@ struct Config {
   double merge_interval = 10;  // apply merge requests for served files; 0: only at passes
   double open_wait = 30;       // a client's export open waits this long for a busy file
   double drain_timeout = 10;  // shutdown: how long a client may take to read its last replies
+  uint64_t max_connections = 1024;  // NBD connections open at once
   double split_after = 30;     // split a shard whose last update took longer (seconds)
   double window_interval = 600;  // inside a policy window: seconds between passes
   double policy_refresh = 30;    // re-read the volume's policy every SEC
@@ -144,6 +146,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
       ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that)")
       ("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"), "on SIGTERM, a client that takes none of its replies for SEC seconds loses them and is disconnected, so that a stuck client cannot keep the other disks' locks (default 10)")
+      ("max-connections", po::value(&cfg->max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600)")
       ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30)")
@@ -222,6 +225,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   if (!(cfg->merge_interval >= 0)) return UsageError("--merge-interval: must be >= 0");
   if (!(cfg->open_wait >= 0)) return UsageError("--open-wait: must be >= 0");
   if (!(cfg->drain_timeout >= 0)) return UsageError("--drain-timeout: must be >= 0");
+  if (cfg->max_connections < 1) return UsageError("--max-connections: must be >= 1");
   if (!(cfg->split_after > 0)) return UsageError("--split-after: must be > 0");
   if (!(cfg->window_interval >= 0)) return UsageError("--window-interval: must be >= 0");
   if (!(cfg->policy_refresh > 0)) return UsageError("--policy-refresh: must be > 0");
@@ -270,6 +274,30 @@ class PeriodicJob {
   std::function<void()> work_;
   bool stopped_ = false;
 };
+
+// Every NBD connection is a descriptor. Raises the open-files limit to
+// its hard limit (a host with many VMs needs more than the usual 1024),
+// and keeps the connection cap 64 descriptors under it: the volume, its
+// iSCSI sessions, the write logs, the control and metrics sockets and the
+// history database must still open when the clients have taken the rest.
+size_t MaxConnectionsWithin(uint64_t wanted) {
+  constexpr uint64_t kReserved = 64;
+  rlimit lim{};
+  if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return static_cast<size_t>(wanted);
+  if (lim.rlim_cur < lim.rlim_max) {
+    rlimit raised = lim;
+    raised.rlim_cur = lim.rlim_max;
+    if (::setrlimit(RLIMIT_NOFILE, &raised) == 0) lim = raised;
+  }
+  if (lim.rlim_cur == RLIM_INFINITY) return static_cast<size_t>(wanted);
+  const uint64_t room = lim.rlim_cur > 2 * kReserved ? lim.rlim_cur - kReserved : lim.rlim_cur / 2;
+  if (wanted > room) {
+    LOG(kWarning) << "--max-connections " << wanted << " lowered to " << room
+                  << ": the open-files limit is " << lim.rlim_cur;
+    return static_cast<size_t>(room);
+  }
+  return static_cast<size_t>(wanted);
+}
 
 int Run(const Config& cfg) {
   OpenOptions oo;
@@ -331,6 +359,7 @@ int Run(const Config& cfg) {
   so.worker_threads = cfg.threads;
   so.open_wait_s = cfg.open_wait;
   so.drain_timeout_s = cfg.drain_timeout;
+  so.max_connections = MaxConnectionsWithin(cfg.max_connections);
   NbdServer server(io, &table, so);
 
   PeriodicJob sync_job(io, &server, cfg.sync_interval, [&] {

@@ -543,6 +543,23 @@ void NbdServer::Accept(Acceptor* acceptor) {
       if (shutting_down_) return;
     }
     if (!ec) {
+      size_t open_now;
+      {
+        MutexLock l(&mu_);
+        open_now = conns_.size();
+      }
+      if (open_now >= opts_.max_connections) {
+        c_refused_++;
+        if (AcceptWarningDue()) {
+          LOG(kWarning) << "refusing NBD connections: " << open_now
+                        << " are open, the most allowed (--max-connections); "
+                        << c_refused_.load() << " refused so far";
+        }
+        boost::system::error_code ignored;
+        sock.close(ignored);
+        Accept(acceptor);
+        return;
+      }
       if (sock.local_endpoint().protocol().family() == AF_INET) {
         int one = 1;
         ::setsockopt(sock.native_handle(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -555,11 +572,46 @@ void NbdServer::Accept(Acceptor* acceptor) {
       }
       LOG(kDebug) << "nbd connection " << id << " accepted";
       c->Start();
+      Accept(acceptor);
+      return;
+    }
+    const bool out_of_resources = ec == asio::error::no_descriptors ||
+                                  ec == boost::system::errc::too_many_files_open_in_system ||
+                                  ec == asio::error::no_buffer_space ||
+                                  ec == asio::error::no_memory;
+    if (AcceptWarningDue()) {
+      LOG(kWarning) << "accepting an NBD connection: " << ec.message()
+                    << (out_of_resources ? " (retrying every 100 ms)" : "");
+    }
+    if (out_of_resources) {
+      AcceptLater(acceptor);
     } else {
-      LOG(kWarning) << "accept: " << ec.message();
+      Accept(acceptor);
+    }
+  });
+}
+
+void NbdServer::AcceptLater(Acceptor* acceptor) {
+  auto timer = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(100));
+  timer->async_wait([this, acceptor, timer](boost::system::error_code ec) {
+    if (ec == asio::error::operation_aborted) return;
+    {
+      MutexLock l(&mu_);
+      if (shutting_down_) return;
     }
     Accept(acceptor);
   });
+}
+
+bool NbdServer::AcceptWarningDue() {
+  MutexLock l(&mu_);
+  const auto now = std::chrono::steady_clock::now();
+  if (last_accept_warning_ != std::chrono::steady_clock::time_point{} &&
+      now - last_accept_warning_ < std::chrono::seconds(10)) {
+    return false;
+  }
+  last_accept_warning_ = now;
+  return true;
 }
 
 void NbdServer::Finished(NbdConnection* c) {
@@ -607,6 +659,7 @@ NbdServerStats NbdServer::stats() {
   s.requests = c_requests_;
   s.request_errors = c_request_errors_;
   s.protocol_errors = c_protocol_errors_;
+  s.connections_refused = c_refused_;
   s.bytes_read = c_bytes_read_;
   s.bytes_written = c_bytes_written_;
   return s;

@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <boost/asio.hpp>
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -44,6 +45,10 @@ struct NbdServerOptions {
   // stopped reading must not keep the daemon, and every other disk's
   // lock, up; a slow reader is not cut off).
   double drain_timeout_s = 10;
+  // Connections open at once; one more is closed as soon as it is
+  // accepted (and counted), so that a client leaking connections cannot
+  // take every file descriptor of the daemon (the volume's, the logs').
+  size_t max_connections = 1024;
   nbd::SessionOptions session;
 };
 
@@ -53,6 +58,7 @@ struct NbdServerStats {
   uint64_t requests = 0;
   uint64_t request_errors = 0;   // replies with a non-zero error
   uint64_t protocol_errors = 0;  // connections closed for bad traffic
+  uint64_t connections_refused = 0;  // past max_connections
   uint64_t bytes_read = 0;       // READ payload sent to clients
   uint64_t bytes_written = 0;    // WRITE payload received
 };
@@ -86,6 +92,12 @@ class NbdServer {
   friend class NbdConnection;
   using Acceptor = boost::asio::basic_socket_acceptor<boost::asio::generic::stream_protocol>;
   void Accept(Acceptor* acceptor);
+  // After an accept failed for want of descriptors or memory: the
+  // connection stays in the listen backlog, so accepting again at once
+  // would fail again at once, for ever, at full speed.
+  void AcceptLater(Acceptor* acceptor);
+  // At most one warning per 10 s about refused or failed accepts.
+  bool AcceptWarningDue() EXCLUDES(mu_);
   void Finished(NbdConnection* c) EXCLUDES(mu_);
 
   boost::asio::io_context& io_;
@@ -99,12 +111,13 @@ class NbdServer {
   Mutex mu_;
   std::set<std::shared_ptr<NbdConnection>> conns_ GUARDED_BY(mu_);
   bool shutting_down_ GUARDED_BY(mu_) = false;
+  std::chrono::steady_clock::time_point last_accept_warning_ GUARDED_BY(mu_){};
   std::function<void()> on_shutdown_ GUARDED_BY(mu_);
 
  public:
   // Counters (relaxed atomics, read by stats()).
   std::atomic<uint64_t> c_total_{0}, c_requests_{0}, c_request_errors_{0}, c_protocol_errors_{0},
-      c_bytes_read_{0}, c_bytes_written_{0};
+      c_bytes_read_{0}, c_bytes_written_{0}, c_refused_{0};
 };
 
 }  // namespace dede

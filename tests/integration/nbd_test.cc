@@ -14,6 +14,7 @@
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
@@ -1113,6 +1114,103 @@ TEST_CASE("a client that never reads its replies holds bounded memory and cannot
   RawClient c2(d2.socket());
   REQUIRE(c2.Hello());
   REQUIRE(c2.Go("vm") > 0);
+}
+
+double ProcessCpuSeconds(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
+  std::string text((std::istreambuf_iterator<char>(in)), {});
+  // Fields after the command name, which ends at the last ')'.
+  std::istringstream rest(text.substr(text.rfind(')') + 2));
+  std::string field;
+  uint64_t utime = 0, stime = 0;
+  for (int i = 3; rest >> field; i++) {
+    if (i == 14) utime = std::stoull(field);
+    if (i == 15) {
+      stime = std::stoull(field);
+      break;
+    }
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+size_t OpenDescriptors(int pid) {
+  size_t n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/fd")) {
+    (void)e;
+    n++;
+  }
+  return n;
+}
+
+TEST_CASE("connections past --max-connections are closed at once, and the others go on",
+          "[nbd]") {
+  TestVolume tv({{"vm", 8 * kMiB}});
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--max-connections", "2"});
+  RawClient a(tv.sock), b(tv.sock);
+  REQUIRE(a.Hello());
+  REQUIRE(b.Hello());
+  RawClient refused(tv.sock);
+  CHECK(refused.ServerClosed());
+  REQUIRE(b.Go("vm") > 0);
+  a.Close();
+  // A place is free again once the server has seen `a` go.
+  bool served = false;
+  for (int i = 0; i < 100 && !served; i++) {
+    RawClient again(tv.sock);
+    served = again.Hello();
+    if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  CHECK(served);
+  INFO(d.Log());
+  CHECK(d.Log().find("refusing NBD connections: 2 are open") != std::string::npos);
+}
+
+TEST_CASE("dedupd out of file descriptors waits to accept instead of spinning", "[nbd]") {
+  // A connection that cannot be accepted (EMFILE) stays in the listen
+  // backlog; accepting again at once failed again at once, for ever: a
+  // busy loop on the NBD thread, a warning per turn, and the other
+  // clients' requests behind it. Now it retries every 100 ms.
+  TestVolume tv({{"vm", 8 * kMiB}});
+  DedupdProcess d(tv.vol, 1, tv.sock);
+  RawClient served(tv.sock);
+  REQUIRE(served.Hello());
+  REQUIRE(served.Go("vm") > 0);
+  const std::string pid = std::to_string(d.pid());
+  const std::string prlimit = RequireProgram("prlimit");
+  const size_t fds = OpenDescriptors(d.pid());
+  // Room for one more descriptor (the soft limit only: raising the hard
+  // one back would need CAP_SYS_RESOURCE).
+  RunOk({prlimit, "--pid", pid, "--nofile=" + std::to_string(fds + 1) + ":"});
+  std::vector<std::unique_ptr<RawClient>> waiting;
+  for (int i = 0; i < 8; i++) waiting.push_back(std::make_unique<RawClient>(tv.sock));
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  const double cpu0 = ProcessCpuSeconds(d.pid());
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  const double cpu = ProcessCpuSeconds(d.pid()) - cpu0;
+  // The connected client is still served meanwhile.
+  served.SendRequest(0, 1, 0, 4096);
+  uint32_t error = 1;
+  uint64_t cookie = 0;
+  REQUIRE(served.RecvReply(&error, &cookie));
+  CHECK(error == 0);
+  RunOk({prlimit, "--pid", pid, "--nofile=" + std::to_string(fds + 64) + ":"});
+  int greeted = 0;
+  for (auto& w : waiting) greeted += w->Hello() ? 1 : 0;
+  const std::string log = d.Log();
+  INFO(log);
+  INFO("dedupd CPU over 2 s with connections it cannot accept: " << cpu << " s");
+  CHECK(cpu < 0.5);
+  CHECK(greeted == 8);
+  const size_t warnings = [&] {
+    size_t n = 0;
+    for (size_t at = log.find("accepting an NBD connection"); at != std::string::npos;
+         at = log.find("accepting an NBD connection", at + 1)) {
+      n++;
+    }
+    return n;
+  }();
+  CHECK(warnings >= 1);
+  CHECK(warnings <= 2);
 }
 
 }  // namespace
