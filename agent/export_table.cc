@@ -273,6 +273,22 @@ Result<std::vector<std::string>> ExportTable::List() {
   return names;
 }
 
+Result<uint64_t> ExportTable::Describe(const std::string& name) {
+  {
+    MutexLock l(&mu_);
+    auto it = exports_.find(name);
+    if (it != exports_.end()) return it->second->size();
+  }
+  Result<FileInfo> found = vol_->Lookup(name);
+  if (!found.ok() || found->kind != FileKind::kRegular) {
+    if (found.ok() || found.status().code() == Status::Code::kNotFound) {
+      return Status::NotFound("no export named '" + name + "' on this volume");
+    }
+    return found.status();
+  }
+  return found->size;
+}
+
 Result<std::shared_ptr<Export>> ExportTable::Acquire(const std::string& name, double wait_s) {
   OpenWait w(this, name, wait_s);
   while (true) {

@@ -187,6 +187,12 @@ class ExportTable {
   // sleeps): call from a worker thread.
   Result<std::shared_ptr<Export>> Acquire(const std::string& name, double wait_s = 0)
       EXCLUDES(mu_, open_mu_);
+  // What NBD_OPT_INFO tells about an export, without entering it: the
+  // size of the open export, or else of the regular file on the volume
+  // (read without its lock, which another host's VM may hold; no wait,
+  // no open, no close). kNotFound when there is no such regular file.
+  // Blocking (volume I/O): call from a worker thread.
+  Result<uint64_t> Describe(const std::string& name) EXCLUDES(mu_);
   // Acquire's wait, for a caller that must not hold a thread while it
   // waits (the NBD server: a sleeping worker would stall every disk's
   // I/O). Each Step() is one attempt; kLocked with retry() true means

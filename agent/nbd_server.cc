@@ -209,9 +209,43 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
 
   void OpenExport() {
     waiting_backend_ = true;
+    if (session_.info_only()) {
+      DescribeExport();
+      return;
+    }
     TryOpen(std::make_shared<ExportTable::OpenWait>(server_->table_, session_.export_name(),
                                                     server_->opts_.open_wait_s),
-            session_.info_only());
+            false);
+  }
+
+  // NBD_OPT_INFO: the export's size without entering it. Opening the file
+  // for it (as GO does) took its lock, waited up to --open-wait when
+  // another host's VM held it, and closed it again with a volume sync:
+  // `nbdinfo --list` paid that for every disk.
+  void DescribeExport() {
+    ExportTable* table = server_->table_;
+    const std::string name = session_.export_name();
+    server_->RunBlocking([self = shared_from_this(), table, name] {
+      Result<uint64_t> size = table->Describe(name);
+      asio::post(self->strand_, [self, size, name] {
+        self->waiting_backend_ = false;
+        if (size.ok()) {
+          nbd::ExportInfo info;
+          info.size = size.value();
+          info.description = "dede volume file '" + name + "'";
+          self->session_.ReplyExport(info);
+        } else {
+          const uint32_t rep = size.status().code() == Status::Code::kNotFound
+                                   ? nbd::kRepErrUnknown
+                                   : nbd::kRepErrShutdown;
+          LOG(kInfo) << "nbd connection " << self->id_ << ": " << size.status().message();
+          self->session_.ReplyExportError(rep, size.status().message());
+        }
+        self->SendSessionOutput();
+        self->recheck_session_ = true;
+        self->Pump();
+      });
+    });
   }
 
   // One attempt to enter the export, on a worker. A refusal that may clear

@@ -293,11 +293,18 @@ class RawClient {
   }
   // NBD_OPT_GO; returns the export size, or -1 with the error text.
   int64_t Go(const std::string& name, std::string* error = nullptr) {
+    return GoOrInfo(7, name, error);
+  }
+  // NBD_OPT_INFO, the same way (the session stays in negotiation).
+  int64_t Info(const std::string& name, std::string* error = nullptr) {
+    return GoOrInfo(6, name, error);
+  }
+  int64_t GoOrInfo(uint32_t option, const std::string& name, std::string* error) {
     std::vector<uint8_t> d;
     Put32(&d, static_cast<uint32_t>(name.size()));
     d.insert(d.end(), name.begin(), name.end());
     Put16(&d, 0);
-    SendOption(7, d);
+    SendOption(option, d);
     int64_t size = -1;
     while (true) {
       OptReply r;
@@ -785,6 +792,46 @@ TEST_CASE("two dedupd processes never serve the same file at once", "[nbd]") {
   REQUIRE(a.Stop() == 0);
   REQUIRE(b.Stop() == 0);
   RequireFsckClean(tv.vol);
+}
+
+TEST_CASE("NBD_OPT_INFO answers without entering the export, even one held elsewhere", "[nbd]") {
+  // INFO used to open the file like GO (its lock, and a close with a
+  // volume sync after), so for a disk whose VM ran on another dedupd it
+  // waited the whole --open-wait and then failed: `nbdinfo --list` paid
+  // that for every such disk.
+  TestVolume tv({{"vm", 4 * kMiB}, {"other", 8 * kMiB}});
+  const std::string sock2 = tv.dir.file("nbd2.sock");
+  DedupdProcess a(tv.vol, 1, tv.sock);
+  DedupdProcess b(tv.vol, 2, sock2);  // --open-wait: the default 30 s
+  RawClient holder(tv.sock);          // the VM runs on a
+  REQUIRE(holder.Hello());
+  REQUIRE(holder.Go("vm") == int64_t(4 * kMiB));
+
+  RawClient c(sock2);
+  REQUIRE(c.Hello());
+  const auto t0 = std::chrono::steady_clock::now();
+  CHECK(c.Info("vm") == int64_t(4 * kMiB));
+  CHECK(c.Info("other") == int64_t(8 * kMiB));
+  std::string err;
+  CHECK(c.Info("nope", &err) == -1);
+  CHECK(err.find("no export named 'nope'") != std::string::npos);
+  // The session is still in negotiation: GO of a free disk works.
+  CHECK(c.Go("other") == int64_t(8 * kMiB));
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(s < 5);
+  const std::vector<std::string> argv = {RequireProgram("nbdinfo"), "--list", "--json",
+                                         "nbd+unix:///?socket=" + sock2};
+  ProcessResult r = RunProcess(argv, 60);
+  INFO(Describe(argv, r));
+  REQUIRE(r.exit_code == 0);
+  nlohmann::json j = nlohmann::json::parse(r.out);
+  std::map<std::string, uint64_t> sizes;
+  for (const auto& e : j["exports"]) sizes[e["export-name"]] = e["export-size"];
+  CHECK(sizes == std::map<std::string, uint64_t>{{"other", 8 * kMiB}, {"vm", 4 * kMiB}});
+  const std::string log = b.Log();
+  INFO(log);
+  CHECK(log.find("export 'vm'") == std::string::npos);  // never opened, nor waited for
+  CHECK(a.Log().find("export 'vm' closed") == std::string::npos);
 }
 
 TEST_CASE("a client waits --open-wait for a file that another dedupd holds for a moment", "[nbd]") {
