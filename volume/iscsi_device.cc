@@ -19,6 +19,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <condition_variable>
 #include <cctype>
 #include <cerrno>
@@ -342,6 +343,29 @@ std::string DescribeTmfResponse(uint32_t r) {
 
 using TaskFactory = std::function<scsi_task*(iscsi_context*, iscsi_command_cb, void*)>;
 
+// Statuses that say "not now, send it again": the target did not run the
+// command (BUSY, TASK SET FULL), or ended it unfinished on someone's task
+// management (TASK ABORTED: another initiator's LU reset, e.g. a host
+// fencing its own lost command).
+bool IsTransientStatus(int status) {
+  return status == SCSI_STATUS_BUSY || status == SCSI_STATUS_TASK_SET_FULL ||
+         status == SCSI_STATUS_TASK_ABORTED;
+}
+
+// Shared by the sessions of one device (IscsiSessionPool): a command that
+// changes the LUN and went unanswered with its session may still run in
+// the target, and land after anything any session sends later. `lost`
+// counts such commands, `fenced` how many of them a LOGICAL UNIT RESET the
+// target confirmed has covered (a reset covers every command lost before
+// it was sent). While fenced < lost, no session sends anything but the
+// reset; `mu` lets one session send it while the others wait for it.
+struct LostCommandFence {
+  Mutex mu;  // after a session's own mu_
+  std::atomic<uint64_t> lost{0};
+  std::atomic<uint64_t> fenced{0};
+  bool Pending() const { return fenced.load() < lost.load(); }
+};
+
 // True when the status came back from the target; the others are libiscsi's
 // own verdicts on the transport (cancelled, timed out, protocol error).
 bool IsScsiStatus(int status) {
@@ -353,6 +377,7 @@ bool IsScsiStatus(int status) {
     case SCSI_STATUS_RESERVATION_CONFLICT:
     case SCSI_STATUS_TASK_SET_FULL:
     case SCSI_STATUS_ACA_ACTIVE:
+    case SCSI_STATUS_TASK_ABORTED:
       return true;
     default:
       return false;
@@ -458,12 +483,15 @@ int LoginStatusFromError(const std::string& e) {
 
 class IscsiDevice final : public BlockDevice {
  public:
-  IscsiDevice(IscsiUrl url, bool read_only, std::chrono::milliseconds command_timeout)
+  // `isid`: 24 bits, unique among the sessions of `fence`'s device.
+  IscsiDevice(IscsiUrl url, bool read_only, std::chrono::milliseconds command_timeout,
+              uint32_t isid, std::shared_ptr<LostCommandFence> fence)
       : url_(std::move(url)),
         read_only_(read_only),
         initiator_(InitiatorName()),
-        isid_(RandomIsid()),
-        command_timeout_(command_timeout) {}
+        isid_(isid & 0xffffffu),
+        command_timeout_(command_timeout),
+        fence_(std::move(fence)) {}
 
   ~IscsiDevice() override {
     ScopedSigpipeBlock no_sigpipe;
@@ -691,10 +719,13 @@ class IscsiDevice final : public BlockDevice {
   // Queues one command and waits for it. On a transport failure the session
   // is already torn down when this returns; otherwise the task holds the
   // target's SCSI status.
+  // `queued` (when given) tells whether the command was handed to the
+  // session at all.
   Result<TaskPtr> Submit(const TaskFactory& make, Clock::time_point deadline,
-                         std::chrono::milliseconds limit) REQUIRES(mu_) {
+                         std::chrono::milliseconds limit, bool* queued = nullptr) REQUIRES(mu_) {
     Pending p;
     TaskPtr task(make(ctx_, OnComplete, &p));
+    if (queued != nullptr) *queued = task != nullptr;
     Status st;
     if (!task) {
       st = Status::IoError("cannot queue command: " + CleanTransportError(iscsi_get_error(ctx_)));
@@ -733,16 +764,22 @@ class IscsiDevice final : public BlockDevice {
     for (;;) {
       if (ctx_ == nullptr) {
         Status st = Connect();
-        if (st.ok() && lost_command_) st = FenceLostCommands();
         if (!st.ok()) {
           std::string prefix = name() + ": " + what + " failed";
           if (!lost.empty()) prefix += " (" + lost + "; reconnecting failed)";
           return st.WithContext(prefix);
         }
       }
-      auto task = Submit(make, Clock::now() + command_timeout_, command_timeout_);
+      if (fence_->Pending()) {
+        Status st = FenceLostCommands();
+        if (!st.ok()) return st.WithContext(name() + ": " + what + " not sent");
+      }
+      bool queued = false;
+      auto task = Submit(make, Clock::now() + command_timeout_, command_timeout_, &queued);
       if (!task.ok()) {
-        if (effect == Effect::kModifies) lost_command_ = true;
+        // Only a command that reached the socket can still be in the
+        // target (Disconnect, inside Submit, has already reset it).
+        if (effect == Effect::kModifies && queued) fence_->lost.fetch_add(1);
         if (!lost.empty()) {
           return Status::IoError(name() + ": " + what + " failed: " + task.status().message() +
                                  " (again after reconnecting; first: " + lost + ")");
@@ -758,9 +795,7 @@ class IscsiDevice final : public BlockDevice {
       // TASK ABORTED: another initiator's task management (such as the LU
       // reset of a host fencing its own lost command) ended this one
       // before it finished; sending it again is what the initiator is for.
-      if ((t.status == SCSI_STATUS_BUSY || t.status == SCSI_STATUS_TASK_SET_FULL ||
-           t.status == SCSI_STATUS_TASK_ABORTED) &&
-          ++busy <= kMaxBusyRetries) {
+      if (IsTransientStatus(t.status) && ++busy <= kMaxBusyRetries) {
         std::this_thread::sleep_for(std::chrono::milliseconds(10 * busy));
         continue;
       }
@@ -772,21 +807,28 @@ class IscsiDevice final : public BlockDevice {
     }
   }
 
-  // Makes sure no command of an earlier session can still land: a
-  // LOGICAL UNIT RESET on the new session. A target answers it only once
-  // every command it had started for the LU, from any session, has
-  // finished (SAM: those are aborted or completed before FUNCTION
-  // COMPLETE; tgtd waits for the ones its backing store is running), and
-  // it drops the ones not started. Together with the reset that closed the
-  // old connection (Disconnect: no more of its data is sent) and the login
-  // with the same ISID (the target ends the old session if it still held
-  // it open), nothing of the lost command can come after this. Other
-  // initiators see a unit attention (29h, reset) and send their next
-  // command again, as our Execute does. If the target does not confirm,
-  // the command is not sent again and every later command of this device
-  // fails the same way: the volume above stops rather than risk a stale
-  // block.
-  Status FenceLostCommands() REQUIRES(mu_) {
+  // Makes sure no lost command (LostCommandFence) can still land: a
+  // LOGICAL UNIT RESET, sent by one session of the device while the others
+  // wait. A target answers it only once every command it had started for
+  // the LU, from any session, has finished (SAM: those are aborted or
+  // completed before FUNCTION COMPLETE; tgtd waits for the ones its
+  // backing store is running), and it drops the ones not started.
+  // Together with the TCP reset that closed the lost command's connection
+  // (Disconnect: no more of its data is sent) and the login with the same
+  // ISID (the target ends that session if it still held it open), nothing
+  // of the lost command can come after this. Other initiators see a unit
+  // attention (29h, reset) and send their next command again, as Execute
+  // does. If the target does not confirm, the command is not sent, and
+  // every later command of the device tries the reset again first and
+  // fails the same way: the volume above stops. Not covered: a target that
+  // holds a command past the reset's wait and runs it later, or this
+  // process exiting with a reset still owed (sanlock then frees its
+  // leases); sanlock's leases rest on the same bound on I/O time.
+  Status FenceLostCommands() REQUIRES(mu_) EXCLUDES(fence_->mu) {
+    MutexLock one_at_a_time(&fence_->mu);
+    const uint64_t target = fence_->lost.load();
+    if (fence_->fenced.load() >= target) return Status::Ok();  // another session did it
+    if (ctx_ == nullptr) RETURN_IF_ERROR(Connect());
     const auto limit = 2 * command_timeout_ + kResetExtraTime;
     Pending p;
     Status st;
@@ -808,10 +850,12 @@ class IscsiDevice final : public BlockDevice {
           "target did not confirm it has finished (LOGICAL UNIT RESET: " +
           st.message() + "); nothing more is sent, since it could still land after newer data");
     }
-    lost_command_ = false;
-    resets_sent_++;
-    LOG(kWarning) << name() << ": fenced a command lost with its session (LOGICAL UNIT RESET "
-                  << "confirmed by the target) before sending anything more";
+    uint64_t was = fence_->fenced.load();
+    while (was < target && !fence_->fenced.compare_exchange_weak(was, target)) {
+    }
+    LOG(kWarning) << name() << ": fenced " << (target - was)
+                  << " command(s) lost with their session (LOGICAL UNIT RESET confirmed by the "
+                     "target) before sending anything more";
     return Status::Ok();
   }
 
@@ -889,6 +933,10 @@ class IscsiDevice final : public BlockDevice {
       const scsi_task& t = *task.value();
       if (t.status == SCSI_STATUS_GOOD) return Status::Ok();
       if (SenseIs(t, SCSI_SENSE_UNIT_ATTENTION) && attempt < kMaxUnitAttentions) continue;
+      if (IsTransientStatus(t.status) && attempt < kMaxBusyRetries) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(10 * (attempt + 1)));
+        continue;
+      }
       std::string detail = DescribeScsiStatus(t);
       Disconnect();
       if (SenseIs(t, SCSI_SENSE_ILLEGAL_REQUEST, SCSI_SENSE_ASCQ_LOGICAL_UNIT_NOT_SUPPORTED)) {
@@ -1012,16 +1060,12 @@ class IscsiDevice final : public BlockDevice {
     if (bl->max_unmap != 0 && bl->max_unmap != 0xffffffffu) max_unmap_blocks_ = bl->max_unmap;
   }
 
-  static uint32_t RandomIsid() {
-    std::random_device rd;
-    return rd() & 0xffffffu;
-  }
-
   const IscsiUrl url_;
   const bool read_only_;
   const std::string initiator_;
-  const uint32_t isid_;  // 24 random bits, kept across logins
+  const uint32_t isid_;  // 24 bits, kept across logins
   const std::chrono::milliseconds command_timeout_;
+  const std::shared_ptr<LostCommandFence> fence_;
   // Set once by Open() before the device is handed out; read-only after.
   uint64_t size_ = 0;
   uint32_t block_size_ = kSectorSize;
@@ -1030,10 +1074,6 @@ class IscsiDevice final : public BlockDevice {
   Mutex mu_;
   iscsi_context* ctx_ GUARDED_BY(mu_) = nullptr;
   bool unmap_supported_ GUARDED_BY(mu_) = false;
-  // A command that changes the LUN went with its session, unanswered: it
-  // may still run in the target. Cleared by FenceLostCommands.
-  bool lost_command_ GUARDED_BY(mu_) = false;
-  uint64_t resets_sent_ GUARDED_BY(mu_) = 0;
   uint32_t max_unmap_blocks_ GUARDED_BY(mu_) = 1u << 16;
 };
 
@@ -1112,11 +1152,16 @@ Result<std::unique_ptr<BlockDevice>> OpenIscsiDevice(const std::string& url,
   }
   ASSIGN_OR_RETURN(IscsiUrl parsed, ParseIscsiUrl(url));
   std::vector<std::unique_ptr<IscsiDevice>> sessions;
+  auto fence = std::make_shared<LostCommandFence>();
+  // Consecutive ISIDs: distinct within the device, each kept across its
+  // session's logins (two sessions with one ISID would end each other's).
+  const uint32_t isid_base = std::random_device{}() & 0xffffffu;
   for (uint32_t i = 0; i < opts.iscsi_sessions; i++) {
     const auto timeout = opts.iscsi_command_timeout_ms > 0
                              ? std::chrono::milliseconds(opts.iscsi_command_timeout_ms)
                              : kDefaultCommandTimeout;
-    auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only, timeout);
+    auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only, timeout, isid_base + i,
+                                             fence);
     RETURN_IF_ERROR(dev->Open());
     if (!sessions.empty() && dev->size_bytes() != sessions[0]->size_bytes()) {
       return Status::IoError(dev->name() + ": sessions disagree about the LUN's size (" +

@@ -577,9 +577,13 @@ class HoldFuse {
  public:
   HoldFuse(const std::string& backing, const std::string& mount_dir)
       : mount_dir_(mount_dir), log_(mount_dir + ".log") {
-    REQUIRE(::access("/dev/fuse", R_OK | W_OK) == 0);
     std::filesystem::create_directories(mount_dir_);
     pid_ = dede::test::StartProcess({DEDE_HOLD_FUSE, backing, mount_dir_, "-f"}, {}, log_);
+  }
+  // Separate from the constructor, so that the destructor cleans up when
+  // it fails.
+  void WaitMounted() {
+    REQUIRE(::access("/dev/fuse", R_OK | W_OK) == 0);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
     for (;;) {
       struct stat st {};
@@ -647,6 +651,7 @@ TEST_CASE("iSCSI: a WRITE lost with its session is sent again only once the targ
   const std::string backing = dir.file("backing.img");
   CreateSparseFile(backing, kLunSize);
   HoldFuse fuse(backing, dir.file("mnt"));
+  fuse.WaitMounted();
   auto rig = std::make_unique<TgtdRig>(fuse.lun());
   DeviceOptions opts;
   opts.iscsi_command_timeout_ms = 1000;
@@ -688,6 +693,64 @@ TEST_CASE("iSCSI: a WRITE lost with its session is sent again only once the targ
   REQUIRE(dev->Read(kAt, got.data(), got.size()).ok());
   CHECK(got == c);
   CHECK(ReadFile(backing, kAt, 4096) == c);
+  dev.reset();
+  rig.reset();
+}
+
+TEST_CASE("iSCSI: while a lost WRITE is fenced, the device's other sessions send nothing",
+          "[iscsi]") {
+  // Two sessions. One loses a WRITE (held in the target's backing store
+  // past the command timeout); a READ through the other session after
+  // that must wait until the target has confirmed the lost WRITE finished:
+  // a command the device sends may follow the lost one's effect, whichever
+  // session carries it. (READs do go on in this FUSE file while a write
+  // is held, so without the shared fence the READ came back at once.)
+  TempDir dir;
+  const std::string backing = dir.file("backing.img");
+  CreateSparseFile(backing, kLunSize);
+  HoldFuse fuse(backing, dir.file("mnt"));
+  fuse.WaitMounted();
+  auto rig = std::make_unique<TgtdRig>(fuse.lun());
+  DeviceOptions opts;
+  opts.iscsi_command_timeout_ms = 1000;
+  opts.iscsi_sessions = 2;
+  auto dev = MustOpen(rig->url(), opts);
+
+  constexpr uint64_t kAt = 8 * kMiB;
+  const auto a = RandomBytes(4096, 81), b = RandomBytes(4096, 82);
+  REQUIRE(dev->Write(kAt + kMiB, a.data(), a.size()).ok());
+  fuse.Hold(kAt);
+  using Clock = std::chrono::steady_clock;
+  Status sb;
+  std::thread writer([&] { sb = dev->Write(kAt, b.data(), b.size()); });
+  const auto t0 = Clock::now();
+  while (fuse.State().rfind("state=held", 0) != 0 && Clock::now() - t0 < std::chrono::seconds(10)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  const auto held_at = Clock::now();
+  const bool held = fuse.State().rfind("state=held", 0) == 0;
+  Clock::time_point released;
+  std::thread releaser([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    released = Clock::now();
+    fuse.Release();
+  });
+  // Past the lost WRITE's timeout (1 s): it is lost, its reset under way.
+  std::this_thread::sleep_until(held_at + std::chrono::milliseconds(1400));
+  std::vector<uint8_t> got(4096);
+  Status sr = dev->Read(kAt + kMiB, got.data(), got.size());
+  const auto read_done = Clock::now();
+  releaser.join();
+  writer.join();
+  INFO("fuse: " << fuse.Log());
+  REQUIRE(held);
+  INFO("write: " << sb.ToString() << "; read: " << sr.ToString());
+  REQUIRE(sb.ok());
+  REQUIRE(sr.ok());
+  CHECK(got == a);
+  CHECK(read_done >= released);
+  REQUIRE(dev->Read(kAt, got.data(), got.size()).ok());
+  CHECK(got == b);
   dev.reset();
   rig.reset();
 }

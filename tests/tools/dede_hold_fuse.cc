@@ -121,6 +121,7 @@ int OpWrite(const char* path, const char* buf, size_t len, off_t off, fuse_file_
     const std::string cmd(buf, len);
     std::lock_guard<std::mutex> l(g.mu);
     if (cmd.rfind("hold ", 0) == 0) {
+      if (g.state == HoldState::kHeld) return -EBUSY;  // release the held one first
       g.hold_offset = std::strtoull(cmd.c_str() + 5, nullptr, 10);
       g.state = HoldState::kArmed;
       g.released = false;
