@@ -16,6 +16,7 @@ extern "C" {  // some of sanlock's headers lack their own extern "C"
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <random>
 #include <thread>
 #include <vector>
@@ -157,6 +158,25 @@ Result<int> RegisterProcess() {
   return fd;
 }
 
+// One read of partition p's blocks (one device read); `seqs` (when given)
+// gets each block's header seq.
+Result<std::vector<LockRecord>> ReadPartitionBlocks(BlockDevice* dev, const LeaseLayout& layout,
+                                                    const Uuid& uuid, uint32_t p,
+                                                    std::vector<uint64_t>* seqs) {
+  BlockBuf buf = NewBlockBuf(kLockTableBlocksPerPartition);
+  RETURN_IF_ERROR(dev->Read(layout.PartitionBlock(p, 0) * kBlockSize, buf.get(),
+                            kLockTableBlocksPerPartition * kBlockSize));
+  std::vector<LockRecord> all;
+  for (uint32_t k = 0; k < kLockTableBlocksPerPartition; k++) {
+    const uint8_t* blk = buf.get() + k * kBlockSize;
+    ASSIGN_OR_RETURN(std::vector<LockRecord> recs,
+                     DecodeLockTableBlock(blk, layout.PartitionBlock(p, k), uuid));
+    if (seqs) seqs->push_back(PeekHeader(blk).seq);
+    all.insert(all.end(), recs.begin(), recs.end());
+  }
+  return all;
+}
+
 class SanlockImpl : public SanlockLockManager {
  public:
   SanlockImpl(BlockDevice* dev, const Superblock& sb, const SanlockOptions& opts,
@@ -184,10 +204,16 @@ class SanlockImpl : public SanlockLockManager {
         MakeLockspace(ls_name_, opts_.host_id, lease_path_, layout_.lockspace_offset);
     int rv = sanlock_add_lockspace_timeout(&ls, 0, opts_.io_timeout_s);
     if (rv == -EINPROGRESS) {
-      // Another process of this host is joining: wait for it.
+      // Another process of this host is joining: wait for it. If its join
+      // fails (the lockspace is gone again), join ourselves.
       for (int i = 0; i < 600 && rv != 0; i++) {
         std::this_thread::sleep_for(std::chrono::milliseconds(500));
         rv = sanlock_inq_lockspace(&ls, 0);
+        if (rv == -ENOENT) {
+          rv = sanlock_add_lockspace_timeout(&ls, 0, opts_.io_timeout_s);
+          if (rv == -EEXIST) rv = 0;
+          if (rv != 0 && rv != -EINPROGRESS) break;
+        }
       }
     } else if (rv == -EEXIST) {
       rv = sanlock_inq_lockspace(&ls, 0);
@@ -303,7 +329,13 @@ class SanlockImpl : public SanlockLockManager {
     if (id.kind == LockKind::kVolume) {
       return Status::Invalid("IsHeldElsewhere is not supported for the volume lease");
     }
-    ASSIGN_OR_RETURN(std::vector<LockRecord> recs, ReadPartition(PartitionOf(id)));
+    // Whether a host slot is held decides whether its journal is replayed:
+    // that answer needs a read that cannot miss a record. The wanted and
+    // waiting markers are hints, read once (a flush point asks for each
+    // cached lock).
+    const bool hint = id.kind == LockKind::kWanted || id.kind == LockKind::kWaiting;
+    ASSIGN_OR_RETURN(std::vector<LockRecord> recs,
+                     ReadPartition(PartitionOf(id), hint ? LockTableRead::kOnce : LockTableRead::kConsistent));
     for (const LockRecord& r : recs) {
       if (!Matches(r, id) || r.host == opts_.host_id) continue;
       ASSIGN_OR_RETURN(bool live, HolderLive(r));
@@ -417,7 +449,7 @@ class SanlockImpl : public SanlockLockManager {
   Result<std::vector<LockRecord>> ListRecords() override {
     std::vector<LockRecord> all;
     for (uint32_t p = 0; p < layout_.partitions; p++) {
-      ASSIGN_OR_RETURN(std::vector<LockRecord> recs, ReadPartition(p));
+      ASSIGN_OR_RETURN(std::vector<LockRecord> recs, ReadPartition(p, LockTableRead::kConsistent));
       all.insert(all.end(), recs.begin(), recs.end());
     }
     return all;
@@ -482,6 +514,15 @@ class SanlockImpl : public SanlockLockManager {
       return Status::Unavailable("this host's delta lease at byte " +
                                  std::to_string(OwnDeltaLeaseOffset()) +
                                  " has no sanlock delta lease magic");
+    }
+    // The lockspace's name at 56 (48 bytes, NUL-padded): a lease path that
+    // points at another volume's leases fails here, not later.
+    const std::string space(reinterpret_cast<const char*>(p + 56),
+                            strnlen(reinterpret_cast<const char*>(p + 56), 48));
+    if (space != ls_name_) {
+      return Status::Unavailable("this host's delta lease at byte " +
+                                 std::to_string(OwnDeltaLeaseOffset()) + " belongs to lockspace '" +
+                                 space + "', not " + ls_name_);
     }
     DeltaLease lease;
     lease.owner = DecodeU64(p + 32);
@@ -702,7 +743,7 @@ class SanlockImpl : public SanlockLockManager {
     while (true) {
       std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
       delay_ms = std::min(delay_ms * 2, 250);
-      Result<std::vector<LockRecord>> recs = ReadPartition(p);
+      Result<std::vector<LockRecord>> recs = ReadPartition(p, LockTableRead::kOnce);
       if (!recs.ok()) return Status::Ok();  // let the leased update report it
       bool conflict = false;
       for (const LockRecord& r : *recs) {
@@ -715,32 +756,12 @@ class SanlockImpl : public SanlockLockManager {
     }
   }
 
-  // Reads a partition without its lease (IsHeldElsewhere, listings). A
-  // block being rewritten may read torn: retry a few times.
-  Result<std::vector<LockRecord>> ReadPartition(uint32_t p) {
-    Status last;
-    for (int attempt = 0; attempt < 5; attempt++) {
-      auto r = ReadPartitionOnce(p, nullptr);
-      if (r.ok() || r.status().code() != Status::Code::kCorruption) return r;
-      last = r.status();
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return last;
+  Result<std::vector<LockRecord>> ReadPartition(uint32_t p, LockTableRead how) {
+    return ReadLockTablePartition(dev_, layout_, sb_.uuid, p, how);
   }
 
   Result<std::vector<LockRecord>> ReadPartitionOnce(uint32_t p, std::vector<uint64_t>* seqs) {
-    BlockBuf buf = NewBlockBuf(kLockTableBlocksPerPartition);
-    RETURN_IF_ERROR(dev_->Read(layout_.PartitionBlock(p, 0) * kBlockSize, buf.get(),
-                               kLockTableBlocksPerPartition * kBlockSize));
-    std::vector<LockRecord> all;
-    for (uint32_t k = 0; k < kLockTableBlocksPerPartition; k++) {
-      const uint8_t* blk = buf.get() + k * kBlockSize;
-      ASSIGN_OR_RETURN(std::vector<LockRecord> recs,
-                       DecodeLockTableBlock(blk, layout_.PartitionBlock(p, k), sb_.uuid));
-      if (seqs) seqs->push_back(PeekHeader(blk).seq);
-      all.insert(all.end(), recs.begin(), recs.end());
-    }
-    return all;
+    return ReadPartitionBlocks(dev_, layout_, sb_.uuid, p, seqs);
   }
 
   // A release fails only if the daemon cannot reach the lease (its I/O
@@ -920,6 +941,33 @@ Status InitSanlockLeases(const Superblock& sb, const std::string& path, uint32_t
     RETURN_IF_ERROR(write_resource(PartitionLeaseName(p), 1 + p));
   }
   return Status::Ok();
+}
+
+Result<std::vector<LockRecord>> ReadLockTablePartition(BlockDevice* dev, const LeaseLayout& layout,
+                                                       const Uuid& uuid, uint32_t p,
+                                                       LockTableRead how) {
+  constexpr int kTornRetries = 5;
+  constexpr int kChangedRetries = 50;
+  int torn = 0;
+  std::optional<std::pair<std::vector<uint64_t>, std::vector<LockRecord>>> previous;
+  for (int attempt = 0; attempt < kChangedRetries; attempt++) {
+    std::vector<uint64_t> seqs;
+    auto r = ReadPartitionBlocks(dev, layout, uuid, p, &seqs);
+    if (!r.ok()) {
+      // A block being rewritten may read torn: try again a few times.
+      if (r.status().code() != Status::Code::kCorruption || ++torn >= kTornRetries) {
+        return r.status();
+      }
+      previous.reset();
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+      continue;
+    }
+    if (how == LockTableRead::kOnce) return r;
+    if (previous && previous->first == seqs) return std::move(previous->second);
+    previous.emplace(std::move(seqs), std::move(r).value());
+  }
+  return Status::Unavailable("lock table partition " + std::to_string(p) + " changed under each of " +
+                             std::to_string(kChangedRetries) + " reads without its lease");
 }
 
 Result<std::unique_ptr<SanlockLockManager>> SanlockLockManager::Open(BlockDevice* dev,

@@ -70,6 +70,26 @@ std::string SanlockLockspaceName(const Uuid& uuid);
 Status InitSanlockLeases(const Superblock& sb, const std::string& lease_path,
                          uint32_t io_timeout_s);
 
+// Reads partition `p` of the lock table through `dev` without the
+// partition's lease (liveness checks, listings, waits).
+//
+// kConsistent: a read that cannot miss a record. A leased update rewrites
+// the blocks it changes in ascending order, and records only ever move to
+// a lower block (an erase closes the gap) or are appended, so every state
+// between two of its writes shows each record at least once (maybe
+// twice). But one read of the blocks is not one instant: it can see a
+// lower block before an update and a higher one after it, and a record
+// that moved down is then in neither. So the read is repeated until two in
+// a row show every block at the same seq (each rewrite bumps its block's):
+// had the first seen such a mix, the update would have rewritten the lower
+// block before the second read. kUnavailable if the partition changed
+// under 50 reads in a row. kOnce: one read, for hints.
+// A torn block (kCorruption) is read again, up to 5 times.
+enum class LockTableRead { kOnce, kConsistent };
+Result<std::vector<LockRecord>> ReadLockTablePartition(BlockDevice* dev, const LeaseLayout& layout,
+                                                       const Uuid& uuid, uint32_t p,
+                                                       LockTableRead how);
+
 class SanlockLockManager : public LockManager {
  public:
   // Joins the lockspace (or finds it joined by another process of this
