@@ -96,6 +96,7 @@ struct Config {
   double open_wait = 30;       // a client's export open waits this long for a busy file
   double drain_timeout = 10;  // shutdown: how long a client may take to read its last replies
   uint64_t max_connections = 1024;  // NBD connections open at once
+  bool max_connections_given = false;
   double split_after = 30;     // split a shard whose last update took longer (seconds)
   double window_interval = 600;  // inside a policy window: seconds between passes
   double policy_refresh = 30;    // re-read the volume's policy every SEC
@@ -230,6 +231,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   if (!(cfg->window_interval >= 0)) return UsageError("--window-interval: must be >= 0");
   if (!(cfg->policy_refresh > 0)) return UsageError("--policy-refresh: must be > 0");
   cfg->control_given = vm.count("control") > 0;
+  cfg->max_connections_given = vm.count("max-connections") > 0;
   cfg->history_given = vm.count("history") > 0;
   cfg->metrics_given = vm.count("metrics-port") > 0;
   if (cfg->control == "off") cfg->control.clear();
@@ -280,7 +282,7 @@ class PeriodicJob {
 // and keeps the connection cap 64 descriptors under it: the volume, its
 // iSCSI sessions, the write logs, the control and metrics sockets and the
 // history database must still open when the clients have taken the rest.
-size_t MaxConnectionsWithin(uint64_t wanted) {
+size_t MaxConnectionsWithin(uint64_t wanted, bool given) {
   constexpr uint64_t kReserved = 64;
   rlimit lim{};
   if (::getrlimit(RLIMIT_NOFILE, &lim) != 0) return static_cast<size_t>(wanted);
@@ -292,8 +294,13 @@ size_t MaxConnectionsWithin(uint64_t wanted) {
   if (lim.rlim_cur == RLIM_INFINITY) return static_cast<size_t>(wanted);
   const uint64_t room = lim.rlim_cur > 2 * kReserved ? lim.rlim_cur - kReserved : lim.rlim_cur / 2;
   if (wanted > room) {
-    LOG(kWarning) << "--max-connections " << wanted << " lowered to " << room
-                  << ": the open-files limit is " << lim.rlim_cur;
+    if (given) {
+      LOG(kWarning) << "at most " << room << " NBD connections, not the --max-connections "
+                    << wanted << " asked for: the open-files limit is " << lim.rlim_cur;
+    } else {
+      LOG(kInfo) << "at most " << room << " NBD connections: the open-files limit is "
+                 << lim.rlim_cur;
+    }
     return static_cast<size_t>(room);
   }
   return static_cast<size_t>(wanted);
@@ -359,7 +366,7 @@ int Run(const Config& cfg) {
   so.worker_threads = cfg.threads;
   so.open_wait_s = cfg.open_wait;
   so.drain_timeout_s = cfg.drain_timeout;
-  so.max_connections = MaxConnectionsWithin(cfg.max_connections);
+  so.max_connections = MaxConnectionsWithin(cfg.max_connections, cfg.max_connections_given);
   NbdServer server(io, &table, so);
 
   PeriodicJob sync_job(io, &server, cfg.sync_interval, [&] {

@@ -214,8 +214,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       return;
     }
     TryOpen(std::make_shared<ExportTable::OpenWait>(server_->table_, session_.export_name(),
-                                                    server_->opts_.open_wait_s),
-            false);
+                                                    server_->opts_.open_wait_s));
   }
 
   // NBD_OPT_INFO: the export's size without entering it. Opening the file
@@ -235,11 +234,10 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
           info.description = "dede volume file '" + name + "'";
           self->session_.ReplyExport(info);
         } else {
-          const uint32_t rep = size.status().code() == Status::Code::kNotFound
-                                   ? nbd::kRepErrUnknown
-                                   : nbd::kRepErrShutdown;
+          // Not available (ERR_SHUTDOWN would end the client's whole
+          // session, a listing of every disk with it).
           LOG(kInfo) << "nbd connection " << self->id_ << ": " << size.status().message();
-          self->session_.ReplyExportError(rep, size.status().message());
+          self->session_.ReplyExportError(nbd::kRepErrUnknown, size.status().message());
         }
         self->SendSessionOutput();
         self->recheck_session_ = true;
@@ -252,13 +250,13 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   // (the file held elsewhere for a moment) is tried again after a timer on
   // the strand: a waiting open holds no worker, which every disk's I/O
   // needs.
-  void TryOpen(std::shared_ptr<ExportTable::OpenWait> wait, bool info_only) {
+  void TryOpen(std::shared_ptr<ExportTable::OpenWait> wait) {
     ExportTable* table = server_->table_;
     const std::string name = session_.export_name();
-    server_->RunBlocking([self = shared_from_this(), table, wait, name, info_only] {
+    server_->RunBlocking([self = shared_from_this(), table, wait, name] {
       Result<std::shared_ptr<Export>> e = wait->Step();
       if (wait->retry()) {
-        asio::post(self->strand_, [self, wait, info_only] {
+        asio::post(self->strand_, [self, wait] {
           if (self->stop_reading_) {
             // The client left, or dedupd stops: no one is waiting now.
             self->server_->RunBlocking([self, wait] {
@@ -272,8 +270,8 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
           }
           self->open_timer_.expires_after(ExportTable::OpenWait::kRetryInterval);
           self->open_timer_.async_wait(asio::bind_executor(
-              self->strand_, [self, wait, info_only](boost::system::error_code) {
-                self->TryOpen(wait, info_only);
+              self->strand_, [self, wait](boost::system::error_code) {
+                self->TryOpen(wait);
               }));
         });
         return;
@@ -282,9 +280,8 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       if (e.ok()) {
         info.size = (*e)->size();
         info.description = "dede volume file '" + name + "'";
-        if (info_only) table->Release(*e);
       }
-      asio::post(self->strand_, [self, e = std::move(e), info, info_only, table]() mutable {
+      asio::post(self->strand_, [self, e = std::move(e), info, table]() mutable {
         self->waiting_backend_ = false;
         if (!e.ok()) {
           uint32_t rep = e.status().code() == Status::Code::kNotFound ? nbd::kRepErrUnknown
@@ -294,14 +291,12 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
           self->session_.ReplyExportError(rep, e.status().message());
         } else {
           self->session_.ReplyExport(info);
-          if (!info_only) {
-            if (self->finished_) {
-              // The client left while we opened: give it back (volume I/O,
-              // so not on this thread).
-              self->server_->RunBlocking([table, ex = *e] { table->Release(ex); });
-            } else {
-              self->export_ = *e;
-            }
+          if (self->finished_) {
+            // The client left while we opened: give it back (volume I/O,
+            // so not on this thread).
+            self->server_->RunBlocking([table, ex = *e] { table->Release(ex); });
+          } else {
+            self->export_ = *e;
           }
         }
         self->SendSessionOutput();
@@ -584,7 +579,7 @@ void NbdServer::Accept(Acceptor* acceptor) {
       }
       if (open_now >= opts_.max_connections) {
         c_refused_++;
-        if (AcceptWarningDue()) {
+        if (WarningDue(&last_refusal_warning_)) {
           LOG(kWarning) << "refusing NBD connections: " << open_now
                         << " are open, the most allowed (--max-connections); "
                         << c_refused_.load() << " refused so far";
@@ -613,7 +608,7 @@ void NbdServer::Accept(Acceptor* acceptor) {
                                   ec == boost::system::errc::too_many_files_open_in_system ||
                                   ec == asio::error::no_buffer_space ||
                                   ec == asio::error::no_memory;
-    if (AcceptWarningDue()) {
+    if (WarningDue(&last_accept_error_warning_)) {
       LOG(kWarning) << "accepting an NBD connection: " << ec.message()
                     << (out_of_resources ? " (retrying every 100 ms)" : "");
     }
@@ -637,14 +632,14 @@ void NbdServer::AcceptLater(Acceptor* acceptor) {
   });
 }
 
-bool NbdServer::AcceptWarningDue() {
+bool NbdServer::WarningDue(std::chrono::steady_clock::time_point* last) {
   MutexLock l(&mu_);
   const auto now = std::chrono::steady_clock::now();
-  if (last_accept_warning_ != std::chrono::steady_clock::time_point{} &&
-      now - last_accept_warning_ < std::chrono::seconds(10)) {
+  if (*last != std::chrono::steady_clock::time_point{} &&
+      now - *last < std::chrono::seconds(10)) {
     return false;
   }
-  last_accept_warning_ = now;
+  *last = now;
   return true;
 }
 

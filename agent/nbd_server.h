@@ -96,8 +96,9 @@ class NbdServer {
   // connection stays in the listen backlog, so accepting again at once
   // would fail again at once, for ever, at full speed.
   void AcceptLater(Acceptor* acceptor);
-  // At most one warning per 10 s about refused or failed accepts.
-  bool AcceptWarningDue() EXCLUDES(mu_);
+  // At most one warning per 10 s of each kind (refused connections,
+  // failed accepts): true if one is due now, and then `*last` = now.
+  bool WarningDue(std::chrono::steady_clock::time_point* last) EXCLUDES(mu_);
   void Finished(NbdConnection* c) EXCLUDES(mu_);
 
   boost::asio::io_context& io_;
@@ -111,7 +112,8 @@ class NbdServer {
   Mutex mu_;
   std::set<std::shared_ptr<NbdConnection>> conns_ GUARDED_BY(mu_);
   bool shutting_down_ GUARDED_BY(mu_) = false;
-  std::chrono::steady_clock::time_point last_accept_warning_ GUARDED_BY(mu_){};
+  std::chrono::steady_clock::time_point last_refusal_warning_ GUARDED_BY(mu_){};
+  std::chrono::steady_clock::time_point last_accept_error_warning_ GUARDED_BY(mu_){};
   std::function<void()> on_shutdown_ GUARDED_BY(mu_);
 
  public:

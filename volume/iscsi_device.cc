@@ -355,13 +355,18 @@ bool IsTransientStatus(int status) {
 // Shared by the sessions of one device (IscsiSessionPool): a command that
 // changes the LUN and went unanswered with its session may still run in
 // the target, and land after anything any session sends later. `lost`
-// counts such commands, `fenced` how many of them a LOGICAL UNIT RESET the
-// target confirmed has covered (a reset covers every command lost before
-// it was sent). While fenced < lost, no session sends anything but the
-// reset; `mu` lets one session send it while the others wait for it.
+// counts such commands; `ready` those whose session has since logged in
+// again with its ISID (the target then ended the old session: nothing of
+// it that was not yet a command can become one) or given up trying;
+// `fenced` those a LOGICAL UNIT RESET the target confirmed has covered.
+// While fenced < lost, no session sends anything but the reset, and the
+// reset waits for ready to reach lost; `mu` lets one session send it while
+// the others wait for it.
 struct LostCommandFence {
   Mutex mu;  // after a session's own mu_
+  std::condition_variable cv;  // ready went up (with mu)
   std::atomic<uint64_t> lost{0};
+  std::atomic<uint64_t> ready{0};
   std::atomic<uint64_t> fenced{0};
   bool Pending() const { return fenced.load() < lost.load(); }
 };
@@ -764,6 +769,7 @@ class IscsiDevice final : public BlockDevice {
     for (;;) {
       if (ctx_ == nullptr) {
         Status st = Connect();
+        MarkLossesReady();
         if (!st.ok()) {
           std::string prefix = name() + ": " + what + " failed";
           if (!lost.empty()) prefix += " (" + lost + "; reconnecting failed)";
@@ -779,8 +785,17 @@ class IscsiDevice final : public BlockDevice {
       if (!task.ok()) {
         // Only a command that reached the socket can still be in the
         // target (Disconnect, inside Submit, has already reset it).
-        if (effect == Effect::kModifies && queued) fence_->lost.fetch_add(1);
+        if (effect == Effect::kModifies && queued) {
+          fence_->lost.fetch_add(1);
+          unready_losses_++;
+        }
         if (!lost.empty()) {
+          if (unready_losses_ > 0) {
+            // Log in once more all the same, so the target ends the
+            // session that lost it before anyone fences.
+            (void)Connect();
+            MarkLossesReady();
+          }
           return Status::IoError(name() + ": " + what + " failed: " + task.status().message() +
                                  " (again after reconnecting; first: " + lost + ")");
         }
@@ -826,6 +841,14 @@ class IscsiDevice final : public BlockDevice {
   // leases); sanlock's leases rest on the same bound on I/O time.
   Status FenceLostCommands() REQUIRES(mu_) EXCLUDES(fence_->mu) {
     MutexLock one_at_a_time(&fence_->mu);
+    {
+      // The sessions that lost commands log in again first (bounded: one
+      // login each; past that the reset goes out all the same).
+      std::unique_lock<std::mutex> wait(fence_->mu.native(), std::adopt_lock);
+      fence_->cv.wait_for(wait, kConnectTimeout + std::chrono::seconds(5),
+                          [this] { return fence_->ready.load() >= fence_->lost.load(); });
+      wait.release();  // still held, by one_at_a_time
+    }
     const uint64_t target = fence_->lost.load();
     if (fence_->fenced.load() >= target) return Status::Ok();  // another session did it
     if (ctx_ == nullptr) RETURN_IF_ERROR(Connect());
@@ -857,6 +880,17 @@ class IscsiDevice final : public BlockDevice {
                   << " command(s) lost with their session (LOGICAL UNIT RESET confirmed by the "
                      "target) before sending anything more";
     return Status::Ok();
+  }
+
+  // This session's lost commands: it has logged in again (or given up).
+  void MarkLossesReady() REQUIRES(mu_) EXCLUDES(fence_->mu) {
+    if (unready_losses_ == 0) return;
+    {
+      MutexLock l(&fence_->mu);
+      fence_->ready.fetch_add(unready_losses_);
+    }
+    unready_losses_ = 0;
+    fence_->cv.notify_all();
   }
 
   // TCP connect, login, and a TEST UNIT READY that proves the LUN exists.
@@ -1066,6 +1100,9 @@ class IscsiDevice final : public BlockDevice {
   const uint32_t isid_;  // 24 bits, kept across logins
   const std::chrono::milliseconds command_timeout_;
   const std::shared_ptr<LostCommandFence> fence_;
+  // Commands this session lost and counted in fence_->lost, not yet in
+  // fence_->ready.
+  uint64_t unready_losses_ GUARDED_BY(mu_) = 0;
   // Set once by Open() before the device is handed out; read-only after.
   uint64_t size_ = 0;
   uint32_t block_size_ = kSectorSize;

@@ -206,7 +206,8 @@ class SanlockImpl : public SanlockLockManager {
     if (rv == -EINPROGRESS) {
       // Another process of this host is joining: wait for it. If its join
       // fails (the lockspace is gone again), join ourselves.
-      for (int i = 0; i < 600 && rv != 0; i++) {
+      const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(300);
+      while (rv != 0 && std::chrono::steady_clock::now() < deadline) {
         std::this_thread::sleep_for(std::chrono::milliseconds(500));
         rv = sanlock_inq_lockspace(&ls, 0);
         if (rv == -ENOENT) {
@@ -514,15 +515,6 @@ class SanlockImpl : public SanlockLockManager {
       return Status::Unavailable("this host's delta lease at byte " +
                                  std::to_string(OwnDeltaLeaseOffset()) +
                                  " has no sanlock delta lease magic");
-    }
-    // The lockspace's name at 56 (48 bytes, NUL-padded): a lease path that
-    // points at another volume's leases fails here, not later.
-    const std::string space(reinterpret_cast<const char*>(p + 56),
-                            strnlen(reinterpret_cast<const char*>(p + 56), 48));
-    if (space != ls_name_) {
-      return Status::Unavailable("this host's delta lease at byte " +
-                                 std::to_string(OwnDeltaLeaseOffset()) + " belongs to lockspace '" +
-                                 space + "', not " + ls_name_);
     }
     DeltaLease lease;
     lease.owner = DecodeU64(p + 32);

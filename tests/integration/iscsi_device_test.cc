@@ -731,12 +731,13 @@ TEST_CASE("iSCSI: while a lost WRITE is fenced, the device's other sessions send
   const bool held = fuse.State().rfind("state=held", 0) == 0;
   Clock::time_point released;
   std::thread releaser([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(2500));
+    std::this_thread::sleep_until(held_at + std::chrono::milliseconds(4000));
     released = Clock::now();
     fuse.Release();
   });
-  // Past the lost WRITE's timeout (1 s): it is lost, its reset under way.
-  std::this_thread::sleep_until(held_at + std::chrono::milliseconds(1400));
+  // A second past the lost WRITE's timeout (1 s): it is lost, its reset
+  // under way (the reset waits up to 2 x 1 s + 10 s).
+  std::this_thread::sleep_until(held_at + std::chrono::milliseconds(2000));
   std::vector<uint8_t> got(4096);
   Status sr = dev->Read(kAt + kMiB, got.data(), got.size());
   const auto read_done = Clock::now();
