@@ -800,6 +800,13 @@ int Run(const Config& cfg) {
     }
     const ExportTable::Totals totals = table.totals();
     j["cow_copies"] = totals.cow_copies;
+    const NbdServerStats nbd_stats = server.stats();
+    j["nbd"] = {{"connections_open", nbd_stats.connections_open},
+                {"connections_total", nbd_stats.connections_total},
+                {"connections_refused", nbd_stats.connections_refused},
+                {"protocol_errors", nbd_stats.protocol_errors},
+                {"requests", nbd_stats.requests},
+                {"request_errors", nbd_stats.request_errors}};
     j["writes_answered_early"] = totals.writes_answered_early;
     j["read_ahead"] = ReadAheadJson(totals.read_ahead);
     j["read_ahead"]["memory_used"] = table.read_ahead_budget().used();
@@ -931,6 +938,19 @@ int Run(const Config& cfg) {
                 "Write-monitor entries not logged because their log was at its limit",
                 j["write_logs"]["capped_entries"].get<double>(), host);
     }
+    m.Gauge("dede_nbd_connections", "NBD connections open", j["nbd"]["connections_open"].get<double>(),
+            host);
+    m.Counter("dede_nbd_connections_total", "NBD connections accepted",
+              j["nbd"]["connections_total"].get<double>(), host);
+    m.Counter("dede_nbd_connections_refused_total",
+              "NBD connections closed at once: --max-connections were open",
+              j["nbd"]["connections_refused"].get<double>(), host);
+    m.Counter("dede_nbd_protocol_errors_total", "NBD connections closed for malformed traffic",
+              j["nbd"]["protocol_errors"].get<double>(), host);
+    m.Counter("dede_nbd_requests_total", "NBD requests received",
+              j["nbd"]["requests"].get<double>(), host);
+    m.Counter("dede_nbd_request_errors_total", "NBD requests answered with an error",
+              j["nbd"]["request_errors"].get<double>(), host);
     m.Gauge("dede_leases_held", "Locks and leases this dedupd holds", double(j["leases"].size()), host);
     m.Gauge("dede_in_window", "1 inside a dedup window (or when the policy has none)",
             j["policy"]["in_window"].get<bool>() ? 1 : 0, host);

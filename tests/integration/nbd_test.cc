@@ -1210,6 +1210,12 @@ TEST_CASE("connections past --max-connections are closed at once, and the others
   CHECK(served);
   INFO(d.Log());
   CHECK(d.Log().find("refusing NBD connections: 2 are open") != std::string::npos);
+  ProcessResult st = RunOk({BinaryPath("dede"), "status", "--control", d.control(), "--json"});
+  const nlohmann::json nbd = nlohmann::json::parse(st.out)["nbd"];
+  INFO(nbd.dump());
+  CHECK(nbd["connections_refused"].get<uint64_t>() >= 1);
+  CHECK(nbd["connections_open"].get<uint64_t>() >= 1);  // b, at least
+  CHECK(nbd["connections_total"].get<uint64_t>() >= 3);
 }
 
 TEST_CASE("dedupd out of file descriptors waits to accept instead of spinning", "[nbd]") {

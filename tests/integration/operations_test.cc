@@ -439,6 +439,8 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
   CHECK(body.find("# TYPE dede_passes_total counter") != std::string::npos);
   CHECK(body.find("dede_dedup_rate_cap_bytes_per_second{host=\"1\"} 20000000") != std::string::npos);
   CHECK(body.find("dede_in_window{host=\"1\"} 0") != std::string::npos);
+  CHECK(body.find("# TYPE dede_nbd_connections_refused_total counter") != std::string::npos);
+  CHECK(body.find("dede_nbd_connections{host=\"1\"} 0") != std::string::npos);
   REQUIRE(d2.Stop() == 0);
 }
 
