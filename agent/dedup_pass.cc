@@ -60,7 +60,13 @@ bool ExportFileAccess::GiveBackIfWanted(const FileInfo& info) {
 Result<FileAccess::Handle> ExportFileAccess::Get(const FileInfo& info) {
   auto it = held_.find(info.id.ino);
   if (it == held_.end()) {
-    ASSIGN_OR_RETURN(std::shared_ptr<Export> e, table_->Acquire(info.name));
+    std::shared_ptr<Export> e;
+    if (scope_ == kOnlyOpen) {
+      e = table_->AcquireIfOpen(info.name);
+      if (!e) return Status::NotFound("'" + info.name + "' is not open here");
+    } else {
+      ASSIGN_OR_RETURN(e, table_->Acquire(info.name));
+    }
     it = held_.emplace(info.id.ino, std::move(e)).first;
   }
   if (!(it->second->id() == info.id)) return Status::NotFound("file changed");

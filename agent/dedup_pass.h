@@ -270,15 +270,21 @@ class VolumeFileAccess : public FileAccess {
 };
 
 // Borrows (or opens as exports) dedupd's files; releases them when destroyed.
+// kOnlyOpen lends only exports open now, and answers kNotFound for the
+// others: dedupd's merge timer, which must not reopen a file whose VM has
+// just left (another host may be about to take it).
 class ExportFileAccess : public FileAccess {
  public:
-  explicit ExportFileAccess(ExportTable* table) : table_(table) {}
+  enum Scope { kOpenAny, kOnlyOpen };
+  explicit ExportFileAccess(ExportTable* table, Scope scope = kOpenAny)
+      : table_(table), scope_(scope) {}
   ~ExportFileAccess() override;
   Result<Handle> Get(const FileInfo& info) override;
   bool GiveBackIfWanted(const FileInfo& info) override;
 
  private:
   ExportTable* table_;
+  const Scope scope_;
   std::map<uint64_t, std::shared_ptr<Export>> held_;  // by inode
 };
 

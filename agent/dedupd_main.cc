@@ -677,7 +677,9 @@ int Run(const Config& cfg) {
     for (const auto& e : table.Snapshot()) served.push_back(e->id());
     if (served.empty()) return;
     ScopedIoBudget charged(&throttle);
-    auto access = std::make_unique<ExportFileAccess>(&table);
+    // Only what is open at the moment it is reached: a file whose VM left
+    // meanwhile is not opened again (the table's snapshot above is older).
+    auto access = std::make_unique<ExportFileAccess>(&table, ExportFileAccess::kOnlyOpen);
     Result<MergeApplyStats> st = ApplyMergeRequestsForHeldFiles(
         vol, access.get(), VerifyMode::kByteCompare, [&](const FileInfo& fi) {
           for (const FileId& id : served) {

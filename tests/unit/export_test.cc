@@ -2,6 +2,7 @@
 // device write, and what READ and FLUSH then owe the client. The device
 // holds the next write at a gate, so the test sees the moment between the
 // answer and the write.
+#include "agent/dedup_pass.h"
 #include "agent/export_table.h"
 
 #include <unistd.h>
@@ -315,6 +316,38 @@ TEST_CASE("export: the control socket's hold keeps a file open while its VM leav
   auto info = rig.vol->Lookup("vm");
   REQUIRE(info.ok());
   CHECK_FALSE(info->dedup);
+}
+
+TEST_CASE("export: the merge timer's file access lends open exports and never reopens one",
+          "[export]") {
+  // dedupd's merge timer lists the open exports, then applies their merge
+  // requests one by one: a VM that leaves in between used to have its
+  // disk opened again (its lock taken) just for that.
+  Rig rig;
+  auto info = rig.vol->Lookup("vm");
+  REQUIRE(info.ok());
+  {
+    ExportFileAccess access(rig.table.get(), ExportFileAccess::kOnlyOpen);
+    auto h = access.Get(*info);
+    REQUIRE(h.ok());
+    CHECK(rig.table->StatusOfOpen().at(0).clients == 2);
+  }
+  rig.table->Release(rig.ex);  // the VM leaves: the file closes
+  rig.ex.reset();
+  REQUIRE(rig.table->StatusOfOpen().empty());
+  {
+    ExportFileAccess access(rig.table.get(), ExportFileAccess::kOnlyOpen);
+    auto h = access.Get(*info);
+    CHECK(h.status().code() == Status::Code::kNotFound);
+    CHECK(rig.table->StatusOfOpen().empty());
+  }
+  {
+    // A pass's access still opens it.
+    ExportFileAccess access(rig.table.get());
+    REQUIRE(access.Get(*info).ok());
+    CHECK(rig.table->StatusOfOpen().size() == 1);
+  }
+  CHECK(rig.table->StatusOfOpen().empty());
 }
 
 namespace {
