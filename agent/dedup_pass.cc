@@ -104,8 +104,10 @@ Result<MergeApplyStats> ApplyMergeRequestsIn(Volume* vol, FileAccess* access, Ve
     if (wanted && !wanted(target)) continue;
     Result<FileAccess::Handle> h = access->Get(target);
     if (!h.ok()) {
-      // Held elsewhere: its holder applies them. Gone since the listing:
-      // the next sweep removes the request file.
+      // Held elsewhere: its holder applies them. Not open here (dedupd's
+      // merge timer, ExportFileAccess::kOnlyOpen): whoever opens it next
+      // does. Gone since the listing: the next sweep removes the request
+      // file.
       if (h.status().code() == Status::Code::kLocked ||
           h.status().code() == Status::Code::kNotFound) {
         continue;

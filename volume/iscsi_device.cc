@@ -776,7 +776,8 @@ class IscsiDevice final : public BlockDevice {
           return st.WithContext(prefix);
         }
       }
-      if (fence_->Pending()) {
+      // Again while losses come in meanwhile (each waits for its session).
+      while (fence_->Pending()) {
         Status st = FenceLostCommands();
         if (!st.ok()) return st.WithContext(name() + ": " + what + " not sent");
       }
@@ -841,15 +842,24 @@ class IscsiDevice final : public BlockDevice {
   // leases); sanlock's leases rest on the same bound on I/O time.
   Status FenceLostCommands() REQUIRES(mu_) EXCLUDES(fence_->mu) {
     MutexLock one_at_a_time(&fence_->mu);
+    bool all_ready;
     {
       // The sessions that lost commands log in again first (bounded: one
       // login each; past that the reset goes out all the same).
       std::unique_lock<std::mutex> wait(fence_->mu.native(), std::adopt_lock);
-      fence_->cv.wait_for(wait, kConnectTimeout + std::chrono::seconds(5),
-                          [this] { return fence_->ready.load() >= fence_->lost.load(); });
+      all_ready = fence_->cv.wait_for(wait, kConnectTimeout + std::chrono::seconds(5), [this] {
+        return fence_->ready.load() >= fence_->lost.load();
+      });
       wait.release();  // still held, by one_at_a_time
     }
-    const uint64_t target = fence_->lost.load();
+    // What the wait saw (`ready` moves only under mu, which we hold): a
+    // loss counted since, whose session has not logged in again, is left
+    // for the next reset.
+    const uint64_t target = all_ready ? fence_->ready.load() : fence_->lost.load();
+    if (!all_ready) {
+      LOG(kWarning) << name() << ": a session that lost a command has not logged in again; "
+                    << "resetting the LU all the same";
+    }
     if (fence_->fenced.load() >= target) return Status::Ok();  // another session did it
     if (ctx_ == nullptr) RETURN_IF_ERROR(Connect());
     const auto limit = 2 * command_timeout_ + kResetExtraTime;
