@@ -495,7 +495,12 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
 // -------------------------------------------------------------------- server
 
 NbdServer::NbdServer(asio::io_context& io, ExportTable* table, const NbdServerOptions& opts)
-    : io_(io), table_(table), opts_(opts), pool_(std::max<size_t>(1, opts.worker_threads)) {}
+    : io_(io),
+      table_(table),
+      opts_(opts),
+      pool_(std::max<size_t>(1, opts.worker_threads)),
+      unix_retry_(io),
+      tcp_retry_(io) {}
 
 NbdServer::~NbdServer() {
   pool_.join();
@@ -621,8 +626,11 @@ void NbdServer::Accept(Acceptor* acceptor) {
 }
 
 void NbdServer::AcceptLater(Acceptor* acceptor) {
-  auto timer = std::make_shared<asio::steady_timer>(io_, std::chrono::milliseconds(100));
-  timer->async_wait([this, acceptor, timer](boost::system::error_code ec) {
+  // The acceptor's own timer, made with the server: nothing is allocated
+  // here, where the process is short of descriptors or memory.
+  asio::steady_timer& timer = acceptor == unix_acceptor_.get() ? unix_retry_ : tcp_retry_;
+  timer.expires_after(std::chrono::milliseconds(100));
+  timer.async_wait([this, acceptor](boost::system::error_code ec) {
     if (ec == asio::error::operation_aborted) return;
     {
       MutexLock l(&mu_);
@@ -675,6 +683,8 @@ void NbdServer::Shutdown(std::function<void()> done) {
   boost::system::error_code ec;
   if (unix_acceptor_) unix_acceptor_->close(ec);
   if (tcp_acceptor_) tcp_acceptor_->close(ec);
+  unix_retry_.cancel();
+  tcp_retry_.cancel();
   for (auto& c : conns) c->Drain();
 }
 

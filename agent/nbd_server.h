@@ -107,6 +107,10 @@ class NbdServer {
   boost::asio::thread_pool pool_;
   std::unique_ptr<Acceptor> unix_acceptor_;
   std::unique_ptr<Acceptor> tcp_acceptor_;
+  // Each acceptor's pause after an accept failed for want of resources
+  // (AcceptLater); io thread only.
+  boost::asio::steady_timer unix_retry_;
+  boost::asio::steady_timer tcp_retry_;
   uint16_t tcp_port_ = 0;
 
   Mutex mu_;

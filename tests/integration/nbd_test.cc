@@ -1244,9 +1244,11 @@ TEST_CASE("dedupd out of file descriptors waits to accept instead of spinning", 
   served.SendRequest(0, 1, 0, 4096);
   uint32_t error = 1;
   uint64_t cookie = 0;
-  REQUIRE(served.RecvReply(&error, &cookie));
-  CHECK(error == 0);
+  const bool replied = served.RecvReply(&error, &cookie);
   RunOk({prlimit, "--pid", pid, "--nofile=" + std::to_string(fds + 64) + ":"});
+  INFO("dedupd log: " << d.Log());
+  REQUIRE(replied);
+  CHECK(error == 0);
   int greeted = 0;
   for (auto& w : waiting) greeted += w->Hello() ? 1 : 0;
   const std::string log = d.Log();
