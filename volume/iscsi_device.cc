@@ -14,16 +14,16 @@
 #include <iscsi/scsi-lowlevel.h>
 #include <poll.h>
 #include <pthread.h>
-#include <sys/socket.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
-#include <condition_variable>
 #include <cctype>
 #include <cerrno>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -332,12 +332,18 @@ std::string SecondsText(std::chrono::milliseconds d) {
 
 std::string DescribeTmfResponse(uint32_t r) {
   switch (r) {
-    case ISCSI_TMR_FUNC_COMPLETE: return "function complete";
-    case ISCSI_TMR_LUN_DOES_NOT_EXIST: return "LUN does not exist";
-    case ISCSI_TMR_TMF_NOT_SUPPORTED: return "not supported";
-    case ISCSI_TMR_FUNC_AUTH_FAILED: return "authorization failed";
-    case ISCSI_TMR_FUNC_REJECTED: return "rejected";
-    default: return "response " + std::to_string(r);
+    case ISCSI_TMR_FUNC_COMPLETE:
+      return "function complete";
+    case ISCSI_TMR_LUN_DOES_NOT_EXIST:
+      return "LUN does not exist";
+    case ISCSI_TMR_TMF_NOT_SUPPORTED:
+      return "not supported";
+    case ISCSI_TMR_FUNC_AUTH_FAILED:
+      return "authorization failed";
+    case ISCSI_TMR_FUNC_REJECTED:
+      return "rejected";
+    default:
+      return "response " + std::to_string(r);
   }
 }
 
@@ -363,7 +369,7 @@ bool IsTransientStatus(int status) {
 // reset waits for ready to reach lost; `mu` lets one session send it while
 // the others wait for it.
 struct LostCommandFence {
-  Mutex mu;  // after a session's own mu_
+  Mutex mu;                    // after a session's own mu_
   std::condition_variable cv;  // ready went up (with mu)
   std::atomic<uint64_t> lost{0};
   std::atomic<uint64_t> ready{0};
@@ -761,8 +767,8 @@ class IscsiDevice final : public BlockDevice {
   // has finished (FenceLostCommands).
   enum class Effect { kReadOnly, kModifies };
   Result<TaskPtr> Execute(const std::string& what, const TaskFactory& make,
-                          CheckCondition* sense_out = nullptr,
-                          Effect effect = Effect::kReadOnly) REQUIRES(mu_) {
+                          CheckCondition* sense_out = nullptr, Effect effect = Effect::kReadOnly)
+      REQUIRES(mu_) {
     std::string lost;  // why the first session died, if it did
     int unit_attentions = 0;
     int busy = 0;
@@ -865,8 +871,8 @@ class IscsiDevice final : public BlockDevice {
     const auto limit = 2 * command_timeout_ + kResetExtraTime;
     Pending p;
     Status st;
-    if (iscsi_task_mgmt_lun_reset_async(ctx_, static_cast<uint32_t>(url_.lun), OnTmfComplete,
-                                        &p) != 0) {
+    if (iscsi_task_mgmt_lun_reset_async(ctx_, static_cast<uint32_t>(url_.lun), OnTmfComplete, &p) !=
+        0) {
       st = Status::IoError("cannot queue it: " + CleanTransportError(iscsi_get_error(ctx_)));
     } else {
       st = Pump(&p, Clock::now() + limit, limit);
@@ -1207,8 +1213,7 @@ Result<std::unique_ptr<BlockDevice>> OpenIscsiDevice(const std::string& url,
     const auto timeout = opts.iscsi_command_timeout_ms > 0
                              ? std::chrono::milliseconds(opts.iscsi_command_timeout_ms)
                              : kDefaultCommandTimeout;
-    auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only, timeout, isid_base + i,
-                                             fence);
+    auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only, timeout, isid_base + i, fence);
     RETURN_IF_ERROR(dev->Open());
     if (!sessions.empty() && dev->size_bytes() != sessions[0]->size_bytes()) {
       return Status::IoError(dev->name() + ": sessions disagree about the LUN's size (" +

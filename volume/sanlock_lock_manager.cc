@@ -226,7 +226,7 @@ class SanlockImpl : public SanlockLockManager {
     }
     // Our generation and the io_timeout the membership really runs with
     // come from our delta lease, which the join has just written: the
-    // io_timeout is the daemon's own default (`sanlock daemon -o`) when we
+    // io_timeout is the daemon's default (10 s in sanlock 3.8) when we
     // passed none, or the first joiner's when another process of this host
     // had joined already. Other hosts time our death from that value, so
     // the fence (dedupd's LockspaceGuard) must too. (The daemon's host
@@ -234,8 +234,8 @@ class SanlockImpl : public SanlockLockManager {
     ASSIGN_OR_RETURN(DeltaLease lease, ReadDeltaLease());
     if (lease.owner != opts_.host_id) {
       return Status::Unavailable("joined lockspace " + ls_name_ + " as host " +
-                                 std::to_string(opts_.host_id) + ", but its delta lease names host " +
-                                 std::to_string(lease.owner));
+                                 std::to_string(opts_.host_id) +
+                                 ", but its delta lease names host " + std::to_string(lease.owner));
     }
     if (lease.io_timeout_s == 0) {
       return Status::Corruption("this host's delta lease at byte " +
@@ -335,8 +335,9 @@ class SanlockImpl : public SanlockLockManager {
     // waiting markers are hints, read once (a flush point asks for each
     // cached lock).
     const bool hint = id.kind == LockKind::kWanted || id.kind == LockKind::kWaiting;
-    ASSIGN_OR_RETURN(std::vector<LockRecord> recs,
-                     ReadPartition(PartitionOf(id), hint ? LockTableRead::kOnce : LockTableRead::kConsistent));
+    ASSIGN_OR_RETURN(
+        std::vector<LockRecord> recs,
+        ReadPartition(PartitionOf(id), hint ? LockTableRead::kOnce : LockTableRead::kConsistent));
     for (const LockRecord& r : recs) {
       if (!Matches(r, id) || r.host == opts_.host_id) continue;
       ASSIGN_OR_RETURN(bool live, HolderLive(r));
@@ -958,8 +959,9 @@ Result<std::vector<LockRecord>> ReadLockTablePartition(BlockDevice* dev, const L
     if (previous && previous->first == seqs) return std::move(previous->second);
     previous.emplace(std::move(seqs), std::move(r).value());
   }
-  return Status::Unavailable("lock table partition " + std::to_string(p) + " changed under each of " +
-                             std::to_string(kChangedRetries) + " reads without its lease");
+  return Status::Unavailable("lock table partition " + std::to_string(p) +
+                             " changed under each of " + std::to_string(kChangedRetries) +
+                             " reads without its lease");
 }
 
 Result<std::unique_ptr<SanlockLockManager>> SanlockLockManager::Open(BlockDevice* dev,

@@ -56,7 +56,9 @@ Global g;
 
 std::string CtlText() {
   std::lock_guard<std::mutex> l(g.mu);
-  const char* s = g.state == HoldState::kIdle ? "idle" : g.state == HoldState::kArmed ? "armed" : "held";
+  const char* s = g.state == HoldState::kIdle    ? "idle"
+                  : g.state == HoldState::kArmed ? "armed"
+                                                 : "held";
   return std::string("state=") + s + " writes=" + std::to_string(g.writes) + "\n";
 }
 
@@ -102,7 +104,9 @@ int OpOpen(const char* path, fuse_file_info* fi) {
   return 0;
 }
 
-int OpTruncate(const char*, off_t, fuse_file_info*) { return 0; }
+int OpTruncate(const char*, off_t, fuse_file_info*) {
+  return 0;
+}
 
 int OpRead(const char* path, char* buf, size_t len, off_t off, fuse_file_info*) {
   if (std::strcmp(path, kCtlPath) == 0) {
@@ -153,8 +157,12 @@ int OpWrite(const char* path, const char* buf, size_t len, off_t off, fuse_file_
   return static_cast<int>(n);
 }
 
-int OpFsync(const char*, int, fuse_file_info*) { return ::fdatasync(g.fd) == 0 ? 0 : -errno; }
-int OpFlush(const char*, fuse_file_info*) { return 0; }
+int OpFsync(const char*, int, fuse_file_info*) {
+  return ::fdatasync(g.fd) == 0 ? 0 : -errno;
+}
+int OpFlush(const char*, fuse_file_info*) {
+  return 0;
+}
 
 void OpDestroy(void*) {
   std::lock_guard<std::mutex> l(g.mu);

@@ -55,8 +55,7 @@ class InterleavingDevice : public BlockDevice {
       auto hook = std::move(between_blocks);
       between_blocks = nullptr;
       hook();
-      return mem_.Read(off + kBlockSize, static_cast<uint8_t*>(buf) + kBlockSize,
-                       len - kBlockSize);
+      return mem_.Read(off + kBlockSize, static_cast<uint8_t*>(buf) + kBlockSize, len - kBlockSize);
     }
     return mem_.Read(off, buf, len);
   }
