@@ -279,6 +279,11 @@ Result<uint64_t> ExportTable::Describe(const std::string& name) {
     auto it = exports_.find(name);
     if (it != exports_.end()) return it->second->size();
   }
+  ASSIGN_OR_RETURN(FileInfo found, LookupExportFile(name));
+  return found.size;
+}
+
+Result<FileInfo> ExportTable::LookupExportFile(const std::string& name) {
   Result<FileInfo> found = vol_->Lookup(name);
   if (!found.ok() || found->kind != FileKind::kRegular) {
     if (found.ok() || found.status().code() == Status::Code::kNotFound) {
@@ -286,7 +291,7 @@ Result<uint64_t> ExportTable::Describe(const std::string& name) {
     }
     return found.status();
   }
-  return found->size;
+  return found;
 }
 
 Result<std::shared_ptr<Export>> ExportTable::Acquire(const std::string& name, double wait_s) {
@@ -348,13 +353,7 @@ Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name)
       return it->second;
     }
   }
-  Result<FileInfo> found = vol_->Lookup(name);
-  if (!found.ok() || found->kind != FileKind::kRegular) {
-    if (found.ok() || found.status().code() == Status::Code::kNotFound) {
-      return Status::NotFound("no export named '" + name + "' on this volume");
-    }
-    return found.status();
-  }
+  RETURN_IF_ERROR(LookupExportFile(name).status());
   Result<std::unique_ptr<File>> file = vol_->OpenFile(name);
   if (!file.ok()) {
     if (file.status().code() == Status::Code::kLocked) {

@@ -250,6 +250,9 @@ class ExportTable {
 
  private:
   Result<std::shared_ptr<Export>> TryAcquire(const std::string& name) EXCLUDES(mu_, open_mu_);
+  // The regular file `name` names (no lock taken); kNotFound, worded for
+  // a client, when there is none.
+  Result<FileInfo> LookupExportFile(const std::string& name);
   void Close(const std::shared_ptr<Export>& e);
   Volume* const vol_;
   WriteMonitor* const monitor_;

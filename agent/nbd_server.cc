@@ -217,6 +217,14 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
                                                     server_->opts_.open_wait_s));
   }
 
+  // What GO and INFO tell a client about an export.
+  static nbd::ExportInfo InfoOf(const std::string& name, uint64_t size) {
+    nbd::ExportInfo info;
+    info.size = size;
+    info.description = "dede volume file '" + name + "'";
+    return info;
+  }
+
   // NBD_OPT_INFO: the export's size without entering it. Opening the file
   // for it (as GO does) took its lock, waited up to --open-wait when
   // another host's VM held it, and closed it again with a volume sync:
@@ -229,10 +237,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       asio::post(self->strand_, [self, size, name] {
         self->waiting_backend_ = false;
         if (size.ok()) {
-          nbd::ExportInfo info;
-          info.size = size.value();
-          info.description = "dede volume file '" + name + "'";
-          self->session_.ReplyExport(info);
+          self->session_.ReplyExport(InfoOf(name, size.value()));
         } else {
           // Not available (ERR_SHUTDOWN would end the client's whole
           // session, a listing of every disk with it).
@@ -276,11 +281,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
         });
         return;
       }
-      nbd::ExportInfo info;
-      if (e.ok()) {
-        info.size = (*e)->size();
-        info.description = "dede volume file '" + name + "'";
-      }
+      const nbd::ExportInfo info = e.ok() ? InfoOf(name, (*e)->size()) : nbd::ExportInfo{};
       asio::post(self->strand_, [self, e = std::move(e), info, table]() mutable {
         self->waiting_backend_ = false;
         if (!e.ok()) {

@@ -606,6 +606,15 @@ class HoldFuse {
   }
   std::string lun() const { return mount_dir_ + "/lun"; }
   void Hold(uint64_t offset) { Control("hold " + std::to_string(offset)); }
+  // Whether the armed hold has caught a write (within 10 s).
+  bool WaitHeld() const {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (State().rfind("state=held", 0) != 0) {
+      if (std::chrono::steady_clock::now() - t0 > std::chrono::seconds(10)) return false;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return true;
+  }
   void Release() { Control("release"); }
   std::string State() const {
     std::ifstream f(mount_dir_ + "/ctl");
@@ -630,6 +639,31 @@ class HoldFuse {
   int pid_ = -1;
 };
 
+// tgtd serving a LUN whose backing file is a HoldFuse's, and a device on
+// it with `sessions` sessions and a 1 s command timeout. Torn down device
+// first, then tgtd, then the FUSE file.
+struct HeldTarget {
+  explicit HeldTarget(uint32_t sessions)
+      : backing(SparseFile(dir, "backing.img")), fuse(backing, dir.file("mnt")) {
+    fuse.WaitMounted();
+    rig = std::make_unique<TgtdRig>(fuse.lun());
+    DeviceOptions opts;
+    opts.iscsi_command_timeout_ms = 1000;
+    opts.iscsi_sessions = sessions;
+    dev = MustOpen(rig->url(), opts);
+  }
+  static std::string SparseFile(const TempDir& d, const std::string& name) {
+    const std::string path = d.file(name);
+    CreateSparseFile(path, kLunSize);
+    return path;
+  }
+  TempDir dir;
+  const std::string backing;
+  HoldFuse fuse;
+  std::unique_ptr<TgtdRig> rig;
+  std::unique_ptr<BlockDevice> dev;
+};
+
 }  // namespace
 
 TEST_CASE("iSCSI: a WRITE lost with its session is sent again only once the target has finished it",
@@ -647,15 +681,9 @@ TEST_CASE("iSCSI: a WRITE lost with its session is sent again only once the targ
   // the second B waited behind the held one too and the write failed
   // after its second timeout instead; a target writing in parallel would
   // have let it through.)
-  TempDir dir;
-  const std::string backing = dir.file("backing.img");
-  CreateSparseFile(backing, kLunSize);
-  HoldFuse fuse(backing, dir.file("mnt"));
-  fuse.WaitMounted();
-  auto rig = std::make_unique<TgtdRig>(fuse.lun());
-  DeviceOptions opts;
-  opts.iscsi_command_timeout_ms = 1000;
-  auto dev = MustOpen(rig->url(), opts);
+  HeldTarget t(1);
+  BlockDevice* dev = t.dev.get();
+  HoldFuse& fuse = t.fuse;
 
   constexpr uint64_t kAt = 8 * kMiB;
   const auto a = RandomBytes(4096, 71), b = RandomBytes(4096, 72), c = RandomBytes(4096, 73);
@@ -669,11 +697,7 @@ TEST_CASE("iSCSI: a WRITE lost with its session is sent again only once the targ
     b_done = Clock::now();
     if (sb.ok()) sc = dev->Write(kAt, c.data(), c.size());
   });
-  const auto t0 = Clock::now();
-  while (fuse.State().rfind("state=held", 0) != 0 && Clock::now() - t0 < std::chrono::seconds(10)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
-  const bool held = fuse.State().rfind("state=held", 0) == 0;
+  const bool held = fuse.WaitHeld();
   // Two and a half command timeouts: long enough for the old behaviour to
   // send B and C again, well inside the reset's wait (2 x 1 s + 10 s).
   std::this_thread::sleep_for(std::chrono::milliseconds(2500));
@@ -692,9 +716,7 @@ TEST_CASE("iSCSI: a WRITE lost with its session is sent again only once the targ
   std::vector<uint8_t> got(4096);
   REQUIRE(dev->Read(kAt, got.data(), got.size()).ok());
   CHECK(got == c);
-  CHECK(ReadFile(backing, kAt, 4096) == c);
-  dev.reset();
-  rig.reset();
+  CHECK(ReadFile(t.backing, kAt, 4096) == c);
 }
 
 TEST_CASE("iSCSI: while a lost WRITE is fenced, the device's other sessions send nothing",
@@ -705,16 +727,9 @@ TEST_CASE("iSCSI: while a lost WRITE is fenced, the device's other sessions send
   // a command the device sends may follow the lost one's effect, whichever
   // session carries it. (READs do go on in this FUSE file while a write
   // is held, so without the shared fence the READ came back at once.)
-  TempDir dir;
-  const std::string backing = dir.file("backing.img");
-  CreateSparseFile(backing, kLunSize);
-  HoldFuse fuse(backing, dir.file("mnt"));
-  fuse.WaitMounted();
-  auto rig = std::make_unique<TgtdRig>(fuse.lun());
-  DeviceOptions opts;
-  opts.iscsi_command_timeout_ms = 1000;
-  opts.iscsi_sessions = 2;
-  auto dev = MustOpen(rig->url(), opts);
+  HeldTarget t(2);
+  BlockDevice* dev = t.dev.get();
+  HoldFuse& fuse = t.fuse;
 
   constexpr uint64_t kAt = 8 * kMiB;
   const auto a = RandomBytes(4096, 81), b = RandomBytes(4096, 82);
@@ -723,12 +738,8 @@ TEST_CASE("iSCSI: while a lost WRITE is fenced, the device's other sessions send
   using Clock = std::chrono::steady_clock;
   Status sb;
   std::thread writer([&] { sb = dev->Write(kAt, b.data(), b.size()); });
-  const auto t0 = Clock::now();
-  while (fuse.State().rfind("state=held", 0) != 0 && Clock::now() - t0 < std::chrono::seconds(10)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  const bool held = fuse.WaitHeld();
   const auto held_at = Clock::now();
-  const bool held = fuse.State().rfind("state=held", 0) == 0;
   Clock::time_point released;
   std::thread releaser([&] {
     std::this_thread::sleep_until(held_at + std::chrono::milliseconds(4000));
@@ -752,6 +763,4 @@ TEST_CASE("iSCSI: while a lost WRITE is fenced, the device's other sessions send
   CHECK(read_done >= released);
   REQUIRE(dev->Read(kAt, got.data(), got.size()).ok());
   CHECK(got == b);
-  dev.reset();
-  rig.reset();
 }

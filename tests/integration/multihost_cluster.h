@@ -221,11 +221,6 @@ class Cluster {
       std::this_thread::sleep_for(std::chrono::milliseconds(50));
     }
   }
-  static uint64_t CountOf(const std::string& text, const std::string& what) {
-    uint64_t n = 0;
-    for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) n++;
-    return n;
-  }
   void PowerOff(const std::string& name) {
     auto it = vms_.find(name);
     REQUIRE(it != vms_.end());

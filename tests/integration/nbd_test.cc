@@ -34,6 +34,7 @@ namespace dede {
 namespace {
 
 using test::BinaryPath;
+using test::CountOf;
 using test::CreateSparseFile;
 using test::DescribeRun;
 using test::ReadWholeFile;
@@ -1256,14 +1257,7 @@ TEST_CASE("dedupd out of file descriptors waits to accept instead of spinning", 
   INFO("dedupd CPU over 2 s with connections it cannot accept: " << cpu << " s");
   CHECK(cpu < 0.5);
   CHECK(greeted == 8);
-  const size_t warnings = [&] {
-    size_t n = 0;
-    for (size_t at = log.find("accepting an NBD connection"); at != std::string::npos;
-         at = log.find("accepting an NBD connection", at + 1)) {
-      n++;
-    }
-    return n;
-  }();
+  const uint64_t warnings = CountOf(log, "accepting an NBD connection");
   CHECK(warnings >= 1);
   CHECK(warnings <= 2);
 }

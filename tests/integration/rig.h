@@ -71,6 +71,14 @@ bool ChildRunning(int* pid);
 // Creates a file of `size` bytes (sparse).
 void CreateSparseFile(const std::string& path, uint64_t size);
 
+// How many times `what` occurs in `text` (overlapping ones too), e.g. a
+// line in a daemon's log.
+inline uint64_t CountOf(const std::string& text, const std::string& what) {
+  uint64_t n = 0;
+  for (size_t p = text.find(what); p != std::string::npos; p = text.find(what, p + 1)) n++;
+  return n;
+}
+
 // A tgtd serving one LUN (lun 1) backed by a file, on 127.0.0.1:<free port>,
 // with its own control socket. Started in the constructor; the destructor
 // deletes the target and stops tgtd by pid ("tgtadm --op delete --mode
