@@ -808,7 +808,9 @@ int Run(const Config& cfg) {
                 {"connections_refused", nbd_stats.connections_refused},
                 {"protocol_errors", nbd_stats.protocol_errors},
                 {"requests", nbd_stats.requests},
-                {"request_errors", nbd_stats.request_errors}};
+                {"request_errors", nbd_stats.request_errors},
+                {"bytes_read", nbd_stats.bytes_read},
+                {"bytes_written", nbd_stats.bytes_written}};
     j["writes_answered_early"] = totals.writes_answered_early;
     j["read_ahead"] = ReadAheadJson(totals.read_ahead);
     j["read_ahead"]["memory_used"] = table.read_ahead_budget().used();
@@ -953,6 +955,10 @@ int Run(const Config& cfg) {
               j["nbd"]["requests"].get<double>(), host);
     m.Counter("dede_nbd_request_errors_total", "NBD requests answered with an error",
               j["nbd"]["request_errors"].get<double>(), host);
+    m.Counter("dede_nbd_read_bytes_total", "Bytes of NBD READs answered without error",
+              j["nbd"]["bytes_read"].get<double>(), host);
+    m.Counter("dede_nbd_written_bytes_total", "Bytes of NBD WRITEs answered without error",
+              j["nbd"]["bytes_written"].get<double>(), host);
     m.Gauge("dede_leases_held", "Locks and leases this dedupd holds", double(j["leases"].size()), host);
     m.Gauge("dede_in_window", "1 inside a dedup window (or when the policy has none)",
             j["policy"]["in_window"].get<bool>() ? 1 : 0, host);

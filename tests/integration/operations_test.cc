@@ -395,6 +395,16 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
   // while the policy has windows), and a foreground pass is refused.
   std::this_thread::sleep_for(std::chrono::seconds(3));
   json s = Status(d);
+  // The NBD counters: exactly the two clients' payloads, in both views.
+  CHECK(s["nbd"]["bytes_written"] == 2 * kMiB);
+  CHECK(s["nbd"]["bytes_read"] == 0);
+  CHECK(s["nbd"]["connections_total"] >= 2);  // and the rig's readiness probe
+  {
+    const std::string text = Dede({"status", "--control", d.control()});
+    INFO(text);
+    CHECK(text.find("nbd         0 connections open (") != std::string::npos);
+    CHECK(text.find(", 2.0 MiB written, 0 B read") != std::string::npos);
+  }
   CHECK(s["policy"]["in_window"] == false);
   CHECK(s["policy"]["rate_bytes_per_s"] == 20'000'000);
   CHECK(s["passes"]["completed"] == 0);
@@ -441,6 +451,8 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
   CHECK(body.find("dede_in_window{host=\"1\"} 0") != std::string::npos);
   CHECK(body.find("# TYPE dede_nbd_connections_refused_total counter") != std::string::npos);
   CHECK(body.find("dede_nbd_connections{host=\"1\"} 0") != std::string::npos);
+  CHECK(body.find("dede_nbd_written_bytes_total{host=\"1\"} 0") != std::string::npos);
+  CHECK(body.find("# TYPE dede_nbd_read_bytes_total counter") != std::string::npos);
   REQUIRE(d2.Stop() == 0);
 }
 

@@ -221,6 +221,34 @@ void PrintLeases(const json& r) {
   }
 }
 
+// The NBD server's counters since dedupd started.
+void PrintNbd(const json& r) {
+  const json* n = Object(r, "nbd");
+  if (n == nullptr) return;
+  std::vector<std::string> parts;
+  if (auto open = Uint(*n, "connections_open")) {
+    std::string text = Count(*open, "connection") + " open";
+    std::vector<std::string> since;
+    if (auto v = Uint(*n, "connections_total")) since.push_back(std::to_string(*v) + " accepted");
+    if (auto v = Uint(*n, "connections_refused"); v && *v > 0) {
+      since.push_back(std::to_string(*v) + " refused at --max-connections");
+    }
+    if (!since.empty()) text += " (" + Join(since, ", ") + ")";
+    parts.push_back(text);
+  }
+  if (auto v = Uint(*n, "requests")) {
+    std::string text = Count(*v, "request");
+    if (auto e = Uint(*n, "request_errors"); e && *e > 0) text += " (" + std::to_string(*e) + " failed)";
+    parts.push_back(text);
+  }
+  if (auto v = Uint(*n, "bytes_written")) parts.push_back(HumanSize(*v) + " written");
+  if (auto v = Uint(*n, "bytes_read")) parts.push_back(HumanSize(*v) + " read");
+  if (auto v = Uint(*n, "protocol_errors"); v && *v > 0) {
+    parts.push_back(Count(*v, "connection") + " closed for malformed traffic");
+  }
+  if (!parts.empty()) Line("nbd", Join(parts, ", "));
+}
+
 void PrintMonitor(const json& r) {
   const json* field = Field(r, "monitor");
   if (field != nullptr && field->is_null()) {
@@ -428,6 +456,7 @@ int RunStatus(const Command& cmd, const std::vector<std::string>& args) {
   }
   PrintDaemon(r);
   PrintExports(r);
+  PrintNbd(r);
   PrintLeases(r);
   PrintMonitor(r);
   PrintPolicy(r);
