@@ -14,6 +14,7 @@
 #include <deque>
 #include <filesystem>
 
+#include "util/fd_closer.h"
 #include "util/log.h"
 #include "util/mutex.h"
 
@@ -394,17 +395,6 @@ bool WaitFor(int fd, short events, std::chrono::steady_clock::time_point deadlin
   }
 }
 
-class FdGuard {
- public:
-  explicit FdGuard(int fd) : fd_(fd) {}
-  ~FdGuard() { ::close(fd_); }
-  FdGuard(const FdGuard&) = delete;
-  FdGuard& operator=(const FdGuard&) = delete;
-
- private:
-  int fd_;
-};
-
 // Replies are small; this only stops a confused peer from filling memory.
 constexpr size_t kMaxReply = size_t{64} << 20;
 
@@ -419,7 +409,7 @@ Result<json> ControlRequest(const std::string& path, const json& request,
   }
   int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (fd < 0) return Status::FromErrno("creating a socket", errno);
-  FdGuard guard(fd);
+  FdCloser guard(fd);
 
   sockaddr_un addr = UnixAddress(path);
   while (::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0) {

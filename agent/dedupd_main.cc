@@ -129,7 +129,8 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("lease-io-timeout", po::value(&cfg->lease_io_timeout)->value_name("SEC"), "sanlock volumes: io_timeout of this host's lockspace membership when it joins (default: the daemon's, 10); once joined, the membership keeps the io_timeout of the process that joined first, and dedupd uses that one")
       ("fence-after", po::value(&cfg->fence_after)->value_name("SEC"), "sanlock volumes: stop (exit) when this host's lease was last seen renewed SEC seconds ago (default 8 x io_timeout + 30, before other hosts may call this one dead at 8 x io_timeout + 60; at least 4 x io_timeout + 4)")
       ("socket", po::value(&cfg->socket)->value_name("PATH"), "Unix socket to serve NBD on")
-      ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port)")
+      ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port), to the local users the Unix socket admits "
+       "(root, its owner, members of its group)")
       ("config", po::value(&config_file)->value_name("FILE"), "read options from FILE (lines: name = value)")
       ("threads", po::value(&cfg->threads)->value_name("N"), "worker threads for volume I/O (default 8)")
       ("iscsi-sessions", po::value(&cfg->iscsi_sessions)->value_name("N"), "iscsi:// volumes: sessions logged in to the LUN, each carrying one command at a time, so up to N volume commands are in flight (default 4)")
@@ -147,7 +148,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
       ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that)")
       ("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"), "on SIGTERM, a client that takes none of its replies for SEC seconds loses them and is disconnected, so that a stuck client cannot keep the other disks' locks (default 10)")
-      ("max-connections", po::value(&cfg->max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs)")
+      ("max-connections", po::value(&cfg->max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs; TCP connections waiting for their user check count for TCP)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600)")
       ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30)")
@@ -806,6 +807,7 @@ int Run(const Config& cfg) {
     j["nbd"] = {{"connections_open", nbd_stats.connections_open},
                 {"connections_total", nbd_stats.connections_total},
                 {"connections_refused", nbd_stats.connections_refused},
+                {"connections_denied", nbd_stats.connections_denied},
                 {"protocol_errors", nbd_stats.protocol_errors},
                 {"requests", nbd_stats.requests},
                 {"request_errors", nbd_stats.request_errors},
@@ -949,6 +951,9 @@ int Run(const Config& cfg) {
     m.Counter("dede_nbd_connections_refused_total",
               "NBD connections closed at once: --max-connections were open",
               j["nbd"]["connections_refused"].get<double>(), host);
+    m.Counter("dede_nbd_connections_denied_total",
+              "NBD TCP connections closed: their user may not use the Unix socket",
+              j["nbd"]["connections_denied"].get<double>(), host);
     m.Counter("dede_nbd_protocol_errors_total", "NBD connections closed for malformed traffic",
               j["nbd"]["protocol_errors"].get<double>(), host);
     m.Counter("dede_nbd_requests_total", "NBD requests received",

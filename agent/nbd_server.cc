@@ -7,9 +7,11 @@
 #include <unistd.h>
 
 #include <boost/asio/local/stream_protocol.hpp>
+#include <cerrno>
 #include <cstring>
 #include <deque>
 
+#include "agent/tcp_peer_access.h"
 #include "util/log.h"
 
 namespace dede {
@@ -505,6 +507,7 @@ NbdServer::NbdServer(asio::io_context& io, ExportTable* table, const NbdServerOp
 
 NbdServer::~NbdServer() {
   pool_.join();
+  admission_pool_.join();
   if (!opts_.unix_socket.empty() && unix_acceptor_) ::unlink(opts_.unix_socket.c_str());
 }
 
@@ -545,8 +548,17 @@ Status NbdServer::Listen() {
     ::chmod(path.c_str(), 0660);
     unix_acceptor_ = std::move(acc);
   }
+  access_uid_ = ::geteuid();
+  access_gid_ = ::getegid();
+  if (struct stat st; unix_acceptor_ && ::stat(opts_.unix_socket.c_str(), &st) == 0) {
+    // Its group may be the directory's (a setgid /run/dede).
+    access_uid_ = st.st_uid;
+    access_gid_ = st.st_gid;
+  }
   if (opts_.tcp_port >= 0) {
-    // Loopback only: NBD has no authentication here.
+    // Loopback only: NBD has no authentication here. Each client's user
+    // is checked (AdmitIfPermitted), which needs the kernel's sock_diag.
+    RETURN_IF_ERROR(CheckSockDiag());
     asio::ip::tcp::endpoint tep(asio::ip::address_v4::loopback(), static_cast<uint16_t>(opts_.tcp_port));
     asio::generic::stream_protocol::endpoint ep{tep};
     auto acc = std::make_unique<Acceptor>(io_);
@@ -578,35 +590,37 @@ void NbdServer::Accept(Acceptor* acceptor) {
       if (shutting_down_) return;
     }
     if (!ec) {
+      const bool tcp = acceptor == tcp_acceptor_.get();
       size_t open_now;
+      bool checks_full;
       {
         MutexLock l(&mu_);
-        open_now = conns_.size();
+        open_now = conns_.size() + (tcp ? admitting_ : 0);
+        checks_full = tcp && admitting_ >= kMaxAdmitting;
       }
-      if (open_now >= opts_.max_connections) {
+      if (open_now >= opts_.max_connections || checks_full) {
         c_refused_++;
         if (WarningDue(&last_refusal_warning_)) {
-          LOG(kWarning) << "refusing NBD connections: " << open_now
-                        << " are open, the most allowed (--max-connections); "
-                        << c_refused_.load() << " refused so far";
+          if (checks_full) {
+            LOG(kWarning) << "refusing NBD connections on 127.0.0.1: " << kMaxAdmitting
+                          << " are waiting for their user check; " << c_refused_.load()
+                          << " refused so far";
+          } else {
+            LOG(kWarning) << "refusing NBD connections: " << open_now
+                          << " are open, the most allowed (--max-connections); "
+                          << c_refused_.load() << " refused so far";
+          }
         }
         boost::system::error_code ignored;
         sock.close(ignored);
         Accept(acceptor);
         return;
       }
-      if (sock.local_endpoint().protocol().family() == AF_INET) {
-        int one = 1;
-        ::setsockopt(sock.native_handle(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      if (tcp) {
+        AdmitIfPermitted(std::move(sock));
+      } else {
+        Admit(std::move(sock));
       }
-      uint64_t id = ++c_total_;
-      auto c = std::make_shared<NbdConnection>(this, std::move(sock), id);
-      {
-        MutexLock l(&mu_);
-        conns_.insert(c);
-      }
-      LOG(kDebug) << "nbd connection " << id << " accepted";
-      c->Start();
       Accept(acceptor);
       return;
     }
@@ -624,6 +638,71 @@ void NbdServer::Accept(Acceptor* acceptor) {
       Accept(acceptor);
     }
   });
+}
+
+void NbdServer::Admit(Socket sock) {
+  {
+    MutexLock l(&mu_);
+    if (shutting_down_) return;  // the socket closes with `sock`
+  }
+  if (sock.local_endpoint().protocol().family() == AF_INET) {
+    int one = 1;
+    ::setsockopt(sock.native_handle(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+  }
+  uint64_t id = ++c_total_;
+  auto c = std::make_shared<NbdConnection>(this, std::move(sock), id);
+  {
+    MutexLock l(&mu_);
+    conns_.insert(c);
+  }
+  LOG(kDebug) << "nbd connection " << id << " accepted";
+  c->Start();
+}
+
+void NbdServer::AdmitIfPermitted(Socket sock) {
+  {
+    MutexLock l(&mu_);
+    admitting_++;
+  }
+  asio::post(admission_pool_, [this, sock = std::move(sock)]() mutable {
+    Status why_not = CheckTcpClient(sock);
+    asio::post(io_, [this, why_not = std::move(why_not), sock = std::move(sock)]() mutable {
+      {
+        MutexLock l(&mu_);
+        admitting_--;
+      }
+      if (why_not.ok()) {
+        Admit(std::move(sock));
+        return;
+      }
+      c_denied_++;
+      if (WarningDue(&last_denial_warning_)) {
+        LOG(kWarning) << "refusing an NBD connection on 127.0.0.1:" << tcp_port_ << ": "
+                      << why_not.message() << "; the port admits the users the Unix socket does "
+                      << "(root, uid " << access_uid_ << ", members of gid " << access_gid_
+                      << "); " << c_denied_.load() << " refused so far";
+      }
+    });
+  });
+}
+
+Status NbdServer::CheckTcpClient(Socket& sock) const {
+  sockaddr_in ours{}, theirs{};
+  socklen_t ours_len = sizeof(ours), theirs_len = sizeof(theirs);
+  const int fd = sock.native_handle();
+  if (::getsockname(fd, reinterpret_cast<sockaddr*>(&ours), &ours_len) != 0 ||
+      ::getpeername(fd, reinterpret_cast<sockaddr*>(&theirs), &theirs_len) != 0) {
+    return Status::FromErrno("the connection's addresses", errno);
+  }
+  const std::string from = "from port " + std::to_string(ntohs(theirs.sin_port));
+  Result<TcpSocketOwner> owner = LookupTcpSocketOwner(theirs, ours);
+  if (!owner.ok()) return Status::Invalid(from + ": cannot tell its user: " + owner.status().message());
+  if (!owner->held) return Status::Invalid(from + ": its socket is already closed");
+  if (!UserMayUseSocket(owner->uid, access_uid_, access_gid_)) {
+    return Status::Invalid(from + ": uid " + std::to_string(owner->uid) +
+                           " may not use the Unix socket");
+  }
+  return Status::Ok();
 }
 
 void NbdServer::AcceptLater(Acceptor* acceptor) {
@@ -700,6 +779,7 @@ NbdServerStats NbdServer::stats() {
   s.request_errors = c_request_errors_;
   s.protocol_errors = c_protocol_errors_;
   s.connections_refused = c_refused_;
+  s.connections_denied = c_denied_;
   s.bytes_read = c_bytes_read_;
   s.bytes_written = c_bytes_written_;
   return s;

@@ -59,6 +59,7 @@ struct NbdServerStats {
   uint64_t request_errors = 0;   // replies with a non-zero error
   uint64_t protocol_errors = 0;  // connections closed for bad traffic
   uint64_t connections_refused = 0;  // past max_connections
+  uint64_t connections_denied = 0;   // TCP clients the Unix socket would not admit
   uint64_t bytes_read = 0;       // payload of READs answered without error
   uint64_t bytes_written = 0;    // payload of WRITEs answered without error
 };
@@ -85,17 +86,31 @@ class NbdServer {
   void RunBlocking(F&& f) {
     boost::asio::post(pool_, std::forward<F>(f));
   }
-  // Waits for the worker pool to finish everything posted.
-  void JoinWorkers() { pool_.join(); }
+  // Waits for the worker pool (and the TCP client checks) to finish
+  // everything posted.
+  void JoinWorkers() {
+    pool_.join();
+    admission_pool_.join();
+  }
 
  private:
   friend class NbdConnection;
   using Acceptor = boost::asio::basic_socket_acceptor<boost::asio::generic::stream_protocol>;
+  using Socket = boost::asio::generic::stream_protocol::socket;
   void Accept(Acceptor* acceptor);
   // After an accept failed for want of descriptors or memory: the
   // connection stays in the listen backlog, so accepting again at once
   // would fail again at once, for ever, at full speed.
   void AcceptLater(Acceptor* acceptor);
+  // Starts serving an accepted connection (io thread).
+  void Admit(Socket sock) EXCLUDES(mu_);
+  // A TCP connection is served only if the user that made the client's
+  // socket could use the Unix socket too (tcp_peer_access.h). Checked on
+  // admission_pool_ (the user database may block: never on the volume
+  // I/O workers), then admitted or closed on the io thread.
+  void AdmitIfPermitted(Socket sock) EXCLUDES(mu_);
+  // Why the client of `sock` may not use the port; OK if it may.
+  Status CheckTcpClient(Socket& sock) const;
   // At most one warning per 10 s of each kind (refused connections,
   // failed accepts): true if one is due now, and then `*last` = now.
   bool WarningDue(std::chrono::steady_clock::time_point* last) EXCLUDES(mu_);
@@ -105,6 +120,9 @@ class NbdServer {
   ExportTable* const table_;
   const NbdServerOptions opts_;
   boost::asio::thread_pool pool_;
+  // One thread for the TCP client checks, so that a slow user database
+  // (sssd, LDAP) or a flood of local connects holds up no VM's I/O.
+  boost::asio::thread_pool admission_pool_{1};
   std::unique_ptr<Acceptor> unix_acceptor_;
   std::unique_ptr<Acceptor> tcp_acceptor_;
   // Each acceptor's pause after an accept failed for want of resources
@@ -112,18 +130,31 @@ class NbdServer {
   boost::asio::steady_timer unix_retry_;
   boost::asio::steady_timer tcp_retry_;
   uint16_t tcp_port_ = 0;
+  // Who the Unix socket admits besides root (its file's owner and group,
+  // or dedupd's effective user and group when there is none): the TCP
+  // port admits the same users. Written by Listen, before Start; read-only
+  // after.
+  uid_t access_uid_ = 0;
+  gid_t access_gid_ = 0;
 
   Mutex mu_;
   std::set<std::shared_ptr<NbdConnection>> conns_ GUARDED_BY(mu_);
   bool shutting_down_ GUARDED_BY(mu_) = false;
   std::chrono::steady_clock::time_point last_refusal_warning_ GUARDED_BY(mu_){};
   std::chrono::steady_clock::time_point last_accept_error_warning_ GUARDED_BY(mu_){};
+  std::chrono::steady_clock::time_point last_denial_warning_ GUARDED_BY(mu_){};
+  // TCP connections accepted and not yet admitted or closed (their check
+  // runs on admission_pool_): they count towards max_connections for TCP
+  // (not for the Unix socket, which local users cannot fill this way), and
+  // past kMaxAdmitting more are closed at once.
+  size_t admitting_ GUARDED_BY(mu_) = 0;
+  static constexpr size_t kMaxAdmitting = 64;
   std::function<void()> on_shutdown_ GUARDED_BY(mu_);
 
  public:
   // Counters (relaxed atomics, read by stats()).
   std::atomic<uint64_t> c_total_{0}, c_requests_{0}, c_request_errors_{0}, c_protocol_errors_{0},
-      c_bytes_read_{0}, c_bytes_written_{0}, c_refused_{0};
+      c_bytes_read_{0}, c_bytes_written_{0}, c_refused_{0}, c_denied_{0};
 };
 
 }  // namespace dede

@@ -6,6 +6,7 @@
 // through NBD). A raw NBD client in this file sends malformed traffic.
 #include <signal.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 #include <xxhash.h>
@@ -520,11 +521,9 @@ TEST_CASE("qemu-io aligned and unaligned writes and write-zeroes and discards wi
   REQUIRE(all.out.find(".dede-wlog-") != std::string::npos);  // vm2's is still there
 }
 
-TEST_CASE("TCP on 127.0.0.1 by option", "[nbd]") {
-  TestVolume tv({{"vm", 1 * kMiB}});
-  DedupdProcess d(tv.vol, 1, tv.sock, {"--tcp-port", "0"});
-  // The log names the port picked: "... on PATH and 127.0.0.1:PORT". The
-  // socket listens a moment before that line is written.
+// The port dedupd picked for --tcp-port 0: its log says "... on PATH and
+// 127.0.0.1:PORT". The socket listens a moment before that line is written.
+int TcpPortOf(const DedupdProcess& d) {
   std::string log;
   size_t at = std::string::npos;
   for (int i = 0; i < 500 && at == std::string::npos; i++) {
@@ -536,9 +535,79 @@ TEST_CASE("TCP on 127.0.0.1 by option", "[nbd]") {
   REQUIRE(at != std::string::npos);
   int port = std::stoi(log.substr(at + 10));
   REQUIRE(port > 0);
-  RunOk({RequireProgram("qemu-io"), "-f", "raw", "-c", "write -P 0x42 0 65536", "-c",
-         "read -P 0x42 0 65536", "nbd://127.0.0.1:" + std::to_string(port) + "/vm"});
+  return port;
+}
+
+// dedupd's NBD counters (`dede status --json`, "nbd").
+nlohmann::json NbdCountersOf(const DedupdProcess& d) {
+  ProcessResult status = RunOk({BinaryPath("dede"), "status", "--control", d.control(), "--json"});
+  return nlohmann::json::parse(status.out)["nbd"];
+}
+
+// argv run as another user, with only that user's primary group.
+std::vector<std::string> AsUser(uint32_t uid, uint32_t gid, std::vector<std::string> argv) {
+  std::vector<std::string> full = {RequireProgram("setpriv"), "--reuid=" + std::to_string(uid),
+                                   "--regid=" + std::to_string(gid), "--clear-groups"};
+  full.insert(full.end(), argv.begin(), argv.end());
+  return full;
+}
+
+TEST_CASE("TCP on 127.0.0.1 by option", "[nbd]") {
+  TestVolume tv({{"vm", 1 * kMiB}});
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--tcp-port", "0"});
+  const std::string uri = "nbd://127.0.0.1:" + std::to_string(TcpPortOf(d)) + "/vm";
+  const std::string qemu_io = RequireProgram("qemu-io");
+  RunOk({qemu_io, "-f", "raw", "-c", "write -P 0x42 0 65536", "-c", "read -P 0x42 0 65536", uri});
   REQUIRE(d.Stop() == 0);
+}
+
+// NBD has no authentication here: the port admits only the local users
+// the Unix socket (0660, dedupd's user and group) admits, asking the
+// kernel who made the client's socket (sock_diag).
+TEST_CASE("TCP on 127.0.0.1 admits only the users the Unix socket admits", "[nbd]") {
+  REQUIRE(::geteuid() == 0);  // clients run as other users
+  constexpr uint32_t kNobody = 65534, kNoGroup = 65534, kDaemon = 1;
+  TestVolume tv({{"vm", 1 * kMiB}});
+  const std::string qemu_io = RequireProgram("qemu-io");
+  {
+    // dedupd as root:root. Root gets in; nobody does not, and is told
+    // nothing but a closed connection (the log says why).
+    DedupdProcess d(tv.vol, 1, tv.sock, {"--tcp-port", "0"});
+    const std::string uri = "nbd://127.0.0.1:" + std::to_string(TcpPortOf(d)) + "/vm";
+    RunOk({qemu_io, "-f", "raw", "-c", "write -P 0x42 0 65536", uri});
+    ProcessResult denied =
+        RunProcess(AsUser(kNobody, kNoGroup, {qemu_io, "-f", "raw", "-c", "read 0 4096", uri}));
+    INFO(DescribeRun({"qemu-io as nobody"}, denied));
+    CHECK(denied.exit_code != 0);
+    const nlohmann::json nbd = NbdCountersOf(d);
+    INFO(nbd.dump());
+    CHECK(nbd["connections_denied"] == 1);
+    CHECK(nbd["bytes_read"] == 0);
+    INFO(d.Log());
+    CHECK(d.Log().find("uid 65534 may not use the Unix socket") != std::string::npos);
+    REQUIRE(d.Stop() == 0);
+  }
+  {
+    // dedupd with group nogroup, as its Unix socket is then: nobody (whose
+    // group that is) gets in and reads what root wrote; daemon does not.
+    const std::string sock = tv.dir.file("nogroup.sock");
+    DedupdProcess d(tv.vol, 1, sock, {"--tcp-port", "0"}, {},
+                    {RequireProgram("setpriv"), "--regid=" + std::to_string(kNoGroup),
+                     "--clear-groups", "--"});
+    struct stat st {};
+    REQUIRE(::stat(sock.c_str(), &st) == 0);
+    REQUIRE(st.st_gid == kNoGroup);
+    const std::string uri = "nbd://127.0.0.1:" + std::to_string(TcpPortOf(d)) + "/vm";
+    RunOk(AsUser(kNobody, kNoGroup, {qemu_io, "-f", "raw", "-c", "read -P 0x42 0 65536", uri}));
+    ProcessResult denied =
+        RunProcess(AsUser(kDaemon, kDaemon, {qemu_io, "-f", "raw", "-c", "read 0 4096", uri}));
+    CHECK(denied.exit_code != 0);
+    const nlohmann::json nbd = NbdCountersOf(d);
+    INFO(nbd.dump());
+    CHECK(nbd["connections_denied"] == 1);
+    CHECK(nbd["bytes_read"] == 65536);
+    REQUIRE(d.Stop() == 0);
+  }
 }
 
 // dedupd reads a QD1 sequential reader's next request ahead (read_ahead.h).
@@ -1211,8 +1280,7 @@ TEST_CASE("connections past --max-connections are closed at once, and the others
   CHECK(served);
   INFO(d.Log());
   CHECK(d.Log().find("refusing NBD connections: 2 are open") != std::string::npos);
-  ProcessResult st = RunOk({BinaryPath("dede"), "status", "--control", d.control(), "--json"});
-  const nlohmann::json nbd = nlohmann::json::parse(st.out)["nbd"];
+  const nlohmann::json nbd = NbdCountersOf(d);
   INFO(nbd.dump());
   CHECK(nbd["connections_refused"].get<uint64_t>() >= 1);
   CHECK(nbd["connections_open"].get<uint64_t>() >= 1);  // b, at least

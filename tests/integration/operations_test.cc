@@ -453,6 +453,7 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
   CHECK(body.find("dede_nbd_connections{host=\"1\"} 0") != std::string::npos);
   CHECK(body.find("dede_nbd_written_bytes_total{host=\"1\"} 0") != std::string::npos);
   CHECK(body.find("# TYPE dede_nbd_read_bytes_total counter") != std::string::npos);
+  CHECK(body.find("dede_nbd_connections_denied_total{host=\"1\"} 0") != std::string::npos);
   REQUIRE(d2.Stop() == 0);
 }
 

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "util/fd_closer.h"
 #include "util/status.h"
 #include "util/units.h"
 #include "volume/volume.h"
@@ -187,29 +188,7 @@ class InterruptGuard {
   bool interrupted() const;
 };
 
-// Closes a descriptor on every path out of a command.
-class FdCloser {
- public:
-  explicit FdCloser(int fd) : fd_(fd) {}
-  ~FdCloser() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  FdCloser(FdCloser&& o) noexcept : fd_(o.fd_) { o.fd_ = -1; }
-  FdCloser(const FdCloser&) = delete;
-  FdCloser& operator=(FdCloser&&) = delete;
-  FdCloser& operator=(const FdCloser&) = delete;
-  int get() const { return fd_; }
-  // Closes now, reporting the error a deferred write-back may surface.
-  Status Close(const std::string& path) {
-    int fd = fd_;
-    fd_ = -1;
-    if (::close(fd) != 0) return Status::FromErrno(path + ": close", errno);
-    return Status::Ok();
-  }
-
- private:
-  int fd_;
-};
+using dede::FdCloser;
 
 // Size of an open regular file or block device.
 Result<uint64_t> SizeOfFd(int fd, const std::string& path);

@@ -233,6 +233,9 @@ void PrintNbd(const json& r) {
     if (auto v = Uint(*n, "connections_refused"); v && *v > 0) {
       since.push_back(std::to_string(*v) + " refused at --max-connections");
     }
+    if (auto v = Uint(*n, "connections_denied"); v && *v > 0) {
+      since.push_back(std::to_string(*v) + " denied on TCP");
+    }
     if (!since.empty()) text += " (" + Join(since, ", ") + ")";
     parts.push_back(text);
   }
