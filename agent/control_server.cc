@@ -32,6 +32,11 @@ struct ControlServer::Shared {
   std::map<uint64_t, std::weak_ptr<ControlConnection>> conns GUARDED_BY(mu);
   uint64_t next_id GUARDED_BY(mu) = 0;
   bool stopped GUARDED_BY(mu) = false;
+  // Handlers posted to run_blocking and not yet returned: dedupd's
+  // shutdown waits for them (WaitForHandlers) before it closes the
+  // exports a handler may be using.
+  size_t running GUARDED_BY(mu) = 0;
+  std::condition_variable idle;  // running reached 0 (with mu)
 };
 
 namespace {
@@ -175,6 +180,15 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
       Send(ErrorLine("unknown cmd '" + cmd->get<std::string>() + "'"));
       return;
     }
+    {
+      MutexLock l(&shared_->mu);
+      if (shared_->stopped) {
+        // Stop ran (dedupd is shutting down): no handler starts now.
+        closing_ = true;
+        return;
+      }
+      shared_->running++;
+    }
     busy_ = true;
     shared_->run_blocking(
         [self = shared_from_this(), handler = &handler->second, request = std::move(request)] {
@@ -191,6 +205,10 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
             // A handler bug (a json type_error, say) must not take a worker
             // thread, and with it dedupd, down.
             reply = ErrorLine(std::string("internal error: ") + e.what());
+          }
+          {
+            MutexLock l(&self->shared_->mu);
+            if (--self->shared_->running == 0) self->shared_->idle.notify_all();
           }
           asio::post(self->strand_, [self, reply = std::move(reply)]() mutable {
             self->busy_ = false;
@@ -366,6 +384,11 @@ void ControlServer::Stop() {
       ::unlink(path_.c_str());
     }
   }
+}
+
+void ControlServer::WaitForHandlers() NO_THREAD_SAFETY_ANALYSIS {
+  std::unique_lock<std::mutex> l(shared_->mu.native());
+  shared_->idle.wait(l, [this]() NO_THREAD_SAFETY_ANALYSIS { return shared_->running == 0; });
 }
 
 size_t ControlServer::connections() const {

@@ -64,6 +64,11 @@ class ControlServer {
   // created. Idempotent; the destructor calls it.
   void Stop();
 
+  // After Stop: waits until every handler already started has returned
+  // (none starts after Stop). Blocks: call it on a worker thread, never on
+  // the io_context's (a handler's reply is posted there).
+  void WaitForHandlers();
+
   // Connections currently open (tests, status).
   size_t connections() const;
 

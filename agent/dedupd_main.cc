@@ -1045,6 +1045,10 @@ int Run(const Config& cfg) {
     cancel_pass = true;
     server.Shutdown([&] {
       server.RunBlocking([&] {
+        // A control handler may be using an export (set-dedup enters it
+        // as a client); CloseAll below closes exports whatever their
+        // clients.
+        if (control) control->WaitForHandlers();
         { std::lock_guard<std::mutex> wait_for_pass(pass_mu); }
         if (cfg.write_monitor) {
           flusher.Stop();

@@ -121,6 +121,10 @@ Status Export::Read(uint64_t offset, size_t len, IoBytes* out) {
   if (len > 0) {
     answered_.WaitForOverlapping(offset / kBlockSize, (offset + len - 1) / kBlockSize);
   }
+  if (lost_.load()) {
+    MutexLock l(&lost_mu_);
+    return lost_write_;
+  }
   return read_ahead_.Read(offset, len, out);
 }
 
@@ -176,11 +180,19 @@ Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua,
         st = (*in_place)->Write(buf);
         in_place->reset();
         read_ahead_.Invalidate(offset, len);
+        if (!st.ok()) {
+          {
+            MutexLock l(&lost_mu_);
+            if (lost_write_.ok()) lost_write_ = st;
+          }
+          lost_ = true;
+        }
         answered_.Done(ticket);
         if (!st.ok()) {
           LOG(kError) << "export '" << name_ << "': write at " << offset << "+" << len
                       << " failed after it was answered: " << st.ToString()
-                      << " (the volume stops taking writes; the next FLUSH reports it)";
+                      << " (the volume stops taking writes; the next FLUSH reports it, and "
+                         "every READ of the export fails from now on)";
         }
         if (monitor_) {
           if (st.ok()) {

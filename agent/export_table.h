@@ -159,6 +159,14 @@ class Export {
   BlockRangeLock ranges_;
   AnsweredWrites answered_;
   std::atomic<uint64_t> answered_early_{0};
+  // The first write that failed after it had been answered. Its blocks may
+  // hold the old content or part of the new, and the client was told they
+  // hold the new: from then on every READ fails with this error (writes
+  // and FLUSH already do: the failure poisoned the volume). Set before the
+  // write's ticket is done, so a READ that waited for the ticket sees it.
+  Mutex lost_mu_;
+  Status lost_write_ GUARDED_BY(lost_mu_);
+  std::atomic<bool> lost_{false};
   // Every content change invalidates it after its device I/O, before it is
   // acknowledged (Write, Trim, WriteZeroes); a write answered before its
   // device I/O also invalidates it before the answer.

@@ -529,3 +529,40 @@ TEST_CASE("control: a server destroyed while a handler runs leaves nothing dangl
   std::this_thread::sleep_for(50ms);
   loop.RunOnIo([] {});
 }
+
+// dedupd's shutdown closes every export once the NBD clients are gone; a
+// control handler still running (set-dedup enters an export as a client)
+// would find its file closed under it. The shutdown waits for them first.
+TEST_CASE("control: WaitForHandlers returns once the handlers started before Stop have",
+          "[control]") {
+  TempDir dir;
+  std::atomic<bool> release{false};
+  std::atomic<bool> entered{false};
+  std::atomic<bool> returned{false};
+  Loop loop;
+  ControlServer server(loop.io(), dir / "ctl", loop.run_blocking());
+  server.Handle("block", [&](const json&) -> Result<json> {
+    entered = true;
+    Eventually([&] { return release.load(); }, 30s);
+    returned = true;
+    return json{{"late", true}};
+  });
+  REQUIRE(server.Listen().ok());
+  loop.RunOnIo([&] { server.Start(); });
+  Client c(dir / "ctl");
+  REQUIRE(c.Send("{\"cmd\":\"block\"}\n"));
+  REQUIRE(Eventually([&] { return entered.load(); }));
+  loop.RunOnIo([&] { server.Stop(); });
+
+  auto waited = std::async(std::launch::async, [&] {
+    server.WaitForHandlers();
+    return returned.load();
+  });
+  CHECK(waited.wait_for(300ms) == std::future_status::timeout);
+  release = true;
+  REQUIRE(waited.wait_for(10s) == std::future_status::ready);
+  CHECK(waited.get());  // not before the handler had returned
+  // With nothing running it returns at once.
+  auto again = std::async(std::launch::async, [&] { server.WaitForHandlers(); });
+  CHECK(again.wait_for(2s) == std::future_status::ready);
+}

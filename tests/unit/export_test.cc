@@ -219,6 +219,36 @@ TEST_CASE("export: a write that fails after its answer fails the next FLUSH and 
   CHECK_FALSE(answered_ok);
 }
 
+// The client was told the write landed; its blocks may hold the old
+// content or part of the new. A READ must not hand either back as if it
+// were the data: from the failure on, every READ of the export fails.
+TEST_CASE("export: after a write fails past its answer, READs fail instead of returning old data",
+          "[export]") {
+  Rig r;  // the file's first half holds Pattern(.., 1)
+  const std::vector<uint8_t> data = Pattern(8 * kB, 3);
+  r.gate.Arm();
+  r.gate.FailHeld();
+  AsyncWrite w(r.ex.get(), 0, data, false);
+  OpenOnExit guard_w{&r.gate};
+  REQUIRE(r.gate.WaitHeld(10s));
+  REQUIRE(w.answered.wait_for(10s) == std::future_status::ready);
+  CHECK(w.answered.get().ok());
+  // A READ of the answered blocks waits for the write's outcome...
+  auto read = std::async(std::launch::async, [&] {
+    IoBytes out;
+    return r.ex->Read(0, 8 * kB, &out);
+  });
+  CHECK(read.wait_for(200ms) == std::future_status::timeout);
+  r.gate.Open();
+  CHECK(w.done.get().code() == Status::Code::kIoError);
+  // ...and then fails, as does a READ elsewhere in the export.
+  Status st = read.get();
+  INFO(st.ToString());
+  CHECK(st.code() == Status::Code::kIoError);
+  IoBytes other;
+  CHECK(r.ex->Read(32 * kB, 4 * kB, &other).code() == Status::Code::kIoError);
+}
+
 TEST_CASE("export: writes that may fail for want of space, or need FUA, are answered after the "
           "device write",
           "[export]") {
