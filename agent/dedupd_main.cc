@@ -762,6 +762,7 @@ int Run(const Config& cfg) {
                          {"saturations", fl.saturations},
                          {"capped_batches", fl.capped_batches},
                          {"capped_entries", fl.capped_entries},
+                         {"parked_files", flusher.parked_files()},
                          {"limit_percent", flusher.limit().percent},
                          {"limit_min_bytes", flusher.limit().min_bytes}};
     } else {

@@ -2,6 +2,7 @@
 
 #include <pthread.h>
 
+#include <algorithm>
 #include <chrono>
 #include <thread>
 
@@ -117,7 +118,84 @@ Status LogFlusher::FlushAll() {
     if (first.ok()) first = st;
   }
   CloseLogsLocked();
+  Status parked = AppendParked();
+  if (first.ok()) first = parked;
   return first;
+}
+
+namespace {
+
+// `batch` with every record turned into a changed block: its ranges,
+// sorted and merged (a merged range keeps the latest time), no records.
+void ReduceToInvalidations(MonitorBatch* batch) {
+  std::vector<InvalidRange> ranges = std::move(batch->invalidated);
+  for (const BlockRecord& r : batch->records) ranges.push_back({r.block, 1, r.time_ns});
+  batch->records.clear();
+  std::sort(ranges.begin(), ranges.end(),
+            [](const InvalidRange& a, const InvalidRange& b) { return a.first < b.first; });
+  std::vector<InvalidRange> merged;
+  for (const InvalidRange& r : ranges) {
+    if (r.count == 0) continue;
+    if (!merged.empty() && r.first <= merged.back().first + merged.back().count) {
+      InvalidRange& m = merged.back();
+      m.count = std::max(m.first + m.count, r.first + r.count) - m.first;
+      m.time_ns = std::max(m.time_ns, r.time_ns);
+    } else {
+      merged.push_back(r);
+    }
+  }
+  batch->invalidated = std::move(merged);
+}
+
+}  // namespace
+
+void LogFlusher::Park(MonitorBatch batch) {
+  auto [it, fresh] = parked_.try_emplace(batch.file);
+  MonitorBatch& p = it->second;
+  if (fresh) {
+    p = std::move(batch);
+  } else {
+    // A later batch of the same file (closed again while its log was still
+    // held): its changes join the earlier ones.
+    auto earliest = [](uint64_t a, uint64_t b) { return a == 0 ? b : b == 0 ? a : std::min(a, b); };
+    p.invalidated.insert(p.invalidated.end(), batch.invalidated.begin(), batch.invalidated.end());
+    p.records.insert(p.records.end(), batch.records.begin(), batch.records.end());
+    p.first_ns = earliest(p.first_ns, batch.first_ns);
+    p.last_ns = std::max(p.last_ns, batch.last_ns);
+    p.dropped_since_ns = earliest(p.dropped_since_ns, batch.dropped_since_ns);
+    p.dropped_records += batch.dropped_records;
+  }
+  ReduceToInvalidations(&p);
+}
+
+Status LogFlusher::AppendParked() {
+  Status first;
+  for (auto it = parked_.begin(); it != parked_.end();) {
+    const FileId id = it->first;
+    Status st = AppendToWriteLog(vol_, it->second);
+    if (st.code() == Status::Code::kLocked) {
+      ++it;  // still held: the next FlushAll tries again
+      continue;
+    }
+    if (st.ok()) {
+      stats_.flushes++;
+      LOG(kInfo) << "write log of file " << id.ino << "." << id.generation << ": "
+                 << it->second.invalidated.size()
+                 << " changed ranges logged after its export closed while the log was held";
+    } else {
+      stats_.failed++;
+      LOG(kWarning) << "write log of file " << id.ino << "." << id.generation
+                    << ": changes parked while the log was held are lost: " << st.ToString();
+      if (first.ok()) first = st;
+    }
+    it = parked_.erase(it);
+  }
+  return first;
+}
+
+size_t LogFlusher::parked_files() {
+  MutexLock l(&mu_);
+  return parked_.size();
 }
 
 Status LogFlusher::FlushFile(FileId id, double wait_s) {
@@ -134,9 +212,14 @@ Status LogFlusher::FlushFile(FileId id, double wait_s) {
       // Held by this process (a dedup pass consuming it, maybe on this very
       // thread, handing the disk back): waiting would be in vain.
       if (std::chrono::steady_clock::now() >= deadline || vol_->IsOpenHere(WriteLogName(id))) {
-        return Status::Locked("its write log is held elsewhere; " +
-                              std::to_string(monitor_->FileStats(id).buffered_records) +
-                              " buffered records were not logged");
+        MonitorBatch batch = monitor_->Take(id, {});
+        if (!batch.empty()) {
+          LOG(kInfo) << "write log of file " << id.ino << "." << id.generation
+                     << " is held elsewhere: its " << batch.entries()
+                     << " buffered changes wait, as changed blocks, until it is free";
+          Park(std::move(batch));
+        }
+        return Status::Ok();
       }
     }
     // Not under mu_: the other files' flushes go on meanwhile.

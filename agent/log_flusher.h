@@ -128,10 +128,15 @@ class LogFlusher {
   // Flushes one file (an export closing) and closes its log. While its log
   // is held by another process or host (a pass consuming it, `dede ls -l`
   // reading it), tries again for up to `wait_s` seconds (not when this
-  // process holds it: its pass), then gives up with kLocked: the
-  // batch is put back in the monitor, and dropping it there (RemoveFile)
-  // would lose its records, its invalidations and any drop mark it carries.
+  // process holds it: its pass). Then the batch is *parked*: taken from
+  // the monitor (the caller forgets the file there) and kept here as
+  // invalidations, which FlushAll appends once the log is free. Dropping
+  // it would leave the log's older records for those blocks standing, as
+  // if they still held that content; the holder (a pass) may even write
+  // such records back.
   Status FlushFile(FileId id, double wait_s = 0) EXCLUDES(mu_);
+  // Files with a parked batch (tests, status).
+  size_t parked_files() EXCLUDES(mu_);
   FlusherStats stats() EXCLUDES(mu_);
 
  private:
@@ -168,6 +173,15 @@ class LogFlusher {
   // flush interval, before a pass, at shutdown) and FlushFile still try,
   // and an append that succeeds takes the file out.
   std::set<FileId> no_space_ GUARDED_BY(mu_);
+  // Parked batches (FlushFile), reduced to invalidated ranges: every block
+  // a record described becomes a changed block. By the time the log is
+  // free another host may have logged newer records for those blocks, and
+  // an older fingerprint appended after them would win; an invalidation
+  // only has the next pass rehash the block. Appended by FlushAll.
+  std::map<FileId, MonitorBatch> parked_ GUARDED_BY(mu_);
+  void Park(MonitorBatch batch) REQUIRES(mu_);
+  // Appends the parked batches whose logs are free now.
+  Status AppendParked() REQUIRES(mu_);
   // Lock order: mu_ before files_mu_; files_mu_ is never held across I/O
   // (the export table takes it when opening and closing files). Whether a
   // log is full is the monitor's state (WriteMonitor::PauseForFullLog),

@@ -230,6 +230,25 @@ TEST_CASE("dedup=off on a live export: no records after the switch and no entrie
   CHECK(std::memcmp(b.data() + kMiB, xd.data(), kMiB) == 0);
   CHECK(std::memcmp(b.data() + 2 * kMiB, zd.data(), kMiB) == 0);
   RunOk({BinaryPath("dede"), "fsck", vol});
+
+  // Switched back on with no dedupd serving it: what vm-b got while off
+  // was never hashed, so the switch marks the whole file changed and the
+  // next pass rehashes it: the copy of X and the second Z are shared.
+  Dede({"set", vol, "vm-b", "dedup=on", "--control", dir.file("no-dedupd.ctl")});
+  DedupdProcess d3(vol, 1, dir.file("nbd3.sock"));
+  PassNow(vol, d3);
+  std::vector<uint8_t> b_after = ReadBack(dir, d3, "vm-b");
+  REQUIRE(d3.Stop() == 0);
+  ls = json::parse(Dede({"ls", vol, "-l", "--json"}));
+  for (const json& f : ls) {
+    INFO(f.dump());
+    if (f["name"] == "vm-b") {
+      CHECK(f["dedup"] == true);
+      CHECK(f["shared_blocks"].get<uint64_t>() >= 512);
+    }
+  }
+  CHECK(b_after == b);
+  RunOk({BinaryPath("dede"), "fsck", vol});
 }
 
 // Waits until `pred(status)` holds (30 s at most).

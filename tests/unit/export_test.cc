@@ -470,5 +470,70 @@ TEST_CASE("export: a close does not wait for a write log this process holds", "[
   t.table->Release(e);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   CHECK(s < 1.0);
-  CHECK(t.monitor.FileStats(id).buffered_records == 0);  // gone with the file (the log was taken)
+  CHECK(t.monitor.FileStats(id).buffered_records == 0);  // parked, then gone with the file
+  CHECK(t.flusher->parked_files() == 1);
+}
+
+// The case that matters: a pass of this dedupd holds the log, with a young
+// record for block 0 it will write back at its end, and gives the disk
+// back (its VM moved to another host) after the VM rewrote block 0. The
+// close used to drop the rewrite's record with the monitor's buffer; the
+// pass then wrote the old record back, and the log said block 0 still held
+// the old content, with no mark of anything lost.
+TEST_CASE("export: a close while this process's pass holds the log leaves the rewritten blocks "
+          "marked changed after the pass's write-back",
+          "[export]") {
+  LoggedExport t;
+  Volume* vol = t.vol.get();
+  const Uuid uuid = vol->superblock().uuid;
+  std::shared_ptr<Export> e = std::move(t.ex);
+  const FileId id = e->id();
+  const std::vector<uint8_t> old_data = Pattern(kB, 31), new_data = Pattern(kB, 32);
+  REQUIRE(e->Write(0, old_data.data(), kB, false).ok());
+  REQUIRE(e->Write(2 * kB, old_data.data(), kB, false).ok());
+  REQUIRE(t.flusher->FlushAll().ok());
+  // "The pass" takes the log and reads it: the records of blocks 0 and 2
+  // are young, so it keeps them to write back.
+  auto held = OpenWriteLog(vol, id);
+  REQUIRE(held.ok());
+  std::unique_ptr<File> log = std::move(held.value());
+  auto read = ReplayWriteLog(log.get(), HashAlgo::kXxh128, uuid, id);
+  REQUIRE(read.ok());
+  REQUIRE(read->records.size() == 2);
+  MonitorBatch deferred;
+  deferred.file = id;
+  for (const auto& [block, rec] : read->records) deferred.records.push_back(rec);
+  deferred.first_ns = deferred.records.front().time_ns;
+  deferred.last_ns = deferred.records.back().time_ns;
+  // The VM rewrites block 0 (and writes block 5), then leaves: the pass
+  // hands the disk back.
+  REQUIRE(e->Write(0, new_data.data(), kB, false).ok());
+  REQUIRE(e->Write(5 * kB, new_data.data(), kB, false).ok());
+  t.table->Release(e);
+  e.reset();
+  // The pass ends: the log is truncated, the young records written back.
+  REQUIRE(log->Truncate(0).ok());
+  REQUIRE(AppendToOpenWriteLog(vol, log.get(), deferred).ok());
+  log.reset();
+  // The next flush interval logs the parked changes.
+  REQUIRE(t.flusher->FlushAll().ok());
+  CHECK(t.flusher->parked_files() == 0);
+  auto opened = OpenWriteLog(vol, id);
+  REQUIRE(opened.ok());
+  auto state = ReplayWriteLog(opened.value().get(), HashAlgo::kXxh128, uuid, id);
+  REQUIRE(state.ok());
+  // Block 0's old fingerprint no longer stands; block 2's does (unchanged);
+  // blocks 0 and 5 are marked changed, for the next pass to rehash.
+  CHECK(state->records.count(0) == 0);
+  REQUIRE(state->records.count(2) == 1);
+  CHECK(state->records.at(2).fp == ComputeFingerprint(HashAlgo::kXxh128, old_data.data(), kB));
+  auto changed = [&](uint64_t block) {
+    for (const InvalidRange& r : state->invalidated) {
+      if (block >= r.first && block < r.first + r.count) return true;
+    }
+    return false;
+  };
+  CHECK(changed(0));
+  CHECK(changed(5));
+  CHECK_FALSE(changed(2));
 }
