@@ -672,7 +672,21 @@ Status VolumeImpl::Sync() {
   MutexLock l(&mu_);
   if (read_only_) return Status::Ok();
   RETURN_IF_ERROR(poisoned_);
-  if (clock_->MonotonicNanos() >= adopt_due_ns_) RETURN_IF_ERROR(AdoptOrphanDrops());
+  if (clock_->MonotonicNanos() >= adopt_due_ns_) {
+    // Housekeeping for other hosts' leftovers. Its failure (a host slot's
+    // lease unreadable for a moment, a dead host's journal that does not
+    // replay) is tried again when it is next due; it must neither fail
+    // this flush point nor skip its device flush, which the writes before
+    // it are waiting for (a client's FLUSH, an export's close before its
+    // lock goes to another host). A failure that matters for this host's
+    // own state poisoned the volume, which is checked next.
+    Status adopted = AdoptOrphanDrops();
+    if (!adopted.ok()) {
+      LOG(kWarning) << "adopting the reference drops of hosts that left: " << adopted.ToString()
+                    << " (tried again later)";
+    }
+    RETURN_IF_ERROR(poisoned_);
+  }
   // Deferred drops are applied at flush points, in the same commit.
   if (drop_count_ > 0) RETURN_IF_ERROR(DrainDrops(Drain::kIfDue));
   // A want announced for an increment held back (ApplyBlockOps no_wait)
