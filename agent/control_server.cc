@@ -180,14 +180,17 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
       Send(ErrorLine("unknown cmd '" + cmd->get<std::string>() + "'"));
       return;
     }
+    bool stopped;
     {
       MutexLock l(&shared_->mu);
-      if (shared_->stopped) {
-        // Stop ran (dedupd is shutting down): no handler starts now.
-        closing_ = true;
-        return;
-      }
-      shared_->running++;
+      stopped = shared_->stopped;
+      if (!stopped) shared_->running++;
+    }
+    if (stopped) {
+      // Stop ran (dedupd is shutting down): no handler starts now.
+      closing_ = true;
+      Send(ErrorLine("dedupd is stopping"));
+      return;
     }
     busy_ = true;
     shared_->run_blocking(

@@ -1059,6 +1059,9 @@ int Run(const Config& cfg) {
           }
         }
         table.CloseAll();
+        // A close whose log another host's pass held parked its changes
+        // (LogFlusher::FlushFile): one more try before the process ends.
+        if (cfg.write_monitor && flusher.parked_files() > 0) (void)flusher.FlushAll();
         if (Status st = vol->Sync(); !st.ok()) {
           LOG(kError) << "final volume flush: " << st.ToString();
           exit_code = kExitError;

@@ -409,8 +409,9 @@ void ExportTable::Close(const std::shared_ptr<Export>& e) {
   e->ranges_.Lock(0, UINT64_MAX);
   e->read_ahead_.Stop();
   if (flusher_) {
-    // A pass or `dede ls -l` may hold the log for a moment; what is not
-    // logged now is lost with the monitor's buffer below.
+    // A pass or `dede ls -l` may hold the log for a moment; what cannot be
+    // logged now is parked in the flusher as changed blocks (FlushFile),
+    // not lost with the monitor's buffer below.
     Status st = flusher_->FlushFile(e->id(), kCloseLogWaitS);
     if (!st.ok()) LOG(kWarning) << "export '" << e->name() << "': " << st.ToString();
   }

@@ -149,9 +149,10 @@ void ReduceToInvalidations(MonitorBatch* batch) {
 
 }  // namespace
 
-void LogFlusher::Park(MonitorBatch batch) {
+void LogFlusher::Park(MonitorBatch batch, uint64_t max_log_bytes) {
   auto [it, fresh] = parked_.try_emplace(batch.file);
-  MonitorBatch& p = it->second;
+  it->second.max_log_bytes = max_log_bytes;
+  MonitorBatch& p = it->second.batch;
   if (fresh) {
     p = std::move(batch);
   } else {
@@ -172,20 +173,31 @@ Status LogFlusher::AppendParked() {
   Status first;
   for (auto it = parked_.begin(); it != parked_.end();) {
     const FileId id = it->first;
-    Status st = AppendToWriteLog(vol_, it->second);
+    const MonitorBatch& batch = it->second.batch;
+    // With the file's limit: a log that reached it already says every
+    // block changed, and must not grow past it.
+    LogAppendOutcome outcome = LogAppendOutcome::kAppended;
+    Status st = AppendToWriteLog(vol_, batch, it->second.max_log_bytes, &outcome);
     if (st.code() == Status::Code::kLocked) {
       ++it;  // still held: the next FlushAll tries again
       continue;
     }
     if (st.ok()) {
-      stats_.flushes++;
+      if (outcome == LogAppendOutcome::kAppended) {
+        stats_.flushes++;
+        stats_.bytes += EncodedWriteLogBytes(batch, monitor_->algo());
+      } else {
+        stats_.capped_batches++;
+        stats_.capped_entries += batch.entries();
+      }
       LOG(kInfo) << "write log of file " << id.ino << "." << id.generation << ": "
-                 << it->second.invalidated.size()
+                 << batch.invalidated.size()
                  << " changed ranges logged after its export closed while the log was held";
     } else {
       stats_.failed++;
-      LOG(kWarning) << "write log of file " << id.ino << "." << id.generation
-                    << ": changes parked while the log was held are lost: " << st.ToString();
+      LOG(kWarning) << "write log of file " << id.ino << "." << id.generation << ": "
+                    << batch.entries() << " changes parked while the log was held are lost: "
+                    << st.ToString();
       if (first.ok()) first = st;
     }
     it = parked_.erase(it);
@@ -196,6 +208,16 @@ Status LogFlusher::AppendParked() {
 size_t LogFlusher::parked_files() {
   MutexLock l(&mu_);
   return parked_.size();
+}
+
+void LogFlusher::WarnParkedLost() {
+  MutexLock l(&mu_);
+  for (const auto& [id, parked] : parked_) {
+    LOG(kWarning) << "write log of file " << id.ino << "." << id.generation << ": "
+                  << parked.batch.entries()
+                  << " changes parked while the log was held are not logged: it was still held "
+                     "when dedupd stopped (the file's next pass misses those blocks' changes)";
+  }
 }
 
 Status LogFlusher::FlushFile(FileId id, double wait_s) {
@@ -217,7 +239,7 @@ Status LogFlusher::FlushFile(FileId id, double wait_s) {
           LOG(kInfo) << "write log of file " << id.ino << "." << id.generation
                      << " is held elsewhere: its " << batch.entries()
                      << " buffered changes wait, as changed blocks, until it is free";
-          Park(std::move(batch));
+          Park(std::move(batch), MaxLogBytes(id));
         }
         return Status::Ok();
       }

@@ -74,6 +74,7 @@ class LogFlusher {
   ~LogFlusher() {
     Stop();
     CloseLogs();
+    WarnParkedLost();
   }
   LogFlusher(const LogFlusher&) = delete;
   LogFlusher& operator=(const LogFlusher&) = delete;
@@ -137,6 +138,9 @@ class LogFlusher {
   Status FlushFile(FileId id, double wait_s = 0) EXCLUDES(mu_);
   // Files with a parked batch (tests, status).
   size_t parked_files() EXCLUDES(mu_);
+  // Logs a warning for each batch still parked (its log was never free
+  // again before dedupd stopped): those blocks' changes are not logged.
+  void WarnParkedLost() EXCLUDES(mu_);
   FlusherStats stats() EXCLUDES(mu_);
 
  private:
@@ -178,8 +182,12 @@ class LogFlusher {
   // free another host may have logged newer records for those blocks, and
   // an older fingerprint appended after them would win; an invalidation
   // only has the next pass rehash the block. Appended by FlushAll.
-  std::map<FileId, MonitorBatch> parked_ GUARDED_BY(mu_);
-  void Park(MonitorBatch batch) REQUIRES(mu_);
+  struct ParkedBatch {
+    MonitorBatch batch;
+    uint64_t max_log_bytes = 0;  // the file's log limit when it was parked
+  };
+  std::map<FileId, ParkedBatch> parked_ GUARDED_BY(mu_);
+  void Park(MonitorBatch batch, uint64_t max_log_bytes) REQUIRES(mu_);
   // Appends the parked batches whose logs are free now.
   Status AppendParked() REQUIRES(mu_);
   // Lock order: mu_ before files_mu_; files_mu_ is never held across I/O

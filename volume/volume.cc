@@ -491,11 +491,18 @@ Status VolumeImpl::AdoptDropsOf(uint32_t h) {
   // left it, because step (1) is home before step (2) begins.
   const LockId slot{LockKind::kHostSlot, h};
   RETURN_IF_ERROR(EnsureJournalRoom(changed.size()));
+  // Every block is read before any is changed: a read failing half-way
+  // must not leave some of h's entries removed in the transaction, which
+  // this flush point would commit with them in no list.
+  std::vector<uint64_t> seqs;
   for (size_t i : changed) {
-    const uint64_t addr = sb_.DropListStart(h) + i;
     uint8_t* b;
-    RETURN_IF_ERROR(Load(addr, slot, kMagicDropList, "drop list block", &b));
-    EncodeDropListBlock((*lists)[i], h, PeekHeader(b).seq, sb_.uuid, addr, Dirty(addr));
+    RETURN_IF_ERROR(Load(sb_.DropListStart(h) + i, slot, kMagicDropList, "drop list block", &b));
+    seqs.push_back(PeekHeader(b).seq);
+  }
+  for (size_t k = 0; k < changed.size(); k++) {
+    const uint64_t addr = sb_.DropListStart(h) + changed[k];
+    EncodeDropListBlock((*lists)[changed[k]], h, seqs[k], sb_.uuid, addr, Dirty(addr));
   }
   RETURN_IF_ERROR(Checkpoint());
   DropCache(slot);

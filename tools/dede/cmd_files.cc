@@ -357,18 +357,19 @@ int RunSet(const Command& cmd, const std::vector<std::string>& args) {
   if (!file.ok()) return Fail(cmd, file.status());
   Result<FileInfo> before = (*file)->Info();
   if (!before.ok()) return Fail(cmd, before.status());
-  Status st = (*file)->SetDedup(on);
-  if (!st.ok()) return Fail(cmd, st);
-  if (before->dedup != on) {
+  if (!on || !before->dedup) {
     // The marker says every block changed. Off: the next dedup pass drops
     // the file's index entries. On: what was written while off was never
     // hashed, and any record older than the switch may be stale; the next
     // pass rehashes the file (as dedupd does when it switches a live disk
-    // on).
-    st = AppendOptOutMarker(opened->volume.get(), (*file)->id(), (*file)->size(),
-                            Clock::Real()->NowNanos());
+    // on). Written before the switch, so that a run that fails in between
+    // leaves the flag as it was, and running it again writes the marker.
+    Status st = AppendOptOutMarker(opened->volume.get(), (*file)->id(), (*file)->size(),
+                                   Clock::Real()->NowNanos());
     if (!st.ok()) return Fail(cmd, st.WithContext("write log of '" + name + "'"));
   }
+  Status st = (*file)->SetDedup(on);
+  if (!st.ok()) return Fail(cmd, st);
   st = (*file)->Flush();
   if (!st.ok()) return Fail(cmd, st);
   return kExitOk;
