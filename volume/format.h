@@ -162,6 +162,11 @@ struct LockRecord {
            generation == o.generation && since_ns == o.since_ns;
   }
 };
+// A record's `generation` when the process of a live host that held the
+// lock died (SanlockLockManager::CollectStaleRecords): sanlock host
+// generations start at 1, so every host takes such a record for a dead
+// holder's. On disk; never reuse.
+inline constexpr uint64_t kDeadProcessGeneration = 0;
 inline constexpr uint32_t kLockRecordSize = 32;
 inline constexpr uint32_t kLockRecordsPerBlock =
     (kBlockSize - kHeaderSize - 8) / kLockRecordSize;  // 126

@@ -21,8 +21,9 @@
 //    first ($DEDE_LOCK_DIR/<uuid>.lock); the table holds at most one record
 //    per (lock, host). A record of this host whose local lock is free is
 //    left by a process that died: the next local acquirer takes it over,
-//    and CollectStaleRecords (dedupd runs it on a timer) clears such
-//    records so other hosts are not kept out.
+//    and CollectStaleRecords (dedupd runs it on a timer) marks such
+//    records dead so other hosts are not kept out (and replay the dead
+//    process's journal before they use what it held).
 //
 // Nothing here ever waits for another host's reply: a conflict is kLocked
 // (wait=false) or a poll (wait=true) that ends when the holder releases or
@@ -99,8 +100,12 @@ class SanlockLockManager : public LockManager {
   static Result<std::unique_ptr<SanlockLockManager>> Open(BlockDevice* dev, const Superblock& sb,
                                                           const SanlockOptions& opts);
 
-  // Removes this host's table records whose local lock is free (left by a
-  // process of this host that died). Returns how many it removed.
+  // Collects this host's table records whose local lock is free (left by
+  // a process of this host that died): the wanted/waiting hints are
+  // removed, every other record is marked dead (its generation set to
+  // kDeadProcessGeneration), so that other hosts are not kept out and
+  // whoever takes the lock next replays the dead process's journal first.
+  // Returns how many it collected.
   virtual Result<uint64_t> CollectStaleRecords() = 0;
   // Every record in the lock table (diagnostics, `dede locks`, tests).
   virtual Result<std::vector<LockRecord>> ListRecords() = 0;

@@ -298,15 +298,26 @@ Status VolumeImpl::Start(uint32_t host_id) {
       return Status::Invalid("host id " + std::to_string(host_id) + " is out of range 1.." +
                              std::to_string(sb_.max_hosts));
     }
+    // kRecovery(h) before kHostSlot(h), and kept until our journal is
+    // replayed: another process's dead-host scan that finds the slot held
+    // goes on without replaying it, and would use what a dead previous
+    // incarnation of the slot left in its journal from home blocks that
+    // the replay below then overwrites. With kRecovery taken first, the
+    // scan finds the slot free and waits for kRecovery, or finds it held
+    // and waits for kRecovery (ScanDeadHosts), until our replay is done.
+    auto take_slot = [&](uint32_t h, bool wait_for_recovery) -> Status {
+      const LockId rec{LockKind::kRecovery, h};
+      RETURN_IF_ERROR(locks_->Acquire(rec, LockMode::kExclusive, wait_for_recovery));
+      Status st = locks_->Acquire(LockId{LockKind::kHostSlot, h}, LockMode::kExclusive, false);
+      if (!st.ok()) (void)locks_->Release(rec);
+      return st;
+    };
     if (host_id != 0) {
-      RETURN_IF_ERROR(locks_->Acquire(LockId{LockKind::kHostSlot, host_id},
-                                      LockMode::kExclusive, false));
+      RETURN_IF_ERROR(take_slot(host_id, true));
       host_ = host_id;
     } else {
       for (uint32_t h = 1; h <= sb_.max_hosts && host_ == 0; h++) {
-        if (locks_->Acquire(LockId{LockKind::kHostSlot, h}, LockMode::kExclusive, false).ok()) {
-          host_ = h;
-        }
+        if (take_slot(h, false).ok()) host_ = h;
       }
       if (host_ == 0) {
         return Status::Locked("all " + std::to_string(sb_.max_hosts) +
@@ -317,7 +328,6 @@ Status VolumeImpl::Start(uint32_t host_id) {
     // Our own journal first: a previous incarnation of this slot may have
     // died with committed transactions.
     LockId rec{LockKind::kRecovery, host_};
-    RETURN_IF_ERROR(locks_->Acquire(rec, LockMode::kExclusive, true));
     auto j = Journal::Open(dev_, sb_, host_);
     Status st = j.status();
     if (st.ok()) st = j.value()->Replay().status();

@@ -26,6 +26,7 @@
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "tests/dedup_accounting.h"
+#include "tests/forwarding_locks.h"
 #include "tests/process_device.h"
 #include "tests/temp_locks.h"
 #include "util/coding.h"
@@ -1004,10 +1005,10 @@ namespace {
 // Forwards to another lock manager and runs a hook, once, at a chosen
 // moment: right after a lock is released (when another host could take
 // it), or right before one is acquired (after whatever came before).
-class HookedLocks : public LockManager {
+class HookedLocks : public test::ForwardingLocks {
  public:
   using Match = std::function<bool(LockId)>;
-  explicit HookedLocks(std::shared_ptr<LockManager> base) : base_(std::move(base)) {}
+  using ForwardingLocks::ForwardingLocks;
   void AfterRelease(Match match, std::function<void()> hook) {
     release_match_ = std::move(match);
     release_hook_ = std::move(hook);
@@ -1018,15 +1019,13 @@ class HookedLocks : public LockManager {
   }
   Status Acquire(LockId id, LockMode mode, bool wait) override {
     RunOnce(id, &acquire_match_, &acquire_hook_);
-    return base_->Acquire(id, mode, wait);
+    return base()->Acquire(id, mode, wait);
   }
   Status Release(LockId id) override {
-    Status st = base_->Release(id);
+    Status st = base()->Release(id);
     RunOnce(id, &release_match_, &release_hook_);
     return st;
   }
-  Result<bool> IsHeldElsewhere(LockId id) override { return base_->IsHeldElsewhere(id); }
-  std::vector<std::pair<LockId, LockMode>> Held() override { return base_->Held(); }
 
  private:
   static void RunOnce(LockId id, Match* match, std::function<void()>* hook) {
@@ -1035,7 +1034,6 @@ class HookedLocks : public LockManager {
     *hook = nullptr;
     run();
   }
-  std::shared_ptr<LockManager> base_;
   Match release_match_, acquire_match_;
   std::function<void()> release_hook_, acquire_hook_;
 };

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "tests/forwarding_device.h"
+#include "tests/forwarding_locks.h"
 #include "tests/temp_locks.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
@@ -504,4 +505,57 @@ TEST_CASE("volume: a write whose new blocks scatter over many refcount blocks, o
   REQUIRE(rep.ok());
   for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
   CHECK(rep->clean());
+}
+
+namespace {
+
+// Runs `before` as each lock is asked for, then asks.
+class AcquireProbe : public test::ForwardingLocks {
+ public:
+  AcquireProbe(std::shared_ptr<LockManager> base, std::function<void(LockId)> before)
+      : ForwardingLocks(std::move(base)), before_(std::move(before)) {}
+  Status Acquire(LockId id, LockMode mode, bool wait) override {
+    before_(id);
+    return base()->Acquire(id, mode, wait);
+  }
+
+ private:
+  std::function<void(LockId)> before_;
+};
+
+}  // namespace
+
+// Another process's dead-host scan skips a slot that is held, waiting only
+// for a replay under way (kRecovery). An opener that took its slot before
+// kRecovery left a moment when its slot was held and kRecovery free: a
+// scan then went on and used home blocks that the opener's replay of its
+// previous incarnation's journal overwrote right after.
+TEST_CASE("volume: an opener holds its slot's kRecovery from before the slot is taken until its "
+          "replay is done",
+          "[volume]") {
+  MemDevice mem(64 << 20);
+  REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
+  std::vector<std::shared_ptr<LockManager>> hosts = test::TempLockGroup(2);
+  const LockId slot{LockKind::kHostSlot, 3}, recovery{LockKind::kRecovery, 3};
+  int slot_asks = 0;
+  bool recovery_held_then = false;
+  auto probe = std::make_shared<AcquireProbe>(hosts[0], [&](LockId id) {
+    if (!(id == slot)) return;
+    slot_asks++;
+    Result<bool> held = hosts[1]->IsHeldElsewhere(recovery);  // as another host sees it
+    recovery_held_then = held.ok() && *held;
+  });
+  OpenOptions oo;
+  oo.host_id = 3;
+  oo.locks = probe;
+  auto v = Volume::Open(&mem, oo);
+  REQUIRE(v.ok());
+  CHECK(slot_asks == 1);
+  CHECK(recovery_held_then);
+  Result<bool> after = hosts[1]->IsHeldElsewhere(recovery);
+  REQUIRE(after.ok());
+  CHECK_FALSE(*after);  // replay done, let go
+  Result<bool> slot_held = hosts[1]->IsHeldElsewhere(slot);
+  REQUIRE(slot_held.ok());
+  CHECK(*slot_held);
 }

@@ -24,6 +24,7 @@
 
 #include "util/clock.h"
 #include "tests/forwarding_device.h"
+#include "tests/forwarding_locks.h"
 #include "tests/fsck_problems.h"
 #include "volume/fsck.h"
 #include "volume/journal.h"
@@ -788,24 +789,16 @@ namespace {
 
 // Forwards to a lock manager; while `fail` is set, asking whether a host
 // slot is held elsewhere fails (a lease that cannot be read for a moment).
-class SlotQueriesFail : public LockManager {
+class SlotQueriesFail : public test::ForwardingLocks {
  public:
-  explicit SlotQueriesFail(std::shared_ptr<LockManager> base) : base_(std::move(base)) {}
-  Status Acquire(LockId id, LockMode mode, bool wait) override {
-    return base_->Acquire(id, mode, wait);
-  }
-  Status Release(LockId id) override { return base_->Release(id); }
+  using ForwardingLocks::ForwardingLocks;
   Result<bool> IsHeldElsewhere(LockId id) override {
     if (fail && id.kind == LockKind::kHostSlot) {
       return Status::IoError("injected: host slot lease unreadable");
     }
-    return base_->IsHeldElsewhere(id);
+    return base()->IsHeldElsewhere(id);
   }
-  std::vector<std::pair<LockId, LockMode>> Held() override { return base_->Held(); }
   std::atomic<bool> fail{false};
-
- private:
-  std::shared_ptr<LockManager> base_;
 };
 
 class FlushCounter : public test::ForwardingDevice {
