@@ -23,7 +23,15 @@ LockspaceGuard::LockspaceGuard(SanlockLockManager* locks, std::chrono::milliseco
   // The lease may be old already (a restarted dedupd rejoins a lockspace
   // its host never left): start from its renewal, not from now.
   Result<uint64_t> age_ns = locks_->CheckLockspace();
-  if (age_ns.ok()) last_ok_ns_.store(SteadyNs() - static_cast<int64_t>(*age_ns));
+  if (age_ns.ok()) {
+    last_ok_ns_.store(SteadyNs() - static_cast<int64_t>(*age_ns));
+  } else {
+    // Older than the check allows (4 io_timeouts), or unreadable: count
+    // from that age at least, not from now, which could put the fence
+    // past the moment others may call us dead.
+    LOG(kWarning) << "lockspace check at start: " << age_ns.status().ToString();
+    last_ok_ns_.store(SteadyNs() - int64_t{4} * locks_->io_timeout_s() * 1'000'000'000);
+  }
   checker_ = std::thread([this] { CheckLoop(); });
   watchdog_ = std::thread([this] { WatchLoop(); });
   collector_ = std::thread([this] { CollectLoop(); });
@@ -35,10 +43,15 @@ LockspaceGuard::~LockspaceGuard() {
     stop_ = true;
   }
   cv_.notify_all();
-  // The watchdog keeps watching while the checker finishes a call that
-  // may hang in a stuck daemon.
+  // The watchdog keeps watching while the checker and the collector
+  // finish a call that may hang in a stuck daemon.
   checker_.join();
   collector_.join();
+  {
+    std::lock_guard<std::mutex> l(mu_);
+    stop_watch_ = true;
+  }
+  cv_.notify_all();
   watchdog_.join();
 }
 
@@ -73,7 +86,8 @@ void LockspaceGuard::CollectLoop() {
     if (!n.ok()) {
       LOG(kWarning) << "collecting stale lock records: " << n.status().ToString();
     } else if (n.value() > 0) {
-      LOG(kInfo) << "removed " << n.value() << " stale lock records of this host";
+      LOG(kInfo) << "collected " << n.value()
+                 << " lock records of dead processes of this host (marked dead for other hosts)";
     }
     l.lock();
   }
@@ -81,8 +95,9 @@ void LockspaceGuard::CollectLoop() {
 
 void LockspaceGuard::WatchLoop() {
   std::unique_lock<std::mutex> l(mu_);
-  while (!stop_) {
-    cv_.wait_for(l, std::chrono::milliseconds(200), [this] { return stop_; });
+  while (!stop_watch_) {
+    cv_.wait_for(l, std::chrono::milliseconds(200), [this] { return stop_watch_; });
+    if (stop_watch_) break;
     int64_t age_ns = SteadyNs() - last_ok_ns_.load();
     if (age_ns > std::chrono::duration_cast<std::chrono::nanoseconds>(fence_after_).count()) {
       LOG(kError) << "FENCED: this host's sanlock lease was last seen renewed "

@@ -50,7 +50,8 @@ class LockspaceGuard {
   std::atomic<int64_t> last_ok_ns_;
   std::mutex mu_;
   std::condition_variable cv_;
-  bool stop_ = false;  // guarded by mu_
+  bool stop_ = false;        // guarded by mu_: the checker and the collector
+  bool stop_watch_ = false;  // guarded by mu_: the watchdog, once they have ended
   std::thread checker_, watchdog_, collector_;
 };
 

@@ -949,6 +949,16 @@ class IscsiDevice final : public BlockDevice {
                                    st.message());
       }
     }
+    // Closed with a reset however the process ends, not only in
+    // Disconnect: a process that is killed (fenced by sanlock, by the
+    // LockspaceGuard, or crashing) has its sockets closed by the kernel,
+    // which would otherwise go on sending what was queued (the rest of a
+    // WRITE's data) for as long as TCP retries, after other hosts may have
+    // called this host dead and taken its blocks.
+    if (const int fd = iscsi_get_fd(ctx_); fd >= 0) {
+      linger abort_close{1, 0};
+      (void)::setsockopt(fd, SOL_SOCKET, SO_LINGER, &abort_close, sizeof(abort_close));
+    }
 
     {
       Pending p;
