@@ -129,8 +129,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("lease-io-timeout", po::value(&cfg->lease_io_timeout)->value_name("SEC"), "sanlock volumes: io_timeout of this host's lockspace membership when it joins (default: the daemon's, 10); once joined, the membership keeps the io_timeout of the process that joined first, and dedupd uses that one")
       ("fence-after", po::value(&cfg->fence_after)->value_name("SEC"), "sanlock volumes: stop (exit) when this host's lease was last seen renewed SEC seconds ago (default 8 x io_timeout + 30, before other hosts may call this one dead at 8 x io_timeout + 60; at least 4 x io_timeout + 4)")
       ("socket", po::value(&cfg->socket)->value_name("PATH"), "Unix socket to serve NBD on")
-      ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port), to the local users the Unix socket admits "
-       "(root, its owner, members of its group)")
+      ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port), to the local users the Unix socket admits (root, its owner, members of its group)")
       ("config", po::value(&config_file)->value_name("FILE"), "read options from FILE (lines: name = value)")
       ("threads", po::value(&cfg->threads)->value_name("N"), "worker threads for volume I/O (default 8)")
       ("iscsi-sessions", po::value(&cfg->iscsi_sessions)->value_name("N"), "iscsi:// volumes: sessions logged in to the LUN, each carrying one command at a time, so up to N volume commands are in flight (default 4)")

@@ -196,8 +196,8 @@ Status LogFlusher::AppendParked() {
     } else {
       stats_.failed++;
       LOG(kWarning) << "write log of file " << id.ino << "." << id.generation << ": "
-                    << batch.entries() << " changes parked while the log was held are lost: "
-                    << st.ToString();
+                    << batch.entries()
+                    << " changes parked while the log was held are lost: " << st.ToString();
       if (first.ok()) first = st;
     }
     it = parked_.erase(it);

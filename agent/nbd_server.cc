@@ -679,8 +679,8 @@ void NbdServer::AdmitIfPermitted(Socket sock) {
       if (WarningDue(&last_denial_warning_)) {
         LOG(kWarning) << "refusing an NBD connection on 127.0.0.1:" << tcp_port_ << ": "
                       << why_not.message() << "; the port admits the users the Unix socket does "
-                      << "(root, uid " << access_uid_ << ", members of gid " << access_gid_
-                      << "); " << c_denied_.load() << " refused so far";
+                      << "(root, uid " << access_uid_ << ", members of gid " << access_gid_ << "); "
+                      << c_denied_.load() << " refused so far";
       }
     });
   });
@@ -696,7 +696,8 @@ Status NbdServer::CheckTcpClient(Socket& sock) const {
   }
   const std::string from = "from port " + std::to_string(ntohs(theirs.sin_port));
   Result<TcpSocketOwner> owner = LookupTcpSocketOwner(theirs, ours);
-  if (!owner.ok()) return Status::Invalid(from + ": cannot tell its user: " + owner.status().message());
+  if (!owner.ok())
+    return Status::Invalid(from + ": cannot tell its user: " + owner.status().message());
   if (!owner->held) return Status::Invalid(from + ": its socket is already closed");
   if (!UserMayUseSocket(owner->uid, access_uid_, access_gid_)) {
     return Status::Invalid(from + ": uid " + std::to_string(owner->uid) +

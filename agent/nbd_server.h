@@ -60,8 +60,8 @@ struct NbdServerStats {
   uint64_t protocol_errors = 0;  // connections closed for bad traffic
   uint64_t connections_refused = 0;  // past max_connections
   uint64_t connections_denied = 0;   // TCP clients the Unix socket would not admit
-  uint64_t bytes_read = 0;       // payload of READs answered without error
-  uint64_t bytes_written = 0;    // payload of WRITEs answered without error
+  uint64_t bytes_read = 0;           // payload of READs answered without error
+  uint64_t bytes_written = 0;        // payload of WRITEs answered without error
 };
 
 class NbdConnection;

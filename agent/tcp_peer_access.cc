@@ -11,8 +11,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <cerrno>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -67,8 +67,8 @@ Result<TcpSocketOwner> LookupTcpSocketOwner(const sockaddr_in& local, const sock
   query.request.id.idiag_cookie[1] = INET_DIAG_NOCOOKIE;
   sockaddr_nl kernel{};
   kernel.nl_family = AF_NETLINK;
-  if (::sendto(fd, &query, sizeof(query), 0, reinterpret_cast<sockaddr*>(&kernel),
-               sizeof(kernel)) < 0) {
+  if (::sendto(fd, &query, sizeof(query), 0, reinterpret_cast<sockaddr*>(&kernel), sizeof(kernel)) <
+      0) {
     return Status::FromErrno("asking the kernel (sock_diag) who owns a TCP socket", errno);
   }
 
@@ -133,8 +133,7 @@ bool UserMayUseSocket(uid_t uid, uid_t owner_uid, gid_t owner_gid) {
   for (int tries = 0; tries < 8; tries++) {
     int count = static_cast<int>(groups.size());
     if (::getgrouplist(pw.pw_name, pw.pw_gid, groups.data(), &count) >= 0) {
-      return std::find(groups.begin(), groups.begin() + count, owner_gid) !=
-             groups.begin() + count;
+      return std::find(groups.begin(), groups.begin() + count, owner_gid) != groups.begin() + count;
     }
     // Too small: `count` says how many there are. A failure that does not
     // ask for more room is not retried.

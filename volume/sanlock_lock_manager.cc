@@ -349,52 +349,55 @@ class SanlockImpl : public SanlockLockManager {
   Result<uint64_t> CollectStaleRecords() override {
     uint64_t collected = 0;
     for (uint32_t p = 0; p < layout_.partitions; p++) {
-      Status st = UpdatePartition(p, [&](std::vector<LockRecord>* recs) {
-        bool changed = false;
-        std::vector<LockRecord> keep;
-        for (LockRecord r : *recs) {
-          // Another host's, or already marked dead, or an earlier
-          // incarnation's (other hosts count those dead already, and the
-          // next acquirer replaces them): left as they are.
-          if (r.host != opts_.host_id || r.generation != generation_) {
-            keep.push_back(r);
-            continue;
-          }
-          LockId id{static_cast<LockKind>(r.kind), r.id};
-          bool mine;
-          {
-            MutexLock l(&mu_);
-            mine = held_.count(id) != 0;
-          }
-          if (mine || !local_->Acquire(id, LockMode::kExclusive, false).ok()) {
-            keep.push_back(r);  // a live process of this host holds it
-            continue;
-          }
-          (void)local_->Release(id);
-          changed = true;
-          collected++;
-          // Left by a process of this host that died. The hints guard
-          // nothing: gone. Any other lock may guard state whose newest
-          // version is still in the dead process's journal (its host
-          // slot's), not yet home. Erasing the record would let another
-          // host take the lock as if it had been released cleanly: that
-          // acquirer replaces no dead holder's record, so it skips the
-          // scan that replays dead hosts' journals (Volume::
-          // RecoverDeadHosts) and reads stale home blocks, and a later
-          // scan replays the journal over what it wrote. Marked dead
-          // instead (FORMAT.md 1.1.1): every host, this one included,
-          // takes it over as a dead holder's, scanning first, and the
-          // slot's own record, marked too, makes its journal replayable.
-          if (r.kind == static_cast<uint16_t>(LockKind::kWanted) ||
-              r.kind == static_cast<uint16_t>(LockKind::kWaiting)) {
-            continue;
-          }
-          r.generation = kDeadProcessGeneration;
-          keep.push_back(r);
-        }
-        *recs = std::move(keep);
-        return changed;
-      }, /*max_wait_s=*/1);
+      Status st = UpdatePartition(
+          p,
+          [&](std::vector<LockRecord>* recs) {
+            bool changed = false;
+            std::vector<LockRecord> keep;
+            for (LockRecord r : *recs) {
+              // Another host's, or already marked dead, or an earlier
+              // incarnation's (other hosts count those dead already, and the
+              // next acquirer replaces them): left as they are.
+              if (r.host != opts_.host_id || r.generation != generation_) {
+                keep.push_back(r);
+                continue;
+              }
+              LockId id{static_cast<LockKind>(r.kind), r.id};
+              bool mine;
+              {
+                MutexLock l(&mu_);
+                mine = held_.count(id) != 0;
+              }
+              if (mine || !local_->Acquire(id, LockMode::kExclusive, false).ok()) {
+                keep.push_back(r);  // a live process of this host holds it
+                continue;
+              }
+              (void)local_->Release(id);
+              changed = true;
+              collected++;
+              // Left by a process of this host that died. The hints guard
+              // nothing: gone. Any other lock may guard state whose newest
+              // version is still in the dead process's journal (its host
+              // slot's), not yet home. Erasing the record would let another
+              // host take the lock as if it had been released cleanly: that
+              // acquirer replaces no dead holder's record, so it skips the
+              // scan that replays dead hosts' journals (Volume::
+              // RecoverDeadHosts) and reads stale home blocks, and a later
+              // scan replays the journal over what it wrote. Marked dead
+              // instead (FORMAT.md 1.1.1): every host, this one included,
+              // takes it over as a dead holder's, scanning first, and the
+              // slot's own record, marked too, makes its journal replayable.
+              if (r.kind == static_cast<uint16_t>(LockKind::kWanted) ||
+                  r.kind == static_cast<uint16_t>(LockKind::kWaiting)) {
+                continue;
+              }
+              r.generation = kDeadProcessGeneration;
+              keep.push_back(r);
+            }
+            *recs = std::move(keep);
+            return changed;
+          },
+          /*max_wait_s=*/1);
       if (st.code() == Status::Code::kLocked) continue;  // busy: next round
       RETURN_IF_ERROR(st);
     }

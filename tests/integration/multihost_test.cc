@@ -592,8 +592,8 @@ std::vector<LockRecord> LockTableOf(Cluster& c) {
   for (uint32_t p = 0; p < layout.partitions; p++) {
     for (uint32_t k = 0; k < kLockTableBlocksPerPartition; k++) {
       const uint64_t addr = layout.PartitionBlock(p, k);
-      Result<std::vector<LockRecord>> recs = DecodeLockTableBlock(read_block(addr).data(), addr,
-                                                                  sb->uuid);
+      Result<std::vector<LockRecord>> recs =
+          DecodeLockTableBlock(read_block(addr).data(), addr, sb->uuid);
       if (!recs.ok()) continue;  // mid-rewrite: the caller polls again
       all.insert(all.end(), recs->begin(), recs->end());
     }
@@ -655,8 +655,8 @@ TEST_CASE("a dede command killed on a live host leaves its locks marked dead, no
   REQUIRE(::waitpid(import, &status, 0) == import);
   REQUIRE(WIFSIGNALED(status));  // killed mid-import, not finished
   // dedupd collects them within its 10 s round.
-  while (Since(t0) < 90 && c.dedupd(1).Log().find("lock records of dead processes") ==
-                               std::string::npos) {
+  while (Since(t0) < 90 &&
+         c.dedupd(1).Log().find("lock records of dead processes") == std::string::npos) {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
   }
   INFO("dedupd 1 log:\n" << c.dedupd(1).Log());

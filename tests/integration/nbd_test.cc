@@ -591,9 +591,9 @@ TEST_CASE("TCP on 127.0.0.1 admits only the users the Unix socket admits", "[nbd
     // dedupd with group nogroup, as its Unix socket is then: nobody (whose
     // group that is) gets in and reads what root wrote; daemon does not.
     const std::string sock = tv.dir.file("nogroup.sock");
-    DedupdProcess d(tv.vol, 1, sock, {"--tcp-port", "0"}, {},
-                    {RequireProgram("setpriv"), "--regid=" + std::to_string(kNoGroup),
-                     "--clear-groups", "--"});
+    DedupdProcess d(
+        tv.vol, 1, sock, {"--tcp-port", "0"}, {},
+        {RequireProgram("setpriv"), "--regid=" + std::to_string(kNoGroup), "--clear-groups", "--"});
     struct stat st {};
     REQUIRE(::stat(sock.c_str(), &st) == 0);
     REQUIRE(st.st_gid == kNoGroup);

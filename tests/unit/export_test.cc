@@ -480,9 +480,10 @@ TEST_CASE("export: a close does not wait for a write log this process holds", "[
 // close used to drop the rewrite's record with the monitor's buffer; the
 // pass then wrote the old record back, and the log said block 0 still held
 // the old content, with no mark of anything lost.
-TEST_CASE("export: a close while this process's pass holds the log leaves the rewritten blocks "
-          "marked changed after the pass's write-back",
-          "[export]") {
+TEST_CASE(
+    "export: a close while this process's pass holds the log leaves the rewritten blocks "
+    "marked changed after the pass's write-back",
+    "[export]") {
   LoggedExport t;
   Volume* vol = t.vol.get();
   const Uuid uuid = vol->superblock().uuid;

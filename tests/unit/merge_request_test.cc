@@ -11,12 +11,12 @@
 
 #include <algorithm>
 #include <catch2/catch.hpp>
-#include <optional>
 #include <cerrno>
 #include <cstring>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>

@@ -5,9 +5,9 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
+#include <grp.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
-#include <grp.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -20,7 +20,7 @@ namespace {
 
 constexpr uid_t kNobody = 65534;  // Debian's nobody:nogroup
 constexpr gid_t kNoGroup = 65534;
-constexpr uid_t kDaemon = 1;      // daemon:daemon, not in nogroup
+constexpr uid_t kDaemon = 1;  // daemon:daemon, not in nogroup
 
 struct Listener {
   int fd = -1;
@@ -91,8 +91,7 @@ TEST_CASE("tcp peer: the kernel names the user that made the client's socket", "
   CHECK(none.status().code() == Status::Code::kNotFound);
 }
 
-TEST_CASE("tcp peer: a listener on the client's port never answers for the client",
-          "[tcp_peer]") {
+TEST_CASE("tcp peer: a listener on the client's port never answers for the client", "[tcp_peer]") {
   // With no connection of that four-tuple, the kernel's lookup falls back
   // to whatever listens on the local port, as for a SYN. A client whose
   // end the lookup cannot see, using as its source port one a root

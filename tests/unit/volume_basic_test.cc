@@ -1,5 +1,5 @@
-#include <catch2/catch.hpp>
 #include <atomic>
+#include <catch2/catch.hpp>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
@@ -530,9 +530,10 @@ class AcquireProbe : public test::ForwardingLocks {
 // kRecovery left a moment when its slot was held and kRecovery free: a
 // scan then went on and used home blocks that the opener's replay of its
 // previous incarnation's journal overwrote right after.
-TEST_CASE("volume: an opener holds its slot's kRecovery from before the slot is taken until its "
-          "replay is done",
-          "[volume]") {
+TEST_CASE(
+    "volume: an opener holds its slot's kRecovery from before the slot is taken until its "
+    "replay is done",
+    "[volume]") {
   MemDevice mem(64 << 20);
   REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
   std::vector<std::shared_ptr<LockManager>> hosts = test::TempLockGroup(2);

@@ -10,22 +10,22 @@
 // (a minute, then fail with kLocked).
 #include <unistd.h>
 
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
-#include <atomic>
 #include <memory>
 #include <random>
 #include <string>
 #include <thread>
 #include <vector>
 
-#include "util/clock.h"
 #include "tests/forwarding_device.h"
 #include "tests/forwarding_locks.h"
 #include "tests/fsck_problems.h"
+#include "util/clock.h"
 #include "volume/fsck.h"
 #include "volume/journal.h"
 #include "volume/lock_manager.h"
@@ -828,7 +828,7 @@ TEST_CASE("volume drops: a failed adoption neither fails a flush point nor skips
   REQUIRE(v3->Sync().ok());
   const std::vector<uint8_t> z = Pattern(0x33, 1);
   REQUIRE(a.value()->Write(8 * kB, z.data(), z.size()).ok());  // a block of a's own
-  r.clock.Advance(120'000'000'000);  // adoption due
+  r.clock.Advance(120'000'000'000);                            // adoption due
   locks->fail = true;
   const uint64_t before = dev.flushes.load();
   Status st = v3->Sync();

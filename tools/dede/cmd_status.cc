@@ -241,7 +241,8 @@ void PrintNbd(const json& r) {
   }
   if (auto v = Uint(*n, "requests")) {
     std::string text = Count(*v, "request");
-    if (auto e = Uint(*n, "request_errors"); e && *e > 0) text += " (" + std::to_string(*e) + " failed)";
+    if (auto e = Uint(*n, "request_errors"); e && *e > 0)
+      text += " (" + std::to_string(*e) + " failed)";
     parts.push_back(text);
   }
   if (auto v = Uint(*n, "bytes_written")) parts.push_back(HumanSize(*v) + " written");
