@@ -38,21 +38,21 @@ LockspaceGuard::LockspaceGuard(SanlockLockManager* locks, std::chrono::milliseco
 }
 
 LockspaceGuard::~LockspaceGuard() {
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    stop_ = true;
-  }
-  cv_.notify_all();
-  // The watchdog keeps watching while the checker and the collector
-  // finish a call that may hang in a stuck daemon.
-  checker_.join();
-  collector_.join();
-  {
-    std::lock_guard<std::mutex> l(mu_);
-    stop_watch_ = true;
-  }
-  cv_.notify_all();
-  watchdog_.join();
+  // The collector first, while the checker still records renewals (a
+  // collection round may take seconds of lease I/O); then the checker.
+  // The watchdog keeps watching while either finishes a call that may
+  // hang in a stuck daemon.
+  auto stop = [this](bool* flag, std::thread* t) {
+    {
+      std::lock_guard<std::mutex> l(mu_);
+      *flag = true;
+    }
+    cv_.notify_all();
+    t->join();
+  };
+  stop(&stop_collect_, &collector_);
+  stop(&stop_, &checker_);
+  stop(&stop_watch_, &watchdog_);
 }
 
 void LockspaceGuard::CheckLoop() {
@@ -78,9 +78,9 @@ void LockspaceGuard::CheckLoop() {
 // of this process may hold while they wait for a dead host's lease.
 void LockspaceGuard::CollectLoop() {
   std::unique_lock<std::mutex> l(mu_);
-  while (!stop_) {
-    cv_.wait_for(l, collect_every_, [this] { return stop_; });
-    if (stop_) break;
+  while (!stop_collect_) {
+    cv_.wait_for(l, collect_every_, [this] { return stop_collect_; });
+    if (stop_collect_) break;
     l.unlock();
     Result<uint64_t> n = locks_->CollectStaleRecords();
     if (!n.ok()) {

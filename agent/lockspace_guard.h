@@ -50,8 +50,10 @@ class LockspaceGuard {
   std::atomic<int64_t> last_ok_ns_;
   std::mutex mu_;
   std::condition_variable cv_;
-  bool stop_ = false;        // guarded by mu_: the checker and the collector
-  bool stop_watch_ = false;  // guarded by mu_: the watchdog, once they have ended
+  // Guarded by mu_; set in this order by the destructor.
+  bool stop_collect_ = false;  // the collector
+  bool stop_ = false;          // the checker, once the collector has ended
+  bool stop_watch_ = false;    // the watchdog, once both have ended
   std::thread checker_, watchdog_, collector_;
 };
 

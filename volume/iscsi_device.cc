@@ -702,7 +702,9 @@ class IscsiDevice final : public BlockDevice {
     // A reset, not a FIN: what the kernel has not sent yet of a command
     // whose session we give up on (the rest of a WRITE's data) must never
     // reach the target later, after the command was sent again and the
-    // blocks written anew. (After a logout there is nothing left to send.)
+    // blocks written anew. (Connect already set it on every socket; set
+    // again here so this close does not depend on that. After a logout
+    // there is nothing left to send.)
     const int fd = iscsi_get_fd(ctx_);
     if (fd >= 0 && how == Close::kAbort) {
       linger abort_close{1, 0};

@@ -16,6 +16,7 @@ extern "C" {  // some of sanlock's headers lack their own extern "C"
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <set>
 #include <optional>
 #include <random>
 #include <thread>
@@ -346,51 +347,103 @@ class SanlockImpl : public SanlockLockManager {
     return false;
   }
 
+  // Left by a process of this host that died: our host, this generation,
+  // not held by this process, and its local lock free. (A probe: the
+  // local lock is taken and let go at once.)
+  bool DeadProcessRecord(const LockRecord& r) {
+    if (r.host != opts_.host_id || r.generation != generation_) return false;
+    const LockId id{static_cast<LockKind>(r.kind), r.id};
+    {
+      MutexLock l(&mu_);
+      if (held_.count(id) != 0) return false;
+    }
+    if (!local_->Acquire(id, LockMode::kExclusive, false).ok()) return false;
+    (void)local_->Release(id);
+    return true;
+  }
+
+  // Records of this host's dead processes are marked dead, not erased
+  // (the hints, which guard nothing, are erased). Erased, a lock that may
+  // guard state whose newest version is still in the dead process's
+  // journal (a group's reference counts) was taken by another host as if
+  // released cleanly: that acquirer replaced no dead holder's record, so
+  // it skipped the scan that replays dead hosts' journals
+  // (Volume::RecoverDeadHosts), used stale home blocks, and a later scan
+  // replayed the journal over its changes. A marked record (FORMAT.md
+  // 1.1.1) is a dead holder's to every host: the acquirer replaces it and
+  // scans first.
+  //
+  // That scan replays the dead process's journal only if it finds its host
+  // slot dead too, so a slot record is always marked before any other
+  // record of the same process becomes takeable: (A) without leases, the
+  // candidates, records other than host slots whose process was dead when
+  // looked at; (B) every host slot's partition, marking the slots of dead
+  // processes (a candidate's process was dead before B began, so its slot
+  // is among them); only if all of B succeeded, (C) the candidates, each
+  // checked again under its partition's lease. A process that dies after
+  // (A) waits for the next round.
   Result<uint64_t> CollectStaleRecords() override {
     uint64_t collected = 0;
+    auto is_slot = [](const LockRecord& r) {
+      return r.kind == static_cast<uint16_t>(LockKind::kHostSlot);
+    };
+    auto is_hint = [](const LockRecord& r) {
+      return r.kind == static_cast<uint16_t>(LockKind::kWanted) ||
+             r.kind == static_cast<uint16_t>(LockKind::kWaiting);
+    };
+    // (A)
+    std::map<uint32_t, std::vector<LockRecord>> candidates;
+    bool dead_slot_seen = false;
     for (uint32_t p = 0; p < layout_.partitions; p++) {
+      ASSIGN_OR_RETURN(std::vector<LockRecord> recs, ReadPartition(p, LockTableRead::kConsistent));
+      for (const LockRecord& r : recs) {
+        if (!DeadProcessRecord(r)) continue;
+        if (is_slot(r)) {
+          dead_slot_seen = true;
+        } else {
+          candidates[p].push_back(r);
+        }
+      }
+    }
+    if (candidates.empty() && !dead_slot_seen) return collected;
+    // (B)
+    std::set<uint32_t> slot_partitions;
+    for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
+      slot_partitions.insert(PartitionOf(LockId{LockKind::kHostSlot, h}));
+    }
+    for (uint32_t p : slot_partitions) {
+      RETURN_IF_ERROR(UpdatePartition(
+          p,
+          [&](std::vector<LockRecord>* recs) {
+            bool changed = false;
+            for (LockRecord& r : *recs) {
+              if (!is_slot(r) || !DeadProcessRecord(r)) continue;
+              r.generation = kDeadProcessGeneration;
+              changed = true;
+              collected++;
+            }
+            return changed;
+          },
+          /*max_wait_s=*/1));  // busy (kLocked): no (C) this round
+    }
+    // (C)
+    for (const auto& entry : candidates) {
+      const uint32_t p = entry.first;
+      const std::vector<LockRecord>& wanted = entry.second;
       Status st = UpdatePartition(
           p,
           [&](std::vector<LockRecord>* recs) {
             bool changed = false;
             std::vector<LockRecord> keep;
             for (LockRecord r : *recs) {
-              // Another host's, or already marked dead, or an earlier
-              // incarnation's (other hosts count those dead already, and the
-              // next acquirer replaces them): left as they are.
-              if (r.host != opts_.host_id || r.generation != generation_) {
+              const bool candidate = std::find(wanted.begin(), wanted.end(), r) != wanted.end();
+              if (!candidate || !DeadProcessRecord(r)) {
                 keep.push_back(r);
                 continue;
               }
-              LockId id{static_cast<LockKind>(r.kind), r.id};
-              bool mine;
-              {
-                MutexLock l(&mu_);
-                mine = held_.count(id) != 0;
-              }
-              if (mine || !local_->Acquire(id, LockMode::kExclusive, false).ok()) {
-                keep.push_back(r);  // a live process of this host holds it
-                continue;
-              }
-              (void)local_->Release(id);
               changed = true;
               collected++;
-              // Left by a process of this host that died. The hints guard
-              // nothing: gone. Any other lock may guard state whose newest
-              // version is still in the dead process's journal (its host
-              // slot's), not yet home. Erasing the record would let another
-              // host take the lock as if it had been released cleanly: that
-              // acquirer replaces no dead holder's record, so it skips the
-              // scan that replays dead hosts' journals (Volume::
-              // RecoverDeadHosts) and reads stale home blocks, and a later
-              // scan replays the journal over what it wrote. Marked dead
-              // instead (FORMAT.md 1.1.1): every host, this one included,
-              // takes it over as a dead holder's, scanning first, and the
-              // slot's own record, marked too, makes its journal replayable.
-              if (r.kind == static_cast<uint16_t>(LockKind::kWanted) ||
-                  r.kind == static_cast<uint16_t>(LockKind::kWaiting)) {
-                continue;
-              }
+              if (is_hint(r)) continue;
               r.generation = kDeadProcessGeneration;
               keep.push_back(r);
             }

@@ -317,6 +317,10 @@ Status VolumeImpl::Start(uint32_t host_id) {
       host_ = host_id;
     } else {
       for (uint32_t h = 1; h <= sb_.max_hosts && host_ == 0; h++) {
+        // A slot in use is passed over without touching its kRecovery (two
+        // more lock-table writes, and one left held if we die right then).
+        Result<bool> in_use = locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h});
+        if (in_use.ok() && *in_use) continue;
         if (take_slot(h, false).ok()) host_ = h;
       }
       if (host_ == 0) {
@@ -461,9 +465,9 @@ Status VolumeImpl::AdoptOrphanDrops() {
 }
 
 Status VolumeImpl::AdoptDropsOf(uint32_t h) {
-  // The owner takes its slot before kRecovery(h) and reads its list under
-  // kRecovery(h) (Start), so a slot still free now stays without a reader
-  // of its list until we release kRecovery(h).
+  // The owner takes kRecovery(h) before its slot and reads its list under
+  // it (Start), so a slot still free now stays without a reader of its
+  // list until we release kRecovery(h).
   ASSIGN_OR_RETURN(bool alive, locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}));
   if (alive) return Status::Ok();
   // A dead owner's newest list may still be in its journal.

@@ -641,15 +641,27 @@ TEST_CASE("a dede command killed on a live host leaves its locks marked dead, no
     }
     return slots;
   };
+  // Host 1's allocation-group records (dedupd, idle, holds none).
+  auto group_records = [&](bool marked) {
+    size_t n = 0;
+    for (const LockRecord& r : LockTableOf(c)) {
+      n += r.host == 1 && r.kind == static_cast<uint16_t>(LockKind::kGroup) &&
+           (r.generation == kDeadProcessGeneration) == marked;
+    }
+    return n;
+  };
+  // Killed once it holds its slot and allocation groups: writing, with
+  // committed transactions in its journal.
   std::set<uint64_t> taken;
   const auto t0 = Clock::now();
-  while (taken.empty() && Since(t0) < 60) {
+  while ((taken.empty() || group_records(false) == 0) && Since(t0) < 60) {
     taken = slot_records(~uint64_t{0});
-    if (taken.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
   }
   const std::vector<uint8_t> import_said = ReadWholeFile(import_log);
   INFO("import log:\n" << std::string(import_said.begin(), import_said.end()));
   REQUIRE(taken.size() == 1);
+  REQUIRE(group_records(false) > 0);
   REQUIRE(::kill(import, SIGKILL) == 0);
   int status = 0;
   REQUIRE(::waitpid(import, &status, 0) == import);
@@ -662,12 +674,18 @@ TEST_CASE("a dede command killed on a live host leaves its locks marked dead, no
   INFO("dedupd 1 log:\n" << c.dedupd(1).Log());
   REQUIRE(c.dedupd(1).Log().find("lock records of dead processes") != std::string::npos);
   std::set<uint64_t> marked;
-  for (int i = 0; i < 50 && marked.empty(); i++) {
+  // (a busy partition waits for the next 10 s round)
+  size_t groups_marked = 0;
+  for (int i = 0; i < 300 && (marked.empty() || groups_marked == 0); i++) {
     marked = slot_records(kDeadProcessGeneration);
-    if (marked.empty()) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    groups_marked = group_records(true);
+    if (marked.empty() || groups_marked == 0) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
   }
   CHECK(marked == taken);
   CHECK(slot_records(~uint64_t{0}).empty());
+  CHECK(groups_marked > 0);  // its groups: marked too, not erased
   // Another host opens the volume: its dead-host scan replays the killed
   // process's journal, and the volume checks clean.
   c.Stop(1);

@@ -509,6 +509,20 @@ TEST_CASE("volume: a write whose new blocks scatter over many refcount blocks, o
 
 namespace {
 
+// Runs `on_read` with the first block of each read, then reads.
+class ReadProbe : public test::ForwardingDevice {
+ public:
+  ReadProbe(BlockDevice* base, std::function<void(uint64_t)> on_read)
+      : ForwardingDevice(base, "probe"), on_read_(std::move(on_read)) {}
+  Status Read(uint64_t offset, void* buf, size_t len) override {
+    on_read_(offset / kBlockSize);
+    return base()->Read(offset, buf, len);
+  }
+
+ private:
+  std::function<void(uint64_t)> on_read_;
+};
+
 // Runs `before` as each lock is asked for, then asks.
 class AcquireProbe : public test::ForwardingLocks {
  public:
@@ -530,32 +544,49 @@ class AcquireProbe : public test::ForwardingLocks {
 // kRecovery left a moment when its slot was held and kRecovery free: a
 // scan then went on and used home blocks that the opener's replay of its
 // previous incarnation's journal overwrote right after.
-TEST_CASE(
-    "volume: an opener holds its slot's kRecovery from before the slot is taken until its "
-    "replay is done",
-    "[volume]") {
+TEST_CASE("volume: an opener holds its slot's kRecovery from before the slot is taken until its "
+          "replay is done",
+          "[volume]") {
   MemDevice mem(64 << 20);
   REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
   std::vector<std::shared_ptr<LockManager>> hosts = test::TempLockGroup(2);
   const LockId slot{LockKind::kHostSlot, 3}, recovery{LockKind::kRecovery, 3};
+  // What another host sees of kRecovery(3) (true: held).
+  auto recovery_held = [&] {
+    Result<bool> held = hosts[1]->IsHeldElsewhere(recovery);
+    REQUIRE(held.ok());
+    return *held;
+  };
   int slot_asks = 0;
-  bool recovery_held_then = false;
+  bool held_at_slot = false;
   auto probe = std::make_shared<AcquireProbe>(hosts[0], [&](LockId id) {
     if (!(id == slot)) return;
     slot_asks++;
-    Result<bool> held = hosts[1]->IsHeldElsewhere(recovery);  // as another host sees it
-    recovery_held_then = held.ok() && *held;
+    held_at_slot = recovery_held();
+  });
+  // And while the opener reads its own journal (the replay).
+  std::vector<uint8_t> block0(kBlockSize);
+  REQUIRE(mem.Read(0, block0.data(), block0.size()).ok());
+  Result<Superblock> sb = DecodeSuperblock(block0.data(), 0);
+  REQUIRE(sb.ok());
+  const uint64_t journal_first = sb->JournalStart(3);
+  const uint64_t journal_end = journal_first + sb->journal_blocks;
+  int journal_reads = 0, journal_reads_unguarded = 0;
+  ReadProbe dev(&mem, [&](uint64_t block) {
+    if (block < journal_first || block >= journal_end) return;
+    journal_reads++;
+    if (!recovery_held()) journal_reads_unguarded++;
   });
   OpenOptions oo;
   oo.host_id = 3;
   oo.locks = probe;
-  auto v = Volume::Open(&mem, oo);
+  auto v = Volume::Open(&dev, oo);
   REQUIRE(v.ok());
   CHECK(slot_asks == 1);
-  CHECK(recovery_held_then);
-  Result<bool> after = hosts[1]->IsHeldElsewhere(recovery);
-  REQUIRE(after.ok());
-  CHECK_FALSE(*after);  // replay done, let go
+  CHECK(held_at_slot);
+  CHECK(journal_reads > 0);
+  CHECK(journal_reads_unguarded == 0);
+  CHECK_FALSE(recovery_held());  // replay done, let go
   Result<bool> slot_held = hosts[1]->IsHeldElsewhere(slot);
   REQUIRE(slot_held.ok());
   CHECK(*slot_held);
