@@ -412,7 +412,7 @@ class SanlockImpl : public SanlockLockManager {
       slot_partitions.insert(PartitionOf(LockId{LockKind::kHostSlot, h}));
     }
     for (uint32_t p : slot_partitions) {
-      RETURN_IF_ERROR(UpdatePartition(
+      Status st = UpdatePartition(
           p,
           [&](std::vector<LockRecord>* recs) {
             bool changed = false;
@@ -424,7 +424,9 @@ class SanlockImpl : public SanlockLockManager {
             }
             return changed;
           },
-          /*max_wait_s=*/1));  // busy (kLocked): no (C) this round
+          /*max_wait_s=*/1);
+      if (st.code() == Status::Code::kLocked) return collected;  // busy: no (C) this round
+      RETURN_IF_ERROR(st);
     }
     // (C)
     for (const auto& entry : candidates) {
