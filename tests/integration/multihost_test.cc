@@ -445,6 +445,20 @@ TEST_CASE("dedupd times its fence from the io_timeout its delta lease records", 
   c.Stop(1);
 }
 
+namespace {
+
+// Block `addr` of the file backing the LUN (what tgtd serves).
+std::vector<uint8_t> LunBlock(Cluster& c, uint64_t addr) {
+  std::vector<uint8_t> blk(kBlk);
+  std::ifstream in(c.rig().lun_path(), std::ios::binary);
+  in.seekg(std::streamoff(addr * kBlk));
+  in.read(reinterpret_cast<char*>(blk.data()), kBlk);
+  REQUIRE(in.good());
+  return blk;
+}
+
+}  // namespace
+
 TEST_CASE("fsck checks the sanlock lock table", "[multihost]") {
   Cluster c(4ull << 30);  // sparse; 4 GiB gives 64 lease slots, 62 partitions
   c.Format();
@@ -452,13 +466,7 @@ TEST_CASE("fsck checks the sanlock lock table", "[multihost]") {
   c.FsckClean(2);
 
   // Damage one lock-table block on the LUN (the file tgtd serves).
-  std::vector<uint8_t> sb_block(kBlk);
-  {
-    std::ifstream in(c.rig().lun_path(), std::ios::binary);
-    in.read(reinterpret_cast<char*>(sb_block.data()), kBlk);
-    REQUIRE(in.good());
-  }
-  Result<Superblock> sb = DecodeSuperblock(sb_block.data(), 0);
+  Result<Superblock> sb = DecodeSuperblock(LunBlock(c, 0).data(), 0);
   REQUIRE(sb.ok());
   const LeaseLayout layout = LeaseLayoutOf(*sb);
   REQUIRE(layout.partitions >= 12);
@@ -502,12 +510,7 @@ TEST_CASE("fsck checks the sanlock lock table", "[multihost]") {
     return static_cast<uint32_t>((x ^ (x >> 31)) % layout.partitions);
   };
   auto damaged = [&](uint64_t addr) {
-    std::vector<uint8_t> blk(kBlk);
-    std::ifstream in(c.rig().lun_path(), std::ios::binary);
-    in.seekg(std::streamoff(addr * kBlk));
-    in.read(reinterpret_cast<char*>(blk.data()), kBlk);
-    REQUIRE(in.good());
-    return !DecodeLockTableBlock(blk.data(), addr, sb->uuid).ok();
+    return !DecodeLockTableBlock(LunBlock(c, addr).data(), addr, sb->uuid).ok();
   };
   auto t_repair = Clock::now();
   // Host 2's dedupd (idle) has the volume open and holds its host slot.
@@ -577,15 +580,7 @@ namespace {
 // Every record of the sanlock lock table, read from the file backing the
 // LUN (what `ListRecords` sees, without a lock manager of our own).
 std::vector<LockRecord> LockTableOf(Cluster& c) {
-  auto read_block = [&](uint64_t addr) {
-    std::vector<uint8_t> blk(kBlk);
-    std::ifstream in(c.rig().lun_path(), std::ios::binary);
-    in.seekg(std::streamoff(addr * kBlk));
-    in.read(reinterpret_cast<char*>(blk.data()), kBlk);
-    REQUIRE(in.good());
-    return blk;
-  };
-  Result<Superblock> sb = DecodeSuperblock(read_block(0).data(), 0);
+  Result<Superblock> sb = DecodeSuperblock(LunBlock(c, 0).data(), 0);
   REQUIRE(sb.ok());
   const LeaseLayout layout = LeaseLayoutOf(*sb);
   std::vector<LockRecord> all;
@@ -593,7 +588,7 @@ std::vector<LockRecord> LockTableOf(Cluster& c) {
     for (uint32_t k = 0; k < kLockTableBlocksPerPartition; k++) {
       const uint64_t addr = layout.PartitionBlock(p, k);
       Result<std::vector<LockRecord>> recs =
-          DecodeLockTableBlock(read_block(addr).data(), addr, sb->uuid);
+          DecodeLockTableBlock(LunBlock(c, addr).data(), addr, sb->uuid);
       if (!recs.ok()) continue;  // mid-rewrite: the caller polls again
       all.insert(all.end(), recs->begin(), recs->end());
     }

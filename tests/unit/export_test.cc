@@ -157,6 +157,28 @@ struct OpenOnExit {
   ~OpenOnExit() { gate->Open(); }
 };
 
+// A write of `data` at 0 that is answered (OK) while its device write is
+// held at the gate, set to fail with EIO: constructed once the answer has
+// come; the write fails when the test opens the gate.
+struct WriteFailingAfterAnswer {
+  // The gate armed to hold and fail the next write, before it starts.
+  struct Armed {
+    explicit Armed(GateDevice* gate) {
+      gate->Arm();
+      gate->FailHeld();
+    }
+  };
+  WriteFailingAfterAnswer(GateDevice* gate, Export* ex, const std::vector<uint8_t>& data)
+      : armed(gate), w(ex, 0, data, false), guard{gate} {
+    REQUIRE(gate->WaitHeld(10s));
+    REQUIRE(w.answered.wait_for(10s) == std::future_status::ready);
+    CHECK(w.answered.get().ok());
+  }
+  Armed armed;  // members are built in this order
+  AsyncWrite w;
+  OpenOnExit guard;
+};
+
 }  // namespace
 
 TEST_CASE("export: an in-place write is answered before its device write; READ and FLUSH wait",
@@ -198,15 +220,9 @@ TEST_CASE("export: a write that fails after its answer fails the next FLUSH and 
           "[export]") {
   Rig r;
   const std::vector<uint8_t> data = Pattern(8 * kB, 3);
-  r.gate.Arm();
-  r.gate.FailHeld();
-  AsyncWrite w(r.ex.get(), 0, data, false);
-  OpenOnExit guard_w{&r.gate};
-  REQUIRE(r.gate.WaitHeld(10s));
-  REQUIRE(w.answered.wait_for(10s) == std::future_status::ready);
-  CHECK(w.answered.get().ok());
+  WriteFailingAfterAnswer failing(&r.gate, r.ex.get(), data);
   r.gate.Open();
-  Status st = w.done.get();
+  Status st = failing.w.done.get();
   CHECK(st.code() == Status::Code::kIoError);
   Status flushed = r.ex->Flush();
   INFO(flushed.ToString());
@@ -226,13 +242,7 @@ TEST_CASE("export: after a write fails past its answer, READs fail instead of re
           "[export]") {
   Rig r;  // the file's first half holds Pattern(.., 1)
   const std::vector<uint8_t> data = Pattern(8 * kB, 3);
-  r.gate.Arm();
-  r.gate.FailHeld();
-  AsyncWrite w(r.ex.get(), 0, data, false);
-  OpenOnExit guard_w{&r.gate};
-  REQUIRE(r.gate.WaitHeld(10s));
-  REQUIRE(w.answered.wait_for(10s) == std::future_status::ready);
-  CHECK(w.answered.get().ok());
+  WriteFailingAfterAnswer failing(&r.gate, r.ex.get(), data);
   // A READ of the answered blocks waits for the write's outcome...
   auto read = std::async(std::launch::async, [&] {
     IoBytes out;
@@ -240,7 +250,7 @@ TEST_CASE("export: after a write fails past its answer, READs fail instead of re
   });
   CHECK(read.wait_for(200ms) == std::future_status::timeout);
   r.gate.Open();
-  CHECK(w.done.get().code() == Status::Code::kIoError);
+  CHECK(failing.w.done.get().code() == Status::Code::kIoError);
   // ...and then fails, as does a READ elsewhere in the export.
   Status st = read.get();
   INFO(st.ToString());
