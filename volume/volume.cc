@@ -708,8 +708,25 @@ Status VolumeImpl::Sync() {
     }
     RETURN_IF_ERROR(poisoned_);
   }
-  // Deferred drops are applied at flush points, in the same commit.
-  if (drop_count_ > 0) RETURN_IF_ERROR(DrainDrops(Drain::kIfDue));
+  // Deferred drops are applied at flush points, in the same commit. One
+  // that cannot be applied (its refcount block unreadable or failing its
+  // check) stays in the list for a later flush point, or for fsck: like
+  // the adoption above, it must neither fail this flush point nor skip
+  // its device flush. Only a failure that poisoned the volume does.
+  if (drop_count_ > 0) {
+    Status drained = DrainDrops(Drain::kIfDue);
+    RETURN_IF_ERROR(poisoned_);
+    if (!drained.ok()) {
+      const uint64_t now = clock_->MonotonicNanos();
+      drain_failures_++;
+      if (drain_warned_ns_ == 0 || now - drain_warned_ns_ >= kDrainWarnIntervalNs) {
+        LOG(kWarning) << "applying deferred reference drops: " << drained.ToString()
+                      << " (left in the drop list and tried again later; " << drain_failures_
+                      << " such failures since open)";
+        drain_warned_ns_ = now;
+      }
+    }
+  }
   // A want announced for an increment held back (ApplyBlockOps no_wait)
   // is collected here: once its holder has handed the group over, take
   // it, which withdraws the announcement (NoteCached). Left standing until
@@ -1271,8 +1288,16 @@ Status VolumeImpl::DrainDrops(Drain how) {
   }
   // Held elsewhere: ask the holder to hand the group back at its next
   // flush point (AnnounceWant); we look again at ours. Nobody waits.
+  Status left;  // kIfDue: the first drop left for a later flush point
   for (const auto& [g, addrs] : by_group) {
     const LockId gl = GroupLock(g);
+    // At a flush point, a group found busy (or whose drops failed) lately
+    // is not tried again yet: each try costs a client's FLUSH lock-table
+    // I/O, or a read that fails again.
+    if (how == Drain::kIfDue && LooksBusy(g)) {
+      if (!cached_locks_.count(gl)) AnnounceWant(g);
+      continue;
+    }
     if (!cached_locks_.count(gl)) {
       if (wait) {
         RETURN_IF_ERROR(WaitLock(gl));
@@ -1292,7 +1317,14 @@ Status VolumeImpl::DrainDrops(Drain how) {
     }
     for (uint64_t a : addrs) {
       RETURN_IF_ERROR(EnsureJournalRoom(2));
-      RETURN_IF_ERROR(AddRef(a, -1));
+      if (Status st = AddRef(a, -1); !st.ok()) {
+        // AddRef changed nothing; the drops applied before it are whole
+        // (each decrement with its entry's removal, in one transaction).
+        if (how != Drain::kIfDue || !poisoned_.ok()) return st;
+        NoteBusy(g);
+        if (left.ok()) left = st.WithContext("the drop of block " + std::to_string(a));
+        break;
+      }
       for (size_t i = 0; i < drop_list_.size(); i++) {
         auto it = std::find(drop_list_[i].begin(), drop_list_[i].end(), a);
         if (it == drop_list_[i].end()) continue;
@@ -1310,7 +1342,7 @@ Status VolumeImpl::DrainDrops(Drain how) {
       RETURN_IF_ERROR(ForgetCachedLock(gl));
     }
   }
-  return Status::Ok();
+  return left;
 }
 
 Status VolumeImpl::PrefetchGroup(uint32_t g) {

@@ -249,7 +249,9 @@ class VolumeImpl : public Volume {
   // take without waiting. Groups still held elsewhere are announced with
   // kWanted so their holder hands them back at its next flush point.
   enum class Drain {
-    kIfDue,    // at a flush point: groups found busy lately are not tried
+    kIfDue,    // at a flush point: groups found busy lately are not tried; a
+               // drop that fails is left in the list (the error is returned
+               // after the rest are applied) and its group noted busy
     kNow,      // try every group now
     kWaiting,  // wait for every group in ascending order, holding no cached lock
   };
@@ -421,6 +423,11 @@ class VolumeImpl : public Volume {
   // the first's announcement). Released when the group is taken
   // (NoteCached) and at close.
   std::set<uint32_t> wanted_groups_ GUARDED_BY(mu_);
+  // Deferred drops a flush point could not apply (Sync), and when that was
+  // last logged (monotonic ns; one warning per interval).
+  uint64_t drain_failures_ GUARDED_BY(mu_) = 0;
+  uint64_t drain_warned_ns_ GUARDED_BY(mu_) = 0;
+  static constexpr uint64_t kDrainWarnIntervalNs = 10'000'000'000;
   // LooksBusy/NoteBusy: group -> monotonic ns before which it is not tried.
   std::map<uint32_t, uint64_t> busy_until_ GUARDED_BY(mu_);
   std::chrono::seconds lock_wait_{60};  // bound on waiting for a volume lock
