@@ -717,14 +717,8 @@ Status VolumeImpl::Sync() {
     Status drained = DrainDrops(Drain::kIfDue);
     RETURN_IF_ERROR(poisoned_);
     if (!drained.ok()) {
-      const uint64_t now = clock_->MonotonicNanos();
-      drain_failures_++;
-      if (drain_warned_ns_ == 0 || now - drain_warned_ns_ >= kDrainWarnIntervalNs) {
-        LOG(kWarning) << "applying deferred reference drops: " << drained.ToString()
-                      << " (left in the drop list and tried again later; " << drain_failures_
-                      << " such failures since open)";
-        drain_warned_ns_ = now;
-      }
+      NoteFlushPointFailure(&drain_failures_, drained,
+                            "applying deferred reference drops (left in the drop list)");
     }
   }
   // A want announced for an increment held back (ApplyBlockOps no_wait)
@@ -771,14 +765,43 @@ Status VolumeImpl::Sync() {
   // Create between its scan and its claim keeps the namespace (it hands it
   // back itself when done), and a group with a write's reservations goes
   // at a later flush point.
+  //
+  // The writes before this flush point are durable by now: a failure to
+  // hand locks over (a lock-table read or release that failed) must not
+  // fail it, or a client's FLUSH would report its durable writes lost.
+  // The hand-over is tried again at the next flush point; what poisoned
+  // the volume is still reported.
   bool wanted = false;
+  Status handover;
   for (const LockId& id : cached_locks_) {
     if (Pinned(id)) continue;
-    ASSIGN_OR_RETURN(wanted, locks_->IsHeldElsewhere(WantedLock(id)));
-    if (wanted) break;
+    Result<bool> w = locks_->IsHeldElsewhere(WantedLock(id));
+    if (!w.ok()) {
+      handover = w.status();
+      break;
+    }
+    if (*w) {
+      wanted = true;
+      break;
+    }
   }
-  if (!wanted) return Status::Ok();
-  return ReleaseCached(Pin::kKeep);
+  if (wanted) handover = ReleaseCached(Pin::kKeep);
+  RETURN_IF_ERROR(poisoned_);
+  if (!handover.ok()) {
+    NoteFlushPointFailure(&handover_failures_, handover,
+                          "handing cached locks to processes that wait for them");
+  }
+  return Status::Ok();
+}
+
+void VolumeImpl::NoteFlushPointFailure(FlushPointFailures* f, const Status& st, const char* what) {
+  const uint64_t now = clock_->MonotonicNanos();
+  f->count++;
+  if (f->count == 1 || now - f->warned_ns >= kFlushPointWarnIntervalNs) {
+    LOG(kWarning) << what << ": " << st.ToString() << " (tried again at a later flush point; "
+                  << f->count << " such failures since open)";
+    f->warned_ns = now;
+  }
 }
 
 void VolumeImpl::DropCache(LockId owner) {

@@ -423,11 +423,18 @@ class VolumeImpl : public Volume {
   // the first's announcement). Released when the group is taken
   // (NoteCached) and at close.
   std::set<uint32_t> wanted_groups_ GUARDED_BY(mu_);
-  // Deferred drops a flush point could not apply (Sync), and when that was
-  // last logged (monotonic ns; one warning per interval).
-  uint64_t drain_failures_ GUARDED_BY(mu_) = 0;
-  uint64_t drain_warned_ns_ GUARDED_BY(mu_) = 0;
-  static constexpr uint64_t kDrainWarnIntervalNs = 10'000'000'000;
+  // Housekeeping at a flush point that failed without failing it (Sync):
+  // how often, and when it was last logged (monotonic ns; one warning per
+  // interval for each kind).
+  struct FlushPointFailures {
+    uint64_t count = 0;
+    uint64_t warned_ns = 0;
+  };
+  FlushPointFailures drain_failures_ GUARDED_BY(mu_);     // DrainDrops
+  FlushPointFailures handover_failures_ GUARDED_BY(mu_);  // handing cached locks over
+  static constexpr uint64_t kFlushPointWarnIntervalNs = 10'000'000'000;
+  void NoteFlushPointFailure(FlushPointFailures* f, const Status& st, const char* what)
+      REQUIRES(mu_);
   // LooksBusy/NoteBusy: group -> monotonic ns before which it is not tried.
   std::map<uint32_t, uint64_t> busy_until_ GUARDED_BY(mu_);
   std::chrono::seconds lock_wait_{60};  // bound on waiting for a volume lock

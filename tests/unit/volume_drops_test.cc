@@ -961,3 +961,68 @@ TEST_CASE("volume drops: flush points do not try a group found busy lately again
   v2.reset();
   r.CheckContents(r.v1.get());
 }
+
+namespace {
+
+// Lock-table queries of kWanted records, or releases of groups, fail while
+// the matching flag is set.
+class HandOverFails : public test::ForwardingLocks {
+ public:
+  using ForwardingLocks::ForwardingLocks;
+  Result<bool> IsHeldElsewhere(LockId id) override {
+    if (fail_queries && id.kind == LockKind::kWanted) {
+      return Status::IoError("injected: lock table unreadable");
+    }
+    return base()->IsHeldElsewhere(id);
+  }
+  Status Release(LockId id) override {
+    Status st = base()->Release(id);
+    if (fail_releases && id.kind == LockKind::kGroup) {
+      return Status::IoError("injected: release not written");
+    }
+    return st;
+  }
+  std::atomic<bool> fail_queries{false}, fail_releases{false};
+};
+
+}  // namespace
+
+// A flush point hands its cached locks to processes that announced a wait
+// only after its writes are durable. A failure there (a lock-table read or
+// a release) used to fail the flush point all the same: a client's FLUSH
+// reported an error for writes that were on the disk.
+TEST_CASE("volume: a failed hand-over of cached locks does not fail the flush point before it",
+          "[volume][drops]") {
+  Rig r;
+  auto locks = std::make_shared<HandOverFails>(r.NewLocks());
+  FlushCounter dev(&r.base);
+  auto v3 = r.OpenAs(&dev, 3, locks);
+  auto a = v3->OpenFile("a");
+  REQUIRE(a.ok());
+  const std::vector<uint8_t> z = Pattern(0x33, 1);
+  REQUIRE(a.value()->Write(8 * kB, z.data(), z.size()).ok());  // host 3 caches a group
+  REQUIRE(v3->Sync().ok());
+  const uint64_t groups = r.v1->superblock().group_count;
+  for (uint64_t g = 0; g < groups; g++) {
+    REQUIRE(r.holder->Acquire(WantedGroup(g), LockMode::kShared, false).ok());
+  }
+  REQUIRE(a.value()->Write(8 * kB, z.data(), z.size()).ok());  // in place: needs a flush
+  SECTION("the wanted records cannot be read") { locks->fail_queries = true; }
+  SECTION("a release fails") { locks->fail_releases = true; }
+  const uint64_t before = dev.flushes.load();
+  Status st = v3->Sync();
+  INFO(st.ToString());
+  CHECK(st.ok());
+  CHECK(dev.flushes.load() > before);
+  // Handed over once the lock table answers again.
+  locks->fail_queries = false;
+  locks->fail_releases = false;
+  CHECK(v3->Sync().ok());
+  for (const auto& [id, mode] : locks->Held()) {
+    INFO(id.ToString());
+    CHECK(id.kind != LockKind::kGroup);
+  }
+  for (uint64_t g = 0; g < groups; g++) REQUIRE(r.holder->Release(WantedGroup(g)).ok());
+  a.value().reset();
+  v3.reset();
+}
