@@ -916,8 +916,9 @@ class SanlockImpl : public SanlockLockManager {
   }
 
   // Runs fn holding partition p's sanlock lease (and part_mu_[p]); the
-  // lease is released whatever fn returns. fn's error wins; a failed
-  // release is reported when fn succeeded.
+  // lease is released whatever fn returns (after a device flush if fn
+  // failed with an I/O error). fn's error wins; a failed release is
+  // reported when fn succeeded.
   template <typename Fn>
   Status WithPartitionLease(uint32_t p, int max_wait_s, Fn fn) {
     MutexLock pl(&part_mu_[p]);
@@ -926,6 +927,19 @@ class SanlockImpl : public SanlockLockManager {
     sanlk_resource* rp = r.res();
     RETURN_IF_ERROR(AcquireLease(rp, "lock-table lease " + PartitionLeaseName(p), max_wait_s));
     Status st = fn();
+    if (st.code() == Status::Code::kIoError) {
+      // A lock-table write that failed may still land later (an iSCSI
+      // command lost with its connection). The device's next command
+      // first makes sure none can (the LU reset, iscsi_device.cc
+      // FenceLostCommands); issued before the lease goes, so no stale
+      // block of ours can overwrite the next holder's update.
+      Status fenced = dev_->Flush();
+      if (!fenced.ok()) {
+        LOG(kWarning) << "lock-table partition " << p << ": after " << st.ToString()
+                      << ", the device could not be fenced before the lease is released: "
+                      << fenced.ToString();
+      }
+    }
     int rv = ReleaseLease(rp);
     if (st.ok() && rv < 0) {
       st = Status::IoError("releasing lock-table lease " + PartitionLeaseName(p) + ": " +
