@@ -890,9 +890,10 @@ class CountingLocks : public test::ForwardingLocks {
 // every flush point before its device flush (Sync returned DrainDrops'
 // error): each client FLUSH failed for a drop that can wait, and a close
 // handed the file on with its writes maybe still in the device's cache.
-TEST_CASE("volume drops: a drop that cannot be applied neither fails a flush point nor skips its "
-          "device flush",
-          "[volume][drops]") {
+TEST_CASE(
+    "volume drops: a drop that cannot be applied neither fails a flush point nor skips its "
+    "device flush",
+    "[volume][drops]") {
   Rig r;
   r.HoldGroupZero();
   const Superblock& sb = r.v1->superblock();
@@ -915,7 +916,7 @@ TEST_CASE("volume drops: a drop that cannot be applied neither fails a flush poi
   INFO(st.ToString());
   CHECK(st.ok());
   CHECK(dev.flushes.load() > flushes);
-  CHECK(dev.range_reads.load() > 0);  // the drain did try
+  CHECK(dev.range_reads.load() > 0);              // the drain did try
   CHECK(v2->drop_counters().pending == kShared);  // Stats would read the group
   // Not tried again at every flush point: the group waits like a busy one.
   const uint64_t reads = dev.range_reads.load();
@@ -1007,8 +1008,12 @@ TEST_CASE("volume: a failed hand-over of cached locks does not fail the flush po
     REQUIRE(r.holder->Acquire(WantedGroup(g), LockMode::kShared, false).ok());
   }
   REQUIRE(a.value()->Write(8 * kB, z.data(), z.size()).ok());  // in place: needs a flush
-  SECTION("the wanted records cannot be read") { locks->fail_queries = true; }
-  SECTION("a release fails") { locks->fail_releases = true; }
+  SECTION("the wanted records cannot be read") {
+    locks->fail_queries = true;
+  }
+  SECTION("a release fails") {
+    locks->fail_releases = true;
+  }
   const uint64_t before = dev.flushes.load();
   Status st = v3->Sync();
   INFO(st.ToString());
