@@ -219,6 +219,7 @@ Result<ShardHeader> DecodeShardHeader(const uint8_t* blk, const Uuid& uuid, File
     return Status::Unsupported(what + ": shard format major version " + std::to_string(major) +
                                " is newer than this build (" + std::to_string(kShardMajor) + ")");
   }
+  if (major == 0) return bad("format version 0");
   d.u32();  // crc
   d.u32();  // flags
   ShardHeader h;
@@ -266,6 +267,11 @@ Result<ShardHeader> DecodeShardHeader(const uint8_t* blk, const Uuid& uuid, File
   if (h.file_count > kMaxEntryFileRef + 1 ||
       h.file_blocks != (h.file_count + kFilesPerBlock - 1) / kFilesPerBlock) {
     return bad("file table size wrong");
+  }
+  // The whole file (header, entries, file table) in blocks: below 2^52,
+  // so its byte size does not wrap (a reader compares it with the file's).
+  if (1 + h.entry_blocks + h.file_blocks >= (uint64_t{1} << 52)) {
+    return bad("entry and file table blocks beyond any file");
   }
   if (h.arena_next > kMaxArenaIndex + 1) return bad("arena size out of range");
   return h;
@@ -419,6 +425,7 @@ Status DecodePendingFrame(const uint8_t* buf, size_t len, HashAlgo algo, const U
   uint16_t major = d.u16();
   d.u16();
   if (major > kShardMajor) return Status::Unsupported(where + ": newer major version");
+  if (major == 0) return Status::Corruption(where + ": format version 0");
   d.u32();
   uint32_t a = d.u32();
   uint64_t count = d.u64();

@@ -217,10 +217,11 @@ Result<Superblock> DecodeSuperblock(const uint8_t* blk, uint64_t addr) {
               sb.inode_start == sb.journal_start + sb.max_hosts * sb.journal_blocks &&
               sb.group_start == sb.inode_start + sb.inode_count && sb.group_refblocks >= 1 &&
               sb.group_start < sb.total_blocks;
-  // The drop lists come with their feature bit, and leave a ring of at
-  // least 12 blocks (a few transactions).
+  // The drop lists come with their feature bit, leave a ring of at least
+  // 12 blocks (a few transactions), and have at most 65535 blocks, as
+  // format makes them (an opener holds a host's whole list in memory).
   sane = sane && (sb.drop_blocks > 0) == ((sb.incompat_features & kIncompatDropLists) != 0) &&
-         uint64_t{sb.drop_blocks} + 2 + 12 <= sb.journal_blocks;
+         sb.drop_blocks <= kMaxDropBlocks && uint64_t{sb.drop_blocks} + 2 + 12 <= sb.journal_blocks;
   // group_count must tile the rest of the device exactly: every group has
   // at least 2 blocks (a refcount block and a data block) and there is no
   // room for another one.
@@ -254,7 +255,7 @@ Result<Superblock> PlanLayout(const FormatParams& p) {
   // The ring must let one transaction hold kMinTxnBlocks (MaxTxnBlocks()
   // is half the ring, less one).
   const uint64_t min_ring = 2 * (uint64_t{kMinTxnBlocks} + 1);
-  if (drop_blocks > 0xffff || drop_blocks + 2 + min_ring > sb.journal_blocks) {
+  if (drop_blocks > kMaxDropBlocks || drop_blocks + 2 + min_ring > sb.journal_blocks) {
     return Status::Invalid("the drop list (" + std::to_string(drop_blocks) + " blocks) leaves the " +
                            std::to_string(sb.journal_blocks) + "-block journal's ring fewer than " +
                            std::to_string(min_ring) + " blocks: the journal is too small");

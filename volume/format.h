@@ -76,6 +76,9 @@ inline constexpr uint64_t kIncompatSanlock = 1;
 // region are its deferred-drop list (section 5.6 of FORMAT.md); a reader
 // that does not know would take them for journal ring.
 inline constexpr uint64_t kIncompatDropLists = 2;
+// Most blocks a host's drop list may have (format makes at most this many;
+// an opener holds the whole list in memory).
+inline constexpr uint32_t kMaxDropBlocks = 0xffff;
 inline constexpr uint64_t kKnownIncompatFeatures = kIncompatSanlock | kIncompatDropLists;
 
 struct Superblock {

@@ -2019,6 +2019,23 @@ TEST_CASE("superblock: inconsistent drop list fields are refused", "[format]") {
   small.drop_blocks = 3;
   EncodeSuperblock(small, 0, blk.data());
   REQUIRE(DecodeSuperblock(blk.data(), 0).status().code() == Status::Code::kCorruption);
+  // A journal big enough for more: still at most kMaxDropBlocks, as format
+  // makes them (an opener allocates the whole list).
+  Superblock big = base;
+  big.max_hosts = 1;
+  big.journal_blocks = 70000;
+  big.inode_start = big.journal_start + big.journal_blocks;
+  big.group_start = big.inode_start + big.inode_count;
+  big.total_blocks = big.group_start + big.FullGroupBlocks();  // one whole group
+  big.group_count = 1;
+  big.incompat_features = kIncompatDropLists;
+  big.drop_blocks = kMaxDropBlocks;
+  EncodeSuperblock(big, 0, blk.data());
+  INFO(DecodeSuperblock(blk.data(), 0).status().ToString());
+  CHECK(DecodeSuperblock(blk.data(), 0).ok());
+  big.drop_blocks = kMaxDropBlocks + 1;
+  EncodeSuperblock(big, 0, blk.data());
+  CHECK(DecodeSuperblock(blk.data(), 0).status().code() == Status::Code::kCorruption);
 }
 
 TEST_CASE("superblock: drop_blocks near 2^32 does not wrap the ring check", "[format]") {

@@ -229,6 +229,14 @@ TEST_CASE("index: header versions", "[index]") {
     CHECK(d.status().code() == Status::Code::kUnsupported);
     CHECK(Contains(d.status().message(), "shard .dede-ix-10"));
   }
+  SECTION("major 0 is corrupt") {
+    Block b = EncodeHeader(h);
+    EncodeU16(b.data() + kHdrMajor, 0);
+    ResealHeader(b);
+    auto d = DecodeShardHeader(b.data(), kUuid, kShard, "s");
+    REQUIRE_FALSE(d.ok());
+    CHECK(d.status().code() == Status::Code::kCorruption);
+  }
   SECTION("newer minor with a non-zero tail still decodes") {
     Block b = EncodeHeader(h);
     EncodeU16(b.data() + kHdrMinor, kShardMinor + 1);
@@ -307,6 +315,21 @@ TEST_CASE("index: header field checks behind the crc", "[index]") {
         EncodeU64(b.data() + kHdrShared, 0);
       },
       "entry blocks beyond any file");
+  expect_bad(
+      [&](Block& b) {
+        // 2^52 - 1 entry blocks: the count itself is in range, but with
+        // the header the file has 2^52 blocks, and 2^52 * 4096 wraps to 0
+        // (ShardReader::Open then took any file as long enough).
+        const uint64_t per = EntriesPerBlock(EntrySize(h.algo, h.range));
+        const uint64_t blocks = (1ull << 52) - 1;
+        EncodeU64(b.data() + kHdrEntryCount, per * blocks);
+        EncodeU64(b.data() + kHdrEntryBlocks, blocks);
+        EncodeU64(b.data() + kHdrUnique, per * blocks);
+        EncodeU64(b.data() + kHdrShared, 0);
+        EncodeU64(b.data() + kHdrFileCount, 0);
+        EncodeU64(b.data() + kHdrFileBlocks, 0);
+      },
+      "header, entries and file table wrap the byte size");
   // Limits themselves are fine.
   Block b = EncodeHeader(h);
   EncodeU64(b.data() + kHdrFileCount, kMaxEntryFileRef + 1);
@@ -627,6 +650,11 @@ TEST_CASE("index: damaged misplaced and foreign pending frames are rejected", "[
     EncodeU16(newer.data() + 4, kShardMajor + 1);
     EncodeU32(newer.data() + 8, FileBlockCrc(newer.data(), 8, kUuid, kShard, first));
     expect(decode(newer, newer.size(), algo, kUuid, kShard, first), Status::Code::kUnsupported);
+    // Major 0 behind a valid crc: corrupt.
+    std::vector<uint8_t> zero = good;
+    EncodeU16(zero.data() + 4, 0);
+    EncodeU32(zero.data() + 8, FileBlockCrc(zero.data(), 8, kUuid, kShard, first));
+    expect(decode(zero, zero.size(), algo, kUuid, kShard, first), Status::Code::kCorruption);
     // A count beyond 2^32 behind a valid crc.
     std::vector<uint8_t> huge = good;
     EncodeU64(huge.data() + 16, (1ull << 32) + 1);
