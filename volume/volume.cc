@@ -385,6 +385,22 @@ Status VolumeImpl::RecoverDeadHosts() {
   return Status::Ok();
 }
 
+Status VolumeImpl::ScanForTaken(const std::vector<LockId>& taken) {
+  Status st = RecoverDeadHosts();
+  if (st.ok()) return st;
+  // Kept without the scan, they would look held to every later use, which
+  // then never scans: their blocks would be read from home while a dead
+  // host's journal may still hold newer images of them (a block of its
+  // allocated again, counts that later replay overwrites). Nothing of
+  // theirs is cached or changed yet.
+  ForgetTaken(taken);
+  return st;
+}
+
+void VolumeImpl::ForgetTaken(const std::vector<LockId>& taken) {
+  for (const LockId& id : taken) (void)ForgetCachedLock(id);
+}
+
 Status VolumeImpl::ScanDeadHosts() {
   for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
     if (h == host_) continue;
@@ -1041,7 +1057,7 @@ Status VolumeImpl::AcquireCached(LockId id) {
   }
   RETURN_IF_ERROR(st);
   NoteCached(id);
-  return RecoverDeadHosts();
+  return ScanForTaken({id});
 }
 
 Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
@@ -1050,6 +1066,9 @@ Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
     uint32_t g;
     if (a != 0 && GroupOf(a, &g) && !cached_locks_.count(GroupLock(g))) need.insert(g);
   }
+  // Taken by this call: none is used before the dead-host scan, and all go
+  // back if a later step fails (ScanForTaken).
+  std::vector<LockId> taken;
   for (uint32_t g : need) {
     // A free group is taken even when others announced a wait for it (no
     // LeaveToOthers here): these takes have no other way out, and joining
@@ -1058,22 +1077,31 @@ Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
     Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
     if (st.code() == Status::Code::kLocked) {
       // Wait in group order holding no other cached lock.
+      taken.clear();  // ReleaseCached gives them back
       RETURN_IF_ERROR(ReleaseCached());
       for (uint64_t a : addrs) {
         uint32_t gg;
         if (a != 0 && GroupOf(a, &gg)) need.insert(gg);
       }
       for (uint32_t w : need) {
-        RETURN_IF_ERROR(WaitLock(GroupLock(w)));
+        if (Status wst = WaitLock(GroupLock(w)); !wst.ok()) {
+          ForgetTaken(taken);
+          return wst;
+        }
         NoteCached(GroupLock(w));
+        taken.push_back(GroupLock(w));
       }
-      return RecoverDeadHosts();
+      return ScanForTaken(taken);
     }
-    RETURN_IF_ERROR(st);
+    if (!st.ok()) {
+      ForgetTaken(taken);
+      return st;
+    }
     NoteCached(GroupLock(g));
+    taken.push_back(GroupLock(g));
   }
-  if (!need.empty()) return RecoverDeadHosts();
-  return Status::Ok();
+  if (taken.empty()) return Status::Ok();
+  return ScanForTaken(taken);
 }
 
 Status VolumeImpl::AcquireGroupOf(uint64_t addr) {
@@ -1273,7 +1301,7 @@ Result<VolumeImpl::GroupTry> VolumeImpl::TryTakeGroup(uint32_t g) {
   RETURN_IF_ERROR(st);
   NoteCached(gl);
   busy_until_.erase(g);
-  RETURN_IF_ERROR(RecoverDeadHosts());
+  RETURN_IF_ERROR(ScanForTaken({gl}));
   return GroupTry::kTaken;
 }
 
@@ -1326,7 +1354,7 @@ Status VolumeImpl::DrainDrops(Drain how) {
         RETURN_IF_ERROR(WaitLock(gl));
         NoteCached(gl);
         busy_until_.erase(g);
-        RETURN_IF_ERROR(RecoverDeadHosts());
+        RETURN_IF_ERROR(ScanForTaken({gl}));
       } else {
         Result<GroupTry> got = TryTakeGroup(g);
         if (!got.ok() || *got == GroupTry::kBusy) {
@@ -1543,7 +1571,7 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, All
     for (uint32_t g = 0; g < sb_.group_count && out->size() < n; g++) {
       RETURN_IF_ERROR(WaitLock(GroupLock(g)));
       NoteCached(GroupLock(g));
-      RETURN_IF_ERROR(RecoverDeadHosts());
+      RETURN_IF_ERROR(ScanForTaken({GroupLock(g)}));
       RETURN_IF_ERROR(AllocateFromGroup(g, n, meta, reserve, out));
       // A group that gave nothing (full) is not held through the next
       // wait: its waiters would wait for all of ours, and nothing reaches

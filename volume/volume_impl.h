@@ -266,6 +266,11 @@ class VolumeImpl : public Volume {
   // host that never comes back does not pin those blocks for ever. Called
   // between operations only (Start, Sync): it commits. Never waits.
   Status AdoptOrphanDrops() REQUIRES(mu_);
+  // RecoverDeadHosts for locks just taken (NoteCached) whose blocks are
+  // about to be used; if the scan fails, `taken` are given back.
+  Status ScanForTaken(const std::vector<LockId>& taken) REQUIRES(mu_);
+  // Gives back locks taken by an operation that failed before using them.
+  void ForgetTaken(const std::vector<LockId>& taken) REQUIRES(mu_);
   // One slot's part of AdoptOrphanDrops; the caller holds kRecovery(h).
   Status AdoptDropsOf(uint32_t h) REQUIRES(mu_);
   // Replays host h's journal if it holds transactions; the caller holds
