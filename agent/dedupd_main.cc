@@ -10,6 +10,7 @@
 
 #include <boost/asio.hpp>
 #include <boost/program_options.hpp>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 #include <atomic>
@@ -222,7 +223,13 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   }
   if (cfg->dedup_interval < 0) return UsageError("--dedup-interval: must be >= 0");
   if (!(cfg->dedup_fraction >= 0)) return UsageError("--dedup-fraction: must be >= 0");
-  if (cfg->fence_after < 0) return UsageError("--fence-after: must be >= 0");
+  if (!(cfg->fence_after >= 0) || !std::isfinite(cfg->fence_after)) {
+    return UsageError("--fence-after: must be a number of seconds >= 0");
+  }
+  if (cfg->lease_io_timeout > kMaxLeaseIoTimeoutS) {
+    return UsageError("--lease-io-timeout: at most " + std::to_string(kMaxLeaseIoTimeoutS) +
+                      " seconds");
+  }
   if (!(cfg->merge_interval >= 0)) return UsageError("--merge-interval: must be >= 0");
   if (!(cfg->open_wait >= 0)) return UsageError("--open-wait: must be >= 0");
   if (!(cfg->drain_timeout >= 0)) return UsageError("--drain-timeout: must be >= 0");
@@ -340,6 +347,16 @@ int Run(const Config& cfg) {
       LOG(kError) << "--fence-after " << fence << ": must be at least 4 io_timeouts + 4 s ("
                   << floor_s << " s with this host's io_timeout of " << io
                   << " s), or a healthy host whose renewal is late would fence itself";
+      return kExitUsage;
+    }
+    // And well before others may call us dead (8 io_timeouts + 60 s), with
+    // room for a write in flight to finish: later, two hosts could write
+    // the same files where no watchdog resets this one.
+    const double ceiling_s = 8 * io + 50;
+    if (fence > ceiling_s) {
+      LOG(kError) << "--fence-after " << fence << ": must be at most 8 io_timeouts + 50 s ("
+                  << ceiling_s << " s with this host's io_timeout of " << io
+                  << " s); other hosts may take this host's locks from 8 io_timeouts + 60 s";
       return kExitUsage;
     }
     guard = std::make_unique<LockspaceGuard>(

@@ -243,7 +243,7 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     if (!j.ok()) {
       bool fixed = false;
       if (repair) {
-        RETURN_IF_ERROR(Poison(Journal::Initialize(dev_, sb_, h)));
+        RETURN_IF_ERROR(Poison(Journal::Reset(dev_, sb_, h)));
         fixed = true;
       }
       problem("journal of host " + std::to_string(h), j.status().message(), fixed);

@@ -8,8 +8,10 @@
 // problem is reported with where it is. Repair fixes what is safe: stored
 // refcounts are set to the recounted truth (leaked blocks freed, missing
 // references added), inode counters recomputed, damaged inodes of files
-// cleared, duplicate superblock copy rewritten, damaged journal headers
-// reinitialised, and (sanlock) damaged lock-table blocks rewritten as
+// cleared, duplicate superblock copy rewritten, a journal whose headers
+// are both damaged reset (ring zeroed, then fresh headers: Journal::Reset;
+// open the volume with OpenOptions::pass_damaged_journals to get this far),
+// and (sanlock) damaged lock-table blocks rewritten as
 // valid ones under their partition's lease, only while no other process
 // on any host has the volume open or holds a host slot (their records are
 // lost; docs/LOCKING.md "Repairing the lock table"); else such a block is

@@ -1,5 +1,6 @@
 #include "volume/journal.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "util/crc32c.h"
@@ -33,6 +34,23 @@ Status Journal::Initialize(BlockDevice* dev, const Superblock& sb, uint32_t host
     EncodeJournalHeader(jh, /*seq=*/i == 0 ? 2 : 1, sb.uuid, addr, buf.p + i * kBlockSize);
   }
   return dev->Write(sb.JournalStart(host) * kBlockSize, buf.p, 2 * kBlockSize);
+}
+
+Status Journal::Reset(BlockDevice* dev, const Superblock& sb, uint32_t host) {
+  const uint64_t first = sb.JournalStart(host) + kJournalHeaderSlots;
+  const uint64_t ring = sb.JournalRingBlocks();
+  constexpr uint64_t kChunk = 256;
+  AlignedBuf zeros(kChunk * kBlockSize);
+  std::memset(zeros.p, 0, kChunk * kBlockSize);
+  for (uint64_t done = 0; done < ring;) {
+    const uint64_t n = std::min(kChunk, ring - done);
+    RETURN_IF_ERROR(dev->Write((first + done) * kBlockSize, zeros.p, n * kBlockSize));
+    done += n;
+  }
+  // The ring is empty on the disk before any header points into it.
+  RETURN_IF_ERROR(dev->Flush());
+  RETURN_IF_ERROR(Initialize(dev, sb, host));
+  return dev->Flush();
 }
 
 Result<std::unique_ptr<Journal>> Journal::Open(BlockDevice* dev, const Superblock& sb,

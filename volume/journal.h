@@ -24,8 +24,18 @@ class Journal {
   static Result<std::unique_ptr<Journal>> Open(BlockDevice* dev, const Superblock& sb,
                                                uint32_t host);
 
-  // Writes fresh, empty headers for `host` (used by format).
+  // Writes fresh, empty headers for `host` (used by format, whose ring
+  // holds nothing of this volume yet).
   static Status Initialize(BlockDevice* dev, const Superblock& sb, uint32_t host);
+
+  // Repair of a journal whose headers are damaged (fsck --repair): zeroes
+  // the ring, flushes, then writes fresh headers and flushes. Fresh
+  // headers alone would put the tail back at sequence 1, position 0, where
+  // the ring's first lap may still hold this volume's old transactions
+  // with valid checksums: the next replay would write years-old images
+  // over current metadata. The caller holds the slot (kRecovery(host)
+  // and no live owner).
+  static Status Reset(BlockDevice* dev, const Superblock& sb, uint32_t host);
 
   // True if at least one valid transaction follows the tail.
   Result<bool> HasTransactions();

@@ -61,6 +61,11 @@ struct SanlockOptions {
 };
 
 // sanlock's lockspace name for a volume: "dede-" + the UUID's hex digits.
+// Largest io_timeout dede accepts (seconds). A host is declared dead about
+// 8 io_timeouts after its last renewal; past this, a dead host would keep
+// every lock it held for most of an hour.
+inline constexpr uint32_t kMaxLeaseIoTimeoutS = 300;
+
 std::string SanlockLockspaceName(const Uuid& uuid);
 
 // Writes the lockspace and the resource leases (volume + partition

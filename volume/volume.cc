@@ -271,6 +271,7 @@ Result<std::unique_ptr<Volume>> Volume::Open(BlockDevice* dev, const OpenOptions
   auto vol = std::make_unique<VolumeImpl>(dev, sb.value(), locks,
                                           opts.clock ? opts.clock : Clock::Real(), opts.read_only);
   vol->set_lock_wait(std::chrono::seconds(opts.lock_wait_s));
+  vol->set_pass_damaged_journals(opts.pass_damaged_journals);
   RETURN_IF_ERROR(vol->Start(opts.host_id));
   return std::unique_ptr<Volume>(std::move(vol));
 }
@@ -321,7 +322,13 @@ Status VolumeImpl::Start(uint32_t host_id) {
         // more lock-table writes, and one left held if we die right then).
         Result<bool> in_use = locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h});
         if (in_use.ok() && *in_use) continue;
-        if (take_slot(h, false).ok()) host_ = h;
+        if (!take_slot(h, false).ok()) continue;
+        if (pass_damaged_journals_ && DamagedJournal(h)) {
+          (void)locks_->Release(LockId{LockKind::kHostSlot, h});
+          (void)locks_->Release(LockId{LockKind::kRecovery, h});
+          continue;
+        }
+        host_ = h;
       }
       if (host_ == 0) {
         return Status::Locked("all " + std::to_string(sb_.max_hosts) +
@@ -436,12 +443,24 @@ Status VolumeImpl::ScanDeadHosts() {
       RETURN_IF_ERROR(taken.status());
       continue;
     }
+    if (pass_damaged_journals_ && DamagedJournal(h)) {
+      (void)locks_->Release(rec);
+      continue;
+    }
     Status st = ReplayJournalOf(h);
     (void)locks_->Release(rec);
     RETURN_IF_ERROR(st);
     adopt_due_ns_ = 0;  // it may have left drops behind
   }
   return Status::Ok();
+}
+
+bool VolumeImpl::DamagedJournal(uint32_t h) const {
+  auto j = Journal::Open(dev_, sb_, h);
+  if (j.ok() || j.status().code() != Status::Code::kCorruption) return false;
+  LOG(kWarning) << "journal of host " << h << ": " << j.status().ToString()
+                << " (passed over for fsck)";
+  return true;
 }
 
 Status VolumeImpl::ReplayJournalOf(uint32_t h) {

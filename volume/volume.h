@@ -71,6 +71,12 @@ struct OpenOptions {
   uint32_t lock_wait_s = 60;
   // OpenVolumeSpec: iSCSI sessions to open (DeviceOptions::iscsi_sessions).
   uint32_t iscsi_sessions = 1;
+  // For fsck only: a free host slot whose two journal headers are both
+  // damaged is passed over (not replayed by the dead-host scan, not taken
+  // as this process's slot) instead of failing the open, so that fsck can
+  // report it and --repair reset it (Journal::Reset). What that journal
+  // held is lost either way: without a header its tail cannot be found.
+  bool pass_damaged_journals = false;
 };
 
 // Identifies one incarnation of a file: (ino, generation) never repeats.

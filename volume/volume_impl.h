@@ -54,6 +54,8 @@ class VolumeImpl : public Volume {
 
   Status Start(uint32_t host_id);
   void set_lock_wait(std::chrono::seconds s) { lock_wait_ = s; }
+  // OpenOptions::pass_damaged_journals; set before Start.
+  void set_pass_damaged_journals(bool pass) { pass_damaged_journals_ = pass; }
 
   const Superblock& superblock() const override { return sb_; }
   uint32_t host_id() const override { return host_; }
@@ -276,6 +278,9 @@ class VolumeImpl : public Volume {
   // Replays host h's journal if it holds transactions; the caller holds
   // kRecovery(h) and has seen h's slot free.
   Status ReplayJournalOf(uint32_t h) REQUIRES(mu_);
+  // True if host h's journal headers are both damaged (Journal::Open says
+  // kCorruption); logged. For pass_damaged_journals_.
+  bool DamagedJournal(uint32_t h) const;
   // True if this process holds the group of data block `addr`.
   bool GroupHeld(uint64_t addr) const REQUIRES(mu_);
   // The group of data block `addr`; false if it is not a data block.
@@ -443,6 +448,7 @@ class VolumeImpl : public Volume {
   // LooksBusy/NoteBusy: group -> monotonic ns before which it is not tried.
   std::map<uint32_t, uint64_t> busy_until_ GUARDED_BY(mu_);
   std::chrono::seconds lock_wait_{60};  // bound on waiting for a volume lock
+  bool pass_damaged_journals_ = false;  // set before Start, read-only after
   // How long WaitLock leaves a lock to processes that were blocked on it
   // before this wait began (no queue on the disk: this is what keeps a
   // waiter that backed off from losing every hand-over to newcomers).

@@ -641,6 +641,15 @@ TEST_CASE("dede usage errors exit 2 and touch nothing", "[cli]") {
       {"fsck"},
   };
   for (const auto& args : cases) DedeUsageError(args);
+  // Environment variables that must be numbers: "1x" is not host 1.
+  for (const char* env : {"DEDE_HOST_ID=1x", "DEDE_HOST_ID=251", "DEDE_LEASE_IO_TIMEOUT=ten",
+                          "DEDE_LEASE_IO_TIMEOUT=-1"}) {
+    ProcessResult r = RunProcess({"env", env, BinaryPath("dede"), "ls", vol});
+    INFO(env << ": exit " << r.exit_code << ": " << r.err);
+    CHECK(r.exit_code != 0);
+    CHECK(r.err.find(std::string(env).substr(0, std::string(env).find('='))) !=
+          std::string::npos);
+  }
   CHECK(Digest(vol) == before);
   CHECK_FALSE(std::filesystem::exists(missing));
 }

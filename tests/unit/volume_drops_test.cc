@@ -1032,6 +1032,41 @@ TEST_CASE("volume: a failed hand-over of cached locks does not fail the flush po
   v3.reset();
 }
 
+namespace {
+
+// Hosts of one in-memory volume with local locks, each opened on a device
+// of the test's choosing (for the tests that need their own format).
+struct LocalHosts {
+  std::string lock_path =
+      "/tmp/dede-hosts-" + std::to_string(getpid()) + "-" + std::to_string(rand());
+  ManualClock clock;
+  ~LocalHosts() { ::unlink(lock_path.c_str()); }
+  std::shared_ptr<LockManager> NewLocks() {
+    auto lm = OpenLocalLockManager(lock_path);
+    REQUIRE(lm.ok());
+    return std::shared_ptr<LockManager>(std::move(lm.value()));
+  }
+  Result<std::unique_ptr<Volume>> TryOpen(BlockDevice* dev, uint32_t host,
+                                          std::shared_ptr<LockManager> lm,
+                                          bool pass_damaged_journals = false) {
+    OpenOptions oo;
+    oo.host_id = host;
+    oo.locks = std::move(lm);
+    oo.clock = &clock;
+    oo.pass_damaged_journals = pass_damaged_journals;
+    return Volume::Open(dev, oo);
+  }
+  std::unique_ptr<Volume> Open(BlockDevice* dev, uint32_t host, std::shared_ptr<LockManager> lm,
+                               bool pass_damaged_journals = false) {
+    auto v = TryOpen(dev, host, std::move(lm), pass_damaged_journals);
+    INFO("open as host " << host << ": " << v.status().ToString());
+    REQUIRE(v.ok());
+    return std::move(v.value());
+  }
+};
+
+}  // namespace
+
 // Every take of a group is followed by the dead-host scan (a dead host's
 // journal may hold newer images of the group's blocks). A take whose scan
 // failed used to keep the group cached: later uses saw it held, never
@@ -1043,32 +1078,15 @@ TEST_CASE("volume: a group taken while the dead-host scan fails is given back, n
   FormatOptions fo;
   fo.group_refblocks = 64;  // one group: both hosts allocate from it
   REQUIRE(FormatVolume(&base, fo, false).ok());
-  const std::string lock_path =
-      "/tmp/dede-scan-" + std::to_string(getpid()) + "-" + std::to_string(rand());
-  auto new_locks = [&] {
-    auto lm = OpenLocalLockManager(lock_path);
-    REQUIRE(lm.ok());
-    return std::shared_ptr<LockManager>(std::move(lm.value()));
-  };
-  ManualClock clock;
-  auto open_as = [&](BlockDevice* dev, uint32_t host, std::shared_ptr<LockManager> lm) {
-    OpenOptions oo;
-    oo.host_id = host;
-    oo.locks = std::move(lm);
-    oo.clock = &clock;
-    auto v = Volume::Open(dev, oo);
-    INFO("open as host " << host << ": " << v.status().ToString());
-    REQUIRE(v.ok());
-    return std::move(v.value());
-  };
+  LocalHosts hosts;
   {
-    auto v1 = open_as(&base, 1, new_locks());
+    auto v1 = hosts.Open(&base, 1, hosts.NewLocks());
     REQUIRE(v1->superblock().group_count == 1);
     REQUIRE(v1->Create("a", 1 << 20).ok());
     REQUIRE(v1->Create("b", 1 << 20).ok());
   }
-  auto locks3 = std::make_shared<SlotQueriesFail>(new_locks());
-  auto v3 = open_as(&base, 3, locks3);
+  auto locks3 = std::make_shared<SlotQueriesFail>(hosts.NewLocks());
+  auto v3 = hosts.Open(&base, 3, locks3);
   auto b3 = v3->OpenFile("b");
   REQUIRE(b3.ok());
 
@@ -1077,8 +1095,8 @@ TEST_CASE("volume: a group taken while the dead-host scan fails is given back, n
   const std::vector<uint8_t> x = Pattern(0x11, kShared), y = Pattern(0x77, kShared);
   {
     FaultDevice d2(&base);
-    auto lm2 = new_locks();
-    auto v2 = open_as(&d2, 2, lm2);
+    auto lm2 = hosts.NewLocks();
+    auto v2 = hosts.Open(&d2, 2, lm2);
     auto a2 = v2->OpenFile("a");
     REQUIRE(a2.ok());
     REQUIRE(a2.value()->Write(0, x.data(), x.size()).ok());
@@ -1102,7 +1120,7 @@ TEST_CASE("volume: a group taken while the dead-host scan fails is given back, n
   b3.value().reset();
   v3.reset();
 
-  auto v1 = open_as(&base, 1, new_locks());
+  auto v1 = hosts.Open(&base, 1, hosts.NewLocks());
   std::vector<uint8_t> got(kShared * kB);
   auto a = v1->OpenFile("a");
   REQUIRE(a.ok());
@@ -1118,5 +1136,77 @@ TEST_CASE("volume: a group taken while the dead-host scan fails is given back, n
   INFO("fsck:" << problems);
   CHECK(problems.empty());
   v1.reset();
-  ::unlink(lock_path.c_str());
+}
+
+// A free slot whose two journal headers are both damaged failed every
+// open (the dead-host scan cannot find its tail), fsck's included, so the
+// documented repair could not run; and that repair wrote fresh headers
+// only, putting the tail back at sequence 1, position 0, where the ring's
+// first lap still held the slot's old transactions: its next owner
+// replayed them over current metadata.
+TEST_CASE("fsck: a free slot with damaged journal headers is passed over, reported and reset "
+          "without replaying its old transactions",
+          "[volume][crash]") {
+  MemDevice base{64 << 20};
+  REQUIRE(FormatVolume(&base, FormatOptions{}, false).ok());
+  LocalHosts hosts;
+  const std::vector<uint8_t> old_data = Pattern(0x21, 4), new_data = Pattern(0x43, 4);
+  {
+    // Host 2's journal fills its first lap with transactions: the file's
+    // first content, then its second, each checkpointed at close.
+    auto v2 = hosts.Open(&base, 2, hosts.NewLocks());
+    REQUIRE(v2->Create("f", 1 << 20).ok());
+    for (const auto* data : {&old_data, &new_data}) {
+      auto f = v2->OpenFile("f");
+      REQUIRE(f.ok());
+      REQUIRE(f.value()->Write(0, data->data(), data->size()).ok());
+      REQUIRE(f.value()->Flush().ok());
+    }
+  }
+  // Another host removes the file after that, and creates another: host
+  // 2's old transactions would bring back f's inode and block map over
+  // the freed inode and counts.
+  const std::vector<uint8_t> latest = Pattern(0x65, 4);
+  const Superblock sb = [&] {
+    auto v3 = hosts.Open(&base, 3, hosts.NewLocks());
+    REQUIRE(v3->Remove("f").ok());
+    REQUIRE(v3->Create("g", 1 << 20).ok());
+    auto g = v3->OpenFile("g");
+    REQUIRE(g.ok());
+    REQUIRE(g.value()->Write(0, latest.data(), latest.size()).ok());
+    REQUIRE(g.value()->Flush().ok());
+    return v3->superblock();
+  }();
+  std::vector<uint8_t> garbage(2 * kB, 0x5a);
+  REQUIRE(base.Write(sb.JournalStart(2) * kB, garbage.data(), garbage.size()).ok());
+
+  auto refused = hosts.TryOpen(&base, 1, hosts.NewLocks());
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().ToString().find("journal of host 2") != std::string::npos);
+
+  {
+    auto v = hosts.Open(&base, 0, hosts.NewLocks(), /*pass_damaged_journals=*/true);
+    auto rep = CheckVolume(v.get(), /*repair=*/true);
+    REQUIRE(rep.ok());
+    bool reported = false;
+    for (const auto& p : rep->problems) {
+      INFO(p.where << ": " << p.what);
+      CHECK(p.repaired);
+      if (p.where == "journal of host 2") reported = true;
+    }
+    CHECK(reported);
+  }
+
+  // Host 2 opens its slot again: nothing old is replayed.
+  auto v2 = hosts.Open(&base, 2, hosts.NewLocks());
+  CHECK(v2->OpenFile("f").status().code() == Status::Code::kNotFound);
+  auto g = v2->OpenFile("g");
+  REQUIRE(g.ok());
+  std::vector<uint8_t> got(latest.size());
+  REQUIRE(g.value()->Read(0, got.data(), got.size()).ok());
+  CHECK(got == latest);
+  g.value().reset();
+  std::string problems = test::FsckProblems(v2.get());
+  INFO("fsck:" << problems);
+  CHECK(problems.empty());
 }

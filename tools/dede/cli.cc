@@ -185,21 +185,34 @@ void PrintJson(const nlohmann::json& j) {
 
 // ---------------------------------------------------------------- volumes
 
-SanlockOptions SanlockOptionsFromEnv() {
+Result<SanlockOptions> SanlockOptionsFromEnv() {
   SanlockOptions o;
-  if (const char* v = std::getenv("DEDE_HOST_ID")) o.host_id = static_cast<uint32_t>(std::atoi(v));
+  // A variable that is set must say a number: "1x" or "ten" silently read
+  // as 1 or the default would join the lockspace as the wrong host.
+  auto number = [](const char* name, uint64_t max, uint32_t* out) -> Status {
+    const char* v = std::getenv(name);
+    if (v == nullptr) return Status::Ok();
+    std::optional<uint64_t> n = ParseUnsigned(v);
+    if (!n || *n > max) {
+      return Status::Invalid(std::string(name) + "='" + v + "' is not a number in 0-" +
+                             std::to_string(max));
+    }
+    *out = static_cast<uint32_t>(*n);
+    return Status::Ok();
+  };
+  RETURN_IF_ERROR(number("DEDE_HOST_ID", kMaxHosts, &o.host_id));
   if (const char* v = std::getenv("DEDE_LEASE_PATH")) o.lease_path = v;
-  if (const char* v = std::getenv("DEDE_LEASE_IO_TIMEOUT")) {
-    o.io_timeout_s = static_cast<uint32_t>(std::atoi(v));
-  }
+  RETURN_IF_ERROR(number("DEDE_LEASE_IO_TIMEOUT", kMaxLeaseIoTimeoutS, &o.io_timeout_s));
   return o;
 }
 
-Result<OpenedVolume> OpenVolume(const std::string& spec, bool read_only) {
+Result<OpenedVolume> OpenVolume(const std::string& spec, bool read_only,
+                                bool pass_damaged_journals) {
   OpenOptions opts;
   opts.read_only = read_only;
+  opts.pass_damaged_journals = pass_damaged_journals;
   // Used only when the volume was formatted with --locks sanlock.
-  opts.sanlock = SanlockOptionsFromEnv();
+  ASSIGN_OR_RETURN(opts.sanlock, SanlockOptionsFromEnv());
   return OpenVolumeSpec(spec, opts);
 }
 

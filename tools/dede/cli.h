@@ -124,8 +124,11 @@ void PrintJson(const nlohmann::json& j);
 // Opens VOL. A volume formatted with --locks sanlock is opened through the
 // sanlock backend with this host's id and lease path from the environment
 // (DEDE_HOST_ID, DEDE_LEASE_PATH, DEDE_LEASE_IO_TIMEOUT).
-Result<OpenedVolume> OpenVolume(const std::string& spec, bool read_only);
-SanlockOptions SanlockOptionsFromEnv();
+// `pass_damaged_journals`: OpenOptions' (fsck only).
+Result<OpenedVolume> OpenVolume(const std::string& spec, bool read_only,
+                                bool pass_damaged_journals = false);
+// kInvalid if a variable is set to something that is not a number in range.
+Result<SanlockOptions> SanlockOptionsFromEnv();
 
 // ---------------------------------------------------------------- progress
 

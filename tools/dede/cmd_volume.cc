@@ -152,7 +152,9 @@ int RunFormat(const Command& cmd, const std::vector<std::string>& args) {
   } else if (const char* env = std::getenv("DEDE_LEASE_PATH"); env && opts.sanlock) {
     opts.lease_path = env;
   }
-  opts.lease_io_timeout_s = SanlockOptionsFromEnv().io_timeout_s;
+  Result<SanlockOptions> env_sanlock = SanlockOptionsFromEnv();
+  if (!env_sanlock.ok()) return UsageError(cmd, env_sanlock.status().message());
+  opts.lease_io_timeout_s = env_sanlock->io_timeout_s;
 
   auto dev = OpenBlockDevice(spec);
   if (!dev.ok()) return Fail(cmd, dev.status());
@@ -446,7 +448,9 @@ int RunFsck(const Command& cmd, const std::vector<std::string>& args) {
   const std::string& spec = parser.positional(0);
   const bool repair = parser.flag("repair");
 
-  auto opened = OpenVolume(spec, /*read_only=*/!repair);
+  // A free slot whose journal headers are both damaged would fail every
+  // open; fsck passes over it, reports it, and --repair resets it.
+  auto opened = OpenVolume(spec, /*read_only=*/!repair, /*pass_damaged_journals=*/true);
   if (!opened.ok()) return Fail(cmd, opened.status());
   auto report = CheckVolume(opened->volume.get(), repair);
   if (!report.ok()) return Fail(cmd, report.status());
