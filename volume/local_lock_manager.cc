@@ -2,6 +2,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cstdlib>
 #include <map>
 #include <set>
 
@@ -123,6 +124,16 @@ class LocalLockManager : public LockManager {
 };
 
 }  // namespace
+
+std::string LocalLockDir(const std::string& override_dir) {
+  std::string dir = override_dir;
+  if (dir.empty()) {
+    const char* env = std::getenv("DEDE_LOCK_DIR");
+    dir = env ? env : "/run/dede";
+  }
+  ::mkdir(dir.c_str(), 0700);
+  return dir;
+}
 
 Result<std::unique_ptr<LockManager>> OpenLocalLockManager(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600);

@@ -97,4 +97,10 @@ class LockManager {
 // exclude each other; the kernel releases the locks of a process that dies.
 Result<std::unique_ptr<LockManager>> OpenLocalLockManager(const std::string& path);
 
+// The directory of this host's local lock files: `override` if given, else
+// $DEDE_LOCK_DIR, else /run/dede (created, mode 0700, if missing).
+// `<dir>/<volume uuid>.lock` serves every sanlock volume and any volume
+// whose device has no path of its own.
+std::string LocalLockDir(const std::string& override_dir = "");
+
 }  // namespace dede

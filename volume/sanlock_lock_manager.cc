@@ -1000,6 +1000,55 @@ std::string SanlockLockspaceName(const Uuid& uuid) {
   return s;
 }
 
+Result<std::vector<uint32_t>> RenewingLockspaceMembers(
+    BlockDevice* dev, const Superblock& sb,
+    const std::function<void(std::chrono::milliseconds)>& sleep) {
+  const LeaseLayout layout = LeaseLayoutOf(sb);
+  std::vector<uint32_t> live;
+  if (!sb.UsesSanlock() || layout.partitions == 0) return live;
+  // Host h's delta lease is sector h - 1 of the lockspace (sanlock's leader
+  // record: magic u32 at 0, owner generation u64 at 40, timestamp u64 at
+  // 152, io_timeout u16 at 174; see ReadDeltaLease).
+  struct Stamp {
+    bool present = false;
+    uint64_t generation = 0, timestamp = 0;
+    uint32_t io_timeout_s = 0;
+  };
+  const uint32_t n = sb.max_hosts;
+  auto read = [&](std::vector<Stamp>* out) -> Status {
+    BlockBuf buf = NewBlockBuf(n);
+    RETURN_IF_ERROR(dev->Read(layout.lockspace_offset, buf.get(), uint64_t{n} * kBlockSize)
+                        .WithContext("reading the sanlock lockspace's delta leases"));
+    out->assign(n, Stamp{});
+    for (uint32_t i = 0; i < n; i++) {
+      const uint8_t* p = buf.get() + uint64_t{i} * kBlockSize;
+      if (DecodeU32(p) != 0x12212010u) continue;
+      (*out)[i] = Stamp{true, DecodeU64(p + 40), DecodeU64(p + 152), DecodeU16(p + 174)};
+    }
+    return Status::Ok();
+  };
+  std::vector<Stamp> before, after;
+  RETURN_IF_ERROR(read(&before));
+  uint32_t slowest = 0;
+  bool any = false;
+  for (const Stamp& st : before) {
+    if (!st.present || st.timestamp == 0) continue;  // never joined, or left
+    any = true;
+    slowest = std::max(slowest, st.io_timeout_s == 0 ? 10u : st.io_timeout_s);
+  }
+  if (!any) return live;
+  sleep(std::chrono::milliseconds(uint64_t{2 * slowest + 3} * 1000));
+  RETURN_IF_ERROR(read(&after));
+  for (uint32_t i = 0; i < n; i++) {
+    if (!after[i].present || after[i].timestamp == 0) continue;
+    if (!before[i].present || after[i].timestamp != before[i].timestamp ||
+        after[i].generation != before[i].generation) {
+      live.push_back(i + 1);
+    }
+  }
+  return live;
+}
+
 Status InitSanlockLeases(const Superblock& sb, const std::string& path, uint32_t io_timeout_s) {
   const std::string lease_path = AbsolutePath(path);
   LeaseLayout layout = LeaseLayoutOf(sb);
@@ -1068,20 +1117,15 @@ Result<std::unique_ptr<SanlockLockManager>> SanlockLockManager::Open(BlockDevice
   }
   if (opts.host_id < 1 || opts.host_id > sb.max_hosts) {
     return Status::Invalid("the volume uses sanlock leases: this host needs a host id in 1.." +
-                           std::to_string(sb.max_hosts) + " (--host-id or DEDE_HOST_ID)");
+                           std::to_string(sb.max_hosts) + " (dedupd --host-id N; DEDE_HOST_ID=N for dede)");
   }
   std::string lease_path =
       AbsolutePath(opts.lease_path.empty() ? dev->local_lock_path() : opts.lease_path);
   if (lease_path.empty()) {
     return Status::Invalid("the volume uses sanlock leases: name the LUN as a path for sanlock "
-                           "(--lease-path or DEDE_LEASE_PATH)");
+                           "(dedupd --lease-path PATH; DEDE_LEASE_PATH=PATH for dede)");
   }
-  std::string dir = opts.local_lock_dir;
-  if (dir.empty()) {
-    const char* env = std::getenv("DEDE_LOCK_DIR");
-    dir = env ? env : "/run/dede";
-  }
-  ::mkdir(dir.c_str(), 0700);
+  const std::string dir = LocalLockDir(opts.local_lock_dir);
   ASSIGN_OR_RETURN(auto local, OpenLocalLockManager(dir + "/" + UuidToString(sb.uuid) + ".lock"));
   auto m = std::make_unique<SanlockImpl>(dev, sb, opts, std::move(local), lease_path);
   RETURN_IF_ERROR(m->Init());

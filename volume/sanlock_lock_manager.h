@@ -30,6 +30,7 @@
 // its lease expires.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -67,6 +68,17 @@ struct SanlockOptions {
 inline constexpr uint32_t kMaxLeaseIoTimeoutS = 300;
 
 std::string SanlockLockspaceName(const Uuid& uuid);
+
+// The host ids whose sanlock delta lease in `sb`'s lockspace (read through
+// `dev`) is renewed while we watch: the leases are read, `sleep` is called
+// for one renewal interval of the slowest member (2 io_timeouts + 3 s; its
+// io_timeout as recorded in its lease), and they are read again. A host
+// whose daemon is still joined renews (sanlock does, with or without a
+// dedupd); one that left or died does not. Empty for a volume without
+// sanlock leases, or a lockspace no host ever joined (no wait then).
+Result<std::vector<uint32_t>> RenewingLockspaceMembers(
+    BlockDevice* dev, const Superblock& sb,
+    const std::function<void(std::chrono::milliseconds)>& sleep);
 
 // Writes the lockspace and the resource leases (volume + partition
 // leases) through `lease_path` with sanlock's direct I/O (no daemon

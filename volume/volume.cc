@@ -1,13 +1,19 @@
 #include "volume/volume.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
-#include <cstring>
+#include <cerrno>
 #include <chrono>
+#include <cstring>
 #include <functional>
+#include <optional>
+#include <random>
 #include <thread>
 
+#include "util/coding.h"
 #include "util/log.h"
 #include "volume/fsck.h"
 #include "volume/lock_watch.h"
@@ -153,6 +159,91 @@ class FileImpl : public File {
 
 // ==================================================================== format
 
+namespace {
+
+// format --force over a volume that is still in use would erase the
+// metadata under running VMs (and, with sanlock, the lockspace their
+// hosts renew: every one of them fenced). Returns the old volume's local
+// lock file held exclusively (kVolumeLock), to be kept while formatting.
+Result<std::shared_ptr<LockManager>> RefuseVolumeInUse(BlockDevice* dev,
+                                                        const FormatOptions& opts) {
+  BlockBuf two = NewBlockBuf(2);
+  RETURN_IF_ERROR(dev->Read(0, two.get(), 2 * kBlockSize));
+  std::optional<Superblock> old;
+  for (uint64_t a : kSuperblockAddrs) {
+    Result<Superblock> sb = DecodeSuperblock(two.get() + a * kBlockSize, a);
+    if (sb.ok()) {
+      old = sb.value();
+      break;
+    }
+  }
+  if (!old) return std::shared_ptr<LockManager>();  // nothing readable to protect
+  // Openers of a sanlock volume, or of one on a device without a path,
+  // lock `<lock dir>/<uuid>.lock`; a path device's own lock was taken by
+  // the caller.
+  const std::string path = LocalLockDir() + "/" + UuidToString(old->uuid) + ".lock";
+  ASSIGN_OR_RETURN(auto lm, OpenLocalLockManager(path));
+  std::shared_ptr<LockManager> held = std::move(lm);
+  Status st = held->Acquire(kVolumeLock, LockMode::kExclusive, false);
+  if (st.code() == Status::Code::kLocked) {
+    return Status::Locked(dev->name() + " is in use: a process of this host has its volume " +
+                          UuidToString(old->uuid) + " open (stop dedupd and dede first)");
+  }
+  RETURN_IF_ERROR(st);
+  auto sleep = opts.sleep ? opts.sleep : [](std::chrono::milliseconds d) {
+    std::this_thread::sleep_for(d);
+  };
+  ASSIGN_OR_RETURN(std::vector<uint32_t> live, RenewingLockspaceMembers(dev, *old, sleep));
+  if (!live.empty()) {
+    std::string ids;
+    for (uint32_t h : live) ids += (ids.empty() ? "" : ", ") + std::to_string(h);
+    return Status::Locked(
+        dev->name() + " is in use: host" + (live.size() > 1 ? "s " : " ") + ids +
+        " renewed " + (live.size() > 1 ? "their" : "its") + " lease in the volume's sanlock " +
+        "lockspace " + SanlockLockspaceName(old->uuid) + " just now. Stop dedupd there and " +
+        "leave the lockspace (sanlock client rem_lockspace -s " +
+        SanlockLockspaceName(old->uuid) + ":<host id>:<lease path>:" +
+        std::to_string(LeaseLayoutOf(*old).lockspace_offset) + ") before formatting");
+  }
+  return held;
+}
+
+// sanlock reaches the lease area through `lease_path`, dede through `dev`:
+// they must be one device, or the leases guard nothing (and format would
+// write a lockspace into whatever the path names).
+Status CheckLeasePathIsDevice(BlockDevice* dev, const std::string& lease_path, uint64_t offset) {
+  BlockBuf saved = NewBlockBuf(), mark = NewBlockBuf(), seen = NewBlockBuf();
+  RETURN_IF_ERROR(dev->Read(offset, saved.get(), kBlockSize));
+  std::random_device rd;
+  std::mt19937_64 rng((uint64_t{rd()} << 32) ^ rd());
+  for (size_t i = 0; i < kBlockSize; i += 8) EncodeU64(mark.get() + i, rng());
+  RETURN_IF_ERROR(dev->Write(offset, mark.get(), kBlockSize));
+  RETURN_IF_ERROR(dev->Flush());
+  int fd = ::open(lease_path.c_str(), O_RDONLY | O_DIRECT | O_CLOEXEC);
+  if (fd < 0 && errno == EINVAL) fd = ::open(lease_path.c_str(), O_RDONLY | O_CLOEXEC);
+  Status st;
+  if (fd < 0) {
+    st = Status::FromErrno("--lease-path " + lease_path, errno);
+  } else {
+    ssize_t n = ::pread(fd, seen.get(), kBlockSize, static_cast<off_t>(offset));
+    const int err = errno;
+    ::close(fd);
+    if (n < 0) {
+      st = Status::FromErrno("reading --lease-path " + lease_path, err);
+    } else if (n != static_cast<ssize_t>(kBlockSize) ||
+               std::memcmp(seen.get(), mark.get(), kBlockSize) != 0) {
+      st = Status::Invalid("--lease-path " + lease_path + " is not " + dev->name() +
+                           ": a block written through the volume's device does not read back "
+                           "through it");
+    }
+  }
+  Status put_back = dev->Write(offset, saved.get(), kBlockSize);
+  if (put_back.ok()) put_back = dev->Flush();
+  return st.ok() ? put_back : st;
+}
+
+}  // namespace
+
 Status FormatVolume(BlockDevice* dev, const FormatOptions& opts, bool force) {
   FormatParams p;
   p.device_bytes = dev->size_bytes();
@@ -177,6 +268,15 @@ Status FormatVolume(BlockDevice* dev, const FormatOptions& opts, bool force) {
       }
     }
   }
+  // Resolved before anything is written: a missing one used to fail only
+  // after the old volume was erased.
+  std::string lease_path;
+  if (opts.sanlock) {
+    lease_path = opts.lease_path.empty() ? dev->local_lock_path() : opts.lease_path;
+    if (lease_path.empty()) {
+      return Status::Invalid("sanlock needs the LUN as a path (--lease-path) for " + dev->name());
+    }
+  }
   // Exclude every other user of this device while we write.
   std::shared_ptr<LockManager> locks;
   if (!dev->local_lock_path().empty()) {
@@ -184,6 +284,13 @@ Status FormatVolume(BlockDevice* dev, const FormatOptions& opts, bool force) {
     locks = std::move(lm);
     RETURN_IF_ERROR(locks->Acquire(kVolumeLock, LockMode::kExclusive, false)
                         .WithContext(dev->name() + " is in use"));
+  }
+  std::shared_ptr<LockManager> old_volume_locks;
+  if (force) {
+    ASSIGN_OR_RETURN(old_volume_locks, RefuseVolumeInUse(dev, opts));
+  }
+  if (opts.sanlock && lease_path != dev->local_lock_path()) {
+    RETURN_IF_ERROR(CheckLeasePathIsDevice(dev, lease_path, LeaseLayoutOf(sb).lockspace_offset));
   }
   Clock* clock = opts.clock ? opts.clock : Clock::Real();
   sb.uuid = NewRandomUuid();
@@ -209,10 +316,6 @@ Status FormatVolume(BlockDevice* dev, const FormatOptions& opts, bool force) {
   for (uint32_t h = 1; h <= sb.max_hosts; h++) RETURN_IF_ERROR(Journal::Initialize(dev, sb, h));
   RETURN_IF_ERROR(dev->Flush());
   if (opts.sanlock) {
-    std::string lease_path = opts.lease_path.empty() ? dev->local_lock_path() : opts.lease_path;
-    if (lease_path.empty()) {
-      return Status::Invalid("sanlock needs the LUN as a path (--lease-path) for " + dev->name());
-    }
     RETURN_IF_ERROR(InitSanlockLeases(sb, lease_path, opts.lease_io_timeout_s));
     sb.incompat_features |= kIncompatSanlock;
   }
@@ -259,12 +362,7 @@ Result<std::unique_ptr<Volume>> Volume::Open(BlockDevice* dev, const OpenOptions
   }
   if (!locks) {
     std::string path = dev->local_lock_path();
-    if (path.empty()) {
-      const char* dir = std::getenv("DEDE_LOCK_DIR");
-      std::string d = dir ? dir : "/run/dede";
-      ::mkdir(d.c_str(), 0700);
-      path = d + "/" + UuidToString(sb->uuid) + ".lock";
-    }
+    if (path.empty()) path = LocalLockDir() + "/" + UuidToString(sb->uuid) + ".lock";
     ASSIGN_OR_RETURN(auto lm, OpenLocalLockManager(path));
     locks = std::move(lm);
   }

@@ -18,7 +18,9 @@
 // mutex, with no metadata I/O.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -50,10 +52,19 @@ struct FormatOptions {
   bool sanlock = false;
   std::string lease_path;  // sanlock's path to the device; empty = the device's path
   uint32_t lease_io_timeout_s = 0;  // recorded in the lockspace; 0 = sanlock's default
+  // How `force` waits while it watches an old sanlock volume's lockspace
+  // for renewals; nullptr = std::this_thread::sleep_for. Tests inject.
+  std::function<void(std::chrono::milliseconds)> sleep;
 };
 
 // Writes a fresh, empty volume. Refuses (kExists) a device that already
-// holds a dede superblock unless `force`. Nothing is written on error.
+// holds a dede superblock unless `force`. Even with `force`, refuses
+// (kLocked) a volume still in use: a process of this host holds its local
+// lock file, or (sanlock) a host's delta lease in its lockspace is renewed
+// during one renewal interval (about 23 s with the default io_timeout).
+// With `sanlock`, the lease path must be the device itself: a block
+// written through the device must read back through the path (the block
+// is put back after). Nothing of the old volume is changed on error.
 Status FormatVolume(BlockDevice* dev, const FormatOptions& opts, bool force);
 
 struct OpenOptions {

@@ -3,11 +3,14 @@
 // was written, the exit codes (0 / 1 with one stderr line / 2 with usage),
 // and that bad input leaves the device untouched.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <catch2/catch.hpp>
+#include <chrono>
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
@@ -16,11 +19,14 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "tests/integration/rig.h"
+#include "util/coding.h"
 #include "util/fingerprint.h"
 #include "volume/format.h"
+#include "volume/lock_manager.h"
 #include "volume/volume.h"
 
 namespace dede {
@@ -751,4 +757,112 @@ TEST_CASE("dede rm next to an idle writer finishes or fails cleanly", "[cli]") {
 }
 
 }  // namespace
+}  // namespace dede
+
+namespace dede {
+namespace {
+
+// Where host h's sanlock delta lease lives in the volume file.
+off_t DeltaLeaseOffset(const std::string& vol, uint32_t h) {
+  const std::string head = ReadWholeFile(vol).substr(0, kBlockSize);
+  auto sb = DecodeSuperblock(reinterpret_cast<const uint8_t*>(head.data()), 0);
+  REQUIRE(sb.ok());
+  return static_cast<off_t>(LeaseLayoutOf(*sb).lockspace_offset + (h - 1) * kBlockSize);
+}
+
+// A sanlock delta lease (sanlock's leader record: magic, owner, generation,
+// timestamp, io_timeout) for host `h`, written straight into the volume
+// file, as a joined host's daemon keeps rewriting it. No Catch macros:
+// also called from a thread.
+bool WriteDeltaLease(const std::string& vol, off_t at, uint32_t h, uint64_t timestamp) {
+  std::vector<uint8_t> lease(kBlockSize, 0);
+  EncodeU32(lease.data(), 0x12212010u);
+  EncodeU64(lease.data() + 32, h);
+  EncodeU64(lease.data() + 40, 1);
+  EncodeU64(lease.data() + 152, timestamp);
+  EncodeU16(lease.data() + 174, 1);  // io_timeout 1 s: a 5 s watch
+  const int fd = ::open(vol.c_str(), O_WRONLY);
+  if (fd < 0) return false;
+  const bool ok = ::pwrite(fd, lease.data(), lease.size(), at) == static_cast<ssize_t>(lease.size());
+  ::fsync(fd);
+  ::close(fd);
+  return ok;
+}
+
+}  // namespace
+
+// format --force used to erase a volume still in use: on a sanlock volume
+// other processes lock /run/dede/<uuid>.lock, not the device, and other
+// hosts only show as renewals of their delta leases; the running VMs lost
+// their metadata and every host its lockspace.
+TEST_CASE("dede format --force refuses a volume in use, here or on another host", "[cli]") {
+  TempDir dir;
+  const std::string vol = dir.file("vol.img");
+  const std::string lock_dir = dir.file("locks");
+  const std::vector<std::string> env = {"DEDE_LOCK_DIR=" + lock_dir};
+  CreateSparseFile(vol, 64 * kMiB);
+  auto format = [&](const std::vector<std::string>& extra) {
+    std::vector<std::string> argv = {BinaryPath("dede"), "format", vol, "--locks", "sanlock"};
+    argv.insert(argv.end(), extra.begin(), extra.end());
+    return RunProcess(argv, env, 120);
+  };
+  ProcessResult r = format({});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+
+  SECTION("a host that stopped renewing does not count") {
+    REQUIRE(WriteDeltaLease(vol, DeltaLeaseOffset(vol, 3), 3, 50));
+    r = format({"--force"});
+    INFO(r.err);
+    CHECK(r.exit_code == 0);
+  }
+  SECTION("a host that renews its lease meanwhile keeps the volume") {
+    const off_t at = DeltaLeaseOffset(vol, 2);
+    REQUIRE(WriteDeltaLease(vol, at, 2, 100));
+    const std::string before = Digest(vol);
+    std::atomic<bool> stop{false};
+    std::thread renewer([&] {
+      for (uint64_t t = 101; !stop; t++) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(500));
+        (void)WriteDeltaLease(vol, at, 2, t);
+      }
+    });
+    r = format({"--force"});
+    stop = true;
+    renewer.join();
+    INFO(r.err);
+    CHECK(r.exit_code == 1);
+    CHECK(r.err.find("host 2") != std::string::npos);
+    CHECK(r.err.find("rem_lockspace") != std::string::npos);
+    REQUIRE(WriteDeltaLease(vol, at, 2, 100));  // as before the renewals
+    CHECK(Digest(vol) == before);
+  }
+  SECTION("a process of this host with the volume open keeps it") {
+    const std::string head = ReadWholeFile(vol).substr(0, kBlockSize);
+    auto sb = DecodeSuperblock(reinterpret_cast<const uint8_t*>(head.data()), 0);
+    REQUIRE(sb.ok());
+    std::filesystem::create_directories(lock_dir);
+    auto lm = OpenLocalLockManager(lock_dir + "/" + UuidToString(sb->uuid) + ".lock");
+    REQUIRE(lm.ok());
+    REQUIRE(lm.value()->Acquire(LockId{LockKind::kVolume, 0}, LockMode::kShared, false).ok());
+    const std::string before = Digest(vol);
+    r = format({"--force"});
+    INFO(r.err);
+    CHECK(r.exit_code == 1);
+    CHECK(r.err.find("in use") != std::string::npos);
+    CHECK(Digest(vol) == before);
+  }
+  SECTION("a lease path that is another file leaves both as they were") {
+    const std::string other = dir.file("other.img");
+    CreateSparseFile(other, 64 * kMiB);
+    const std::string before = Digest(vol), other_before = Digest(other);
+    r = format({"--force", "--lease-path", other});
+    INFO(r.err);
+    CHECK(r.exit_code == 1);
+    CHECK(r.err.find("--lease-path") != std::string::npos);
+    CHECK(Digest(vol) == before);
+    CHECK(Digest(other) == other_before);
+  }
+}
+
 }  // namespace dede
