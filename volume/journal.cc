@@ -1,6 +1,7 @@
 #include "volume/journal.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 
 #include "util/crc32c.h"
@@ -18,6 +19,7 @@ struct AlignedBuf {
 
 Journal::Journal(BlockDevice* dev, const Superblock& sb, uint32_t host)
     : dev_(dev),
+      sb_(sb),
       uuid_(sb.uuid),
       host_(host),
       start_(sb.JournalStart(host)),
@@ -141,6 +143,15 @@ Result<uint64_t> Journal::Replay() {
     std::vector<uint8_t> images;
     ASSIGN_OR_RETURN(bool valid, ReadTxn(pos, seq, &txn, &images));
     if (!valid) break;
+    // Every image is checked before any is written: a transaction goes
+    // home whole or not at all.
+    for (size_t i = 0; i < txn.homes.size(); i++) {
+      Status ok = CheckImage(images.data() + i * kBlockSize, txn.homes[i]);
+      if (!ok.ok()) {
+        return ok.WithContext("journal of host " + std::to_string(host_) + ", transaction " +
+                              std::to_string(seq) + " at ring position " + std::to_string(pos));
+      }
+    }
     AlignedBuf blk(kBlockSize);
     for (size_t i = 0; i < txn.homes.size(); i++) {
       std::memcpy(blk.p, images.data() + i * kBlockSize, kBlockSize);
@@ -160,6 +171,52 @@ Result<uint64_t> Journal::Replay() {
     RETURN_IF_ERROR(dev_->Flush());
   }
   return count;
+}
+
+Status Journal::CheckImage(const uint8_t* image, uint64_t home) const {
+  const uint32_t magic = PeekHeader(image).magic;
+  const std::string what = "journal image for block " + std::to_string(home);
+  auto misplaced = [&](const char* kind) {
+    return Status::Corruption(what + ": a " + std::string(kind) + " cannot live there");
+  };
+  if (home >= sb_.total_blocks) return Status::Corruption(what + ": past the volume's end");
+  switch (magic) {
+    case kMagicInode:
+      if (home < sb_.inode_start || home >= sb_.inode_start + sb_.inode_count) {
+        return misplaced("inode");
+      }
+      break;
+    case kMagicPointerBlock: {
+      uint32_t g, slot;
+      uint64_t rb;
+      if (!sb_.LocateData(home, &g, &rb, &slot)) return misplaced("pointer block");
+      break;
+    }
+    case kMagicRefcountBlock: {
+      if (home < sb_.group_start) return misplaced("refcount block");
+      const uint64_t g = (home - sb_.group_start) / sb_.FullGroupBlocks();
+      if (g >= sb_.group_count ||
+          home >= sb_.GroupStart(static_cast<uint32_t>(g)) +
+                      sb_.GroupRefBlocks(static_cast<uint32_t>(g))) {
+        return misplaced("refcount block");
+      }
+      break;
+    }
+    case kMagicDropList: {
+      if (sb_.drop_blocks == 0 || home < sb_.journal_start || home >= sb_.inode_start) {
+        return misplaced("drop list block");
+      }
+      const uint64_t within = (home - sb_.journal_start) % sb_.journal_blocks;
+      if (within < sb_.journal_blocks - sb_.drop_blocks) return misplaced("drop list block");
+      break;
+    }
+    default: {
+      char buf[48];
+      std::snprintf(buf, sizeof buf, ": magic 0x%08x is not a journaled kind", magic);
+      return Status::Corruption(what + buf);
+    }
+  }
+  return CheckBlock(image, magic, home, uuid_, what);
 }
 
 Status Journal::Append(const std::vector<uint64_t>& homes,

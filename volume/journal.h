@@ -66,7 +66,15 @@ class Journal {
   Status ReadRing(uint64_t pos, uint64_t n, uint8_t* out);
   Status WriteRing(uint64_t pos, uint64_t n, const uint8_t* in);
 
+  // Replay writes an image home only if it is a block of a journaled kind,
+  // sealed for that home (checksum with the address and the volume UUID),
+  // and the home lies where that kind lives: a misdirected or forged image
+  // behind a valid descriptor would otherwise overwrite a superblock, the
+  // lease area, another host's journal or file data.
+  Status CheckImage(const uint8_t* image, uint64_t home) const;
+
   BlockDevice* dev_;
+  const Superblock sb_;
   Uuid uuid_;
   uint32_t host_;
   uint64_t start_;

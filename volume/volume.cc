@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <functional>
 #include <optional>
@@ -20,6 +21,14 @@
 #include "volume/volume_impl.h"
 
 namespace dede {
+
+namespace {
+std::string HexU64(uint64_t v) {
+  char buf[24];
+  std::snprintf(buf, sizeof buf, "0x%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+}  // namespace
 
 BlockBuf NewBlockBuf(size_t blocks) {
   auto* p = static_cast<uint8_t*>(std::aligned_alloc(kBlockSize, blocks * kBlockSize));
@@ -591,7 +600,12 @@ Status VolumeImpl::AdoptOrphanDrops() {
     const LockId rec{LockKind::kRecovery, h};
     if (!locks_->Acquire(rec, LockMode::kExclusive, false).ok()) continue;
     Status st = AdoptDropsOf(h);
-    (void)locks_->Release(rec);
+    // Poisoned, our journal may hold h's shortened list (step one) that
+    // never reached home: kRecovery(h) stays held, like every lock of a
+    // poisoned volume (it goes with this process), so h's next owner,
+    // which takes it before reading its list, waits for whoever replays
+    // our journal first.
+    if (poisoned_.ok()) (void)locks_->Release(rec);
     RETURN_IF_ERROR(st);
   }
   return Status::Ok();
@@ -2063,7 +2077,13 @@ Status VolumeImpl::FindLeaf(const Inode& in, uint64_t index, uint64_t* leaf, uin
       *slot = s;
       return Status::Ok();
     }
-    uint64_t next = PtrAddr(dede::GetPtr(b, s));
+    const uint64_t raw = dede::GetPtr(b, s);
+    if (raw & kPtrReserved) {
+      return Status::Corruption("pointer block at block " + std::to_string(addr) + " of inode " +
+                                std::to_string(in.ino) + " slot " + std::to_string(s) +
+                                ": reserved bits set in " + HexU64(raw));
+    }
+    uint64_t next = PtrAddr(raw);
     if (next == 0) return Status::Ok();
     addr = next;
   }
@@ -2075,7 +2095,20 @@ Result<uint64_t> VolumeImpl::GetPtr(const Inode& in, uint64_t index) {
   uint32_t slot;
   RETURN_IF_ERROR(FindLeaf(in, index, &leaf, &slot));
   if (leaf == 0) return uint64_t{0};
-  return dede::GetPtr(cache_.at(leaf).data.get(), slot);
+  const uint64_t p = dede::GetPtr(cache_.at(leaf).data.get(), slot);
+  // Every read, write and share of file data goes through here. A data
+  // pointer is the one reference to disk that carries no checksum of its
+  // target: one that named metadata (an inode, a journal, the lease area)
+  // would have a VM's in-place write land on it.
+  uint32_t g, rslot;
+  uint64_t rb;
+  if (p != 0 && ((p & kPtrReserved) != 0 || !sb_.LocateData(PtrAddr(p), &g, &rb, &rslot))) {
+    return Status::Corruption("block " + std::to_string(index) + " of inode " +
+                              std::to_string(in.ino) + ": pointer block " +
+                              std::to_string(leaf) + " slot " + std::to_string(slot) +
+                              " holds " + HexU64(p) + ", not a data block");
+  }
+  return p;
 }
 
 Status VolumeImpl::SetPtr(Inode* in, uint64_t index, uint64_t value) {

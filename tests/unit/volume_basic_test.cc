@@ -13,6 +13,7 @@
 #include "tests/forwarding_locks.h"
 #include "tests/temp_locks.h"
 #include "volume/fsck.h"
+#include "volume/journal.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
 
@@ -590,4 +591,147 @@ TEST_CASE("volume: an opener holds its slot's kRecovery from before the slot is 
   Result<bool> slot_held = hosts[1]->IsHeldElsewhere(slot);
   REQUIRE(slot_held.ok());
   CHECK(*slot_held);
+}
+
+// A data pointer carries no checksum of its target: before the check in
+// GetPtr, one that named an inode block (a damaged or foreign pointer
+// block with a valid seal) had a write land on the inode table and a read
+// hand the table out as file data.
+TEST_CASE("volume: a data pointer that names metadata is refused, not read or written through",
+          "[volume]") {
+  MemDevice dev(64 << 20);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  Superblock sb;
+  uint64_t ino = 0;
+  const std::vector<uint8_t> d = Pattern(kBlockSize, 3);
+  {
+    auto vol = Volume::Open(&dev, oo);
+    REQUIRE(vol.ok());
+    REQUIRE(vol.value()->Create("f", 1 << 20).ok());
+    auto f = vol.value()->OpenFile("f");
+    REQUIRE(f.ok());
+    REQUIRE(f.value()->Write(0, d.data(), d.size()).ok());
+    ino = f.value()->id().ino;
+    sb = vol.value()->superblock();
+  }
+  std::vector<uint8_t> blk(kBlockSize);
+  const uint64_t inode_addr = sb.inode_start + ino - 1;
+  REQUIRE(dev.Read(inode_addr * kBlockSize, blk.data(), kBlockSize).ok());
+  auto in = DecodeInode(blk.data(), sb.uuid, inode_addr);
+  REQUIRE(in.ok());
+  REQUIRE(in->depth == 1);  // the root is the leaf
+  const uint64_t leaf = in->root;
+  REQUIRE(dev.Read(leaf * kBlockSize, blk.data(), kBlockSize).ok());
+  auto pb = DecodePointerBlock(blk.data(), sb.uuid, leaf);
+  REQUIRE(pb.ok());
+  const uint64_t seq = PeekHeader(blk.data()).seq;
+
+  struct Bad {
+    const char* what;
+    uint64_t ptr;
+    bool watch;  // the target is a block of the device that must not change
+  };
+  for (Bad bad : {Bad{"an unused inode", sb.inode_start + ino, true},
+                  Bad{"the backup superblock", 1, true},
+                  Bad{"a journal block", sb.JournalStart(1) + 5, true},
+                  Bad{"past the device", sb.total_blocks + 10, false},
+                  Bad{"reserved bits", PtrAddr(pb->ptrs[0]) | (1ull << 50), false}}) {
+    INFO(bad.what);
+    PointerBlock changed = *pb;
+    changed.ptrs[0] = bad.ptr;
+    EncodePointerBlock(changed, seq + 1, sb.uuid, leaf, blk.data());
+    REQUIRE(dev.Write(leaf * kBlockSize, blk.data(), kBlockSize).ok());
+    std::vector<uint8_t> before(kBlockSize), after(kBlockSize);
+    if (bad.watch) REQUIRE(dev.Read(bad.ptr * kBlockSize, before.data(), kBlockSize).ok());
+
+    auto vol = Volume::Open(&dev, oo);
+    REQUIRE(vol.ok());
+    auto f = vol.value()->OpenFile("f");
+    REQUIRE(f.ok());
+    std::vector<uint8_t> got(kBlockSize);
+    Status rd = f.value()->Read(0, got.data(), got.size());
+    INFO("read: " << rd.ToString());
+    CHECK(rd.code() == Status::Code::kCorruption);
+    const std::vector<uint8_t> other = Pattern(kBlockSize, 9);
+    Status wr = f.value()->Write(0, other.data(), other.size());
+    INFO("write: " << wr.ToString());
+    CHECK_FALSE(wr.ok());
+    f.value().reset();
+    vol.value().reset();
+    if (bad.watch) {
+      REQUIRE(dev.Read(bad.ptr * kBlockSize, after.data(), kBlockSize).ok());
+      CHECK(after == before);
+    }
+  }
+}
+
+// Replay wrote every image of a valid transaction to its home without
+// looking at either: a forged or misdirected transaction (a buggy or
+// hostile host's journal) could overwrite a superblock copy, the lease
+// area or another host's journal.
+TEST_CASE("journal: replay refuses an image that does not belong at its home", "[volume]") {
+  MemDevice dev(64 << 20);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  Superblock sb;
+  {
+    OpenOptions oo;
+    oo.locks = TempLocks();
+    auto vol = Volume::Open(&dev, oo);
+    REQUIRE(vol.ok());
+    sb = vol.value()->superblock();
+  }
+  auto sealed = [&](uint32_t magic, uint64_t addr) {
+    std::vector<uint8_t> b(kBlockSize, 0);
+    SealBlock(b.data(), BlockHeader{magic, kFormatMajor, kFormatMinor, 0, 7, addr}, sb.uuid);
+    return b;
+  };
+  struct Case {
+    const char* what;
+    uint64_t home;
+    std::vector<uint8_t> image;
+    bool good;
+  };
+  const uint64_t free_inode = sb.inode_start + 5;
+  const std::vector<Case> cases = {
+      {"an inode over the backup superblock", 1, sealed(kMagicInode, 1), false},
+      {"a pointer block over an inode", free_inode, sealed(kMagicPointerBlock, free_inode), false},
+      {"a refcount block over the lease area", sb.lease_start + 3,
+       sealed(kMagicRefcountBlock, sb.lease_start + 3), false},
+      {"a drop list over another journal's ring", sb.JournalStart(3) + 4,
+       sealed(kMagicDropList, sb.JournalStart(3) + 4), false},
+      {"an inode sealed for another address", free_inode, sealed(kMagicInode, free_inode + 1),
+       false},
+      {"a superblock image", 1, sealed(kMagicSuperblock, 1), false},
+      {"past the volume", sb.total_blocks + 1, sealed(kMagicInode, sb.total_blocks + 1), false},
+      {"an inode where inodes live", free_inode, sealed(kMagicInode, free_inode), true},
+  };
+  for (const Case& c : cases) {
+    INFO(c.what);
+    REQUIRE(Journal::Reset(&dev, sb, 2).ok());
+    std::vector<uint8_t> before(kBlockSize, 0), after(kBlockSize, 0);
+    const bool on_device = c.home < sb.total_blocks;
+    if (on_device) REQUIRE(dev.Read(c.home * kBlockSize, before.data(), kBlockSize).ok());
+    {
+      auto j = Journal::Open(&dev, sb, 2);
+      REQUIRE(j.ok());
+      REQUIRE(j.value()->Append({c.home}, {c.image.data()}).ok());
+    }
+    auto j = Journal::Open(&dev, sb, 2);
+    REQUIRE(j.ok());
+    Result<uint64_t> replayed = j.value()->Replay();
+    INFO(replayed.status().ToString());
+    if (c.good) {
+      CHECK(replayed.ok());
+      if (on_device) REQUIRE(dev.Read(c.home * kBlockSize, after.data(), kBlockSize).ok());
+      CHECK(after == c.image);
+    } else {
+      CHECK(replayed.status().code() == Status::Code::kCorruption);
+      if (on_device) {
+        REQUIRE(dev.Read(c.home * kBlockSize, after.data(), kBlockSize).ok());
+        CHECK(after == before);
+      }
+    }
+  }
 }

@@ -479,6 +479,61 @@ TEST_CASE("volume drops: a crash at any write of an adoption never applies a dro
   CHECK(runs_failed > 0);
 }
 
+// Step one of an adoption commits host h's shortened list to the
+// adopter's journal and then checkpoints it home. When that checkpoint
+// failed (the volume poisoned), kRecovery(h) was released all the same:
+// h's next owner could then read its list from home, still holding the
+// adopted entries, apply them, and later see the adopter's journal replay
+// write the shortened list over its own, bringing back entries it had
+// applied. A poisoned adopter now keeps kRecovery(h), like every lock of
+// a poisoned volume, until its journal has been replayed.
+TEST_CASE("volume drops: an adopter whose first step fails to reach home keeps the slot's "
+          "kRecovery",
+          "[volume][drops][crash]") {
+  Rig r;
+  r.HoldGroupZero();
+  FaultDevice d2(&r.base);
+  auto v2 = r.OpenAs(&d2, 2, r.lm2);
+  r.CowBreakOn(v2.get());
+  r.KillHost2(&d2, &v2);
+  r.LetGo();
+  REQUIRE(r.v1->Sync().ok());  // host 1 replays host 2's journal first
+
+  // Host 3 adopts at open: the commit of step one is written, its
+  // checkpoint's first home write fails.
+  FaultDevice d3(&r.base);
+  d3.FailWritesAfter(1, EIO);
+  auto lm3 = r.NewLocks();
+  {
+    OpenOptions oo;
+    oo.host_id = 3;
+    oo.locks = lm3;
+    oo.clock = &r.clock;
+    auto v3 = Volume::Open(&d3, oo);
+    INFO(v3.status().ToString());
+    REQUIRE_FALSE(v3.ok());
+  }
+  auto probe = r.NewLocks();
+  const LockId rec{LockKind::kRecovery, 2};
+  Status st = probe->Acquire(rec, LockMode::kExclusive, false);
+  INFO(st.ToString());
+  CHECK(st.code() == Status::Code::kLocked);
+  if (st.ok()) REQUIRE(probe->Release(rec).ok());
+
+  // Host 3's process is gone: host 4 replays its journal, adopts what is
+  // left anywhere and applies it; nothing is applied twice.
+  lm3.reset();
+  std::mt19937_64 rng(3);
+  d3.Crash(rng, 0.5);
+  auto lm4 = r.NewLocks();
+  auto v4 = r.OpenAs(&r.base, 4, lm4);
+  r.clock.Advance(61'000'000'000);
+  DrainAll(r, v4.get());
+  r.CheckContents(v4.get());
+  r.v1.reset();
+  RequireOnlyLeaks(v4.get());
+}
+
 TEST_CASE("volume drops: usage is counted without waiting for a group held elsewhere",
           "[volume][drops]") {
   Rig r;
