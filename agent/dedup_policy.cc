@@ -539,6 +539,10 @@ Status EncodePolicyBlock(const DedupPolicy& p, const Uuid& uuid, FileId file, ui
   for (size_t i = 0; i < p.windows.size(); i++) {
     RETURN_IF_ERROR(ValidateWindow(p.windows[i]).WithContext("window " + std::to_string(i)));
   }
+  if (p.stable_after_s > kMaxStableAfterS) {
+    return Status::Invalid("stable-after " + std::to_string(p.stable_after_s) + " s (at most " +
+                           std::to_string(kMaxStableAfterS) + ")");
+  }
   std::memset(out, 0, kBlockSize);
   Encoder e(out, kBlockSize);
   e.u32(kMagicPolicy);
@@ -632,6 +636,10 @@ Result<DedupPolicy> DecodePolicyBlock(const uint8_t* blk, const Uuid& uuid, File
   p.updated_ns = DecodeU64(blk + kOffUpdatedNs);
   p.rate_bytes_per_s = DecodeU64(blk + kOffRate);
   p.stable_after_s = DecodeU64(blk + kOffStableAfter);
+  if (p.stable_after_s > kMaxStableAfterS) {
+    return bad("stable_after_s " + std::to_string(p.stable_after_s) + " is more than " +
+               std::to_string(kMaxStableAfterS));
+  }
   p.updated_by_host = DecodeU32(blk + kOffHost);
   return p;
 }

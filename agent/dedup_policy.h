@@ -62,11 +62,17 @@ struct DedupWindow {
 // On-disk values, never renumber.
 enum class DedupPriority : uint32_t { kIdle = 1, kLow = 2, kNormal = 3 };
 
+// Longest stable-after a policy may say (one year). Larger values would
+// wrap when turned into nanoseconds (2^64 ns is 584 years), and a block
+// would then be shared almost at once.
+inline constexpr uint64_t kMaxStableAfterS = 365ull * 24 * 3600;
+
 struct DedupPolicy {
   std::vector<DedupWindow> windows;  // empty: dedup may run at any time (the default)
   uint64_t rate_bytes_per_s = 0;     // cap on dedup I/O; 0 = unlimited
   DedupPriority priority = DedupPriority::kLow;
   uint64_t stable_after_s = 0;  // share a block only after it stayed unchanged this long; 0 = off
+                                // (at most kMaxStableAfterS)
   // Set by WritePolicy:
   uint64_t generation = 0;
   uint64_t updated_ns = 0;

@@ -354,16 +354,28 @@ Status ShardWriter::Finish(uint64_t arena_next, uint64_t update_ns) {
 Result<std::vector<PendingRecord>> ReadPendingFile(File* f, HashAlgo algo, const Uuid& uuid,
                                                    PendingScanStats* stats,
                                                    const std::string& what) {
+  // Frame by frame, each allocated only once its header block checks out:
+  // memory follows the records really there, not the file's size (which a
+  // damaged inode may put anywhere up to 2^60).
   std::vector<PendingRecord> out;
   const uint64_t size = f->size();
-  std::vector<uint8_t> buf(size);
-  if (size > 0) RETURN_IF_ERROR(f->Read(0, buf.data(), size));
-  uint64_t block = 0;
   const uint64_t blocks = size / kBlockSize;
+  std::vector<uint8_t> buf(kBlockSize);
+  uint64_t block = 0;
   while (block < blocks) {
+    buf.resize(kBlockSize);
+    RETURN_IF_ERROR(f->Read(block * kBlockSize, buf.data(), kBlockSize));
     uint64_t frame_blocks = 0;
-    Status s = DecodePendingFrame(buf.data() + block * kBlockSize, (blocks - block) * kBlockSize,
-                                  algo, uuid, f->id(), block, &out, &frame_blocks, what);
+    Status s = DecodePendingFrame(buf.data(), kBlockSize, algo, uuid, f->id(), block, &out,
+                                  &frame_blocks, what);
+    if (!s.ok() && frame_blocks > 1 && frame_blocks <= blocks - block) {
+      // A valid header whose records follow it: read them and decode again.
+      buf.resize(frame_blocks * kBlockSize);
+      RETURN_IF_ERROR(f->Read((block + 1) * kBlockSize, buf.data() + kBlockSize,
+                              (frame_blocks - 1) * kBlockSize));
+      s = DecodePendingFrame(buf.data(), buf.size(), algo, uuid, f->id(), block, &out,
+                             &frame_blocks, what);
+    }
     if (!s.ok()) {
       stats->corrupt_frames++;
       stats->skipped_bytes += size - block * kBlockSize;

@@ -645,6 +645,10 @@ TEST_CASE("dede usage errors exit 2 and touch nothing", "[cli]") {
       {"set", vol, "f", "dedup"},
       {"fsck", vol, "--repiar"},
       {"fsck"},
+      // 2^64 ns / 1e9 + 1 s: in ns it wraps to 0.3 s
+      {"policy", vol, "set", "stable-after=18446744074"},
+      {"policy", vol, "set", "stable-after=366d"},
+      {"dedup", vol, "--split-after", "0"},  // would split every shard at every pass
   };
   for (const auto& args : cases) DedeUsageError(args);
   // Environment variables that must be numbers: "1x" is not host 1.
@@ -658,6 +662,28 @@ TEST_CASE("dede usage errors exit 2 and touch nothing", "[cli]") {
   }
   CHECK(Digest(vol) == before);
   CHECK_FALSE(std::filesystem::exists(missing));
+}
+
+// `dede export VOL f VOL` truncated the volume it was reading (and a LUN's
+// block device named as the target got file data over its superblock).
+TEST_CASE("dede export refuses to write over the volume itself", "[cli]") {
+  TempDir dir;
+  const std::string vol = dir.file("vol.img");
+  CreateSparseFile(vol, 64 * kMiB);
+  DedeOk({"format", vol});
+  DedeOk({"create", vol, "f", "--size", "1M"});
+  const std::string link = dir.file("link.img");
+  REQUIRE(::link(vol.c_str(), link.c_str()) == 0);
+  const std::string copy = dir.file("copy.img");
+  std::filesystem::copy_file(vol, copy);
+  const std::string before = Digest(vol), copy_before = Digest(copy);
+  for (const std::string& target : {vol, link, copy}) {
+    INFO(target);
+    ProcessResult r = DedeFails({"export", vol, "f", target});
+    CHECK(r.err.find("holds this volume") != std::string::npos);
+  }
+  CHECK(Digest(vol) == before);
+  CHECK(Digest(copy) == copy_before);
 }
 
 TEST_CASE("dede help and version", "[cli]") {

@@ -160,6 +160,14 @@ TEST_CASE("dedup=off on a live export: no records after the switch and no entrie
   PassNow(vol, d);
   json s = Status(d);
   REQUIRE(s["passes"]["completed"].get<uint64_t>() >= 1);
+  // Options of a pass cannot travel to dedupd's: refused, not dropped.
+  for (const char* opt : {"--rescan", "--force"}) {
+    ProcessResult r =
+        RunProcess({BinaryPath("dede"), "dedup", vol, "--now", opt, "--control", d.control()});
+    INFO(opt << ": " << r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("cannot be passed to dedupd") != std::string::npos);
+  }
 
   // A VM on vm-b: writes Z again, then (after the switch) a copy of X at
   // 1 MiB and Z at 2 MiB, staying connected throughout.

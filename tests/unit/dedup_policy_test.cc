@@ -446,6 +446,11 @@ TEST_CASE("policy encoding refuses what could not be read back", "[policy]") {
   p = SamplePolicy();
   p.windows.assign(kMaxPolicyWindows + 1, DedupWindow{});
   CHECK(EncodePolicyBlock(p, kUuid, kPolicyFile, 0, blk.data()).code() == Status::Code::kInvalid);
+  p = SamplePolicy();
+  p.stable_after_s = kMaxStableAfterS + 1;  // in ns it would wrap past 2^64 at 584 years
+  CHECK(EncodePolicyBlock(p, kUuid, kPolicyFile, 0, blk.data()).code() == Status::Code::kInvalid);
+  p.stable_after_s = kMaxStableAfterS;
+  CHECK(EncodePolicyBlock(p, kUuid, kPolicyFile, 0, blk.data()).ok());
 }
 
 TEST_CASE("policy blocks reject every single byte corruption", "[policy]") {
@@ -533,6 +538,8 @@ TEST_CASE("policy blocks check the fields behind the crc", "[policy]") {
          "window 1: reserved");
   expect(edited(4000, [](uint8_t* p) { p[0] = 1; }), Status::Code::kCorruption,
          "byte 4000 past the windows");
+  expect(edited(40, [](uint8_t* p) { EncodeU64(p, 18446744074ull); }), Status::Code::kCorruption,
+         "stable_after_s 18446744074");
   {
     std::vector<uint8_t> b = good;
     EncodeU32(b.data(), 0x12345678);

@@ -722,6 +722,27 @@ TEST_CASE("shardio: an empty pending file has no records", "[index]") {
   CHECK(*count == 0);
 }
 
+// ReadPendingFile allocated the file's whole size before reading a byte: a
+// pending file whose inode said 1 TiB (a damaged or foreign inode; the
+// rest a hole) threw bad_alloc, which ended dedupd. It now reads frame by
+// frame and stops at the hole.
+TEST_CASE("shardio: a pending file with a huge size reads only its frames", "[index]") {
+  MemVolume mv;
+  const HashAlgo algo = HashAlgo::kXxh128;
+  auto f = CreateOpen(mv.vol.get(), PendingFileName(ShardRange{0, 0}));
+  const auto recs = Records(algo, 40, 5);
+  REQUIRE(AppendPendingFrame(f.get(), recs, algo, mv.uuid()).ok());
+  const uint64_t frame_bytes = f->size();
+  REQUIRE(f->Truncate(uint64_t{1} << 40).ok());
+  PendingScanStats st;
+  auto got = ReadPendingFile(f.get(), algo, mv.uuid(), &st, "p");
+  REQUIRE(got.ok());
+  CHECK(SameRecords(*got, recs));
+  CHECK(st.frames == 1);
+  CHECK(st.corrupt_frames == 1);
+  CHECK(st.skipped_bytes == (uint64_t{1} << 40) - frame_bytes);
+}
+
 TEST_CASE("shardio: a corrupt pending frame ends the scan", "[index]") {
   MemVolume mv;
   Volume* vol = mv.vol.get();

@@ -141,8 +141,11 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
     opts.rewrite_fraction = *f;
   }
   if (auto v = parser.value("split-after")) {
+    // 0 would split every shard the pass rewrites, at every pass.
     std::optional<double> f = ParseNonNegative(*v);
-    if (!f) return UsageError(cmd, "--split-after must be a number of seconds, not '" + *v + "'");
+    if (!f || !(*f > 0)) {
+      return UsageError(cmd, "--split-after must be a number of seconds > 0, not '" + *v + "'");
+    }
     opts.split_threshold_ms = uint64_t(*f * 1000);
   }
   const std::string verify = parser.value("verify").value_or("bytes");
@@ -172,6 +175,19 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
     const std::string control = parser.value("control").value_or(kDefaultControlPath);
     Result<json> status = ControlRequest(control, {{"cmd", "status"}}, std::chrono::seconds(10));
     if (status.ok() && status->value("volume_uuid", "") == UuidToString(vol->superblock().uuid)) {
+      // dedupd runs its own pass with its own settings: an option given
+      // here would be dropped without a word (a --rescan that never ran).
+      for (const char* opt : {"rescan", "force", "fraction", "split-after", "verify"}) {
+        const bool given = std::string(opt) == "rescan" || std::string(opt) == "force"
+                               ? parser.flag(opt)
+                               : parser.value(opt).has_value();
+        if (given) {
+          return UsageError(cmd, std::string("--") + opt + " cannot be passed to dedupd (host " +
+                                     (*status)["host_id"].dump() + ", " + control +
+                                     "), which runs this volume's pass with its own settings; "
+                                     "stop dedupd on this host to run the pass here with it");
+        }
+      }
       Result<json> reply = ControlRequest(control, {{"cmd", "dedup-now"}});
       if (!reply.ok()) return Fail(cmd, reply.status());
       if (reply->contains("error")) return Fail(cmd, "dedupd: " + (*reply)["error"].get<std::string>());

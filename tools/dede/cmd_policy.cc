@@ -91,7 +91,7 @@ std::optional<uint64_t> ParseStableAfter(const std::string& text) {
     }
   }
   std::optional<uint64_t> n = ParseUnsigned(digits);
-  if (!n || *n > UINT64_MAX / unit) return std::nullopt;
+  if (!n || *n > kMaxStableAfterS / unit) return std::nullopt;
   return *n * unit;
 }
 
@@ -126,7 +126,7 @@ std::optional<std::string> ApplyAssignment(const std::string& assignment, DedupP
     if (!s) {
       return "stable-after: '" + value +
              "' is not a duration (expected seconds, or a number "
-             "with s, m, h or d, e.g. 90s or 1h; 0 or 'off')";
+             "with s, m, h or d, e.g. 90s or 1h, at most 365d; 0 or 'off')";
     }
     p->stable_after_s = *s;
   } else {

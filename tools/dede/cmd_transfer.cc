@@ -227,6 +227,40 @@ int RunImport(const Command& cmd, const std::vector<std::string>& args) {
 
 // ---------------------------------------------------------------- export
 
+
+namespace {
+
+// `dede export vol.img vm vol.img` truncated the volume under itself, and
+// naming the LUN's block device wrote file data over its superblock and
+// leases. True if `dst_path` is the volume's own file or device, or starts
+// with this volume's superblock (another path to the same LUN).
+bool HoldsVolume(const std::string& spec, const std::string& dst_path, const struct stat& st_dst,
+                 const Superblock& sb) {
+  struct stat st_vol {};
+  if (::stat(spec.c_str(), &st_vol) == 0) {
+    if (S_ISREG(st_dst.st_mode) && S_ISREG(st_vol.st_mode) && st_vol.st_dev == st_dst.st_dev &&
+        st_vol.st_ino == st_dst.st_ino) {
+      return true;
+    }
+    if (S_ISBLK(st_dst.st_mode) && S_ISBLK(st_vol.st_mode) && st_vol.st_rdev == st_dst.st_rdev) {
+      return true;
+    }
+  }
+  FdCloser in(::open(dst_path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (in.get() < 0) return false;
+  AlignedBuffer head(2 * kBlockSize);
+  if (::pread(in.get(), head.data(), 2 * kBlockSize, 0) != static_cast<ssize_t>(2 * kBlockSize)) {
+    return false;
+  }
+  for (uint64_t a : kSuperblockAddrs) {
+    Result<Superblock> found = DecodeSuperblock(head.data() + a * kBlockSize, a);
+    if (found.ok() && found->uuid == sb.uuid) return true;
+  }
+  return false;
+}
+
+}  // namespace
+
 int RunExport(const Command& cmd, const std::vector<std::string>& args) {
   ArgParser parser(cmd);
   parser.AddPositional("VOL", kVolHelp);
@@ -262,6 +296,11 @@ int RunExport(const Command& cmd, const std::vector<std::string>& args) {
   }
   const bool regular = S_ISREG(st_dst.st_mode);
   const bool block_dev = S_ISBLK(st_dst.st_mode);
+  if ((regular || block_dev) && HoldsVolume(spec, dst_path, st_dst, opened->volume->superblock())) {
+    return Fail(cmd, dst_path + " holds this volume (uuid " +
+                         UuidToString(opened->volume->superblock().uuid) +
+                         "): export to another file or device");
+  }
   if (regular && ::ftruncate(dst.get(), 0) != 0) {
     return Fail(cmd, Status::FromErrno(dst_path + ": truncate", errno));
   }
