@@ -200,6 +200,10 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
 
   std::vector<LockId> inode_locks;
   auto release_inodes = [&]() NO_THREAD_SAFETY_ANALYSIS {
+    // A failed repair (poisoned: its changes may be only in our journal)
+    // keeps the files' locks, as CloseFile does: whoever opens them next
+    // first replays our journal, instead of reading stale home blocks.
+    if (!poisoned_.ok()) return;
     for (const LockId& id : inode_locks) {
       DropCache(id);
       (void)locks_->Release(id);
@@ -277,6 +281,12 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     if (AllZeroBlock(buf.get())) continue;
     std::string where = "inode " + std::to_string(ino);
     auto in = DecodeInode(buf.get(), sb_.uuid, addr);
+    // Written by a newer dede: not damage. Clearing it (or, below, cutting
+    // out a newer pointer block and freeing what it maps) would destroy a
+    // file this version cannot read; check with a dede that can.
+    if (in.status().code() == Status::Code::kUnsupported) {
+      return in.status().WithContext("fsck stops: " + where + " is newer than this dede");
+    }
     if (!in.ok() || in->ino != ino) {
       bool fixed = false;
       if (repair) {
@@ -341,6 +351,9 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
       BlockBuf pb = NewBlockBuf();
       RETURN_IF_ERROR(dev_->Read(pa * kBlockSize, pb.get(), kBlockSize));
       auto dec = DecodePointerBlock(pb.get(), sb_.uuid, pa);
+      if (dec.status().code() == Status::Code::kUnsupported) {
+        return dec.status().WithContext("fsck stops: " + pw + " is newer than this dede");
+      }
       if (!dec.ok() || dec->level != level) {
         RETURN_IF_ERROR(drop_parent());
         problem(pw, (dec.ok() ? "has level " + std::to_string(dec->level) + ", expected " +

@@ -735,3 +735,104 @@ TEST_CASE("journal: replay refuses an image that does not belong at its home", "
     }
   }
 }
+
+// fsck took a block of a newer format version (kUnsupported) for damage:
+// --repair cleared the inode, or cut out the pointer block and freed the
+// data it mapped, destroying a file this version cannot read.
+TEST_CASE("fsck: a block of a newer format stops fsck instead of being repaired away",
+          "[volume][fsck]") {
+  MemDevice dev(64 << 20);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  Superblock sb;
+  uint64_t ino = 0;
+  {
+    auto vol = Volume::Open(&dev, oo);
+    REQUIRE(vol.ok());
+    REQUIRE(vol.value()->Create("f", 1 << 20).ok());
+    auto f = vol.value()->OpenFile("f");
+    REQUIRE(f.ok());
+    const std::vector<uint8_t> d = Pattern(64 * kBlockSize, 4);
+    REQUIRE(f.value()->Write(0, d.data(), d.size()).ok());
+    ino = f.value()->id().ino;
+    sb = vol.value()->superblock();
+  }
+  std::vector<uint8_t> blk(kBlockSize);
+  const uint64_t inode_addr = sb.inode_start + ino - 1;
+  REQUIRE(dev.Read(inode_addr * kBlockSize, blk.data(), kBlockSize).ok());
+  auto in = DecodeInode(blk.data(), sb.uuid, inode_addr);
+  REQUIRE(in.ok());
+  const uint64_t target = GENERATE_COPY(inode_addr, in->root);
+  INFO((target == inode_addr ? "the inode" : "the pointer block"));
+  REQUIRE(dev.Read(target * kBlockSize, blk.data(), kBlockSize).ok());
+  BlockHeader h = PeekHeader(blk.data());
+  h.major = kFormatMajor + 1;
+  SealBlock(blk.data(), h, sb.uuid);
+  REQUIRE(dev.Write(target * kBlockSize, blk.data(), kBlockSize).ok());
+  std::vector<uint8_t> before(sb.group_start * kBlockSize + 64 * kBlockSize), after(before.size());
+  REQUIRE(dev.Read(0, before.data(), before.size()).ok());
+  {
+    auto vol = Volume::Open(&dev, oo);
+    REQUIRE(vol.ok());
+    auto rep = CheckVolume(vol.value().get(), /*repair=*/true);
+    INFO(rep.status().ToString());
+    REQUIRE_FALSE(rep.ok());
+    CHECK(rep.status().code() == Status::Code::kUnsupported);
+  }
+  // Nothing of the file, its counts or its inode was touched.
+  REQUIRE(dev.Read(0, after.data(), after.size()).ok());
+  const uint64_t groups_at = sb.GroupStart(0) * kBlockSize;
+  CHECK(std::memcmp(before.data() + sb.inode_start * kBlockSize,
+                    after.data() + sb.inode_start * kBlockSize,
+                    (sb.group_start - sb.inode_start) * kBlockSize) == 0);
+  CHECK(std::memcmp(before.data() + groups_at, after.data() + groups_at,
+                    sb.GroupRefBlocks(0) * kBlockSize) == 0);
+}
+
+// A repair that fails after its changes reached the journal (the volume
+// poisoned) released the files' locks all the same: another process could
+// open them from home blocks that the repair's journal, replayed later,
+// then contradicts. They stay held now, as CloseFile keeps them.
+TEST_CASE("fsck: a repair that fails keeps the files' locks", "[volume][fsck]") {
+  MemDevice base(64 << 20);
+  REQUIRE(FormatVolume(&base, FormatOptions{}, false).ok());
+  auto locks = test::TempLockGroup(2);
+  OpenOptions oo;
+  oo.locks = locks[0];
+  Superblock sb;
+  uint64_t ino = 0;
+  {
+    auto vol = Volume::Open(&base, oo);
+    REQUIRE(vol.ok());
+    REQUIRE(vol.value()->Create("f", 1 << 20).ok());
+    auto f = vol.value()->OpenFile("f");
+    REQUIRE(f.ok());
+    const std::vector<uint8_t> d = Pattern(8 * kBlockSize, 6);
+    REQUIRE(f.value()->Write(0, d.data(), d.size()).ok());
+    ino = f.value()->id().ino;
+    sb = vol.value()->superblock();
+  }
+  // A wrong count for repair to fix.
+  std::vector<uint8_t> blk(kBlockSize);
+  const uint64_t rb = sb.GroupStart(0);
+  REQUIRE(base.Read(rb * kBlockSize, blk.data(), kBlockSize).ok());
+  uint32_t slot = 0;
+  while (GetRef(blk.data(), slot) != 1) slot++;
+  SetRef(blk.data(), slot, 7);
+  SealBlock(blk.data(), PeekHeader(blk.data()), sb.uuid);
+  REQUIRE(base.Write(rb * kBlockSize, blk.data(), kBlockSize).ok());
+
+  FaultDevice dev(&base);
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  dev.FailWritesAfter(0, EIO);  // the repair's first write fails
+  auto rep = CheckVolume(vol.value().get(), /*repair=*/true);
+  INFO(rep.status().ToString());
+  REQUIRE_FALSE(rep.ok());
+  const LockId inode_lock{LockKind::kInode, ino};
+  Status probe = locks[1]->Acquire(inode_lock, LockMode::kExclusive, false);
+  INFO(probe.ToString());
+  CHECK(probe.code() == Status::Code::kLocked);
+  if (probe.ok()) REQUIRE(locks[1]->Release(inode_lock).ok());
+}
