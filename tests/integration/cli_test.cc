@@ -649,6 +649,8 @@ TEST_CASE("dede usage errors exit 2 and touch nothing", "[cli]") {
       {"policy", vol, "set", "stable-after=18446744074"},
       {"policy", vol, "set", "stable-after=366d"},
       {"dedup", vol, "--split-after", "0"},  // would split every shard at every pass
+      {"create", vol, ".dede-policy", "--size", "4K"},  // dede's own names
+      {"import", vol, ".dede-arena-0000000000000000", vol},
   };
   for (const auto& args : cases) DedeUsageError(args);
   // Environment variables that must be numbers: "1x" is not host 1.
@@ -708,6 +710,21 @@ TEST_CASE("dede help and version", "[cli]") {
   }
   ProcessResult v = DedeOk({"--version"});
   CHECK(v.out.rfind("dede ", 0) == 0);
+}
+
+// `dede rm` removed dede's own files like any other (an arena, an index
+// shard, the policy) without a word.
+TEST_CASE("dede rm leaves dede's own files alone unless forced", "[cli]") {
+  TempDir dir;
+  const std::string vol = dir.file("vol.img");
+  CreateSparseFile(vol, 64 * kMiB);
+  DedeOk({"format", vol});
+  DedeOk({"policy", vol, "set", "rate=10"});
+  ProcessResult r = DedeFails({"rm", vol, ".dede-policy"});
+  CHECK(r.err.find("dede's own files") != std::string::npos);
+  CHECK(DedeJson({"policy", vol, "show", "--json"}).dump().find("10") != std::string::npos);
+  DedeOk({"rm", vol, ".dede-policy", "--force"});
+  DedeFails({"rm", vol, ".dede-policy"});  // gone now: not found
 }
 
 TEST_CASE("dede rm/set/export of a file held open elsewhere fail cleanly", "[cli]") {

@@ -206,6 +206,11 @@ Result<SanlockOptions> SanlockOptionsFromEnv() {
   return o;
 }
 
+std::optional<std::string> ReservedName(const std::string& name) {
+  if (name.rfind(".dede-", 0) != 0) return std::nullopt;
+  return "'" + name + "': names beginning with .dede- are reserved for dede's own files";
+}
+
 Result<OpenedVolume> OpenVolume(const std::string& spec, bool read_only,
                                 bool pass_damaged_journals) {
   OpenOptions opts;

@@ -124,6 +124,11 @@ void PrintJson(const nlohmann::json& j);
 // Opens VOL. A volume formatted with --locks sanlock is opened through the
 // sanlock backend with this host's id and lease path from the environment
 // (DEDE_HOST_ID, DEDE_LEASE_PATH, DEDE_LEASE_IO_TIMEOUT).
+// Names that begin with ".dede-" belong to dede's own files (policy,
+// index shards, arenas, write logs, merge requests). A usage message if
+// `name` is one, for the commands that create files.
+std::optional<std::string> ReservedName(const std::string& name);
+
 // `pass_damaged_journals`: OpenOptions' (fsck only).
 Result<OpenedVolume> OpenVolume(const std::string& spec, bool read_only,
                                 bool pass_damaged_journals = false);

@@ -45,6 +45,7 @@ int RunCreate(const Command& cmd, const std::vector<std::string>& args) {
   if (!size_text) return UsageError(cmd, "missing --size");
   auto size = ParseSize(*size_text);
   if (!size) return UsageError(cmd, "invalid size '" + *size_text + "'");
+  if (auto why = ReservedName(parser.positional(1))) return UsageError(cmd, *why);
 
   auto opened = OpenVolume(parser.positional(0), /*read_only=*/false);
   if (!opened.ok()) return Fail(cmd, opened.status());
@@ -263,13 +264,24 @@ int RunRm(const Command& cmd, const std::vector<std::string>& args) {
   ArgParser parser(cmd);
   parser.AddPositional("VOL", kVolHelp);
   parser.AddPositional("NAME", "file to remove");
-  parser.SetDetails("A file that is open (in use) anywhere cannot be removed.");
+  parser.options()("force", po::bool_switch(),
+                   "also remove one of dede's own files (the policy, an index shard, an arena, "
+                   "a write log, a merge request)");
+  parser.SetDetails(
+      "A file that is open (in use) anywhere cannot be removed. dede's own files\n"
+      "(names beginning with .dede-) are removed by dede itself; --force removes\n"
+      "one anyway (for instance a damaged .dede-policy, which then reads as the\n"
+      "default policy).");
   if (auto rc = parser.Parse(args)) return *rc;
   const std::string& name = parser.positional(1);
 
   auto opened = OpenVolume(parser.positional(0), /*read_only=*/false);
   if (!opened.ok()) return Fail(cmd, opened.status());
   auto info = opened->volume->Lookup(name);
+  if (info.ok() && info->kind != FileKind::kRegular && !parser.flag("force")) {
+    return Fail(cmd, "'" + name + "' is one of dede's own files (" + FileKindName(info->kind) +
+                         "); dede removes it itself (--force removes it anyway)");
+  }
   Status st = opened->volume->Remove(name);
   if (st.code() == Status::Code::kLocked) return Fail(cmd, InUse(name, st));
   if (!st.ok()) return Fail(cmd, st);

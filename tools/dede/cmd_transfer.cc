@@ -170,6 +170,7 @@ int RunImport(const Command& cmd, const std::vector<std::string>& args) {
     wanted_size = ParseSize(*v);
     if (!wanted_size) return UsageError(cmd, "invalid size '" + *v + "'");
   }
+  if (auto why = ReservedName(name)) return UsageError(cmd, *why);
 
   // The source first: a missing image must not touch the volume at all.
   FdCloser src(::open(src_path.c_str(), O_RDONLY | O_CLOEXEC));

@@ -108,7 +108,9 @@ int RunFormat(const Command& cmd, const std::vector<std::string>& args) {
                    "hosts that may use the volume at once (1..250, default 8)")(
       "hash", po::value<std::string>()->value_name("ALGO"),
       "block fingerprint: xxh128 (default) or sha256")(
-      "force", po::bool_switch(), "overwrite a device that already holds a dede volume")(
+      "force", po::bool_switch(),
+      "overwrite a device that already holds a dede volume (still refused while a process "
+      "of this host or, with sanlock, another host uses it)")(
       "locks", po::value<std::string>()->value_name("BACKEND"),
       "local (default: processes of one machine) or sanlock (hosts sharing a LUN)")(
       "lease-path", po::value<std::string>()->value_name("PATH"),
