@@ -6,6 +6,7 @@
 #include <fcntl.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -753,6 +754,21 @@ TEST_CASE("dede rm/set/export of a file held open elsewhere fail cleanly", "[cli
     CHECK(r.err.find("in use") != std::string::npos);
   }
   CHECK_FALSE(std::filesystem::exists(dir.file("held.out")));
+  {
+    // A control socket nobody answers on (a dedupd that died): the refusal
+    // says so, instead of only "in use by another process".
+    const std::string dead = dir.file("dead.ctl");
+    const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+    REQUIRE(fd >= 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", dead.c_str());
+    REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0);
+    ::close(fd);  // the socket file stays; connecting to it is refused
+    ProcessResult r = DedeFails({"set", vol, "held", "dedup=off", "--control", dead});
+    CHECK(r.err.find("in use") != std::string::npos);
+    CHECK(r.err.find("did not answer") != std::string::npos);
+  }
 
   json ls = DedeJson({"ls", vol, "-l", "--json"});
   INFO(ls.dump(2));

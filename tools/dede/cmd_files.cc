@@ -346,6 +346,10 @@ int RunSet(const Command& cmd, const std::vector<std::string>& args) {
   const bool on = value == "on";
   // A running VM's disk: the local dedupd holds it and changes it live.
   const std::string control = parser.value("control").value_or(kDefaultControlPath);
+  // Why the local dedupd did not take the change, if it was asked: said
+  // with a refusal below, which it may explain (a dedupd that holds the
+  // file but timed out is "in use by another process").
+  std::string dedupd_said;
   {
     auto ro = OpenVolume(parser.positional(0), /*read_only=*/true);
     if (!ro.ok()) return Fail(cmd, ro.status());
@@ -358,13 +362,18 @@ int RunSet(const Command& cmd, const std::vector<std::string>& args) {
       if (reply.ok() && reply->contains("error")) {
         return Fail(cmd, "dedupd at " + control + ": " + (*reply)["error"].get<std::string>());
       }
+      dedupd_said = reply.ok() ? "the dedupd at " + control + " does not serve it"
+                               : "the dedupd at " + control + " did not answer: " +
+                                     reply.status().message();
     }
   }
   auto opened = OpenVolume(parser.positional(0), /*read_only=*/false);
   if (!opened.ok()) return Fail(cmd, opened.status());
   auto file = opened->volume->OpenFile(name);
   if (!file.ok() && file.status().code() == Status::Code::kLocked) {
-    return Fail(cmd, InUse(name, file.status()));
+    const Status in_use = InUse(name, file.status());
+    return Fail(cmd, dedupd_said.empty() ? in_use : Status::Locked(in_use.message() + "; " +
+                                                                   dedupd_said));
   }
   if (!file.ok()) return Fail(cmd, file.status());
   Result<FileInfo> before = (*file)->Info();
