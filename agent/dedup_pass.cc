@@ -850,7 +850,9 @@ class Pass {
   // (`guess`), advancing *p and *i past it; false: call again with a fresh
   // map.
   Result<bool> ProcessUnderLock(uint64_t* p, const ShardRange& guess, size_t* i) {
-    ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
+    // Every version inside our range is checked, not assumed complete
+    // because a reader has it open: what this map calls stale is deleted.
+    ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_, &guess));
     SettleIo();  // listing the namespace reads the inode table
     const ShardSlot slot = map.SlotFor(*p);
     if (slot.range.lo != guess.lo) return false;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <map>
+#include <thread>
 
 namespace dede {
 
@@ -112,9 +113,9 @@ ShardMap ResolveShardMap(const std::vector<FileInfo>& files,
   return m;
 }
 
-Result<ShardMap> LoadShardMap(Volume* vol) {
+Result<ShardMap> LoadShardMap(Volume* vol, const ShardRange* locked) {
   ASSIGN_OR_RETURN(std::vector<FileInfo> files, vol->List());
-  std::set<std::string> incomplete;
+  std::set<std::string> incomplete, gone;
   std::vector<uint8_t> blk(kBlockSize);
   for (const FileInfo& fi : files) {
     ShardRange r;
@@ -124,11 +125,23 @@ Result<ShardMap> LoadShardMap(Volume* vol) {
       incomplete.insert(fi.name);
       continue;
     }
+    const bool ours = locked != nullptr && locked->Contains(r.lo);
+    const auto until = std::chrono::steady_clock::now() + kLockedRangeWait;
     Result<std::unique_ptr<File>> f = vol->OpenFileById(fi.id);
+    while (ours && f.status().code() == Status::Code::kLocked &&
+           std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      f = vol->OpenFileById(fi.id);
+    }
     if (!f.ok()) {
-      if (f.status().code() == Status::Code::kLocked ||
-          f.status().code() == Status::Code::kNotFound) {
+      if (f.status().code() == Status::Code::kNotFound) {
+        gone.insert(fi.name);
         continue;
+      }
+      if (f.status().code() == Status::Code::kLocked) {
+        if (!ours) continue;
+        return Status::Locked("index shard version '" + fi.name +
+                              "' stays open elsewhere; its header cannot be checked");
       }
       return f.status();
     }
@@ -136,6 +149,11 @@ Result<ShardMap> LoadShardMap(Volume* vol) {
     if (!DecodeShardHeader(blk.data(), vol->superblock().uuid, fi.id, fi.name).ok()) {
       incomplete.insert(fi.name);
     }
+  }
+  if (!gone.empty()) {
+    files.erase(std::remove_if(files.begin(), files.end(),
+                               [&](const FileInfo& fi) { return gone.count(fi.name) > 0; }),
+                files.end());
   }
   return ResolveShardMap(files, incomplete);
 }

@@ -23,6 +23,7 @@
 // They are removed by whoever holds the lock of their range's lo.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <set>
 #include <string>
@@ -74,9 +75,16 @@ struct ShardMap {
 ShardMap ResolveShardMap(const std::vector<FileInfo>& files,
                          const std::set<std::string>& incomplete = {});
 // Lists the volume's files and reads every shard version's header: a
-// version that does not check is incomplete (one held open by someone is
-// taken as complete: its holder is reading it, or writing it under the
-// range's lock).
-Result<ShardMap> LoadShardMap(Volume* vol);
+// version that does not check is incomplete; one removed meanwhile is left
+// out. One held open by someone else is taken as complete (its holder is
+// reading it, or writing it under the range's lock), except inside
+// `locked`, the range whose lock the caller holds: there nobody else
+// writes, so the holder is only a reader, and readers open incomplete
+// versions too; taken as complete, an incomplete version would make the
+// live one look stale, and the lock holder deletes stale versions. Those
+// are opened again until free (the reader's look is brief); still held
+// after kLockedRangeWait, kLocked.
+Result<ShardMap> LoadShardMap(Volume* vol, const ShardRange* locked = nullptr);
+inline constexpr std::chrono::milliseconds kLockedRangeWait{5000};
 
 }  // namespace dede

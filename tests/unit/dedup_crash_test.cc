@@ -39,11 +39,13 @@
 #include <random>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "agent/dedup_pass.h"
 #include "index/index_check.h"
 #include "index/shard_format.h"
+#include "index/shard_io.h"
 #include "index/shard_map.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
@@ -740,4 +742,70 @@ TEST_CASE("index repair acts only on the file it checked, not on a new one of th
   report = CheckIndex(vol, /*repair=*/true);
   REQUIRE(report.ok());
   CHECK(vol->Lookup(next).status().code() == Status::Code::kNotFound);
+}
+
+// The holder of a range's lock deletes what its map calls stale. The map
+// took a version file held open elsewhere as complete without reading its
+// header; but inside a locked range the only other openers are readers
+// (every host's map load opens every version), and they open a dead
+// update's headerless leftover as readily as a live version. Taken as the
+// newest complete version, the leftover made the live one "stale": the
+// pass deleted it, then dropped the leftover as corrupt, and the shard's
+// entries were gone.
+TEST_CASE("dedup: a dead update's leftover held open by a reader does not make the live version "
+          "stale",
+          "[dedup][crash]") {
+  TwinFiles t;
+  Volume* vol = t.vol.get();
+  REQUIRE(t.Pass().ok());
+  auto m = LoadShardMap(vol);
+  REQUIRE(m.ok());
+  REQUIRE(m->live.size() == 1);
+  const ShardSlot v1 = m->live[0];
+  auto entries = [&] {  // entries of every live shard version
+    auto map = LoadShardMap(vol);
+    REQUIRE(map.ok());
+    uint64_t n = 0;
+    for (const ShardSlot& slot : map->live) {
+      if (slot.version == 0) continue;
+      auto f = vol->OpenFileById(slot.id);
+      REQUIRE(f.ok());
+      auto r = ShardReader::Open(f->get(), vol->superblock().uuid, slot.name);
+      REQUIRE(r.ok());
+      n += (*r)->header().entry_count;
+    }
+    return n;
+  };
+  const uint64_t before = entries();
+  REQUIRE(before >= 8);
+  // A rewrite that died before its header: entries written, block 0 not.
+  const std::string next = ShardFileName(v1.range, v1.version + 1);
+  REQUIRE(vol->Create(next, 3 * kB, FileKind::kIndexShard).ok());
+  {
+    auto f = vol->OpenFile(next);
+    REQUIRE(f.ok());
+    std::vector<uint8_t> junk(2 * kB, 0x6b);
+    REQUIRE((*f)->Write(kB, junk.data(), junk.size()).ok());
+  }
+  // A reader holds it for a moment (another host's map load, dede stats).
+  auto reader = vol->OpenFile(next);
+  REQUIRE(reader.ok());
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    reader->reset();
+  });
+  t.Write(t.files[0], 11, 900);
+  t.Write(t.files[1], 12, 900);
+  t.FlushLogs();
+  auto st = t.Pass();
+  release.join();
+  REQUIRE(st.ok());
+  CHECK(st->incomplete_versions_removed == 1);
+  // The live version still has the first pass's entries, and the new pair.
+  CHECK(entries() >= before);
+  for (MFile& f : t.files) f.file.reset();
+  auto rep = CheckVolume(vol, false);
+  REQUIRE(rep.ok());
+  for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
+  CHECK(rep->clean());
 }
