@@ -1011,7 +1011,15 @@ class Pass {
         PendingScanStats ps;
         ASSIGN_OR_RETURN(pending, ReadPendingFile(pending_file.get(), algo_, uuid_, &ps,
                                                   "pending file of " + what));
-        if (ps.corrupt_frames) LOG(kWarning) << what << ": pending file has a bad frame";
+        if (ps.corrupt_frames) {
+          // Nothing past a bad frame is ever read: cut the file there (as
+          // fsck --repair does), or every record parked from now on would
+          // be appended behind it and lost as well.
+          const uint64_t good = pending_file->size() - ps.skipped_bytes;
+          LOG(kWarning) << what << ": pending file has a bad frame; " << ps.skipped_bytes
+                        << " bytes from byte " << good << " on are lost and cut off";
+          RETURN_IF_ERROR(pending_file->Truncate(good));
+        }
       } else if (pf.status().code() != Status::Code::kNotFound) {
         return pf.status();
       }

@@ -809,3 +809,53 @@ TEST_CASE("dedup: a dead update's leftover held open by a reader does not make t
   for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
   CHECK(rep->clean());
 }
+
+// A pass that defers a shard appends its records to the shard's pending
+// file. After a torn frame (a crash between the file's extension and the
+// frame's write), readers stop at it, and passes went on appending behind
+// it: every record parked after that was lost too. The pass now cuts the
+// file at the bad frame before it appends.
+TEST_CASE("dedup: records parked after a torn pending frame are not lost behind it",
+          "[dedup][crash]") {
+  TwinFiles t;
+  Volume* vol = t.vol.get();
+  REQUIRE(t.Pass().ok());
+  auto defer_pass = [&] {
+    SceneAccess access(&t.files);
+    DedupOptions opts;
+    opts.rewrite_fraction = 1.0;  // a few records: park them
+    auto st = RunDedupPass(vol, &access, opts);
+    REQUIRE(st.ok());
+    CHECK(st->shards_deferred == 1);
+    return *st;
+  };
+  // Pair A, parked.
+  t.Write(t.files[0], 13, 800);
+  t.Write(t.files[1], 14, 800);
+  t.FlushLogs();
+  CHECK(defer_pass().pending_records_written == 2);
+  // A torn frame after it: the file extended by a block that never got
+  // its frame.
+  auto m = LoadShardMap(vol);
+  REQUIRE(m.ok());
+  REQUIRE(m->pending.size() == 1);
+  {
+    auto pf = vol->OpenFile(m->pending[0].name);
+    REQUIRE(pf.ok());
+    REQUIRE((*pf)->Truncate((*pf)->size() + kB).ok());
+  }
+  // Pair B, parked too.
+  t.Write(t.files[0], 15, 801);
+  t.Write(t.files[1], 10, 801);
+  t.FlushLogs();
+  CHECK(defer_pass().pending_records_written == 2);
+  // A forced pass applies both pairs.
+  auto st = t.Pass(/*force=*/true);
+  REQUIRE(st.ok());
+  CHECK(st->pending_records_applied == 4);
+  for (MFile& f : t.files) f.file.reset();
+  auto rep = CheckVolume(vol, false);
+  REQUIRE(rep.ok());
+  for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
+  CHECK(rep->clean());
+}
