@@ -15,6 +15,7 @@
 #include <memory>
 #include <string>
 
+#include "util/mutex.h"
 #include "util/status.h"
 
 namespace dede {
@@ -43,6 +44,35 @@ class BlockDevice {
 
  protected:
   Status CheckRange(uint64_t offset, size_t len) const;
+};
+
+// A device's flush failure, kept: once a flush fails, every later flush
+// fails with it. The kernel reports a writeback error to one fsync of a
+// file (and a target's file backing store to one SYNCHRONIZE CACHE), so
+// a flush after a failed one may "succeed" with the lost writes never
+// reported again (a lock-table flush that failed, say, and then a
+// client's FLUSH). Every device's Flush goes through one of these.
+class StickyFlushFailure {
+ public:
+  // The failure kept so far (OK if none).
+  Status Kept() EXCLUDES(mu_) {
+    MutexLock l(&mu_);
+    return failed_;
+  }
+  // Returns `st`; the first failure is kept, with a word on what it means.
+  Status Note(Status st) EXCLUDES(mu_) {
+    if (st.ok()) return st;
+    MutexLock l(&mu_);
+    if (failed_.ok()) {
+      failed_ = st.WithContext("device flush failed (writes since the last good flush may be "
+                               "lost; every later flush fails too)");
+    }
+    return failed_;
+  }
+
+ private:
+  Mutex mu_;
+  Status failed_ GUARDED_BY(mu_);
 };
 
 struct DeviceOptions {

@@ -375,6 +375,9 @@ struct LostCommandFence {
   std::atomic<uint64_t> ready{0};
   std::atomic<uint64_t> fenced{0};
   bool Pending() const { return fenced.load() < lost.load(); }
+  // One for the device: a SYNCHRONIZE CACHE covers the LU, whichever
+  // session sends it.
+  StickyFlushFailure flush_failure;
 };
 
 // True when the status came back from the target; the others are libiscsi's
@@ -596,6 +599,11 @@ class IscsiDevice final : public BlockDevice {
   Status Flush() override {
     // Nothing of ours can be in the target's cache.
     if (read_only_) return Status::Ok();
+    RETURN_IF_ERROR(fence_->flush_failure.Kept());
+    return fence_->flush_failure.Note(SynchronizeCache());
+  }
+
+  Status SynchronizeCache() {
     ScopedSigpipeBlock no_sigpipe;
     MutexLock lock(&mu_);
     // LBA 0 with 0 blocks means the whole LU.

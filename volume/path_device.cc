@@ -49,7 +49,10 @@ class PathDevice : public BlockDevice {
   }
 
   Status Flush() override {
-    if (::fdatasync(fd_) != 0) return Status::FromErrno(path_ + ": fdatasync", errno);
+    RETURN_IF_ERROR(flush_failure_.Kept());
+    if (::fdatasync(fd_) != 0) {
+      return flush_failure_.Note(Status::FromErrno(path_ + ": fdatasync", errno));
+    }
     return Status::Ok();
   }
 
@@ -127,6 +130,7 @@ class PathDevice : public BlockDevice {
   }
 
   std::string path_;
+  StickyFlushFailure flush_failure_;
   int fd_;
   uint64_t size_;
   bool direct_;

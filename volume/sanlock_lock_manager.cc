@@ -916,9 +916,9 @@ class SanlockImpl : public SanlockLockManager {
   }
 
   // Runs fn holding partition p's sanlock lease (and part_mu_[p]); the
-  // lease is released whatever fn returns (after a device flush if fn
-  // failed with an I/O error). fn's error wins; a failed release is
-  // reported when fn succeeded.
+  // lease is released when fn returns, except after an I/O error that a
+  // device flush cannot fence (below). fn's error wins; a failed release
+  // is reported when fn succeeded.
   template <typename Fn>
   Status WithPartitionLease(uint32_t p, int max_wait_s, Fn fn) {
     MutexLock pl(&part_mu_[p]);
@@ -933,11 +933,18 @@ class SanlockImpl : public SanlockLockManager {
       // first makes sure none can (the LU reset, iscsi_device.cc
       // FenceLostCommands); issued before the lease goes, so no stale
       // block of ours can overwrite the next holder's update.
+      // If that flush fails too, nothing says the stale block cannot
+      // land: the lease stays held (sanlock frees it when this process
+      // ends), and the partition waits, rather than have another host's
+      // records overwritten. The device is broken anyway (a failed
+      // flush fails every later one: StickyFlushFailure).
       Status fenced = dev_->Flush();
       if (!fenced.ok()) {
-        LOG(kWarning) << "lock-table partition " << p << ": after " << st.ToString()
-                      << ", the device could not be fenced before the lease is released: "
-                      << fenced.ToString();
+        LOG(kError) << "lock-table partition " << p << ": after " << st.ToString()
+                    << ", the device could not be fenced (" << fenced.ToString()
+                    << "); keeping lease " << PartitionLeaseName(p)
+                    << " until this process ends: restart it once the storage is healthy";
+        return st;
       }
     }
     int rv = ReleaseLease(rp);

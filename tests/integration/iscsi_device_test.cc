@@ -616,6 +616,8 @@ class HoldFuse {
     return true;
   }
   void Release() { Control("release"); }
+  // The next `n` fsyncs of the lun fail with EIO.
+  void FailFsyncs(uint64_t n) { Control("fail-fsync " + std::to_string(n)); }
   std::string State() const {
     std::ifstream f(mount_dir_ + "/ctl");
     std::string line;
@@ -763,4 +765,52 @@ TEST_CASE("iSCSI: while a lost WRITE is fenced, the device's other sessions send
   CHECK(read_done >= released);
   REQUIRE(dev->Read(kAt, got.data(), got.size()).ok());
   CHECK(got == b);
+}
+
+// A writeback error is reported to one fsync of a file (and by a target's
+// file backing store to one SYNCHRONIZE CACHE). A device whose flush
+// failed once used to report the next flush fine, with the lost writes
+// never reported again; such a first failure can reach a caller that does
+// not stop the volume (a lock-table update), and the next flush is then a
+// client's FLUSH. Now every later flush of the device fails too.
+TEST_CASE("a failed device flush keeps failing, on a local file and over iSCSI", "[iscsi]") {
+  const auto data = RandomBytes(4096, 81);
+  SECTION("a local file") {
+    TempDir dir;
+    const std::string backing = dir.file("backing.img");
+    CreateSparseFile(backing, kLunSize);
+    HoldFuse fuse(backing, dir.file("mnt"));
+    fuse.WaitMounted();
+    auto dev = MustOpen(fuse.lun(), DeviceOptions{});
+    REQUIRE(dev->Write(0, data.data(), data.size()).ok());
+    REQUIRE(dev->Flush().ok());
+    fuse.FailFsyncs(1);
+    REQUIRE(dev->Write(4096, data.data(), data.size()).ok());
+    Status first = dev->Flush();
+    INFO(first.ToString());
+    CHECK_FALSE(first.ok());
+    CHECK(fuse.State().find("fsync_failures=1") != std::string::npos);
+    Status second = dev->Flush();  // the file would say OK now
+    INFO(second.ToString());
+    CHECK_FALSE(second.ok());
+    CHECK(fuse.State().find("fsync_failures=1") != std::string::npos);
+    auto fresh = MustOpen(fuse.lun(), DeviceOptions{});
+    CHECK(fresh->Flush().ok());  // the file is fine again: the failure is the device's memory
+  }
+  SECTION("over iSCSI, whichever session sends the next flush") {
+    HeldTarget t(2);
+    REQUIRE(t.dev->Write(0, data.data(), data.size()).ok());
+    REQUIRE(t.dev->Flush().ok());
+    t.fuse.FailFsyncs(1);
+    REQUIRE(t.dev->Write(4096, data.data(), data.size()).ok());
+    Status first = t.dev->Flush();
+    INFO(first.ToString() << "\n" << t.fuse.State());
+    CHECK_FALSE(first.ok());
+    CHECK(t.fuse.State().find("fsync_failures=1") != std::string::npos);
+    for (int i = 0; i < 4; i++) {  // both sessions of the pool
+      Status later = t.dev->Flush();
+      INFO(later.ToString());
+      CHECK_FALSE(later.ok());
+    }
+  }
 }

@@ -8,8 +8,11 @@
 //        cached in between);
 //   ctl  the test's handle: writing "hold OFFSET" arms a hold, and the next
 //        write to `lun` covering byte OFFSET then waits, before it reaches
-//        BACKING_FILE, until "release" is written. Reading it gives
-//        "state=idle|armed|held writes=N" (N: writes to `lun` completed).
+//        BACKING_FILE, until "release" is written; "fail-fsync N" makes
+//        the next N fsyncs of `lun` fail with EIO (a writeback error the
+//        kernel reports once). Reading it gives "state=idle|armed|held
+//        writes=N fsync_failures=M" (N: writes to `lun` completed; M:
+//        fsyncs failed so far).
 //
 // It is how the iSCSI tests make a target's backing store sit on one WRITE
 // (the stuck command behind an initiator's timeout). Reads go on while a
@@ -51,6 +54,8 @@ struct Global {
   uint64_t hold_offset = 0;            // guarded by mu
   bool released = false;               // guarded by mu
   uint64_t writes = 0;                 // guarded by mu
+  uint64_t fail_fsyncs = 0;            // guarded by mu: fsyncs still to fail
+  uint64_t fsync_failures = 0;         // guarded by mu
 };
 Global g;
 
@@ -59,7 +64,8 @@ std::string CtlText() {
   const char* s = g.state == HoldState::kIdle    ? "idle"
                   : g.state == HoldState::kArmed ? "armed"
                                                  : "held";
-  return std::string("state=") + s + " writes=" + std::to_string(g.writes) + "\n";
+  return std::string("state=") + s + " writes=" + std::to_string(g.writes) +
+         " fsync_failures=" + std::to_string(g.fsync_failures) + "\n";
 }
 
 void* OpInit(fuse_conn_info*, fuse_config* cfg) {
@@ -132,6 +138,8 @@ int OpWrite(const char* path, const char* buf, size_t len, off_t off, fuse_file_
     } else if (cmd.rfind("release", 0) == 0) {
       g.released = true;
       g.cv.notify_all();
+    } else if (cmd.rfind("fail-fsync ", 0) == 0) {
+      g.fail_fsyncs = std::strtoull(cmd.c_str() + 11, nullptr, 10);
     } else {
       return -EINVAL;
     }
@@ -158,6 +166,14 @@ int OpWrite(const char* path, const char* buf, size_t len, off_t off, fuse_file_
 }
 
 int OpFsync(const char*, int, fuse_file_info*) {
+  {
+    std::lock_guard<std::mutex> l(g.mu);
+    if (g.fail_fsyncs > 0) {
+      g.fail_fsyncs--;
+      g.fsync_failures++;
+      return -EIO;
+    }
+  }
   return ::fdatasync(g.fd) == 0 ? 0 : -errno;
 }
 int OpFlush(const char*, fuse_file_info*) {
