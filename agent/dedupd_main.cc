@@ -80,6 +80,7 @@ struct Config {
   int tcp_port = -1;
   size_t threads = 8;
   uint32_t iscsi_sessions = 4;  // iscsi:// volumes: sessions to the LUN
+  std::string initiator_name;   // iscsi:// volumes: empty = open-iscsi's, else made up
   double sync_interval = 1.0;
   double log_flush_interval = 30.0;
   uint64_t log_flush_bytes = 1 << 20;
@@ -133,6 +134,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port), to the local users the Unix socket admits (root, its owner, members of its group)")
       ("config", po::value(&config_file)->value_name("FILE"), "read options from FILE (lines: name = value)")
       ("threads", po::value(&cfg->threads)->value_name("N"), "worker threads for volume I/O (default 8)")
+      ("initiator-name", po::value(&cfg->initiator_name)->value_name("IQN"), "iscsi:// volumes: the iSCSI initiator name to log in with, which the target's ACL must admit (default: InitiatorName= in /etc/iscsi/initiatorname.iscsi, else iqn.2026-11.org.dede:HOSTNAME)")
       ("iscsi-sessions", po::value(&cfg->iscsi_sessions)->value_name("N"), "iscsi:// volumes: sessions logged in to the LUN, each carrying one command at a time, so up to N volume commands are in flight (default 4)")
       ("sync-interval", po::value(&cfg->sync_interval)->value_name("SEC"), "volume flush point every SEC seconds (default 1)")
       ("log-flush-interval", po::value(&cfg->log_flush_interval)->value_name("SEC"), "append buffered records to write logs every SEC seconds (default 30)")
@@ -322,6 +324,7 @@ int Run(const Config& cfg) {
   oo.sanlock.lease_path = cfg.lease_path;
   oo.sanlock.io_timeout_s = cfg.lease_io_timeout;
   oo.iscsi_sessions = cfg.iscsi_sessions;
+  oo.iscsi_initiator_name = cfg.initiator_name;
   Result<OpenedVolume> ov = OpenVolumeSpec(cfg.volume, oo);
   if (!ov.ok()) {
     LOG(kError) << "cannot open volume " << cfg.volume << ": " << ov.status().ToString();

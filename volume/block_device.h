@@ -88,7 +88,13 @@ struct DeviceOptions {
   // is dropped and the command sent again on a new one (0: 30 s, like the
   // Linux sd driver). Tests shorten it.
   uint32_t iscsi_command_timeout_ms = 0;
+  // iSCSI backend: the initiator name to log in with (the target's ACL
+  // must admit it). Empty: this host's open-iscsi name from
+  // kOpenIscsiInitiatorFile if there is one, else iqn.2026-11.org.dede:HOST.
+  std::string iscsi_initiator_name;
 };
+
+inline constexpr char kOpenIscsiInitiatorFile[] = "/etc/iscsi/initiatorname.iscsi";
 
 // Most sessions OpenIscsiDevice accepts.
 inline constexpr uint32_t kMaxIscsiSessions = 64;

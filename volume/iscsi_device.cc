@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <fstream>
 #include <functional>
 #include <memory>
 #include <random>
@@ -233,10 +234,38 @@ Result<IscsiUrl> ParseIscsiUrl(const std::string& url) {
   return u;
 }
 
-// An initiator name unique per host and process. Targets key sessions on
-// (initiator name, ISID); libiscsi picks a random ISID per context, so
-// several devices in one process still get separate sessions.
-std::string InitiatorName() {
+// The initiator name dede's sessions log in with. Targets admit initiators
+// by name (ACLs), so it must be one the target knows: the configured one;
+// else this host's open-iscsi name (/etc/iscsi/initiatorname.iscsi, the
+// name the deployment guide puts in the ACL); else one made up from the
+// host name. Sessions stay distinct by ISID (one per session, random per
+// device), so every device and process of a host may share the name.
+Result<std::string> InitiatorName(const std::string& configured) {
+  auto valid = [](const std::string& n) {
+    if (n.size() < 5 || n.size() > 223) return false;
+    if (n.rfind("iqn.", 0) != 0 && n.rfind("eui.", 0) != 0 && n.rfind("naa.", 0) != 0) {
+      return false;
+    }
+    for (unsigned char c : n) {
+      if (!(std::isalnum(c) || c == '-' || c == '.' || c == ':')) return false;
+    }
+    return true;
+  };
+  if (!configured.empty()) {
+    if (!valid(configured)) {
+      return Status::Invalid("iSCSI initiator name '" + configured +
+                             "' is not an iqn., eui. or naa. name");
+    }
+    return configured;
+  }
+  std::ifstream conf(kOpenIscsiInitiatorFile);
+  for (std::string line; std::getline(conf, line);) {
+    const std::string key = "InitiatorName=";
+    if (line.rfind(key, 0) != 0) continue;
+    std::string name = line.substr(key.size());
+    while (!name.empty() && std::isspace(static_cast<unsigned char>(name.back()))) name.pop_back();
+    if (valid(name)) return name;
+  }
   char host[256] = {};
   if (::gethostname(host, sizeof(host) - 1) != 0) host[0] = '\0';
   std::string clean;
@@ -246,7 +275,7 @@ std::string InitiatorName() {
                                                             : '-');
   }
   if (clean.empty()) clean = "host";
-  return "iqn.2026-11.org.dede:" + clean + ".initiator-" + std::to_string(::getpid());
+  return "iqn.2026-11.org.dede:" + clean;
 }
 
 // ---------------------------------------------------------------------------
@@ -499,10 +528,10 @@ class IscsiDevice final : public BlockDevice {
  public:
   // `isid`: 24 bits, unique among the sessions of `fence`'s device.
   IscsiDevice(IscsiUrl url, bool read_only, std::chrono::milliseconds command_timeout,
-              uint32_t isid, std::shared_ptr<LostCommandFence> fence)
+              uint32_t isid, std::shared_ptr<LostCommandFence> fence, std::string initiator)
       : url_(std::move(url)),
         read_only_(read_only),
-        initiator_(InitiatorName()),
+        initiator_(std::move(initiator)),
         isid_(isid & 0xffffffu),
         command_timeout_(command_timeout),
         fence_(std::move(fence)) {}
@@ -1035,7 +1064,9 @@ class IscsiDevice final : public BlockDevice {
                                " is not authorized for this target");
       case 0x0203:
       case 0x0204:
-        return Status::NotFound("iSCSI target " + url_.iqn + " not found on " + url_.portal);
+        // tgtd says this also to an initiator its ACL does not admit.
+        return Status::NotFound("iSCSI target " + url_.iqn + " not found on " + url_.portal +
+                                " (or it does not admit initiator " + initiator_ + ")");
       default:
         break;
     }
@@ -1224,6 +1255,7 @@ Result<std::unique_ptr<BlockDevice>> OpenIscsiDevice(const std::string& url,
                            ", not " + std::to_string(opts.iscsi_sessions));
   }
   ASSIGN_OR_RETURN(IscsiUrl parsed, ParseIscsiUrl(url));
+  ASSIGN_OR_RETURN(const std::string initiator, InitiatorName(opts.iscsi_initiator_name));
   std::vector<std::unique_ptr<IscsiDevice>> sessions;
   auto fence = std::make_shared<LostCommandFence>();
   // Consecutive ISIDs: distinct within the device, each kept across its
@@ -1233,7 +1265,8 @@ Result<std::unique_ptr<BlockDevice>> OpenIscsiDevice(const std::string& url,
     const auto timeout = opts.iscsi_command_timeout_ms > 0
                              ? std::chrono::milliseconds(opts.iscsi_command_timeout_ms)
                              : kDefaultCommandTimeout;
-    auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only, timeout, isid_base + i, fence);
+    auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only, timeout, isid_base + i, fence,
+                                             initiator);
     RETURN_IF_ERROR(dev->Open());
     if (!sessions.empty() && dev->size_bytes() != sessions[0]->size_bytes()) {
       return Status::IoError(dev->name() + ": sessions disagree about the LUN's size (" +

@@ -387,6 +387,7 @@ Result<OpenedVolume> OpenVolumeSpec(const std::string& spec, const OpenOptions& 
   OpenedVolume ov;
   DeviceOptions dopts;
   dopts.iscsi_sessions = opts.iscsi_sessions;
+  dopts.iscsi_initiator_name = opts.iscsi_initiator_name;
   ASSIGN_OR_RETURN(ov.device, OpenBlockDevice(spec, dopts));
   ASSIGN_OR_RETURN(ov.volume, Volume::Open(ov.device.get(), opts));
   return ov;

@@ -82,6 +82,8 @@ struct OpenOptions {
   uint32_t lock_wait_s = 60;
   // OpenVolumeSpec: iSCSI sessions to open (DeviceOptions::iscsi_sessions).
   uint32_t iscsi_sessions = 1;
+  // OpenVolumeSpec: DeviceOptions::iscsi_initiator_name (empty: default).
+  std::string iscsi_initiator_name;
   // For fsck only: a free host slot whose two journal headers are both
   // damaged is passed over (not replayed by the dead-host scan, not taken
   // as this process's slot) instead of failing the open, so that fsck can

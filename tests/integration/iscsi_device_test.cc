@@ -279,7 +279,9 @@ TEST_CASE("wrong target IQN or LUN gives a clear error", "[iscsi]") {
     REQUIRE_FALSE(dev.ok());
     INFO(dev.status().message());
     CHECK(dev.status().code() == Status::Code::kNotFound);
-    CHECK(dev.status().message() == "iSCSI target " + iqn + " not found on " + portal);
+    CHECK_THAT(dev.status().message(),
+               Catch::StartsWith("iSCSI target " + iqn + " not found on " + portal +
+                                 " (or it does not admit initiator "));
   }
   SECTION("unknown LUN") {
     auto dev = dede::OpenBlockDevice(PlainUrl(*t.rig, t.rig->iqn(), 7));
@@ -813,4 +815,51 @@ TEST_CASE("a failed device flush keeps failing, on a local file and over iSCSI",
       CHECK_FALSE(later.ok());
     }
   }
+}
+
+// Targets admit initiators by name (DEPLOY.md section 1 binds the target
+// to the hosts' names). dede made up a new name per process
+// (iqn...:HOST.initiator-PID), so no ACL could name it and every login to
+// such a target was refused. The name is now configurable
+// (DeviceOptions::iscsi_initiator_name, dedupd --initiator-name,
+// DEDE_INITIATOR_NAME) and defaults to open-iscsi's.
+TEST_CASE("iSCSI: a target bound to an initiator name admits the configured name only",
+          "[iscsi]") {
+  TempDir dir;
+  const std::string backing = dir.file("acl.img");
+  CreateSparseFile(backing, kLunSize);
+  TgtdRig rig(backing);
+  const std::string allowed = "iqn.2025-01.org.example:host7";
+  REQUIRE(rig.Tgtadm({"--op", "unbind", "--mode", "target", "--tid", "1", "-I", "ALL"}).exit_code ==
+          0);
+  REQUIRE(rig.Tgtadm({"--op", "bind", "--mode", "target", "--tid", "1", "-Q", allowed})
+              .exit_code == 0);
+  DeviceOptions opts;
+  opts.iscsi_initiator_name = allowed;
+  opts.iscsi_sessions = 2;
+  {
+    auto dev = MustOpen(rig.url(), opts);
+    const auto data = RandomBytes(4096, 91);
+    REQUIRE(dev->Write(8192, data.data(), data.size()).ok());
+    REQUIRE(dev->Flush().ok());
+    CHECK(ReadFile(backing, 8192, 4096) == data);
+  }
+  opts.iscsi_initiator_name = "iqn.2025-01.org.example:someone-else";
+  auto refused = dede::OpenBlockDevice(rig.url(), opts);
+  INFO(refused.status().ToString());
+  REQUIRE_FALSE(refused.ok());
+  CHECK(refused.status().message().find("someone-else") != std::string::npos);
+  opts.iscsi_initiator_name = "host7";  // not an iSCSI name
+  CHECK(dede::OpenBlockDevice(rig.url(), opts).status().code() == Status::Code::kInvalid);
+  // The command line takes it from DEDE_INITIATOR_NAME.
+  dede::test::ProcessResult info =
+      dede::test::RunProcess({dede::test::BinaryPath("dede"), "info", rig.url()},
+                             {"DEDE_INITIATOR_NAME=" + allowed});
+  INFO(info.err);
+  CHECK(info.exit_code == 1);  // reached the LUN: it holds no volume
+  CHECK(info.err.find("rejected") == std::string::npos);
+  info = dede::test::RunProcess({dede::test::BinaryPath("dede"), "info", rig.url()},
+                                {"DEDE_INITIATOR_NAME=iqn.2025-01.org.example:someone-else"});
+  CHECK(info.exit_code == 1);
+  CHECK(info.err.find("someone-else") != std::string::npos);
 }

@@ -211,11 +211,17 @@ std::optional<std::string> ReservedName(const std::string& name) {
   return "'" + name + "': names beginning with .dede- are reserved for dede's own files";
 }
 
+std::string IscsiInitiatorFromEnv() {
+  const char* v = std::getenv("DEDE_INITIATOR_NAME");
+  return v ? v : "";
+}
+
 Result<OpenedVolume> OpenVolume(const std::string& spec, bool read_only,
                                 bool pass_damaged_journals) {
   OpenOptions opts;
   opts.read_only = read_only;
   opts.pass_damaged_journals = pass_damaged_journals;
+  opts.iscsi_initiator_name = IscsiInitiatorFromEnv();
   // Used only when the volume was formatted with --locks sanlock.
   ASSIGN_OR_RETURN(opts.sanlock, SanlockOptionsFromEnv());
   return OpenVolumeSpec(spec, opts);

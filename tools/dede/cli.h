@@ -132,6 +132,9 @@ std::optional<std::string> ReservedName(const std::string& name);
 // `pass_damaged_journals`: OpenOptions' (fsck only).
 Result<OpenedVolume> OpenVolume(const std::string& spec, bool read_only,
                                 bool pass_damaged_journals = false);
+// DEDE_INITIATOR_NAME: the iSCSI initiator name for iscsi:// volumes (empty:
+// the default, DeviceOptions::iscsi_initiator_name).
+std::string IscsiInitiatorFromEnv();
 // kInvalid if a variable is set to something that is not a number in range.
 Result<SanlockOptions> SanlockOptionsFromEnv();
 

@@ -158,7 +158,9 @@ int RunFormat(const Command& cmd, const std::vector<std::string>& args) {
   if (!env_sanlock.ok()) return UsageError(cmd, env_sanlock.status().message());
   opts.lease_io_timeout_s = env_sanlock->io_timeout_s;
 
-  auto dev = OpenBlockDevice(spec);
+  DeviceOptions dopts;
+  dopts.iscsi_initiator_name = IscsiInitiatorFromEnv();
+  auto dev = OpenBlockDevice(spec, dopts);
   if (!dev.ok()) return Fail(cmd, dev.status());
   if (!parser.flag("force")) {
     // FormatVolume refuses a readable dede superblock; also refuse one this
