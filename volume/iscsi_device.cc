@@ -1260,7 +1260,17 @@ Result<std::unique_ptr<BlockDevice>> OpenIscsiDevice(const std::string& url,
   auto fence = std::make_shared<LostCommandFence>();
   // Consecutive ISIDs: distinct within the device, each kept across its
   // session's logins (two sessions with one ISID would end each other's).
-  const uint32_t isid_base = std::random_device{}() & 0xffffffu;
+  // Every process of a host logs in with one initiator name, so the ISIDs
+  // must differ between processes too (a login with a live session's
+  // name and ISID ends that session): the process id fills the upper 18
+  // bits, the session index the lower 6 (kMaxIscsiSessions = 64). Two
+  // devices of one process share the pid: a count of the process's
+  // devices, spread over the range, tells them apart.
+  static_assert(kMaxIscsiSessions <= 64);
+  static std::atomic<uint32_t> devices_opened{0};
+  const uint32_t isid_base =
+      ((static_cast<uint32_t>(::getpid()) + devices_opened.fetch_add(1) * 0x9e37u) & 0x3ffffu)
+      << 6;
   for (uint32_t i = 0; i < opts.iscsi_sessions; i++) {
     const auto timeout = opts.iscsi_command_timeout_ms > 0
                              ? std::chrono::milliseconds(opts.iscsi_command_timeout_ms)
