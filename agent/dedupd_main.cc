@@ -734,6 +734,10 @@ int Run(const Config& cfg) {
     j["pid"] = static_cast<int64_t>(::getpid());
     j["version"] = DEDE_VERSION;
     j["uptime_s"] = double(Clock::Real()->NowNanos() - started_wall_ns) / 1e9;
+    const DeviceCounters dc = ov->device->counters();
+    j["device"] = {{"lost_commands", dc.lost_commands},
+                   {"lu_resets", dc.lu_resets},
+                   {"idle_reconnects", dc.idle_reconnects}};
     nlohmann::json exports = nlohmann::json::array();
     for (const ExportTable::ExportStatus& e : table.StatusOfOpen()) {
       nlohmann::json x;

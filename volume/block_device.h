@@ -22,6 +22,13 @@ namespace dede {
 
 inline constexpr uint32_t kSectorSize = 512;
 
+// What a device did besides I/O (diagnostics; zero where it does not apply).
+struct DeviceCounters {
+  uint64_t lost_commands = 0;    // modifying commands given up on that may still run
+  uint64_t lu_resets = 0;        // iSCSI: LOGICAL UNIT RESETs sent to fence them
+  uint64_t idle_reconnects = 0;  // iSCSI: connections found closed between commands
+};
+
 class BlockDevice {
  public:
   virtual ~BlockDevice() = default;
@@ -41,6 +48,7 @@ class BlockDevice {
   // other processes of this machine using the same device. Empty means the
   // lock backend must pick a file keyed by the volume UUID.
   virtual std::string local_lock_path() const { return ""; }
+  virtual DeviceCounters counters() const { return {}; }
 
  protected:
   Status CheckRange(uint64_t offset, size_t len) const;

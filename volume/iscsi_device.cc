@@ -403,6 +403,8 @@ struct LostCommandFence {
   std::atomic<uint64_t> lost{0};
   std::atomic<uint64_t> ready{0};
   std::atomic<uint64_t> fenced{0};
+  std::atomic<uint64_t> resets{0};        // LOGICAL UNIT RESETs confirmed
+  std::atomic<uint64_t> idle_drops{0};    // connections found closed between commands
   bool Pending() const { return fenced.load() < lost.load(); }
   // One for the device: a SYNCHRONIZE CACHE covers the LU, whichever
   // session sends it.
@@ -625,6 +627,14 @@ class IscsiDevice final : public BlockDevice {
     return Status::Ok();
   }
 
+  DeviceCounters counters() const override {
+    DeviceCounters c;
+    c.lost_commands = fence_->lost.load();
+    c.lu_resets = fence_->resets.load();
+    c.idle_reconnects = fence_->idle_drops.load();
+    return c;
+  }
+
   Status Flush() override {
     // Nothing of ours can be in the target's cache.
     if (read_only_) return Status::Ok();
@@ -733,6 +743,35 @@ class IscsiDevice final : public BlockDevice {
     return Status::Ok();
   }
 
+  // Between commands nothing services the session, so a connection the
+  // target closed while it sat idle (its idle or NOP timeout, a restart)
+  // is only found when the next command is queued on it; such a command is
+  // never sent, but would be counted as lost and cost every host an LU
+  // reset. Before a command that modifies the medium, look: a closed or
+  // failed socket is dropped here (the caller logs in afresh, nothing
+  // lost), and what the target sent meanwhile (a NOP-In) is answered.
+  void DropIfClosed() REQUIRES(mu_) {
+    if (ctx_ == nullptr) return;
+    pollfd pfd{};
+    pfd.fd = iscsi_get_fd(ctx_);
+    pfd.events = POLLIN | POLLRDHUP;
+    if (pfd.fd < 0) {
+      Disconnect();
+      return;
+    }
+    int n;
+    do {
+      n = ::poll(&pfd, 1, 0);
+    } while (n < 0 && errno == EINTR);
+    if (n <= 0) return;  // quiet: looks alive
+    if ((pfd.revents & (POLLHUP | POLLRDHUP | POLLERR | POLLNVAL)) != 0 ||
+        iscsi_service(ctx_, pfd.revents) < 0) {
+      fence_->idle_drops.fetch_add(1);
+      LOG(kInfo) << name() << ": the target closed the idle connection; logging in again";
+      Disconnect();
+    }
+  }
+
   enum class Close { kAbort, kAfterLogout };
   void Disconnect(Close how = Close::kAbort) REQUIRES(mu_) {
     if (ctx_ == nullptr) return;
@@ -809,6 +848,7 @@ class IscsiDevice final : public BlockDevice {
                           CheckCondition* sense_out = nullptr, Effect effect = Effect::kReadOnly)
       REQUIRES(mu_) {
     std::string lost;  // why the first session died, if it did
+    bool looked_idle = false;
     int unit_attentions = 0;
     int busy = 0;
     for (;;) {
@@ -825,6 +865,11 @@ class IscsiDevice final : public BlockDevice {
       while (fence_->Pending()) {
         Status st = FenceLostCommands();
         if (!st.ok()) return st.WithContext(name() + ": " + what + " not sent");
+      }
+      if (effect == Effect::kModifies && !looked_idle) {
+        looked_idle = true;  // once: a fresh login is not looked at again
+        DropIfClosed();
+        if (ctx_ == nullptr) continue;  // log in again first
       }
       bool queued = false;
       auto task = Submit(make, Clock::now() + command_timeout_, command_timeout_, &queued);
@@ -928,6 +973,7 @@ class IscsiDevice final : public BlockDevice {
           "target did not confirm it has finished (LOGICAL UNIT RESET: " +
           st.message() + "); nothing more is sent, since it could still land after newer data");
     }
+    fence_->resets.fetch_add(1);
     uint64_t was = fence_->fenced.load();
     while (was < target && !fence_->fenced.compare_exchange_weak(was, target)) {
     }
@@ -1212,6 +1258,8 @@ class IscsiSessionPool final : public BlockDevice {
     Lease l(this);
     return l.session->Flush();
   }
+  // The sessions share one fence, which keeps the counts.
+  DeviceCounters counters() const override { return sessions_[0]->counters(); }
   Status Discard(uint64_t offset, uint64_t len) override {
     Lease l(this);
     return l.session->Discard(offset, len);

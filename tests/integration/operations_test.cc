@@ -424,6 +424,10 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
   json s = Status(d);
   // The NBD counters: exactly the two clients' payloads, in both views.
   CHECK(s["nbd"]["bytes_written"] == 2 * kMiB);
+  // A local file: no commands lost, no LU resets, no idle reconnects.
+  CHECK(s["device"]["lost_commands"] == 0);
+  CHECK(s["device"]["lu_resets"] == 0);
+  CHECK(s["device"]["idle_reconnects"] == 0);
   CHECK(s["nbd"]["bytes_read"] == 0);
   CHECK(s["nbd"]["connections_total"] >= 2);  // and the rig's readiness probe
   {
