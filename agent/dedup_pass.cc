@@ -852,7 +852,13 @@ class Pass {
   Result<bool> ProcessUnderLock(uint64_t* p, const ShardRange& guess, size_t* i) {
     // Every version inside our range is checked, not assumed complete
     // because a reader has it open: what this map calls stale is deleted.
-    ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_, &guess));
+    // One held open past kLockedRangeWait: look again with a fresh map.
+    Result<ShardMap> loaded = LoadShardMap(vol_, &guess);
+    if (loaded.status().code() == Status::Code::kLocked) {
+      LOG(kInfo) << loaded.status().message() << "; trying the range again";
+      return false;
+    }
+    ASSIGN_OR_RETURN(ShardMap map, std::move(loaded));
     SettleIo();  // listing the namespace reads the inode table
     const ShardSlot slot = map.SlotFor(*p);
     if (slot.range.lo != guess.lo) return false;
@@ -1011,7 +1017,7 @@ class Pass {
         PendingScanStats ps;
         ASSIGN_OR_RETURN(pending, ReadPendingFile(pending_file.get(), algo_, uuid_, &ps,
                                                   "pending file of " + what));
-        if (ps.corrupt_frames) {
+        if (ps.corrupt_frames && !ps.newer_frame) {
           // Nothing past a bad frame is ever read: cut the file there (as
           // fsck --repair does), or every record parked from now on would
           // be appended behind it and lost as well.

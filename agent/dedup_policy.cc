@@ -635,11 +635,9 @@ Result<DedupPolicy> DecodePolicyBlock(const uint8_t* blk, const Uuid& uuid, File
   }
   p.updated_ns = DecodeU64(blk + kOffUpdatedNs);
   p.rate_bytes_per_s = DecodeU64(blk + kOffRate);
-  p.stable_after_s = DecodeU64(blk + kOffStableAfter);
-  if (p.stable_after_s > kMaxStableAfterS) {
-    return bad("stable_after_s " + std::to_string(p.stable_after_s) + " is more than " +
-               std::to_string(kMaxStableAfterS));
-  }
+  // Earlier versions wrote any value; one past the cap reads as the cap
+  // (a year or 584 years: either way "not for a long time"), never wrapped.
+  p.stable_after_s = std::min(DecodeU64(blk + kOffStableAfter), kMaxStableAfterS);
   p.updated_by_host = DecodeU32(blk + kOffHost);
   return p;
 }

@@ -379,6 +379,7 @@ Result<std::vector<PendingRecord>> ReadPendingFile(File* f, HashAlgo algo, const
     if (!s.ok()) {
       stats->corrupt_frames++;
       stats->skipped_bytes += size - block * kBlockSize;
+      stats->newer_frame = s.code() == Status::Code::kUnsupported;
       break;
     }
     stats->frames++;

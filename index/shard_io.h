@@ -160,6 +160,9 @@ struct PendingScanStats {
   uint64_t records = 0;
   uint64_t corrupt_frames = 0;  // a bad frame ends the scan (rest skipped)
   uint64_t skipped_bytes = 0;
+  // The frame that ended the scan is of a newer version, not damaged: it
+  // and what follows belong to a newer dede and must be left alone.
+  bool newer_frame = false;
 };
 // Reads every pending record of a pending file.
 Result<std::vector<PendingRecord>> ReadPendingFile(File* f, HashAlgo algo, const Uuid& uuid,

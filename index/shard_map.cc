@@ -125,7 +125,10 @@ Result<ShardMap> LoadShardMap(Volume* vol, const ShardRange* locked) {
       incomplete.insert(fi.name);
       continue;
     }
-    const bool ours = locked != nullptr && locked->Contains(r.lo);
+    // Under our lock: the versions whose lock is the one we hold (a stale
+    // guess's range may also hold a split half under another lock).
+    const bool ours =
+        locked != nullptr && locked->Contains(r.lo) && ShardLockId(r) == ShardLockId(*locked);
     const auto until = std::chrono::steady_clock::now() + kLockedRangeWait;
     Result<std::unique_ptr<File>> f = vol->OpenFileById(fi.id);
     while (ours && f.status().code() == Status::Code::kLocked &&

@@ -78,7 +78,8 @@ ShardMap ResolveShardMap(const std::vector<FileInfo>& files,
 // version that does not check is incomplete; one removed meanwhile is left
 // out. One held open by someone else is taken as complete (its holder is
 // reading it, or writing it under the range's lock), except inside
-// `locked`, the range whose lock the caller holds: there nobody else
+// `locked`, the range whose lock the caller holds (versions in it under
+// that same lock, ShardLockId): there nobody else
 // writes, so the holder is only a reader, and readers open incomplete
 // versions too; taken as complete, an incomplete version would make the
 // live one look stale, and the lock holder deletes stale versions. Those

@@ -12,6 +12,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -24,8 +25,9 @@ inline constexpr uint32_t kSectorSize = 512;
 
 // What a device did besides I/O (diagnostics; zero where it does not apply).
 struct DeviceCounters {
-  uint64_t lost_commands = 0;    // modifying commands given up on that may still run
-  uint64_t lu_resets = 0;        // iSCSI: LOGICAL UNIT RESETs sent to fence them
+  uint64_t lost_commands = 0;      // modifying commands given up on that may still run
+  uint64_t unfenced_commands = 0;  // of those, not yet known to have finished
+  uint64_t lu_resets = 0;          // iSCSI: LOGICAL UNIT RESETs sent to fence them
   uint64_t idle_reconnects = 0;  // iSCSI: connections found closed between commands
 };
 
@@ -62,6 +64,14 @@ class BlockDevice {
 // client's FLUSH). Every device's Flush goes through one of these.
 class StickyFlushFailure {
  public:
+  // Runs `flush` unless a failure is kept, and keeps its failure. One at a
+  // time: two flushes at once could otherwise split one error between
+  // them, one consuming it and the other reporting success.
+  Status Run(const std::function<Status()>& flush) EXCLUDES(run_mu_, mu_) {
+    MutexLock one_at_a_time(&run_mu_);
+    RETURN_IF_ERROR(Kept());
+    return Note(flush());
+  }
   // The failure kept so far (OK if none).
   Status Kept() EXCLUDES(mu_) {
     MutexLock l(&mu_);
@@ -72,13 +82,15 @@ class StickyFlushFailure {
     if (st.ok()) return st;
     MutexLock l(&mu_);
     if (failed_.ok()) {
-      failed_ = st.WithContext("device flush failed (writes since the last good flush may be "
-                               "lost; every later flush fails too)");
+      failed_ = st.WithContext(
+          "device flush failed (writes since the last good flush may be "
+          "lost; every later flush fails too)");
     }
     return failed_;
   }
 
  private:
+  Mutex run_mu_;  // before mu_
   Mutex mu_;
   Status failed_ GUARDED_BY(mu_);
 };

@@ -246,11 +246,26 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     auto j = Journal::Open(dev_, sb_, h);
     if (!j.ok()) {
       bool fixed = false;
+      std::string said = j.status().message();
       if (repair) {
-        RETURN_IF_ERROR(Poison(Journal::Reset(dev_, sb_, h)));
-        fixed = true;
+        // Only a free slot's, under its kRecovery (Journal::Reset): a live
+        // owner's ring holds transactions not yet home.
+        const LockId rec{LockKind::kRecovery, h};
+        Status got = locks_->Acquire(rec, LockMode::kExclusive, false);
+        Result<bool> live = got.ok() ? locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h})
+                                     : Result<bool>(got);
+        if (live.ok() && !*live) {
+          Status reset = Poison(Journal::Reset(dev_, sb_, h));
+          (void)locks_->Release(rec);
+          RETURN_IF_ERROR(reset);
+          fixed = true;
+        } else {
+          if (got.ok()) (void)locks_->Release(rec);
+          said += "; not repaired: the slot is in use (" +
+                  (live.ok() ? std::string("its host is alive") : live.status().message()) + ")";
+        }
       }
-      problem("journal of host " + std::to_string(h), j.status().message(), fixed);
+      problem("journal of host " + std::to_string(h), said, fixed);
       continue;
     }
     auto pending = j.value()->HasTransactions();

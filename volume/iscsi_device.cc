@@ -403,8 +403,8 @@ struct LostCommandFence {
   std::atomic<uint64_t> lost{0};
   std::atomic<uint64_t> ready{0};
   std::atomic<uint64_t> fenced{0};
-  std::atomic<uint64_t> resets{0};        // LOGICAL UNIT RESETs confirmed
-  std::atomic<uint64_t> idle_drops{0};    // connections found closed between commands
+  std::atomic<uint64_t> resets{0};      // LOGICAL UNIT RESETs confirmed
+  std::atomic<uint64_t> idle_drops{0};  // connections found closed between commands
   bool Pending() const { return fenced.load() < lost.load(); }
   // One for the device: a SYNCHRONIZE CACHE covers the LU, whichever
   // session sends it.
@@ -528,13 +528,15 @@ int LoginStatusFromError(const std::string& e) {
 
 class IscsiDevice final : public BlockDevice {
  public:
-  // `isid`: 24 bits, unique among the sessions of `fence`'s device.
+  // `isid`: 24 random bits of the device; `qualifier`: the session's index.
   IscsiDevice(IscsiUrl url, bool read_only, std::chrono::milliseconds command_timeout,
-              uint32_t isid, std::shared_ptr<LostCommandFence> fence, std::string initiator)
+              uint32_t isid, uint16_t qualifier, std::shared_ptr<LostCommandFence> fence,
+              std::string initiator)
       : url_(std::move(url)),
         read_only_(read_only),
         initiator_(std::move(initiator)),
         isid_(isid & 0xffffffu),
+        isid_qualifier_(qualifier),
         command_timeout_(command_timeout),
         fence_(std::move(fence)) {}
 
@@ -630,6 +632,7 @@ class IscsiDevice final : public BlockDevice {
   DeviceCounters counters() const override {
     DeviceCounters c;
     c.lost_commands = fence_->lost.load();
+    c.unfenced_commands = c.lost_commands - std::min(c.lost_commands, fence_->fenced.load());
     c.lu_resets = fence_->resets.load();
     c.idle_reconnects = fence_->idle_drops.load();
     return c;
@@ -638,8 +641,7 @@ class IscsiDevice final : public BlockDevice {
   Status Flush() override {
     // Nothing of ours can be in the target's cache.
     if (read_only_) return Status::Ok();
-    RETURN_IF_ERROR(fence_->flush_failure.Kept());
-    return fence_->flush_failure.Note(SynchronizeCache());
+    return fence_->flush_failure.Run([this] { return SynchronizeCache(); });
   }
 
   Status SynchronizeCache() {
@@ -1005,7 +1007,7 @@ class IscsiDevice final : public BlockDevice {
     // holds our previous session open (it did not see the connection go)
     // ends it on this login (session reinstatement, RFC 7143 6.3.5) and
     // drops the commands of it that it had not started.
-    iscsi_set_isid_random(ctx_, isid_, 0);
+    iscsi_set_isid_random(ctx_, isid_, isid_qualifier_);
     if (iscsi_set_targetname(ctx_, url_.iqn.c_str()) != 0 ||
         iscsi_set_session_type(ctx_, ISCSI_SESSION_NORMAL) != 0 ||
         (!url_.user.empty() &&
@@ -1211,6 +1213,7 @@ class IscsiDevice final : public BlockDevice {
   const bool read_only_;
   const std::string initiator_;
   const uint32_t isid_;  // 24 bits, kept across logins
+  const uint16_t isid_qualifier_;  // the session's index within its device
   const std::chrono::milliseconds command_timeout_;
   const std::shared_ptr<LostCommandFence> fence_;
   // Commands this session lost and counted in fence_->lost, not yet in
@@ -1308,23 +1311,19 @@ Result<std::unique_ptr<BlockDevice>> OpenIscsiDevice(const std::string& url,
   auto fence = std::make_shared<LostCommandFence>();
   // Consecutive ISIDs: distinct within the device, each kept across its
   // session's logins (two sessions with one ISID would end each other's).
-  // Every process of a host logs in with one initiator name, so the ISIDs
-  // must differ between processes too (a login with a live session's
-  // name and ISID ends that session): the process id fills the upper 18
-  // bits, the session index the lower 6 (kMaxIscsiSessions = 64). Two
-  // devices of one process share the pid: a count of the process's
-  // devices, spread over the range, tells them apart.
-  static_assert(kMaxIscsiSessions <= 64);
-  static std::atomic<uint32_t> devices_opened{0};
-  const uint32_t isid_base =
-      ((static_cast<uint32_t>(::getpid()) + devices_opened.fetch_add(1) * 0x9e37u) & 0x3ffffu)
-      << 6;
+  // Every process of a host (and, in containers, hosts with one name) may
+  // log in with one initiator name, so the ISIDs must differ between
+  // devices, not only within one (a login with a live session's name and
+  // ISID ends that session). Each device draws 24 random bits (the ISID's
+  // B and C fields); its sessions are told apart by the qualifier (D).
+  // A process id is no help: in pid namespaces they repeat.
+  const uint32_t isid_base = std::random_device{}() & 0xffffffu;
   for (uint32_t i = 0; i < opts.iscsi_sessions; i++) {
     const auto timeout = opts.iscsi_command_timeout_ms > 0
                              ? std::chrono::milliseconds(opts.iscsi_command_timeout_ms)
                              : kDefaultCommandTimeout;
-    auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only, timeout, isid_base + i, fence,
-                                             initiator);
+    auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only, timeout, isid_base,
+                                             static_cast<uint16_t>(i), fence, initiator);
     RETURN_IF_ERROR(dev->Open());
     if (!sessions.empty() && dev->size_bytes() != sessions[0]->size_bytes()) {
       return Status::IoError(dev->name() + ": sessions disagree about the LUN's size (" +

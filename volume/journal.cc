@@ -195,9 +195,8 @@ Status Journal::CheckImage(const uint8_t* image, uint64_t home) const {
     case kMagicRefcountBlock: {
       if (home < sb_.group_start) return misplaced("refcount block");
       const uint64_t g = (home - sb_.group_start) / sb_.FullGroupBlocks();
-      if (g >= sb_.group_count ||
-          home >= sb_.GroupStart(static_cast<uint32_t>(g)) +
-                      sb_.GroupRefBlocks(static_cast<uint32_t>(g))) {
+      if (g >= sb_.group_count || home >= sb_.GroupStart(static_cast<uint32_t>(g)) +
+                                              sb_.GroupRefBlocks(static_cast<uint32_t>(g))) {
         return misplaced("refcount block");
       }
       break;

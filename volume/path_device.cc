@@ -49,11 +49,10 @@ class PathDevice : public BlockDevice {
   }
 
   Status Flush() override {
-    RETURN_IF_ERROR(flush_failure_.Kept());
-    if (::fdatasync(fd_) != 0) {
-      return flush_failure_.Note(Status::FromErrno(path_ + ": fdatasync", errno));
-    }
-    return Status::Ok();
+    return flush_failure_.Run([this] {
+      if (::fdatasync(fd_) != 0) return Status::FromErrno(path_ + ": fdatasync", errno);
+      return Status::Ok();
+    });
   }
 
   Status Discard(uint64_t offset, uint64_t len) override {

@@ -933,16 +933,19 @@ class SanlockImpl : public SanlockLockManager {
       // first makes sure none can (the LU reset, iscsi_device.cc
       // FenceLostCommands); issued before the lease goes, so no stale
       // block of ours can overwrite the next holder's update.
-      // If that flush fails too, nothing says the stale block cannot
-      // land: the lease stays held (sanlock frees it when this process
-      // ends), and the partition waits, rather than have another host's
-      // records overwritten. The device is broken anyway (a failed
-      // flush fails every later one: StickyFlushFailure).
-      Status fenced = dev_->Flush();
-      if (!fenced.ok()) {
+      // If a lost command is still not known to have finished after that
+      // (the target refused the reset, or never answered it), nothing says
+      // the stale block cannot land: the lease stays held (sanlock frees it
+      // when this process ends), and the partition waits, rather than have
+      // another host's records overwritten. Any other failure (a flush
+      // that failed, and fails from then on) releases it as before: no
+      // write of ours is in flight, and keeping it would stall every host
+      // that needs the partition.
+      (void)dev_->Flush();
+      if (dev_->counters().unfenced_commands > 0) {
         LOG(kError) << "lock-table partition " << p << ": after " << st.ToString()
-                    << ", the device could not be fenced (" << fenced.ToString()
-                    << "); keeping lease " << PartitionLeaseName(p)
+                    << ", a lost write could not be fenced; keeping lease "
+                    << PartitionLeaseName(p)
                     << " until this process ends: restart it once the storage is healthy";
         return st;
       }
@@ -1044,7 +1047,9 @@ Result<std::vector<uint32_t>> RenewingLockspaceMembers(
     slowest = std::max(slowest, st.io_timeout_s == 0 ? 10u : st.io_timeout_s);
   }
   if (!any) return live;
-  sleep(std::chrono::milliseconds(uint64_t{2 * slowest + 3} * 1000));
+  // As long as a healthy renewal may take (dedupd's guard allows the same:
+  // renewed about every 2 io_timeouts + 1 s, a write taking up to one more).
+  sleep(std::chrono::milliseconds(uint64_t{4 * slowest + 4} * 1000));
   RETURN_IF_ERROR(read(&after));
   for (uint32_t i = 0; i < n; i++) {
     if (!after[i].present || after[i].timestamp == 0) continue;
@@ -1124,13 +1129,15 @@ Result<std::unique_ptr<SanlockLockManager>> SanlockLockManager::Open(BlockDevice
   }
   if (opts.host_id < 1 || opts.host_id > sb.max_hosts) {
     return Status::Invalid("the volume uses sanlock leases: this host needs a host id in 1.." +
-                           std::to_string(sb.max_hosts) + " (dedupd --host-id N; DEDE_HOST_ID=N for dede)");
+                           std::to_string(sb.max_hosts) +
+                           " (dedupd --host-id N; DEDE_HOST_ID=N for dede)");
   }
   std::string lease_path =
       AbsolutePath(opts.lease_path.empty() ? dev->local_lock_path() : opts.lease_path);
   if (lease_path.empty()) {
-    return Status::Invalid("the volume uses sanlock leases: name the LUN as a path for sanlock "
-                           "(dedupd --lease-path PATH; DEDE_LEASE_PATH=PATH for dede)");
+    return Status::Invalid(
+        "the volume uses sanlock leases: name the LUN as a path for sanlock "
+        "(dedupd --lease-path PATH; DEDE_LEASE_PATH=PATH for dede)");
   }
   const std::string dir = LocalLockDir(opts.local_lock_dir);
   ASSIGN_OR_RETURN(auto local, OpenLocalLockManager(dir + "/" + UuidToString(sb.uuid) + ".lock"));

@@ -71,8 +71,9 @@ std::string SanlockLockspaceName(const Uuid& uuid);
 
 // The host ids whose sanlock delta lease in `sb`'s lockspace (read through
 // `dev`) is renewed while we watch: the leases are read, `sleep` is called
-// for one renewal interval of the slowest member (2 io_timeouts + 3 s; its
-// io_timeout as recorded in its lease), and they are read again. A host
+// for the longest a healthy renewal may take of the slowest member (4
+// io_timeouts + 4 s; its io_timeout as recorded in its lease), and they
+// are read again. A host
 // whose daemon is still joined renews (sanlock does, with or without a
 // dedupd); one that left or died does not. Empty for a volume without
 // sanlock leases, or a lockspace no host ever joined (no wait then).

@@ -175,7 +175,7 @@ namespace {
 // hosts renew: every one of them fenced). Returns the old volume's local
 // lock file held exclusively (kVolumeLock), to be kept while formatting.
 Result<std::shared_ptr<LockManager>> RefuseVolumeInUse(BlockDevice* dev,
-                                                        const FormatOptions& opts) {
+                                                       const FormatOptions& opts) {
   BlockBuf two = NewBlockBuf(2);
   RETURN_IF_ERROR(dev->Read(0, two.get(), 2 * kBlockSize));
   std::optional<Superblock> old;
@@ -199,20 +199,19 @@ Result<std::shared_ptr<LockManager>> RefuseVolumeInUse(BlockDevice* dev,
                           UuidToString(old->uuid) + " open (stop dedupd and dede first)");
   }
   RETURN_IF_ERROR(st);
-  auto sleep = opts.sleep ? opts.sleep : [](std::chrono::milliseconds d) {
-    std::this_thread::sleep_for(d);
-  };
+  auto sleep =
+      opts.sleep ? opts.sleep : [](std::chrono::milliseconds d) { std::this_thread::sleep_for(d); };
   ASSIGN_OR_RETURN(std::vector<uint32_t> live, RenewingLockspaceMembers(dev, *old, sleep));
   if (!live.empty()) {
     std::string ids;
     for (uint32_t h : live) ids += (ids.empty() ? "" : ", ") + std::to_string(h);
     return Status::Locked(
-        dev->name() + " is in use: host" + (live.size() > 1 ? "s " : " ") + ids +
-        " renewed " + (live.size() > 1 ? "their" : "its") + " lease in the volume's sanlock " +
-        "lockspace " + SanlockLockspaceName(old->uuid) + " just now. Stop dedupd there and " +
-        "leave the lockspace (sanlock client rem_lockspace -s " +
-        SanlockLockspaceName(old->uuid) + ":<host id>:<lease path>:" +
-        std::to_string(LeaseLayoutOf(*old).lockspace_offset) + ") before formatting");
+        dev->name() + " is in use: host" + (live.size() > 1 ? "s " : " ") + ids + " renewed " +
+        (live.size() > 1 ? "their" : "its") + " lease in the volume's sanlock " + "lockspace " +
+        SanlockLockspaceName(old->uuid) + " just now. Stop dedupd there and " +
+        "leave the lockspace (sanlock client rem_lockspace -s " + SanlockLockspaceName(old->uuid) +
+        ":<host id>:<lease path>:" + std::to_string(LeaseLayoutOf(*old).lockspace_offset) +
+        ") before formatting");
   }
   return held;
 }
@@ -2105,9 +2104,9 @@ Result<uint64_t> VolumeImpl::GetPtr(const Inode& in, uint64_t index) {
   uint64_t rb;
   if (p != 0 && ((p & kPtrReserved) != 0 || !sb_.LocateData(PtrAddr(p), &g, &rb, &rslot))) {
     return Status::Corruption("block " + std::to_string(index) + " of inode " +
-                              std::to_string(in.ino) + ": pointer block " +
-                              std::to_string(leaf) + " slot " + std::to_string(slot) +
-                              " holds " + HexU64(p) + ", not a data block");
+                              std::to_string(in.ino) + ": pointer block " + std::to_string(leaf) +
+                              " slot " + std::to_string(slot) + " holds " + HexU64(p) +
+                              ", not a data block");
   }
   return p;
 }

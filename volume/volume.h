@@ -61,7 +61,8 @@ struct FormatOptions {
 // holds a dede superblock unless `force`. Even with `force`, refuses
 // (kLocked) a volume still in use: a process of this host holds its local
 // lock file, or (sanlock) a host's delta lease in its lockspace is renewed
-// during one renewal interval (about 23 s with the default io_timeout).
+// during the longest a healthy renewal takes (about 44 s with the default
+// io_timeout).
 // With `sanlock`, the lease path must be the device itself: a block
 // written through the device must read back through the path (the block
 // is put back after). Nothing of the old volume is changed on error.

@@ -649,7 +649,7 @@ TEST_CASE("dede usage errors exit 2 and touch nothing", "[cli]") {
       // 2^64 ns / 1e9 + 1 s: in ns it wraps to 0.3 s
       {"policy", vol, "set", "stable-after=18446744074"},
       {"policy", vol, "set", "stable-after=366d"},
-      {"dedup", vol, "--split-after", "0"},  // would split every shard at every pass
+      {"dedup", vol, "--split-after", "0"},             // would split every shard at every pass
       {"create", vol, ".dede-policy", "--size", "4K"},  // dede's own names
       {"import", vol, ".dede-arena-0000000000000000", vol},
   };
@@ -660,8 +660,7 @@ TEST_CASE("dede usage errors exit 2 and touch nothing", "[cli]") {
     ProcessResult r = RunProcess({"env", env, BinaryPath("dede"), "ls", vol});
     INFO(env << ": exit " << r.exit_code << ": " << r.err);
     CHECK(r.exit_code != 0);
-    CHECK(r.err.find(std::string(env).substr(0, std::string(env).find('='))) !=
-          std::string::npos);
+    CHECK(r.err.find(std::string(env).substr(0, std::string(env).find('='))) != std::string::npos);
   }
   CHECK(Digest(vol) == before);
   CHECK_FALSE(std::filesystem::exists(missing));
@@ -839,10 +838,11 @@ bool WriteDeltaLease(const std::string& vol, off_t at, uint32_t h, uint64_t time
   EncodeU64(lease.data() + 32, h);
   EncodeU64(lease.data() + 40, 1);
   EncodeU64(lease.data() + 152, timestamp);
-  EncodeU16(lease.data() + 174, 1);  // io_timeout 1 s: a 5 s watch
+  EncodeU16(lease.data() + 174, 1);  // io_timeout 1 s: an 8 s watch
   const int fd = ::open(vol.c_str(), O_WRONLY);
   if (fd < 0) return false;
-  const bool ok = ::pwrite(fd, lease.data(), lease.size(), at) == static_cast<ssize_t>(lease.size());
+  const bool ok =
+      ::pwrite(fd, lease.data(), lease.size(), at) == static_cast<ssize_t>(lease.size());
   ::fsync(fd);
   ::close(fd);
   return ok;

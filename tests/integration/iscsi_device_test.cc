@@ -478,7 +478,21 @@ TEST_CASE("iSCSI device reconnects when the target drops the session", "[iscsi]"
   // The WRITE never left: the closed connection is found before it is
   // queued, so nothing counts as lost and no other host pays an LU reset
   // (before, each session's first WRITE was counted lost and fenced).
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // the FINs arrive
+  // Wait until tgtd has ended those sessions (so their sockets are closed
+  // on our side), not for a guessed time.
+  for (auto t0 = std::chrono::steady_clock::now();;) {
+    auto now_show = t.rig->Tgtadm({"--op", "show", "--mode", "target"});
+    REQUIRE(now_show.exit_code == 0);
+    int left = 0;
+    for (std::sregex_iterator it(now_show.out.begin(), now_show.out.end(), nexus), end; it != end;
+         ++it) {
+      ++left;
+    }
+    if (left == 0) break;
+    REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
   auto second = RandomBytes(8192, 4343);
   Status st = dev->Write(30 * kMiB + 8192, second.data(), second.size());
   INFO(st.ToString());
@@ -830,8 +844,7 @@ TEST_CASE("a failed device flush keeps failing, on a local file and over iSCSI",
 // such a target was refused. The name is now configurable
 // (DeviceOptions::iscsi_initiator_name, dedupd --initiator-name,
 // DEDE_INITIATOR_NAME) and defaults to open-iscsi's.
-TEST_CASE("iSCSI: a target bound to an initiator name admits the configured name only",
-          "[iscsi]") {
+TEST_CASE("iSCSI: a target bound to an initiator name admits the configured name only", "[iscsi]") {
   TempDir dir;
   const std::string backing = dir.file("acl.img");
   CreateSparseFile(backing, kLunSize);
@@ -839,8 +852,8 @@ TEST_CASE("iSCSI: a target bound to an initiator name admits the configured name
   const std::string allowed = "iqn.2025-01.org.example:host7";
   REQUIRE(rig.Tgtadm({"--op", "unbind", "--mode", "target", "--tid", "1", "-I", "ALL"}).exit_code ==
           0);
-  REQUIRE(rig.Tgtadm({"--op", "bind", "--mode", "target", "--tid", "1", "-Q", allowed})
-              .exit_code == 0);
+  REQUIRE(rig.Tgtadm({"--op", "bind", "--mode", "target", "--tid", "1", "-Q", allowed}).exit_code ==
+          0);
   DeviceOptions opts;
   opts.iscsi_initiator_name = allowed;
   opts.iscsi_sessions = 2;
@@ -859,9 +872,8 @@ TEST_CASE("iSCSI: a target bound to an initiator name admits the configured name
   opts.iscsi_initiator_name = "host7";  // not an iSCSI name
   CHECK(dede::OpenBlockDevice(rig.url(), opts).status().code() == Status::Code::kInvalid);
   // The command line takes it from DEDE_INITIATOR_NAME.
-  dede::test::ProcessResult info =
-      dede::test::RunProcess({dede::test::BinaryPath("dede"), "info", rig.url()},
-                             {"DEDE_INITIATOR_NAME=" + allowed});
+  dede::test::ProcessResult info = dede::test::RunProcess(
+      {dede::test::BinaryPath("dede"), "info", rig.url()}, {"DEDE_INITIATOR_NAME=" + allowed});
   INFO(info.err);
   CHECK(info.exit_code == 1);  // reached the LUN: it holds no volume
   CHECK(info.err.find("rejected") == std::string::npos);

@@ -1406,12 +1406,13 @@ TEST_CASE("dedupd command line with usage errors and bad volumes and taken host 
   REQUIRE(r.out.find("--socket") != std::string::npos);
   // Values that read as numbers but are not usable: an endless fence, a
   // negative io_timeout that the option parser wraps to 2^32 - 1.
-  for (const std::vector<std::string>& bad :
-       {std::vector<std::string>{"--fence-after", "inf"}, {"--fence-after", "nan"},
-        {"--fence-after", "-1"}, {"--lease-io-timeout", "-1"},
-        {"--lease-io-timeout", "301"}}) {
-    std::vector<std::string> args = {dedupd, "--volume", tv.vol, "--host-id", "1", "--socket",
-                                     tv.sock};
+  for (const std::vector<std::string>& bad : {std::vector<std::string>{"--fence-after", "inf"},
+                                              {"--fence-after", "nan"},
+                                              {"--fence-after", "-1"},
+                                              {"--lease-io-timeout", "-1"},
+                                              {"--lease-io-timeout", "301"}}) {
+    std::vector<std::string> args = {dedupd, "--volume", tv.vol, "--host-id",
+                                     "1",    "--socket", tv.sock};
     args.insert(args.end(), bad.begin(), bad.end());
     r = RunProcess(args);
     INFO(bad[0] << " " << bad[1] << ": " << r.err);

@@ -752,9 +752,10 @@ TEST_CASE("index repair acts only on the file it checked, not on a new one of th
 // newest complete version, the leftover made the live one "stale": the
 // pass deleted it, then dropped the leftover as corrupt, and the shard's
 // entries were gone.
-TEST_CASE("dedup: a dead update's leftover held open by a reader does not make the live version "
-          "stale",
-          "[dedup][crash]") {
+TEST_CASE(
+    "dedup: a dead update's leftover held open by a reader does not make the live version "
+    "stale",
+    "[dedup][crash]") {
   TwinFiles t;
   Volume* vol = t.vol.get();
   REQUIRE(t.Pass().ok());
@@ -787,19 +788,24 @@ TEST_CASE("dedup: a dead update's leftover held open by a reader does not make t
     std::vector<uint8_t> junk(2 * kB, 0x6b);
     REQUIRE((*f)->Write(kB, junk.data(), junk.size()).ok());
   }
-  // A reader holds it for a moment (another host's map load, dede stats).
-  auto reader = vol->OpenFile(next);
-  REQUIRE(reader.ok());
-  std::thread release([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-    reader->reset();
-  });
+  // A reader holds it for a moment (another host's map load, dede stats),
+  // past the pass's first map load under the range's lock.
   t.Write(t.files[0], 11, 900);
   t.Write(t.files[1], 12, 900);
   t.FlushLogs();
+  auto reader = vol->OpenFile(next);
+  REQUIRE(reader.ok());
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    reader->reset();
+  });
+  const auto t0 = std::chrono::steady_clock::now();
   auto st = t.Pass();
+  const auto took = std::chrono::steady_clock::now() - t0;
   release.join();
   REQUIRE(st.ok());
+  // The pass waited for the reader instead of deciding without the header.
+  CHECK(took >= std::chrono::milliseconds(1000));
   CHECK(st->incomplete_versions_removed == 1);
   // The live version still has the first pass's entries, and the new pair.
   CHECK(entries() >= before);

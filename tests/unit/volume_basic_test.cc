@@ -633,11 +633,11 @@ TEST_CASE("volume: a data pointer that names metadata is refused, not read or wr
     uint64_t ptr;
     bool watch;  // the target is a block of the device that must not change
   };
-  for (Bad bad : {Bad{"an unused inode", sb.inode_start + ino, true},
-                  Bad{"the backup superblock", 1, true},
-                  Bad{"a journal block", sb.JournalStart(1) + 5, true},
-                  Bad{"past the device", sb.total_blocks + 10, false},
-                  Bad{"reserved bits", PtrAddr(pb->ptrs[0]) | (1ull << 50), false}}) {
+  for (Bad bad :
+       {Bad{"an unused inode", sb.inode_start + ino, true}, Bad{"the backup superblock", 1, true},
+        Bad{"a journal block", sb.JournalStart(1) + 5, true},
+        Bad{"past the device", sb.total_blocks + 10, false},
+        Bad{"reserved bits", PtrAddr(pb->ptrs[0]) | (1ull << 50), false}}) {
     INFO(bad.what);
     PointerBlock changed = *pb;
     changed.ptrs[0] = bad.ptr;

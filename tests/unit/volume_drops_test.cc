@@ -487,9 +487,10 @@ TEST_CASE("volume drops: a crash at any write of an adoption never applies a dro
 // write the shortened list over its own, bringing back entries it had
 // applied. A poisoned adopter now keeps kRecovery(h), like every lock of
 // a poisoned volume, until its journal has been replayed.
-TEST_CASE("volume drops: an adopter whose first step fails to reach home keeps the slot's "
-          "kRecovery",
-          "[volume][drops][crash]") {
+TEST_CASE(
+    "volume drops: an adopter whose first step fails to reach home keeps the slot's "
+    "kRecovery",
+    "[volume][drops][crash]") {
   Rig r;
   r.HoldGroupZero();
   FaultDevice d2(&r.base);
@@ -1199,9 +1200,10 @@ TEST_CASE("volume: a group taken while the dead-host scan fails is given back, n
 // only, putting the tail back at sequence 1, position 0, where the ring's
 // first lap still held the slot's old transactions: its next owner
 // replayed them over current metadata.
-TEST_CASE("fsck: a free slot with damaged journal headers is passed over, reported and reset "
-          "without replaying its old transactions",
-          "[volume][crash]") {
+TEST_CASE(
+    "fsck: a free slot with damaged journal headers is passed over, reported and reset "
+    "without replaying its old transactions",
+    "[volume][crash]") {
   MemDevice base{64 << 20};
   REQUIRE(FormatVolume(&base, FormatOptions{}, false).ok());
   LocalHosts hosts;

@@ -143,8 +143,9 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   if (auto v = parser.value("split-after")) {
     // 0 would split every shard the pass rewrites, at every pass.
     std::optional<double> f = ParseNonNegative(*v);
-    if (!f || !(*f > 0)) {
-      return UsageError(cmd, "--split-after must be a number of seconds > 0, not '" + *v + "'");
+    if (!f || !(*f * 1000 >= 1) || *f > 1e9) {
+      return UsageError(cmd, "--split-after must be a number of seconds, at least 0.001, not '" +
+                                 *v + "'");
     }
     opts.split_threshold_ms = uint64_t(*f * 1000);
   }

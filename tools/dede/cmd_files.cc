@@ -362,9 +362,9 @@ int RunSet(const Command& cmd, const std::vector<std::string>& args) {
       if (reply.ok() && reply->contains("error")) {
         return Fail(cmd, "dedupd at " + control + ": " + (*reply)["error"].get<std::string>());
       }
-      dedupd_said = reply.ok() ? "the dedupd at " + control + " does not serve it"
-                               : "the dedupd at " + control + " did not answer: " +
-                                     reply.status().message();
+      dedupd_said =
+          reply.ok() ? "the dedupd at " + control + " does not serve it"
+                     : "the dedupd at " + control + " did not answer: " + reply.status().message();
     }
   }
   auto opened = OpenVolume(parser.positional(0), /*read_only=*/false);
@@ -372,8 +372,8 @@ int RunSet(const Command& cmd, const std::vector<std::string>& args) {
   auto file = opened->volume->OpenFile(name);
   if (!file.ok() && file.status().code() == Status::Code::kLocked) {
     const Status in_use = InUse(name, file.status());
-    return Fail(cmd, dedupd_said.empty() ? in_use : Status::Locked(in_use.message() + "; " +
-                                                                   dedupd_said));
+    return Fail(
+        cmd, dedupd_said.empty() ? in_use : Status::Locked(in_use.message() + "; " + dedupd_said));
   }
   if (!file.ok()) return Fail(cmd, file.status());
   Result<FileInfo> before = (*file)->Info();

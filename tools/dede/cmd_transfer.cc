@@ -228,7 +228,6 @@ int RunImport(const Command& cmd, const std::vector<std::string>& args) {
 
 // ---------------------------------------------------------------- export
 
-
 namespace {
 
 // `dede export vol.img vm vol.img` truncated the volume under itself, and

@@ -14,7 +14,9 @@ namespace dede::cli {
 namespace {
 
 constexpr Command kCommands[] = {
-    {"format", "VOL [--max-hosts N] [--hash xxh128|sha256] [--locks local|sanlock] [--lease-path PATH] [--force]",
+    {"format",
+     "VOL [--max-hosts N] [--hash xxh128|sha256] [--locks local|sanlock] [--lease-path PATH] "
+     "[--force]",
      "Write a new, empty dede volume on VOL.", RunFormat},
     {"info", "VOL [--json]", "Show the volume's superblock: identity, version, layout, space.",
      RunInfo},
@@ -22,12 +24,15 @@ constexpr Command kCommands[] = {
     {"import", "VOL NAME RAWFILE [--size SIZE]",
      "Create NAME and copy a raw disk image into it, leaving zero blocks as holes.", RunImport},
     {"export", "VOL NAME RAWFILE", "Copy a file out of the volume into a raw image.", RunExport},
-    {"ls", "VOL [-l] [-a] [--json]", "List the volume's files (-l: sizes, allocation, sharing).", RunLs},
+    {"ls", "VOL [-l] [-a] [--json]", "List the volume's files (-l: sizes, allocation, sharing).",
+     RunLs},
     {"rm", "VOL NAME [--force]", "Remove a file and free its blocks.", RunRm},
     {"set", "VOL NAME dedup=on|off [--control PATH]", "Change a file's properties.", RunSet},
     {"stats", "VOL [--json]", "Show space figures: logical, physical, savings, free, overhead.",
      RunStats},
-    {"dedup", "VOL [--now [--control PATH]] [--force] [--rescan] [--fraction F] [--split-after SECONDS] [--verify bytes|witness] [--json]",
+    {"dedup",
+     "VOL [--now [--control PATH]] [--force] [--rescan] [--fraction F] [--split-after SECONDS] "
+     "[--verify bytes|witness] [--json]",
      "Run one deduplication pass of this host now, in the foreground.", RunDedup},
     {"fsck", "VOL [--repair] [--json]", "Check the volume's consistency (and repair it).", RunFsck},
     {"analyze", "RAWFILE... [--json]",
