@@ -28,7 +28,7 @@ struct DeviceCounters {
   uint64_t lost_commands = 0;      // modifying commands given up on that may still run
   uint64_t unfenced_commands = 0;  // of those, not yet known to have finished
   uint64_t lu_resets = 0;          // iSCSI: LOGICAL UNIT RESETs sent to fence them
-  uint64_t idle_reconnects = 0;  // iSCSI: connections found closed between commands
+  uint64_t idle_reconnects = 0;    // iSCSI: connections found closed between commands
 };
 
 class BlockDevice {

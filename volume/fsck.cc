@@ -252,8 +252,8 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
         // owner's ring holds transactions not yet home.
         const LockId rec{LockKind::kRecovery, h};
         Status got = locks_->Acquire(rec, LockMode::kExclusive, false);
-        Result<bool> live = got.ok() ? locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h})
-                                     : Result<bool>(got);
+        Result<bool> live =
+            got.ok() ? locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}) : Result<bool>(got);
         if (live.ok() && !*live) {
           Status reset = Poison(Journal::Reset(dev_, sb_, h));
           (void)locks_->Release(rec);

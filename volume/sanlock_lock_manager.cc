@@ -944,8 +944,7 @@ class SanlockImpl : public SanlockLockManager {
       (void)dev_->Flush();
       if (dev_->counters().unfenced_commands > 0) {
         LOG(kError) << "lock-table partition " << p << ": after " << st.ToString()
-                    << ", a lost write could not be fenced; keeping lease "
-                    << PartitionLeaseName(p)
+                    << ", a lost write could not be fenced; keeping lease " << PartitionLeaseName(p)
                     << " until this process ends: restart it once the storage is healthy";
         return st;
       }

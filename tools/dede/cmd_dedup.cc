@@ -144,8 +144,8 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
     // 0 would split every shard the pass rewrites, at every pass.
     std::optional<double> f = ParseNonNegative(*v);
     if (!f || !(*f * 1000 >= 1) || *f > 1e9) {
-      return UsageError(cmd, "--split-after must be a number of seconds, at least 0.001, not '" +
-                                 *v + "'");
+      return UsageError(
+          cmd, "--split-after must be a number of seconds, at least 0.001, not '" + *v + "'");
     }
     opts.split_threshold_ms = uint64_t(*f * 1000);
   }
