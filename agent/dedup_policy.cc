@@ -539,10 +539,6 @@ Status EncodePolicyBlock(const DedupPolicy& p, const Uuid& uuid, FileId file, ui
   for (size_t i = 0; i < p.windows.size(); i++) {
     RETURN_IF_ERROR(ValidateWindow(p.windows[i]).WithContext("window " + std::to_string(i)));
   }
-  if (p.stable_after_s > kMaxStableAfterS) {
-    return Status::Invalid("stable-after " + std::to_string(p.stable_after_s) + " s (at most " +
-                           std::to_string(kMaxStableAfterS) + ")");
-  }
   std::memset(out, 0, kBlockSize);
   Encoder e(out, kBlockSize);
   e.u32(kMagicPolicy);
@@ -635,9 +631,9 @@ Result<DedupPolicy> DecodePolicyBlock(const uint8_t* blk, const Uuid& uuid, File
   }
   p.updated_ns = DecodeU64(blk + kOffUpdatedNs);
   p.rate_bytes_per_s = DecodeU64(blk + kOffRate);
-  // Earlier versions wrote any value; one past the cap reads as the cap
-  // (a year or 584 years: either way "not for a long time"), never wrapped.
-  p.stable_after_s = std::min(DecodeU64(blk + kOffStableAfter), kMaxStableAfterS);
+  // Any value reads back as written (earlier versions wrote any);
+  // StableAfterNs caps it where it is used.
+  p.stable_after_s = DecodeU64(blk + kOffStableAfter);
   p.updated_by_host = DecodeU32(blk + kOffHost);
   return p;
 }

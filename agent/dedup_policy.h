@@ -62,9 +62,10 @@ struct DedupWindow {
 // On-disk values, never renumber.
 enum class DedupPriority : uint32_t { kIdle = 1, kLow = 2, kNormal = 3 };
 
-// Longest stable-after a policy may say (one year). Larger values would
-// wrap when turned into nanoseconds (2^64 ns is 584 years), and a block
-// would then be shared almost at once.
+// Longest stable-after that counts (one year): `dede policy set` takes no
+// more, and StableAfterNs reads more (earlier versions wrote any value)
+// as this. Uncapped, a value turned into nanoseconds wraps (2^64 ns is
+// 584 years), and a block would be shared almost at once.
 inline constexpr uint64_t kMaxStableAfterS = 365ull * 24 * 3600;
 
 struct DedupPolicy {
@@ -72,12 +73,18 @@ struct DedupPolicy {
   uint64_t rate_bytes_per_s = 0;     // cap on dedup I/O; 0 = unlimited
   DedupPriority priority = DedupPriority::kLow;
   uint64_t stable_after_s = 0;  // share a block only after it stayed unchanged this long; 0 = off
-                                // (at most kMaxStableAfterS)
+                                // (counts up to kMaxStableAfterS: StableAfterNs)
   // Set by WritePolicy:
   uint64_t generation = 0;
   uint64_t updated_ns = 0;
   uint32_t updated_by_host = 0;
 };
+
+// The policy's stable-after in nanoseconds, capped at kMaxStableAfterS.
+inline uint64_t StableAfterNs(const DedupPolicy& p) {
+  return (p.stable_after_s < kMaxStableAfterS ? p.stable_after_s : kMaxStableAfterS) *
+         1'000'000'000ull;
+}
 
 // ---------------------------------------------------------------- text
 

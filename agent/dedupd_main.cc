@@ -505,7 +505,7 @@ int Run(const Config& cfg) {
     // An administrator's pass runs to its end; a scheduled one stops when
     // its window closes.
     if (trigger == PassTrigger::kWindow || trigger == PassTrigger::kInterval) po.stop = &stop_pass;
-    po.stable_after_ns = policy.stable_after_s * 1'000'000'000ull;
+    po.stable_after_ns = StableAfterNs(policy);
     po.io_budget = &throttle;
     po.settle_io = [&](const std::function<void()>& between) { throttle.Settle(between); };
     po.batch_ops = IoThrottle::BatchOpsFor(policy.rate_bytes_per_s, po.batch_ops);

@@ -446,11 +446,22 @@ TEST_CASE("policy encoding refuses what could not be read back", "[policy]") {
   p = SamplePolicy();
   p.windows.assign(kMaxPolicyWindows + 1, DedupWindow{});
   CHECK(EncodePolicyBlock(p, kUuid, kPolicyFile, 0, blk.data()).code() == Status::Code::kInvalid);
-  p = SamplePolicy();
-  p.stable_after_s = kMaxStableAfterS + 1;  // in ns it would wrap past 2^64 at 584 years
-  CHECK(EncodePolicyBlock(p, kUuid, kPolicyFile, 0, blk.data()).code() == Status::Code::kInvalid);
-  p.stable_after_s = kMaxStableAfterS;
-  CHECK(EncodePolicyBlock(p, kUuid, kPolicyFile, 0, blk.data()).ok());
+}
+
+// A stable-after past the cap (earlier versions wrote any value) is kept
+// as written, round trips, and counts as the cap: in nanoseconds,
+// 18446744074 s wrapped to 0.3 s and blocks were shared almost at once.
+TEST_CASE("policy stable-after counts at most a year", "[policy]") {
+  std::vector<uint8_t> blk(kBlockSize);
+  DedupPolicy p = SamplePolicy();
+  p.stable_after_s = 18446744074ull;
+  REQUIRE(EncodePolicyBlock(p, kUuid, kPolicyFile, 0, blk.data()).ok());
+  Result<DedupPolicy> r = DecodePolicyBlock(blk.data(), kUuid, kPolicyFile, 0);
+  REQUIRE(r.ok());
+  CHECK(r->stable_after_s == 18446744074ull);
+  CHECK(StableAfterNs(*r) == kMaxStableAfterS * 1'000'000'000ull);
+  p.stable_after_s = 90;
+  CHECK(StableAfterNs(p) == 90'000'000'000ull);
 }
 
 TEST_CASE("policy blocks reject every single byte corruption", "[policy]") {
@@ -538,14 +549,7 @@ TEST_CASE("policy blocks check the fields behind the crc", "[policy]") {
          "window 1: reserved");
   expect(edited(4000, [](uint8_t* p) { p[0] = 1; }), Status::Code::kCorruption,
          "byte 4000 past the windows");
-  {
-    // Written by an earlier version, past the cap: read as the cap (its
-    // nanoseconds would wrap to 0.3 s).
-    std::vector<uint8_t> b = edited(40, [](uint8_t* p) { EncodeU64(p, 18446744074ull); });
-    Result<DedupPolicy> r = DecodePolicyBlock(b.data(), kUuid, kPolicyFile, 0);
-    REQUIRE(r.ok());
-    CHECK(r->stable_after_s == kMaxStableAfterS);
-  }
+
   {
     std::vector<uint8_t> b = good;
     EncodeU32(b.data(), 0x12345678);

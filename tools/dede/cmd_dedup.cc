@@ -210,7 +210,7 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
     return Fail(cmd, "outside the volume's dedup windows (" + windows +
                          "); run with --now to deduplicate anyway");
   }
-  opts.stable_after_ns = policy->stable_after_s * 1'000'000'000ull;
+  opts.stable_after_ns = StableAfterNs(*policy);
   IoThrottle throttle(policy->rate_bytes_per_s);
   opts.io_budget = &throttle;
   opts.settle_io = [&](const std::function<void()>& between) { throttle.Settle(between); };
