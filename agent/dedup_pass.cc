@@ -250,7 +250,7 @@ class Pass {
     // now: applied before the pass lets the files go, not at the next
     // pass, which may be a window away. A pass stopped at its window's end
     // leaves them for the next one.
-    if (!stats_.stopped && !(opts_.cancel != nullptr && opts_.cancel->load())) {
+    if (!stats_.stopped && !StopAsked() && !Cancelled()) {
       Progress("applying merge requests posted during the pass");
       ASSIGN_OR_RETURN(std::vector<FileInfo> all, vol_->List());
       RETURN_IF_ERROR(ApplyPostedRequests(all));
@@ -267,6 +267,9 @@ class Pass {
   void Progress(const std::string& s) {
     if (opts_.progress) opts_.progress(s);
   }
+
+  bool Cancelled() const { return opts_.cancel != nullptr && opts_.cancel->load(); }
+  bool StopAsked() const { return opts_.stop != nullptr && opts_.stop->load(); }
 
   // Pays for the dedup I/O done so far (sleeps under a rate cap). Called
   // only where this thread holds no volume lock.
@@ -421,6 +424,10 @@ class Pass {
       // Pays for the previous log's reads and rehash: a waiting client
       // may take its disk back meanwhile.
       RETURN_IF_ERROR(SettleIoGivingBack());
+      // A stop (the window's end, Ctrl-C) leaves the logs not read yet for
+      // the next pass; what was gathered is parked by the merge round.
+      if (Cancelled()) return Status::Unavailable("dedup pass cancelled");
+      if (StopAsked()) break;
       const FileInfo& li = *walked;
       std::optional<FileId> owner = ParseWriteLogName(li.name);
       if (!owner) continue;
@@ -528,7 +535,10 @@ class Pass {
         if (Young(ir.time_ns)) continue;
         const uint64_t end = std::min(ir.first + ir.count, whole);
         for (uint64_t blk = ir.first; blk < end;) {
-          if (rehashed_ >= opts_.rehash_limit) {
+          // What the budget leaves over, or a stop interrupts (a saturated
+          // log's rehash can read gigabytes at the rate cap), waits in the
+          // log for a later pass.
+          if (rehashed_ >= opts_.rehash_limit || StopAsked() || Cancelled()) {
             later.push_back({blk, end - 1, ir.time_ns});
             stats_.rehash_ranges_deferred++;
             break;
@@ -612,7 +622,7 @@ class Pass {
               [](const FileInfo& a, const FileInfo& b) { return a.id.ino < b.id.ino; });
     for (const FileInfo& fi : regular) {
       // Stopping: what was read so far is parked by the final merge round.
-      if (opts_.stop != nullptr && opts_.stop->load()) break;
+      if (StopAsked()) break;
       RETURN_IF_ERROR(GiveBackWantedFiles());
       const uint32_t fidx = FileIndex(fi);
       PassFile* pf = &files_[fidx];
@@ -722,8 +732,12 @@ class Pass {
         Progress("waiting for " + lock.ToString());
         stats_.shard_waits++;
       }
-      if (opts_.cancel != nullptr && opts_.cancel->load()) {
-        return Status::Unavailable("dedup pass cancelled");
+      if (Cancelled()) return Status::Unavailable("dedup pass cancelled");
+      // Stopping while another pass updates this shard: like a busy shard
+      // while parking, the pass ends with its logs kept.
+      if (StopAsked()) {
+        return Status::Unavailable("dedup pass stopped while waiting for " + lock.ToString() +
+                                   "; the logs are kept");
       }
       return GiveBackWantedFiles();
     };
@@ -744,10 +758,8 @@ class Pass {
       for (const IndexFile& f : map.pending) pending_los.insert(f.range.lo);
     }
     while (true) {
-      if (opts_.cancel != nullptr && opts_.cancel->load()) {
-        return Status::Unavailable("dedup pass cancelled");
-      }
-      if (!parking_ && opts_.stop != nullptr && opts_.stop->load()) {
+      if (Cancelled()) return Status::Unavailable("dedup pass cancelled");
+      if (!parking_ && StopAsked()) {
         parking_ = true;
         stats_.stopped = true;
         Progress("stopping: parking the records not merged yet");
@@ -808,9 +820,10 @@ class Pass {
                " index shards whose records waited for a busy allocation group");
       const auto until = std::chrono::steady_clock::now() + std::chrono::milliseconds(delay_ms);
       while (std::chrono::steady_clock::now() < until) {
-        if ((opts_.cancel != nullptr && opts_.cancel->load()) ||
-            (opts_.stop != nullptr && opts_.stop->load())) {
-          return Status::Ok();  // the parked records wait for the next pass
+        if (Cancelled()) return Status::Ok();  // the parked records wait for the next pass
+        if (StopAsked()) {
+          stats_.stopped = true;  // nothing more of this pass runs
+          return Status::Ok();
         }
         // Nothing is planned during the pause: disks clients wait for go back.
         RETURN_IF_ERROR(GiveBackWantedFiles());
@@ -1439,15 +1452,20 @@ class Pass {
     for (auto& [ino, post] : merge_posts_) {
       // The request file is held only for a moment by another poster or by
       // the target's holder applying it (every --merge-interval): retry for
-      // up to ~2 s, then give up rather than wait on another host.
-      Status st = PostMergeRequests(vol_, post.target, post.requests, arena->f.get());
-      for (int attempt = 0; attempt < 40 && st.code() == Status::Code::kLocked; attempt++) {
+      // up to ~2 s, then give up rather than wait on another host. Only
+      // then: a clone that waited the volume's lock_wait (60 s) for a group
+      // held elsewhere is kLocked too, and retrying that held the shard
+      // lock for 40 minutes and posted the groups done before it again.
+      MergePostOutcome outcome;
+      Status st = PostMergeRequests(vol_, post.target, post.requests, arena->f.get(), &outcome);
+      for (int attempt = 0; attempt < 40 && outcome.file_busy && !StopAsked() && !Cancelled();
+           attempt++) {
         std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        st = PostMergeRequests(vol_, post.target, post.requests, arena->f.get());
+        st = PostMergeRequests(vol_, post.target, post.requests, arena->f.get(), &outcome);
       }
-      if (st.ok()) {
-        stats_.merge_requests_posted += post.requests.size();
-      } else if (st.code() == Status::Code::kLocked) {
+      stats_.merge_requests_posted += outcome.posted;
+      if (st.ok()) continue;
+      if (st.code() == Status::Code::kLocked) {
         // Still held: the opportunity is lost, not data (the entry is
         // Shared; G:c keeps its own copy until a --rescan pass).
         stats_.merge_posts_busy++;

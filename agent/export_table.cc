@@ -132,11 +132,19 @@ Status Export::SetDedup(bool on) {
   MutexLock l(&dedup_mu_);
   if (dedup_.load() == on) return Status::Ok();
   RETURN_IF_ERROR(file_->SetDedup(on));
-  // The next pass must drop the file's index entries even if it logged
-  // nothing (kLocked only while a pass has the log: the switch itself
-  // stands, the marker is retried once). Through the flusher, which may
-  // hold the log open.
   if (!on) {
+    // The monitor stops recording (and drops what it buffered) before the
+    // marker goes in and the switch is made durable: records it took during
+    // that sync used to be appended behind the marker, fingerprints in the
+    // log of an opted-out file. A flush that took records before this
+    // appends them before the marker (the flusher appends under the lock
+    // the marker takes).
+    dedup_ = false;
+    if (monitor_) monitor_->SetDedup(id_, false);
+    // The next pass must drop the file's index entries even if it logged
+    // nothing (kLocked only while a pass has the log: the switch itself
+    // stands, the marker is retried once). Through the flusher, which may
+    // hold the log open.
     auto mark = [this] {
       const uint64_t now = Clock::Real()->NowNanos();
       return flusher_ ? flusher_->AppendOptOutMarker(id_, size_, now)
@@ -150,10 +158,12 @@ Status Export::SetDedup(bool on) {
     if (!marked.ok()) LOG(kWarning) << "export '" << name_ << "': opt-out marker: " << marked.ToString();
   }
   RETURN_IF_ERROR(file_->Flush());
-  dedup_ = on;
-  if (monitor_) {
-    monitor_->SetDedup(id_, on);
-    if (on && size_ > 0) monitor_->OnInvalidate(monitored_, 0, size_);
+  if (on) {
+    dedup_ = true;
+    if (monitor_) {
+      monitor_->SetDedup(id_, true);
+      if (size_ > 0) monitor_->OnInvalidate(monitored_, 0, size_);
+    }
   }
   return Status::Ok();
 }

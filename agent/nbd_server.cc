@@ -312,7 +312,13 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   void Execute(nbd::Request req) {
     if (!export_) return;  // the session only yields requests after GO
     inflight_++;
-    inflight_bytes_ += req.length;
+    // Only READ and WRITE hold data in memory (a payload, a reply). A TRIM
+    // or WRITE_ZEROES of a gigabyte (qemu sends discards past the 32 MiB
+    // block maximum) counted its length, stopped this connection reading
+    // and put every request behind it.
+    const uint64_t held_bytes =
+        req.type == nbd::kCmdRead || req.type == nbd::kCmdWrite ? req.length : 0;
+    inflight_bytes_ += held_bytes;
     server_->c_requests_++;
     // A WRITE's payload is hashed here, as it arrives: it is in this
     // CPU's cache now, and may not be by the time a worker has written it
@@ -328,7 +334,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
         export_->fingerprints_writes()) {
       fps = export_->FingerprintWrite(req.offset, req.payload.data(), req.payload.size());
     }
-    server_->RunBlocking([self = shared_from_this(), e = export_, req = std::move(req),
+    server_->RunBlocking([self = shared_from_this(), e = export_, req = std::move(req), held_bytes,
                           fps = std::move(fps)]() mutable {
       IoBytes data;  // READ reply data, aligned so O_DIRECT needs no bounce
       bool replied = false;
@@ -344,9 +350,9 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
         }
         OutMessage out{nbd::EncodeSimpleReplyHeader(req.cookie, err), std::move(data)};
         asio::post(self->strand_, [self, out = std::move(out), len = req.length, type = req.type,
-                                   err]() mutable {
+                                   held_bytes, err]() mutable {
           self->inflight_--;
-          self->inflight_bytes_ -= len;
+          self->inflight_bytes_ -= held_bytes;
           if (err) self->server_->c_request_errors_++;
           if (type == nbd::kCmdRead && !err) self->server_->c_bytes_read_ += len;
           if (type == nbd::kCmdWrite && !err) self->server_->c_bytes_written_ += len;

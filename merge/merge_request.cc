@@ -68,7 +68,10 @@ Result<std::vector<MergeGroup>> ReadMergeRequestFile(File* request, HashAlgo alg
 }
 
 Status PostMergeRequests(Volume* vol, FileId target, const std::vector<MergeRequest>& requests,
-                         File* clone_source) {
+                         File* clone_source, MergePostOutcome* outcome) {
+  MergePostOutcome ignored;
+  if (outcome == nullptr) outcome = &ignored;
+  *outcome = MergePostOutcome{};
   if (requests.empty()) return Status::Ok();
   const Superblock& sb = vol->superblock();
   for (const MergeRequest& r : requests) {
@@ -96,7 +99,10 @@ Status PostMergeRequests(Volume* vol, FileId target, const std::vector<MergeRequ
     }
     opened = vol->OpenFile(name);
   }
-  if (!opened.ok()) return opened.status();
+  if (!opened.ok()) {
+    outcome->file_busy = opened.status().code() == Status::Code::kLocked;
+    return opened.status();
+  }
   File* mr = opened->get();
   ASSIGN_OR_RETURN(FileInfo info, mr->Info());
   RETURN_IF_ERROR(CheckIsRequestFileOf(info, target.ino));
@@ -134,6 +140,7 @@ Status PostMergeRequests(Volume* vol, FileId target, const std::vector<MergeRequ
       return st.WithContext(ctx);
     }
     next += 1 + n;
+    outcome->posted += n;
   }
   return Status::Ok();
 }

@@ -134,8 +134,15 @@ struct MergeRequest {
 // kLocked when another process or host (or this volume) has it open — the
 // caller counts the post as busy and goes on; never waits. kCorruption if a
 // file of that name exists but is not a merge-request file of `target`.
+// A clone can also fail with kLocked, after waiting (the volume's
+// lock_wait) for the clone source block's allocation group held elsewhere:
+// `outcome` tells the two apart, and how many requests were posted.
+struct MergePostOutcome {
+  size_t posted = 0;       // requests, from the first, in complete groups
+  bool file_busy = false;  // kLocked: the request file was open elsewhere
+};
 Status PostMergeRequests(Volume* vol, FileId target, const std::vector<MergeRequest>& requests,
-                         File* clone_source);
+                         File* clone_source, MergePostOutcome* outcome = nullptr);
 
 struct MergeApplyStats {
   uint64_t request_files = 0;          // request files read and cleared

@@ -21,6 +21,18 @@ namespace dede {
 inline constexpr uint32_t kBlockSize = 4096;
 inline constexpr uint32_t kHeaderSize = 32;
 
+// Largest size a file may be created with or truncated to: 1 EiB (2^48
+// blocks). Far beyond any LUN, and far enough below 2^64 bytes that block
+// counts and byte offsets of a file never wrap (a size near 2^64 made
+// "rounded up to whole blocks" wrap to 0, and a grow punched the file).
+inline constexpr uint64_t kMaxFileBytes = uint64_t{1} << 60;
+
+// Whether block `index` lies whole inside a file of `size` bytes; never
+// wraps, whatever `index` is (an index from a log or a merge request).
+inline bool WholeBlockInside(uint64_t index, uint64_t size) {
+  return index < size / kBlockSize;
+}
+
 // Magic numbers (u32, little-endian on disk). Never reuse a value.
 inline constexpr uint32_t kMagicSuperblock = 0x42534444;  // "DDSB"
 inline constexpr uint32_t kMagicJournalHeader = 0x484a4444;  // "DDJH"

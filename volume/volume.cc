@@ -366,6 +366,21 @@ Result<std::unique_ptr<Volume>> Volume::Open(BlockDevice* dev, const OpenOptions
   std::shared_ptr<LockManager> locks = opts.locks;
   if (!locks && sb->UsesSanlock()) {
     ASSIGN_OR_RETURN(auto sl, SanlockLockManager::Open(dev, sb.value(), opts.sanlock));
+    // Records left by a process of this host that died (a `dede` command
+    // killed with Ctrl-C) keep other hosts out until a process of this host
+    // marks them dead. dedupd does so every 10 s; on a host that runs only
+    // dede commands, every open does. Best effort: the records stay for
+    // the next try, and nothing else depends on it.
+    if (!opts.read_only) {
+      Result<uint64_t> collected = sl->CollectStaleRecords();
+      if (!collected.ok()) {
+        LOG(kWarning) << "collecting lock records of dead processes of this host: "
+                      << collected.status().ToString();
+      } else if (*collected > 0) {
+        LOG(kInfo) << "marked " << *collected
+                   << " lock records of dead processes of this host dead (for other hosts)";
+      }
+    }
     locks = std::move(sl);
   }
   if (!locks) {
@@ -1802,6 +1817,10 @@ Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKi
                                   uint64_t owner_ino) {
   RETURN_IF_ERROR(ValidateName(name));
   if (kind == FileKind::kNone) return Status::Invalid("file kind 'none'");
+  if (size > kMaxFileBytes) {
+    return Status::Invalid("file size " + std::to_string(size) + " is past the limit of " +
+                           std::to_string(kMaxFileBytes) + " bytes (1 EiB)");
+  }
   // The scan runs without mu_, so another thread's flush point may hand
   // the namespace lock to another host meanwhile; that host may then have
   // created a file (in a free inode we saw, or with our name). The claim
@@ -2590,6 +2609,10 @@ Status VolumeImpl::PunchBlock(OpenFileState* f, uint64_t index) {
 }
 
 Status VolumeImpl::TruncateFile(OpenFileState* f, uint64_t size) {
+  if (size > kMaxFileBytes) {
+    return Status::Invalid("file size " + std::to_string(size) + " is past the limit of " +
+                           std::to_string(kMaxFileBytes) + " bytes (1 EiB)");
+  }
   uint64_t old_size;
   {
     MutexLock l(&mu_);
@@ -2766,7 +2789,7 @@ Status VolumeImpl::CompareAndShare(File* src, uint64_t src_index, File* dst, uin
     RETURN_IF_ERROR(CheckWritable());
     ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
     ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
-    if ((src_index + 1) * kBlockSize > sin.size || (dst_index + 1) * kBlockSize > din.size) {
+    if (!WholeBlockInside(src_index, sin.size) || !WholeBlockInside(dst_index, din.size)) {
       return Status::Invalid("compare_and_share: only whole blocks inside both files can be "
                              "shared");
     }
@@ -2826,13 +2849,13 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
   ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
   // Only whole blocks: the bytes past EOF in a file's last block are always
   // zero, and a clone into or out of a partial block would break that.
-  if ((src_index + 1) * kBlockSize > sin.size) {
+  if (!WholeBlockInside(src_index, sin.size)) {
     return Status::Invalid("clone_block: source block is not a whole block inside the file");
   }
   ASSIGN_OR_RETURN(uint64_t sp, GetPtr(sin, src_index));
   {
     ASSIGN_OR_RETURN(Inode din, GetInode(d->id.ino));
-    if ((dst_index + 1) * kBlockSize > din.size) {
+    if (!WholeBlockInside(dst_index, din.size)) {
       return Status::Invalid("clone_block: destination block is not a whole block inside the "
                              "file");
     }
@@ -2946,10 +2969,10 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
       }
       p.dst_file = file_of(op.dst);
       const Inode& din = inodes[p.dst_file];
-      bool whole = (op.dst_index + 1) * kBlockSize <= din.size;
+      bool whole = WholeBlockInside(op.dst_index, din.size);
       if (two) {
         p.src_file = file_of(op.src);
-        whole = whole && (op.src_index + 1) * kBlockSize <= inodes[p.src_file].size;
+        whole = whole && WholeBlockInside(op.src_index, inodes[p.src_file].size);
       }
       if (!whole) {
         op.result = Status::Invalid("block ops work on whole blocks inside their files only");

@@ -820,12 +820,18 @@ TEST_CASE("dede rm next to an idle writer finishes or fails cleanly", "[cli]") {
 namespace dede {
 namespace {
 
-// Where host h's sanlock delta lease lives in the volume file.
-off_t DeltaLeaseOffset(const std::string& vol, uint32_t h) {
+// The primary superblock of the volume in file `vol`.
+Superblock SuperblockOf(const std::string& vol) {
   const std::string head = ReadWholeFile(vol).substr(0, kBlockSize);
   auto sb = DecodeSuperblock(reinterpret_cast<const uint8_t*>(head.data()), 0);
   REQUIRE(sb.ok());
-  return static_cast<off_t>(LeaseLayoutOf(*sb).lockspace_offset + (h - 1) * kBlockSize);
+  return *sb;
+}
+
+// Where host h's sanlock delta lease lives in the volume file.
+off_t DeltaLeaseOffset(const std::string& vol, uint32_t h) {
+  return static_cast<off_t>(LeaseLayoutOf(SuperblockOf(vol)).lockspace_offset +
+                            (h - 1) * kBlockSize);
 }
 
 // A sanlock delta lease (sanlock's leader record: magic, owner, generation,
@@ -897,11 +903,8 @@ TEST_CASE("dede format --force refuses a volume in use, here or on another host"
     CHECK(Digest(vol) == before);
   }
   SECTION("a process of this host with the volume open keeps it") {
-    const std::string head = ReadWholeFile(vol).substr(0, kBlockSize);
-    auto sb = DecodeSuperblock(reinterpret_cast<const uint8_t*>(head.data()), 0);
-    REQUIRE(sb.ok());
     std::filesystem::create_directories(lock_dir);
-    auto lm = OpenLocalLockManager(lock_dir + "/" + UuidToString(sb->uuid) + ".lock");
+    auto lm = OpenLocalLockManager(lock_dir + "/" + UuidToString(SuperblockOf(vol).uuid) + ".lock");
     REQUIRE(lm.ok());
     REQUIRE(lm.value()->Acquire(LockId{LockKind::kVolume, 0}, LockMode::kShared, false).ok());
     const std::string before = Digest(vol);

@@ -625,10 +625,12 @@ TEST_CASE("a dede command killed on a live host leaves its locks marked dead, no
   argv.insert(argv.end(), {BinaryPath("dede"), "import", c.Url(1), "big", img});
   const std::string import_log = c.rig().dir().file("import.log");
   const int import = StartProcess(argv, c.HostEnv(1), import_log);
+  uint64_t dedupd_slot = 1;  // the import's is any other
   auto slot_records = [&](uint64_t generation) {
     std::set<uint64_t> slots;
     for (const LockRecord& r : LockTableOf(c)) {
-      if (r.host == 1 && r.kind == static_cast<uint16_t>(LockKind::kHostSlot) && r.id != 1 &&
+      if (r.host == 1 && r.kind == static_cast<uint16_t>(LockKind::kHostSlot) &&
+          r.id != dedupd_slot &&
           (generation == ~uint64_t{0} ? r.generation != kDeadProcessGeneration
                                       : r.generation == generation)) {
         slots.insert(r.id);
@@ -681,8 +683,37 @@ TEST_CASE("a dede command killed on a live host leaves its locks marked dead, no
   CHECK(marked == taken);
   CHECK(slot_records(~uint64_t{0}).empty());
   CHECK(groups_marked > 0);  // its groups: marked too, not erased
-  // Another host opens the volume: its dead-host scan replays the killed
-  // process's journal, and the volume checks clean.
+
+  // On a host that runs only dede commands (no dedupd), the next command's
+  // open marks them: they used to keep every other host out until a
+  // dedupd of this host ran.
   c.Stop(1);
+  dedupd_slot = 0;  // none now
+  argv[argv.size() - 2] = "big2";
+  const std::string second_log = c.rig().dir().file("import2.log");
+  const int second = StartProcess(argv, c.HostEnv(1), second_log);
+  taken.clear();
+  const auto t1 = Clock::now();
+  while ((taken.empty() || group_records(false) == 0) && Since(t1) < 60) {
+    taken = slot_records(~uint64_t{0});
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const std::vector<uint8_t> second_said = ReadWholeFile(second_log);
+  INFO("second import log:\n" << std::string(second_said.begin(), second_said.end()));
+  REQUIRE(taken.size() == 1);
+  REQUIRE(group_records(false) > 0);
+  REQUIRE(::kill(second, SIGKILL) == 0);
+  REQUIRE(::waitpid(second, &status, 0) == second);
+  REQUIRE(WIFSIGNALED(status));
+  CHECK_FALSE(slot_records(kDeadProcessGeneration).count(*taken.begin()));  // still live
+  c.DedeOk(1, {"create", c.Url(1), "after-kill", "--size", "1M"});
+  // (The command may take the dead process's slot over itself: then the
+  // slot's record goes with the command's own exit.)
+  CHECK(slot_records(~uint64_t{0}).empty());
+  CHECK(group_records(false) == 0);
+  CHECK(group_records(true) > 0);
+
+  // Another host opens the volume: its dead-host scan replays the killed
+  // processes' journals, and the volume checks clean.
   c.FsckClean(2);
 }

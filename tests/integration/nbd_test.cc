@@ -1233,6 +1233,41 @@ TEST_CASE("a client that never reads its replies holds bounded memory and cannot
   REQUIRE(c2.Go("vm") > 0);
 }
 
+TEST_CASE("a huge WRITE_ZEROES or TRIM does not hold up the requests behind it", "[nbd]") {
+  // A connection stops reading requests while 64 MiB of payloads and
+  // replies are in memory. TRIM and WRITE_ZEROES carry none, but their
+  // lengths were counted: one of 96 MiB (qemu sends discards and zeroes
+  // far past the 32 MiB block maximum) kept the READ behind it unread
+  // until it had finished.
+  TestVolume tv({{"vm", 192 * kMiB}});
+  DedupdProcess d(tv.vol, 1, tv.sock);
+  RawClient c(tv.sock);
+  REQUIRE(c.Hello());
+  REQUIRE(c.Go("vm") > 0);
+  // NO_HOLE: 96 MiB of zeros written, a long command (a plain one only
+  // punches, too quick to tell the two orders apart reliably).
+  c.SendRequest(6 /*WRITE_ZEROES*/, 1, 0, 96 * kMiB, 2 /*NO_HOLE*/);
+  c.SendRequest(0 /*READ*/, 2, 160 * kMiB, 4096);
+  uint32_t err = 0;
+  uint64_t cookie = 0;
+  REQUIRE(c.RecvReply(&err, &cookie));
+  CHECK(err == 0);
+  CHECK(cookie == 2);  // the READ first: it was not held back
+  std::vector<uint8_t> data(4096);
+  if (cookie == 2) {
+    REQUIRE(c.Recv(data.data(), data.size()));
+    REQUIRE(c.RecvReply(&err, &cookie));
+    CHECK(cookie == 1);
+  } else {
+    REQUIRE(c.RecvReply(&err, &cookie));
+    REQUIRE(c.Recv(data.data(), data.size()));
+  }
+  CHECK(err == 0);
+  c.Close();
+  REQUIRE(d.Stop() == 0);
+  RequireFsckClean(tv.vol);
+}
+
 double ProcessCpuSeconds(int pid) {
   std::ifstream in("/proc/" + std::to_string(pid) + "/stat");
   std::string text((std::istreambuf_iterator<char>(in)), {});

@@ -50,6 +50,7 @@
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "tests/dedup_accounting.h"
+#include "tests/index_entries.h"
 #include "tests/process_device.h"
 #include "tests/temp_locks.h"
 #include "volume/fsck.h"
@@ -764,17 +765,9 @@ TEST_CASE(
   REQUIRE(m->live.size() == 1);
   const ShardSlot v1 = m->live[0];
   auto entries = [&] {  // entries of every live shard version
-    auto map = LoadShardMap(vol);
-    REQUIRE(map.ok());
     uint64_t n = 0;
-    for (const ShardSlot& slot : map->live) {
-      if (slot.version == 0) continue;
-      auto f = vol->OpenFileById(slot.id);
-      REQUIRE(f.ok());
-      auto r = ShardReader::Open(f->get(), vol->superblock().uuid, slot.name);
-      REQUIRE(r.ok());
-      n += (*r)->header().entry_count;
-    }
+    test::ForEachLiveShard(vol,
+                           [&](const ShardSlot&, ShardReader* r) { n += r->header().entry_count; });
     return n;
   };
   const uint64_t before = entries();

@@ -484,6 +484,51 @@ TEST_CASE("saturated logs are rehashed over several passes when the rehash limit
   CHECK(scene.ReadAll("b", kDisk) == disk);
 }
 
+TEST_CASE(
+    "a stop during the gathering of logs leaves the rest of the rehash and the unread logs "
+    "for the next pass",
+    "[schedule]") {
+  // stop (a window's end, Ctrl-C of `dede dedup`) was looked at only
+  // between index shards: the gathering before them (every log read, a
+  // saturated log's rehash of up to 4 GiB at the rate cap) ran to its end
+  // after the window had closed.
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  constexpr uint64_t kDisk = 256;  // four rehash reads of 64 blocks per file
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 41);
+  scene.Create("a", kDisk);
+  scene.Create("b", kDisk);
+  scene.Write("a", 0, disk);
+  scene.Write("b", 0, disk);
+  scene.FlushLogs(1);  // saturated: every block is to be rehashed
+  clock.Advance(kMinute);
+
+  std::atomic<bool> stop{false};
+  int settles = 0;
+  DedupOptions o;
+  o.stop = &stop;
+  // Settled before the first log, after reading it, then after each rehash
+  // read: the stop comes after the first read of 64 blocks.
+  o.settle_io = [&](const std::function<void()>&) {
+    if (++settles == 3) stop = true;
+  };
+  auto first = scene.Pass(o);
+  REQUIRE(first.ok());
+  CHECK(first->stopped);
+  CHECK(first->blocks_rehashed == 64);
+  CHECK(first->logs_consumed == 1);  // the other log was not read
+  CHECK(first->rehash_ranges_deferred == 1);
+
+  auto second = scene.Pass(DedupOptions{});
+  REQUIRE(second.ok());
+  CHECK_FALSE(second->stopped);
+  CHECK(first->blocks_rehashed + second->blocks_rehashed == 2 * kDisk);
+  CHECK(scene.SharedBlocks("a") == kDisk);
+  CHECK(scene.SharedBlocks("b") == kDisk);
+  CHECK(scene.ReadAll("a", kDisk) == disk);
+  CHECK(scene.ReadAll("b", kDisk) == disk);
+}
+
 TEST_CASE("a dedup=off file is never shared and its index entries go at the next forced pass",
           "[schedule]") {
   TestClock clock(LocalTime(2026, 11, 24, 9, 0));

@@ -2,20 +2,20 @@
 // device write, and what READ and FLUSH then owe the client. The device
 // holds the next write at a gate, so the test sees the moment between the
 // answer and the write.
-#include "agent/dedup_pass.h"
-#include "agent/export_table.h"
-
 #include <unistd.h>
 
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <condition_variable>
+#include <functional>
 #include <future>
 #include <memory>
 #include <mutex>
 #include <random>
 #include <thread>
 
+#include "agent/dedup_pass.h"
+#include "agent/export_table.h"
 #include "agent/log_flusher.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
@@ -79,6 +79,12 @@ class GateDevice : public test::ForwardingDevice {
     }
     if (fail) return Status::IoError("injected write error");
     return base()->Write(offset, buf, len);
+  }
+  // Called before every device flush, when set.
+  std::function<void()> on_flush;
+  Status Flush() override {
+    if (on_flush) on_flush();
+    return base()->Flush();
   }
 
  private:
@@ -319,6 +325,40 @@ TEST_CASE("export: a WRITE's payload is hashed ahead only while the monitor reco
   CHECK_FALSE(rig.ex->fingerprints_writes());
   REQUIRE(rig.ex->SetDedup(true).ok());
   CHECK(rig.ex->fingerprints_writes());
+}
+
+TEST_CASE("export: dedup=off stops the monitor before the switch is made durable", "[export]") {
+  // SetDedup(false) made the switch durable (a volume sync) before it told
+  // the monitor: the log flusher could take what was written meanwhile and
+  // append it behind the opt-out marker, fingerprints in the log of an
+  // opted-out file. At the sync the monitor must have stopped recording
+  // the file and dropped what it buffered.
+  WriteMonitor monitor{WriteMonitorOptions{}};
+  Rig rig(&monitor);
+  const FileId id = rig.ex->id();
+  const std::vector<uint8_t> data = Pattern(4 * kB, 8);
+  const std::vector<Fingerprint> fps = rig.ex->FingerprintWrite(0, data.data(), data.size());
+  REQUIRE(rig.ex->Write(0, data.data(), data.size(), false, nullptr, &fps).ok());
+  REQUIRE(monitor.FileStats(id).buffered_records == 4);
+  int flushes = 0;
+  bool recording_at_last_flush = true;
+  uint64_t buffered_at_last_flush = ~uint64_t{0};
+  rig.gate.on_flush = [&] {
+    flushes++;
+    recording_at_last_flush = rig.ex->fingerprints_writes();
+    buffered_at_last_flush = monitor.FileStats(id).buffered_records;
+  };
+  REQUIRE(rig.ex->SetDedup(false).ok());
+  rig.gate.on_flush = nullptr;
+  REQUIRE(flushes > 0);
+  CHECK_FALSE(recording_at_last_flush);
+  CHECK(buffered_at_last_flush == 0);
+  CHECK_FALSE(rig.ex->dedup());
+  // Switched on again: recorded again, once the switch is durable.
+  REQUIRE(rig.ex->SetDedup(true).ok());
+  CHECK(rig.ex->fingerprints_writes());
+  REQUIRE(rig.ex->Write(0, data.data(), data.size(), false, nullptr, &fps).ok());
+  CHECK(monitor.FileStats(id).buffered_records == 4);
 }
 
 TEST_CASE("export: without a write monitor nothing is hashed ahead", "[export]") {

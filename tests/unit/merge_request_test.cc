@@ -619,6 +619,49 @@ TEST_CASE("merge requests post and apply on one volume", "[merge]") {
   RequireFsckClean(h.vol_.get());
 }
 
+TEST_CASE("a merge post tells a busy request file from a failed clone, and counts what it posted",
+          "[merge]") {
+  // The pass retries a post only while the request file is busy (held for
+  // a moment by another poster or the applier). A clone that fails after
+  // waiting for a group held elsewhere is kLocked too; retrying that held
+  // the shard lock for up to 40 such waits and posted the earlier groups
+  // again.
+  OneHost h;
+  const std::string name = MergeRequestFileName(h.target_id_.ino);
+  MergePostOutcome out;
+  REQUIRE(
+      PostMergeRequests(h.vol_.get(), h.target_id_, {h.Req(1, 0, 0)}, h.source_.get(), &out).ok());
+  CHECK(out.posted == 1);
+  CHECK_FALSE(out.file_busy);
+  {
+    auto held = h.vol_->OpenFile(name);
+    REQUIRE(held.ok());
+    Status st =
+        PostMergeRequests(h.vol_.get(), h.target_id_, {h.Req(2, 1, 1)}, h.source_.get(), &out);
+    CHECK(st.code() == Status::Code::kLocked);
+    CHECK(out.file_busy);
+    CHECK(out.posted == 0);
+  }
+  // A clone fails in the second group: the first group stands.
+  std::vector<MergeRequest> reqs;
+  for (uint64_t i = 0; i < kMaxMergeRecordsPerGroup + 3; i++) reqs.push_back(h.Req(i % 8, 0, 0));
+  reqs.back().source_index = 1ull << 30;  // past the source's end
+  Status st = PostMergeRequests(h.vol_.get(), h.target_id_, reqs, h.source_.get(), &out);
+  CHECK_FALSE(st.ok());
+  CHECK_FALSE(out.file_busy);
+  CHECK(out.posted == kMaxMergeRecordsPerGroup);
+  REQUIRE(h.vol_->Sync().ok());
+  auto f = h.vol_->OpenFile(name);
+  REQUIRE(f.ok());
+  MergeScanStats scan;
+  auto groups =
+      ReadMergeRequestFile(f->get(), h.algo_, h.vol_->superblock().uuid, h.target_id_.ino, &scan);
+  REQUIRE(groups.ok());
+  size_t records = 0;
+  for (const MergeGroup& g : *groups) records += g.records.size();
+  CHECK(records == 1 + kMaxMergeRecordsPerGroup);
+}
+
 TEST_CASE("merge request files skip torn and damaged groups", "[merge]") {
   OneHost h;
   for (uint64_t i = 0; i < 3; i++) {

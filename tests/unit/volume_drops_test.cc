@@ -56,13 +56,40 @@ uint64_t Pending(Volume* vol) {
   return st->pending_drops;
 }
 
+// Hosts of one in-memory volume with local locks (one lock file, one lock
+// manager per host), each opened on a device of the test's choosing.
+struct LocalHosts {
+  std::string lock_path =
+      "/tmp/dede-hosts-" + std::to_string(getpid()) + "-" + std::to_string(rand());
+  ManualClock clock;
+  ~LocalHosts() { ::unlink(lock_path.c_str()); }
+  std::shared_ptr<LockManager> NewLocks() {
+    auto lm = OpenLocalLockManager(lock_path);
+    REQUIRE(lm.ok());
+    return std::shared_ptr<LockManager>(std::move(lm.value()));
+  }
+  // `oo` gives the options other than the host, its locks and the clock.
+  Result<std::unique_ptr<Volume>> TryOpen(BlockDevice* dev, uint32_t host,
+                                          std::shared_ptr<LockManager> lm, OpenOptions oo = {}) {
+    oo.host_id = host;
+    oo.locks = std::move(lm);
+    oo.clock = &clock;
+    return Volume::Open(dev, oo);
+  }
+  std::unique_ptr<Volume> Open(BlockDevice* dev, uint32_t host, std::shared_ptr<LockManager> lm,
+                               OpenOptions oo = {}) {
+    auto v = TryOpen(dev, host, std::move(lm), std::move(oo));
+    INFO("open as host " << host << ": " << v.status().ToString());
+    REQUIRE(v.ok());
+    return std::move(v.value());
+  }
+};
+
 // The volume, host 1's view, and the files: "a" holds kShared blocks of
 // pattern X, "b" shares them (clone_block), so each has refcount 2.
-struct Rig {
+struct Rig : LocalHosts {
   MemDevice base{64 << 20};
-  std::string lock_path;
   std::shared_ptr<LockManager> lm1, lm2, holder;
-  ManualClock clock;
   std::unique_ptr<Volume> v1;
   std::vector<uint8_t> x = Pattern(0x11, kShared);
   std::vector<uint8_t> y = Pattern(0x77, kShared);
@@ -75,7 +102,6 @@ struct Rig {
     fo.journal_blocks = journal_blocks;
     fo.drop_blocks = drop_blocks;
     REQUIRE(FormatVolume(&base, fo, false).ok());
-    lock_path = "/tmp/dede-drops-" + std::to_string(getpid()) + "-" + std::to_string(rand());
     lm1 = NewLocks();
     lm2 = NewLocks();
     holder = NewLocks();
@@ -95,25 +121,8 @@ struct Rig {
     REQUIRE(st.ok());
     REQUIRE(st->shared_blocks == kShared);
   }
-  ~Rig() { ::unlink(lock_path.c_str()); }
-
-  std::shared_ptr<LockManager> NewLocks() {
-    auto lm = OpenLocalLockManager(lock_path);
-    REQUIRE(lm.ok());
-    return std::shared_ptr<LockManager>(std::move(lm.value()));
-  }
-
-  std::unique_ptr<Volume> OpenAs(BlockDevice* dev, uint32_t host, std::shared_ptr<LockManager> lm,
-                                 uint32_t lock_wait_s = 60) {
-    OpenOptions oo;
-    oo.host_id = host;
-    oo.locks = std::move(lm);
-    oo.clock = &clock;
-    oo.lock_wait_s = lock_wait_s;
-    auto v = Volume::Open(dev, oo);
-    INFO("open as host " << host << ": " << v.status().ToString());
-    REQUIRE(v.ok());
-    return std::move(v.value());
+  std::unique_ptr<Volume> OpenAs(BlockDevice* dev, uint32_t host, std::shared_ptr<LockManager> lm) {
+    return Open(dev, host, std::move(lm));
   }
 
   // The holder asks host 1 for its cached groups (host 1 hands them back
@@ -167,6 +176,14 @@ struct Rig {
     REQUIRE(b.value()->Read(0, got.data(), got.size()).ok());
     CHECK(got == y);
   }
+
+  // Both files as they should be, and nothing for fsck to find.
+  void CheckContentsAndFsck(Volume* v) {
+    CheckContents(v);
+    std::string problems = test::FsckProblems(v);
+    INFO("fsck:" << problems);
+    CHECK(problems.empty());
+  }
 };
 
 }  // namespace
@@ -199,11 +216,8 @@ TEST_CASE("volume drops: a copy-on-write break does not wait for a group another
   wanted = r.holder->IsHeldElsewhere(WantedGroup(0));
   REQUIRE(wanted.ok());
   CHECK_FALSE(wanted.value());
-  r.CheckContents(v2.get());
   r.v1.reset();  // fsck wants the volume to itself
-  std::string problems = test::FsckProblems(v2.get());
-  INFO("fsck:" << problems);
-  CHECK(problems.empty());
+  r.CheckContentsAndFsck(v2.get());
 }
 
 TEST_CASE("volume drops: pending drops survive a crash and the slot's next owner applies them",
@@ -414,11 +428,8 @@ TEST_CASE("volume drops: a live host's list is never adopted and a free slot's i
   CHECK(Pending(v3.get()) == kShared);
   r.LetGo();
   DrainAll(r, v3.get());
-  r.CheckContents(v3.get());
   r.v1.reset();
-  std::string problems = test::FsckProblems(v3.get());
-  INFO("fsck:" << problems);
-  CHECK(problems.empty());
+  r.CheckContentsAndFsck(v3.get());
 }
 
 TEST_CASE("volume drops: a crash at any write of an adoption never applies a drop twice",
@@ -628,10 +639,7 @@ TEST_CASE("volume drops: a holder leaves a wanted group to the host waiting for 
   CHECK(r.v1->drop_counters().pending == 0);
   b.value().reset();
   c.value().reset();
-  r.CheckContents(r.v1.get());
-  std::string problems = test::FsckProblems(r.v1.get());
-  INFO("fsck:" << problems);
-  CHECK(problems.empty());
+  r.CheckContentsAndFsck(r.v1.get());
 }
 
 // Two hosts with deferred drops in the same group both announce them.
@@ -985,10 +993,7 @@ TEST_CASE(
   CHECK(Pending(v2.get()) == 0);
   b.value().reset();
   v2.reset();
-  r.CheckContents(r.v1.get());
-  std::string problems = test::FsckProblems(r.v1.get());
-  INFO("fsck:" << problems);
-  CHECK(problems.empty());
+  r.CheckContentsAndFsck(r.v1.get());
 }
 
 // Group kIfDue skips: a group another host holds is tried at most once per
@@ -1087,41 +1092,6 @@ TEST_CASE("volume: a failed hand-over of cached locks does not fail the flush po
   a.value().reset();
   v3.reset();
 }
-
-namespace {
-
-// Hosts of one in-memory volume with local locks, each opened on a device
-// of the test's choosing (for the tests that need their own format).
-struct LocalHosts {
-  std::string lock_path =
-      "/tmp/dede-hosts-" + std::to_string(getpid()) + "-" + std::to_string(rand());
-  ManualClock clock;
-  ~LocalHosts() { ::unlink(lock_path.c_str()); }
-  std::shared_ptr<LockManager> NewLocks() {
-    auto lm = OpenLocalLockManager(lock_path);
-    REQUIRE(lm.ok());
-    return std::shared_ptr<LockManager>(std::move(lm.value()));
-  }
-  Result<std::unique_ptr<Volume>> TryOpen(BlockDevice* dev, uint32_t host,
-                                          std::shared_ptr<LockManager> lm,
-                                          bool pass_damaged_journals = false) {
-    OpenOptions oo;
-    oo.host_id = host;
-    oo.locks = std::move(lm);
-    oo.clock = &clock;
-    oo.pass_damaged_journals = pass_damaged_journals;
-    return Volume::Open(dev, oo);
-  }
-  std::unique_ptr<Volume> Open(BlockDevice* dev, uint32_t host, std::shared_ptr<LockManager> lm,
-                               bool pass_damaged_journals = false) {
-    auto v = TryOpen(dev, host, std::move(lm), pass_damaged_journals);
-    INFO("open as host " << host << ": " << v.status().ToString());
-    REQUIRE(v.ok());
-    return std::move(v.value());
-  }
-};
-
-}  // namespace
 
 // Every take of a group is followed by the dead-host scan (a dead host's
 // journal may hold newer images of the group's blocks). A take whose scan
@@ -1242,7 +1212,11 @@ TEST_CASE(
   CHECK(refused.status().ToString().find("journal of host 2") != std::string::npos);
 
   {
-    auto v = hosts.Open(&base, 0, hosts.NewLocks(), /*pass_damaged_journals=*/true);
+    auto v = hosts.Open(&base, 0, hosts.NewLocks(), [] {
+      OpenOptions oo;
+      oo.pass_damaged_journals = true;
+      return oo;
+    }());
     auto rep = CheckVolume(v.get(), /*repair=*/true);
     REQUIRE(rep.ok());
     bool reported = false;

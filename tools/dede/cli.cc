@@ -304,15 +304,17 @@ bool IsAllZero(const uint8_t* p, size_t len) {
 // ---------------------------------------------------------------- signals
 
 namespace {
-volatile sig_atomic_t g_interrupted = 0;
+// A lock-free atomic may be stored from a signal handler.
+std::atomic<bool> g_interrupted{false};
+static_assert(std::atomic<bool>::is_always_lock_free);
 void OnInterrupt(int) {
-  g_interrupted = 1;
+  g_interrupted.store(true);
 }
 struct sigaction g_old_int, g_old_term;
 }  // namespace
 
 InterruptGuard::InterruptGuard() {
-  g_interrupted = 0;
+  g_interrupted.store(false);
   struct sigaction sa {};
   sa.sa_handler = OnInterrupt;
   sigemptyset(&sa.sa_mask);
@@ -327,7 +329,11 @@ InterruptGuard::~InterruptGuard() {
 }
 
 bool InterruptGuard::interrupted() const {
-  return g_interrupted != 0;
+  return g_interrupted.load();
+}
+
+const std::atomic<bool>* InterruptGuard::flag() const {
+  return &g_interrupted;
 }
 
 Result<uint64_t> SizeOfFd(int fd, const std::string& path) {

@@ -11,6 +11,7 @@
 
 #include <unistd.h>
 
+#include <atomic>
 #include <boost/program_options.hpp>
 #include <chrono>
 #include <cstdint>
@@ -197,6 +198,8 @@ class InterruptGuard {
   InterruptGuard(const InterruptGuard&) = delete;
   InterruptGuard& operator=(const InterruptGuard&) = delete;
   bool interrupted() const;
+  // The same flag, for code that polls an atomic (DedupOptions::stop).
+  const std::atomic<bool>* flag() const;
 };
 
 using dede::FdCloser;

@@ -215,6 +215,13 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   opts.io_budget = &throttle;
   opts.settle_io = [&](const std::function<void()>& between) { throttle.Settle(between); };
   opts.batch_ops = IoThrottle::BatchOpsFor(policy->rate_bytes_per_s, opts.batch_ops);
+  // A first SIGINT or SIGTERM stops the pass at its next shard the way a
+  // window's end stops dedupd's (the records not merged yet are parked,
+  // the work done is kept), so the files and shards it holds are closed
+  // and unlocked here rather than left to a dead process's lock records.
+  // A second one kills as usual.
+  InterruptGuard interrupt;
+  opts.stop = interrupt.flag();
   auto access = std::make_unique<VolumeFileAccess>(vol);
   Result<DedupStats> st = Status::Ok();
   {
@@ -223,8 +230,21 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   }
   access.reset();  // close (unlock) the files
   if (tty && !as_json) std::fprintf(stderr, "\r\033[K");
-  if (!st.ok()) return Fail(cmd, st.status());
+  if (!st.ok()) {
+    if (interrupt.interrupted()) {
+      return Fail(cmd, st.status().WithContext("interrupted; the work of the shards done is kept"));
+    }
+    return Fail(cmd, st.status());
+  }
   const DedupStats& s = *st;
+  if (s.stopped) {
+    // Interrupted: what was done is durable; say so, and fail the command
+    // (it did not finish the pass it was asked for).
+    if (as_json) PrintJson(StatsJson(s));
+    return Fail(cmd, "interrupted: the pass stopped early; " +
+                         std::to_string(s.records_parked_at_stop) +
+                         " records were parked for the next pass, the work done is kept");
+  }
   if (as_json) {
     PrintJson(StatsJson(s));
     return kExitOk;
