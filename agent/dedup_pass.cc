@@ -319,6 +319,16 @@ class Pass {
       Result<FileAccess::Handle> h = access_->Get(pf->info);
       if (h.ok()) {
         pf->h = *h;
+        // The dedup flag as it is now that the file is held: an opt-out
+        // (`dede set NAME dedup=off`) after the pass listed the files used
+        // to have the file rehashed, its zero blocks punched and entries
+        // added for it all the same.
+        if (Result<FileInfo> now = h->file->Info(); now.ok() && now->dedup != pf->info.dedup) {
+          pf->info.dedup = now->dedup;
+          if (auto bi = by_ino_.find(pf->info.id.ino); bi != by_ino_.end()) {
+            bi->second.dedup = now->dedup;
+          }
+        }
       } else {
         pf->open_status = h.status();
       }
@@ -420,7 +430,8 @@ class Pass {
       const size_t start = std::min(walk.size() - 1, static_cast<size_t>(frac * walk.size()));
       std::rotate(walk.begin(), walk.begin() + static_cast<ptrdiff_t>(start), walk.end());
     }
-    for (const FileInfo* walked : walk) {
+    for (size_t w = 0; w < walk.size(); w++) {
+      const FileInfo* walked = walk[w];
       // Pays for the previous log's reads and rehash: a waiting client
       // may take its disk back meanwhile.
       RETURN_IF_ERROR(SettleIoGivingBack());
@@ -428,6 +439,14 @@ class Pass {
       // the next pass; what was gathered is parked by the merge round.
       if (Cancelled()) return Status::Unavailable("dedup pass cancelled");
       if (StopAsked()) break;
+      // Bounded memory: past max_records, the logs not read yet are left
+      // for another round (RunDedupPass runs it at once). Merging in rounds
+      // within one pass would judge the entries an earlier round made
+      // against blocks a later round's logs touched.
+      if (records_.size() >= opts_.max_records) {
+        stats_.logs_left_over = walk.size() - w;
+        break;
+      }
       const FileInfo& li = *walked;
       std::optional<FileId> owner = ParseWriteLogName(li.name);
       if (!owner) continue;
@@ -1893,8 +1912,87 @@ class Pass {
 }  // namespace
 
 Result<DedupStats> RunDedupPass(Volume* vol, FileAccess* access, const DedupOptions& opts) {
-  Pass pass(vol, access, opts);
-  return pass.Run();
+  DedupStats total;
+  DedupOptions round_opts = opts;
+  while (true) {
+    Pass pass(vol, access, round_opts);
+    ASSIGN_OR_RETURN(DedupStats st, pass.Run());
+    total.Add(st);
+    total.rounds++;
+    if (st.stopped || st.logs_left_over == 0) break;
+    // The next round reads the logs this one left (and what was left of
+    // the ones it read: their deferred records). The sweep and the rescan
+    // were done.
+    round_opts.force = false;
+    round_opts.rescan = false;
+  }
+  return total;
+}
+
+void DedupStats::Add(const DedupStats& o) {
+  for (const ShardSpan& span : o.shard_spans()) AddShardSpan(span.start_ns, span.end_ns);
+  shard_lock_ns += o.shard_lock_ns - [&] {
+    uint64_t kept = 0;
+    for (const ShardSpan& span : o.shard_spans()) kept += span.end_ns - span.start_ns;
+    return kept;
+  }();
+  shard_lock_spans += o.shard_lock_spans - o.shard_span_count;
+  stopped = stopped || o.stopped;
+  logs_left_over = o.logs_left_over;
+  logs_consumed += o.logs_consumed;
+  files_busy += o.files_busy;
+  files_dedup_off += o.files_dedup_off;
+  orphan_logs_removed += o.orphan_logs_removed;
+  log_records += o.log_records;
+  log_corrupt_frames += o.log_corrupt_frames;
+  log_dropped_records += o.log_dropped_records;
+  logs_saturated += o.logs_saturated;
+  blocks_rehashed += o.blocks_rehashed;
+  files_rescanned += o.files_rescanned;
+  zero_blocks_freed += o.zero_blocks_freed;
+  unique_added += o.unique_added;
+  shared_new += o.shared_new;
+  shared_hits += o.shared_hits;
+  already_shared += o.already_shared;
+  stale_records += o.stale_records;
+  stale_entries += o.stale_entries;
+  busy_targets += o.busy_targets;
+  records_parked_busy += o.records_parked_busy;
+  shards_revisited += o.shards_revisited;
+  merge_requests_posted += o.merge_requests_posted;
+  merge_posts_busy += o.merge_posts_busy;
+  merge_requests_applied += o.merge_requests_applied;
+  merge_requests_failed_verification += o.merge_requests_failed_verification;
+  merge_requests_busy += o.merge_requests_busy;
+  merge_requests_stale += o.merge_requests_stale;
+  merge_corrupt_groups += o.merge_corrupt_groups;
+  merge_files_removed += o.merge_files_removed;
+  gc_arena_blocks += o.gc_arena_blocks;
+  gc_unique_entries += o.gc_unique_entries;
+  arena_blocks_swept += o.arena_blocks_swept;
+  gc_checks_busy += o.gc_checks_busy;
+  shards_rewritten += o.shards_rewritten;
+  shards_deferred += o.shards_deferred;
+  shards_split += o.shards_split;
+  splits_deferred_busy += o.splits_deferred_busy;
+  shard_waits += o.shard_waits;
+  pending_records_written += o.pending_records_written;
+  pending_records_applied += o.pending_records_applied;
+  entries_scanned += o.entries_scanned;
+  entries_written += o.entries_written;
+  index_bytes_read += o.index_bytes_read;
+  index_bytes_written += o.index_bytes_written;
+  corrupt_shard_blocks += o.corrupt_shard_blocks;
+  incomplete_versions_removed += o.incomplete_versions_removed;
+  stale_files_removed += o.stale_files_removed;
+  files_given_back += o.files_given_back;
+  records_parked_at_stop += o.records_parked_at_stop;
+  young_records_deferred += o.young_records_deferred;
+  young_ranges_deferred += o.young_ranges_deferred;
+  rehash_ranges_deferred += o.rehash_ranges_deferred;
+  gather_ns += o.gather_ns;
+  merge_ns += o.merge_ns;
+  total_ns += o.total_ns;
 }
 
 Result<MergeApplyStats> ApplyMergeRequestsForHeldFiles(

@@ -60,8 +60,11 @@ struct DedupOptions {
   // Read and fingerprint every block of every file (not only what the
   // logs name): rebuilds a lost or damaged index.
   bool rescan = false;
-  // Records held in memory before they are merged into the index (rescan
-  // merges in rounds of this many; ~48 bytes each).
+  // Records held in memory before they are merged into the index (~48
+  // bytes each, plus what a shard's merge holds per record), so a pass
+  // after days of writes does not hold every record at once: a rescan
+  // merges in rounds of this many, and the gathering of logs stops there
+  // and leaves the other logs to another round of the pass.
   size_t max_records = size_t{4} << 20;
   // Blocks the logs say changed without a fingerprint (partial writes)
   // are read and hashed by the pass, at most this many per pass.
@@ -144,6 +147,11 @@ struct DedupStats {
   uint64_t logs_saturated = 0;       // logs that reached their size limit (whole file rehashed)
   uint64_t blocks_rehashed = 0;      // changed without a record (or rescanned): read and hashed
   uint64_t files_rescanned = 0;
+  // Bounded memory (DedupOptions::max_records): a round of the pass stops
+  // reading logs once it holds that many records; RunDedupPass runs
+  // another round for the rest. Statistics are summed over the rounds.
+  uint64_t rounds = 0;
+  uint64_t logs_left_over = 0;  // of the last round: not read (0 once all were)
   // Transitions.
   uint64_t zero_blocks_freed = 0;
   uint64_t unique_added = 0;         // absent -> unique
@@ -230,6 +238,10 @@ struct DedupStats {
   uint64_t gather_ns = 0;
   uint64_t merge_ns = 0;
   uint64_t total_ns = 0;
+
+  // Adds another round's figures: sums; `stopped` if either stopped;
+  // logs_left_over becomes the other's; `rounds` is left to the caller.
+  void Add(const DedupStats& o);
 };
 
 // How the pass reaches files: dedupd lends its open exports; the command

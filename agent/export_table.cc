@@ -366,15 +366,26 @@ Result<std::shared_ptr<Export>> ExportTable::OpenWait::Step() {
 }
 
 Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name) {
-  MutexLock o(&open_mu_);
-  {
-    MutexLock l(&mu_);
-    auto it = exports_.find(name);
-    if (it != exports_.end()) {
-      it->second->clients_++;
-      return it->second;
+  // An export of this name still closing holds its file open: wait for
+  // that close (seconds at most), then open it anew. (Its last client may
+  // leave again between the wait and open_mu_: wait again.)
+  while (true) {
+    WaitForClose(name);
+    MutexLock o(&open_mu_);
+    {
+      MutexLock l(&mu_);
+      auto it = exports_.find(name);
+      if (it != exports_.end()) {
+        it->second->clients_++;
+        return it->second;
+      }
+      if (closing_names_.count(name)) continue;
     }
+    return OpenExport(name);
   }
+}
+
+Result<std::shared_ptr<Export>> ExportTable::OpenExport(const std::string& name) {
   RETURN_IF_ERROR(LookupExportFile(name).status());
   Result<std::unique_ptr<File>> file = vol_->OpenFile(name);
   if (!file.ok()) {
@@ -400,7 +411,6 @@ Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name)
 }
 
 void ExportTable::Release(const std::shared_ptr<Export>& e) {
-  MutexLock o(&open_mu_);
   {
     MutexLock l(&mu_);
     if (--e->clients_ > 0) return;
@@ -409,8 +419,15 @@ void ExportTable::Release(const std::shared_ptr<Export>& e) {
     if (it == exports_.end() || it->second != e) return;
     exports_.erase(it);
     closing_.push_back(e);
+    closing_names_.insert(e->name_);
   }
   Close(e);
+}
+
+// The condition variable needs the native mutex (see BlockRangeLock).
+void ExportTable::WaitForClose(const std::string& name) NO_THREAD_SAFETY_ANALYSIS {
+  std::unique_lock<std::mutex> l(mu_.native());
+  closed_cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS { return closing_names_.count(name) == 0; });
 }
 
 void ExportTable::Close(const std::shared_ptr<Export>& e) {
@@ -441,6 +458,12 @@ void ExportTable::Close(const std::shared_ptr<Export>& e) {
   if (!st.ok()) LOG(kError) << "export '" << e->name() << "': flush on close: " << st.ToString();
   e->ranges_.Unlock(0, UINT64_MAX);
   e->file_.reset();
+  {
+    MutexLock l(&mu_);
+    auto it = closing_names_.find(e->name_);
+    if (it != closing_names_.end()) closing_names_.erase(it);
+  }
+  closed_cv_.notify_all();
   LOG(kInfo) << "export '" << e->name() << "' closed";
 }
 
@@ -450,7 +473,10 @@ void ExportTable::CloseAll() {
   {
     MutexLock l(&mu_);
     all.swap(exports_);
-    for (auto& [name, e] : all) closing_.push_back(e);
+    for (auto& [name, e] : all) {
+      closing_.push_back(e);
+      closing_names_.insert(name);
+    }
   }
   for (auto& [name, e] : all) Close(e);
 }

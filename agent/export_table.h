@@ -23,6 +23,7 @@
 #include <map>
 #include <memory>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -258,10 +259,15 @@ class ExportTable {
 
  private:
   Result<std::shared_ptr<Export>> TryAcquire(const std::string& name) EXCLUDES(mu_, open_mu_);
+  // Opens the file of an export no client has (TryAcquire's second half).
+  Result<std::shared_ptr<Export>> OpenExport(const std::string& name) REQUIRES(open_mu_)
+      EXCLUDES(mu_);
   // The regular file `name` names (no lock taken); kNotFound, worded for
   // a client, when there is none.
   Result<FileInfo> LookupExportFile(const std::string& name);
-  void Close(const std::shared_ptr<Export>& e);
+  void Close(const std::shared_ptr<Export>& e) EXCLUDES(mu_);
+  // Returns once no export named `name` is closing.
+  void WaitForClose(const std::string& name) EXCLUDES(mu_);
   Volume* const vol_;
   WriteMonitor* const monitor_;
   LogFlusher* const flusher_;
@@ -269,11 +275,19 @@ class ExportTable {
   // Before exports_: every Export's window returns its bytes here.
   ReadAheadBudget read_ahead_budget_;
   // Lock order: ExportTable::mu_ is never held across volume I/O; opening
-  // and closing run under open_mu_ (held across I/O, never taken by the
-  // data path) so two clients racing for a new export open it once.
+  // runs under open_mu_ (held across I/O, never taken by the data path) so
+  // two clients racing for a new export open it once. Closing does not:
+  // a close can wait seconds for its write log (kCloseLogWaitS) and syncs,
+  // and every open of every export, each parking a worker of the pool that
+  // serves all disks' I/O, used to wait behind it. An open of an export
+  // that is closing waits for that close instead (closing_names_).
   Mutex open_mu_ ACQUIRED_BEFORE(mu_);
   Mutex mu_;
   std::map<std::string, std::shared_ptr<Export>> exports_ GUARDED_BY(mu_);
+  // Names whose Close has not finished (their file is still open here);
+  // closed_cv_ (with mu_) is signalled as each finishes.
+  std::multiset<std::string> closing_names_ GUARDED_BY(mu_);
+  std::condition_variable closed_cv_;
   // Exports taken out of exports_ whose Close has not yet folded their
   // counts into closed_ (Close does it under mu_), so the totals never
   // lose a closing export's counts.

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <set>
 #include <thread>
 
 #include "kmod/writemon/write_log.h"
@@ -170,10 +171,23 @@ void LogFlusher::Park(MonitorBatch batch, uint64_t max_log_bytes) {
 }
 
 Status LogFlusher::AppendParked() {
+  if (parked_.empty()) return Status::Ok();
+  // A file removed since its batch was parked needs no log: appending
+  // would create one again for a file that is gone (the next pass then
+  // removes it as an orphan).
+  std::set<std::pair<uint64_t, uint64_t>> live;
+  ASSIGN_OR_RETURN(std::vector<FileInfo> files, vol_->List());
+  for (const FileInfo& f : files) live.emplace(f.id.ino, f.id.generation);
   Status first;
   for (auto it = parked_.begin(); it != parked_.end();) {
     const FileId id = it->first;
     const MonitorBatch& batch = it->second.batch;
+    if (!live.count({id.ino, id.generation})) {
+      LOG(kInfo) << "write log of file " << id.ino << "." << id.generation
+                 << ": the file was removed; its parked changes are dropped";
+      it = parked_.erase(it);
+      continue;
+    }
     // With the file's limit: a log that reached it already says every
     // block changed, and must not grow past it.
     LogAppendOutcome outcome = LogAppendOutcome::kAppended;

@@ -69,13 +69,27 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
 
  private:
   // (Re)starts the drain deadline: re-armed whenever replies go out, so a
-  // slow reader is not cut off, only one that stopped reading.
-  void ArmDrainTimer() {
+  // slow reader is not cut off, only one that stopped reading; and it
+  // fires only at a client with replies waiting for it. A request that
+  // simply runs longer (a long WRITE_ZEROES, a copy-on-write waiting for
+  // another host's group, a slow FLUSH) used to lose its reply: the
+  // deadline ran from the last reply written.
+  void ArmDrainTimer(double seconds = -1) {
+    if (seconds < 0) seconds = server_->opts_.drain_timeout_s;
     drain_timer_.expires_after(std::chrono::duration_cast<std::chrono::nanoseconds>(
-        std::chrono::duration<double>(server_->opts_.drain_timeout_s)));
+        std::chrono::duration<double>(seconds)));
     drain_timer_.async_wait(
         asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
           if (ec || self->finished_) return;
+          if (self->wq_.empty()) {
+            // Nothing for the client to take: the requests are still
+            // running (Send re-arms the deadline when a reply comes). The
+            // timer stays armed all the same: it is what keeps the io
+            // context running while they run on the workers (without it,
+            // io.run() returned and dedupd stopped mid-request).
+            self->ArmDrainTimer(std::max(self->server_->opts_.drain_timeout_s, 0.1));
+            return;
+          }
           LOG(kWarning) << "nbd connection " << self->id_ << ": client took no replies for "
                         << self->server_->opts_.drain_timeout_s << " s of shutdown; closing it";
           self->client_gone_ = true;
@@ -399,6 +413,8 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   }
   void Send(OutMessage m) {
     if (client_gone_) return;
+    // The client's time to take replies runs from when one is waiting.
+    if (draining_ && !finished_ && wq_.empty()) ArmDrainTimer();
     wq_bytes_ += m.head.size() + m.data.size();
     wq_.push_back(std::move(m));
     if (!writing_) WriteNext();

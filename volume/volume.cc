@@ -2130,8 +2130,7 @@ Result<uint64_t> VolumeImpl::GetPtr(const Inode& in, uint64_t index) {
   return p;
 }
 
-Status VolumeImpl::SetPtr(Inode* in, uint64_t index, uint64_t value) {
-  if (value == 0 && (in->depth == 0 || index >= Capacity(in->depth))) return Status::Ok();
+Status VolumeImpl::EnsureMapPath(Inode* in, uint64_t index) {
   // Grow the tree until it covers index.
   while (index >= Capacity(in->depth)) {
     std::vector<uint64_t> a;
@@ -2143,6 +2142,30 @@ Status VolumeImpl::SetPtr(Inode* in, uint64_t index, uint64_t value) {
     in->depth = static_cast<uint8_t>(level);
   }
   uint64_t addr = in->root;
+  for (uint32_t level = in->depth; level > 1; level--) {
+    uint8_t* b;
+    RETURN_IF_ERROR(Load(addr, InodeLock(in->ino), kMagicPointerBlock, "pointer block", &b));
+    uint32_t s = static_cast<uint32_t>((index / Span(level)) % kPointersPerBlock);
+    uint64_t next = PtrAddr(dede::GetPtr(b, s));
+    if (next == 0) {
+      std::vector<uint64_t> a;
+      RETURN_IF_ERROR(Allocate(1, &a, /*meta=*/true));
+      Fresh(a[0], InodeLock(in->ino), kMagicPointerBlock, level - 1);
+      dede::SetPtr(Dirty(addr), s, a[0]);
+      next = a[0];
+    }
+    addr = next;
+  }
+  return Status::Ok();
+}
+
+Status VolumeImpl::SetPtr(Inode* in, uint64_t index, uint64_t value) {
+  if (value == 0) {
+    if (in->depth == 0 || index >= Capacity(in->depth)) return Status::Ok();
+  } else {
+    RETURN_IF_ERROR(EnsureMapPath(in, index));
+  }
+  uint64_t addr = in->root;
   for (uint32_t level = in->depth; level >= 1; level--) {
     uint8_t* b;
     RETURN_IF_ERROR(Load(addr, InodeLock(in->ino), kMagicPointerBlock, "pointer block", &b));
@@ -2151,15 +2174,8 @@ Status VolumeImpl::SetPtr(Inode* in, uint64_t index, uint64_t value) {
       dede::SetPtr(Dirty(addr), s, value);
       return Status::Ok();
     }
-    uint64_t next = PtrAddr(dede::GetPtr(b, s));
-    if (next == 0) {
-      if (value == 0) return Status::Ok();
-      std::vector<uint64_t> a;
-      RETURN_IF_ERROR(Allocate(1, &a, /*meta=*/true));
-      Fresh(a[0], InodeLock(in->ino), kMagicPointerBlock, level - 1);
-      dede::SetPtr(Dirty(addr), s, a[0]);
-      next = a[0];
-    }
+    const uint64_t next = PtrAddr(dede::GetPtr(b, s));
+    if (next == 0) return Status::Ok();  // clearing a pointer in an absent subtree
     addr = next;
   }
   return Status::Ok();
@@ -2182,6 +2198,34 @@ Status VolumeImpl::ReplaceBlock(Inode* in, uint64_t index, uint64_t value) {
   if (old == 0 && value != 0) in->mapped_blocks++;
   if (old != 0 && value == 0) in->mapped_blocks--;
   return Status::Ok();
+}
+
+Result<std::optional<uint64_t>> VolumeImpl::LastMappedBelow(const Inode& in, uint64_t limit) {
+  if (in.depth == 0 || limit == 0) return std::optional<uint64_t>();
+  return LastMappedIn(in.root, in.depth, 0, std::min(limit, Capacity(in.depth)), InodeLock(in.ino));
+}
+
+// Indexes [base, limit) of the pointer block at `addr` (of `level`, whose
+// slots each cover Span(level) indexes from `base` on).
+Result<std::optional<uint64_t>> VolumeImpl::LastMappedIn(uint64_t addr, uint32_t level,
+                                                         uint64_t base, uint64_t limit,
+                                                         LockId owner) {
+  uint8_t* b;
+  RETURN_IF_ERROR(Load(addr, owner, kMagicPointerBlock, "pointer block", &b));
+  const uint64_t span = Span(level);
+  for (uint64_t s = std::min<uint64_t>((limit - 1 - base) / span, kPointersPerBlock - 1) + 1;
+       s-- > 0;) {
+    // (Re-read from the cache: loading a child may move cache entries.)
+    const uint64_t p = dede::GetPtr(cache_.at(addr).data.get(), static_cast<uint32_t>(s));
+    if (p == 0) continue;
+    const uint64_t child_base = base + s * span;
+    if (level == 1) return std::optional<uint64_t>(child_base);
+    ASSIGN_OR_RETURN(
+        std::optional<uint64_t> found,
+        LastMappedIn(PtrAddr(p), level - 1, child_base, std::min(limit, child_base + span), owner));
+    if (found) return found;
+  }
+  return std::optional<uint64_t>();
 }
 
 Status VolumeImpl::FreeSubtree(uint64_t addr, uint32_t level, uint64_t base, uint64_t keep_blocks,
@@ -2540,11 +2584,15 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
       st = PrepareDrops(drops);
     }
     Inode in;
+    bool loaded = false;
     if (st.ok()) {
       auto got = GetInode(f->id.ino);
       st = got.status();
       if (st.ok()) in = got.value();
+      loaded = st.ok();
     }
+    const uint64_t root_before = in.root;
+    const uint8_t depth_before = in.depth;
     size_t published = 0;  // blocks [0, published) are in the map
     for (; published < nblk && st.ok(); published++) {
       if (!fresh[published]) continue;
@@ -2561,7 +2609,12 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
           (void)DropRef(target[u]);  // claimed, its pointer not published
         }
       }
-      if (published > 0) PutInode(in);
+      // A map that grew before an allocation failed is stored too (an
+      // empty level is a valid map): left out, its new pointer blocks
+      // leaked.
+      if (loaded && (published > 0 || in.root != root_before || in.depth != depth_before)) {
+        PutInode(in);
+      }
       return st;
     }
     in.mtime_ns = clock_->NowNanos();
@@ -2657,14 +2710,17 @@ Status VolumeImpl::TruncateFile(OpenFileState* f, uint64_t size) {
       }
     }
   }
-  for (uint64_t i = old_blocks; i > keep; i--) {
+  // From the end down, mapped blocks only (one step per block, each under
+  // its own hold of mu_ and room in the journal).
+  for (uint64_t i = old_blocks; i > keep;) {
     MutexLock l(&mu_);
     RETURN_IF_ERROR(EnsureRoom(16));
     ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
-    ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, i - 1));
-    if (p == 0) continue;
-    RETURN_IF_ERROR(ReplaceBlock(&in, i - 1, 0));
+    ASSIGN_OR_RETURN(std::optional<uint64_t> last, LastMappedBelow(in, i));
+    if (!last || *last < keep) break;
+    RETURN_IF_ERROR(ReplaceBlock(&in, *last, 0));
     PutInode(in);
+    i = *last;
   }
   MutexLock l(&mu_);
   RETURN_IF_ERROR(EnsureRoom(16));
@@ -2862,6 +2918,21 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
     if (OptedOut(sin) || OptedOut(din)) return OptedOutMismatch("clone_block");
     ASSIGN_OR_RETURN(uint64_t dp, GetPtr(din, dst_index));
     if (sp != 0 && PtrAddr(dp) == PtrAddr(sp)) return Status::Ok();
+    if (sp != 0 && dp == 0) {
+      // The destination's map path first, before the group locks (an
+      // allocation that waits gives cached locks back): a full volume
+      // fails the clone here, with nothing changed, instead of poisoning
+      // the volume half-way (a merge post or an arena clone into a new
+      // part of its file, on a nearly full volume).
+      Status path = EnsureMapPath(&din, dst_index);
+      PutInode(din);
+      RETURN_IF_ERROR(path);
+      // (A clone within one file: the source's copy of the inode predates
+      // the growth.)
+      if (d->id.ino == s->id.ino) {
+        ASSIGN_OR_RETURN(sin, GetInode(s->id.ino));
+      }
+    }
     if (sp != 0) RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
     RETURN_IF_ERROR(PrepareDrops({PtrAddr(dp)}));
   }
@@ -3146,6 +3217,30 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
       RETURN_IF_ERROR(CheckWritable());
       uint32_t src_group = 0;
       const bool src_in_group = op.kind != Kind::kPunchIfZero && GroupOf(PtrAddr(sp), &src_group);
+      // The destination's map path (a clone into a hole), as a step of its
+      // own before the operation's first change and before its group locks
+      // (an allocation that waits gives cached locks back): a pointer block
+      // the volume has no room for fails this operation alone, where it
+      // used to poison the volume half-way. False: the operation failed.
+      auto map_path = [&]() REQUIRES(mu_) -> Result<bool> {
+        if (op.kind == Kind::kPunchIfZero || dp != 0) return true;
+        Inode& din = inodes[plan[k].dst_file];
+        const MapShape before(din);
+        Status path = EnsureMapPath(&din, op.dst_index);
+        RETURN_IF_ERROR(store(din, before));
+        if (path.ok()) return true;
+        if (path.code() == Status::Code::kNoSpace) {
+          op.result = path;
+          op.changed = false;
+          held_back.insert(p.dst);  // later operations on it assumed this one
+          return false;
+        }
+        if (path.code() == Status::Code::kLocked) {
+          hold_back(op, p, path.message().c_str());
+          return false;
+        }
+        return path;
+      };
       if (no_wait) {
         if (src_in_group && busy_groups.count(src_group)) {
           hold_back(op, p, "the source block's allocation group is held elsewhere");
@@ -3156,6 +3251,8 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
           hold_back(op, p, room.message().c_str());
           continue;
         }
+        ASSIGN_OR_RETURN(const bool mapped, map_path());
+        if (!mapped) continue;
         if (src_in_group && !cached_locks_.count(GroupLock(src_group))) {
           bool taken = false;
           if (!LooksBusy(src_group)) {
@@ -3173,6 +3270,8 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
         }
       } else {
         RETURN_IF_ERROR(EnsureRoom(32));
+        ASSIGN_OR_RETURN(const bool mapped, map_path());
+        if (!mapped) continue;
         // Group locks before any change: not getting one changes nothing.
         if (op.kind != Kind::kPunchIfZero) RETURN_IF_ERROR(AcquireGroupOf(PtrAddr(sp)));
       }

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <unordered_map>
 #include <unordered_set>
@@ -217,9 +218,23 @@ class VolumeImpl : public Volume {
   // Sets the pointer for `index`, building the path (may allocate pointer
   // blocks and grow the tree). Updates `in` (root/depth); caller PutInode.
   Status SetPtr(Inode* in, uint64_t index, uint64_t value) REQUIRES(mu_);
+  // Builds the block-map path down to `index` (grows the tree, adds empty
+  // pointer blocks) without mapping anything there. Every step leaves a
+  // valid map, so an operation that will map `index` does this first, as
+  // a step of its own: a pointer block that cannot be allocated (a full
+  // volume) then fails the operation before its first change, instead of
+  // half-way (which poisons the volume). Updates `in` (root/depth), also
+  // on failure; the caller stores it (PutInode) either way.
+  Status EnsureMapPath(Inode* in, uint64_t index) REQUIRES(mu_);
   // Locates (leaf block address, slot) for index, or leaf 0 if unmapped.
   Status FindLeaf(const Inode& in, uint64_t index, uint64_t* leaf, uint32_t* slot)
       REQUIRES(mu_);
+  // The largest mapped block index below `limit`, if any: walks the map,
+  // so holes cost nothing (truncating a thin 2 TiB disk looked up each of
+  // its half a billion block indexes).
+  Result<std::optional<uint64_t>> LastMappedBelow(const Inode& in, uint64_t limit) REQUIRES(mu_);
+  Result<std::optional<uint64_t>> LastMappedIn(uint64_t addr, uint32_t level, uint64_t base,
+                                               uint64_t limit, LockId owner) REQUIRES(mu_);
   Status FreeTree(Inode* in, uint64_t keep_blocks) REQUIRES(mu_);
   Status FreeSubtree(uint64_t addr, uint32_t level, uint64_t base, uint64_t keep_blocks,
                      LockId owner, bool* now_empty) REQUIRES(mu_);

@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <random>
 #include <regex>
+#include <set>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -1265,6 +1266,42 @@ TEST_CASE("a huge WRITE_ZEROES or TRIM does not hold up the requests behind it",
   CHECK(err == 0);
   c.Close();
   REQUIRE(d.Stop() == 0);
+  RequireFsckClean(tv.vol);
+}
+
+TEST_CASE("on SIGTERM a request running longer than --drain-timeout still gets its reply",
+          "[nbd]") {
+  // The drain deadline ran from the last reply written, not from a reply
+  // waiting for the client: a request executing longer than
+  // --drain-timeout (a long WRITE_ZEROES, a copy-on-write waiting for
+  // another host's group, a slow FLUSH) lost its reply at shutdown and the
+  // client saw the connection close.
+  TestVolume tv({{"vm", 512 * kMiB}});
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--drain-timeout", "0.05"});
+  RawClient c(tv.sock);
+  REQUIRE(c.Hello());
+  REQUIRE(c.Go("vm") > 0);
+  // 480 MiB of zeros written: far longer than 50 ms.
+  c.SendRequest(6 /*WRITE_ZEROES*/, 1, 0, 480 * kMiB, 2 /*NO_HOLE*/);
+  c.SendRequest(3 /*FLUSH*/, 2, 0, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // both read
+  REQUIRE(::kill(d.pid(), SIGTERM) == 0);
+  std::set<uint64_t> answered;
+  for (int i = 0; i < 2; i++) {
+    uint32_t err = 1;
+    uint64_t cookie = 0;
+    INFO("reply " << i << "; answered before it:" << (answered.count(1) ? " the zeroes" : "")
+                  << (answered.count(2) ? " the flush" : ""));
+    REQUIRE(c.RecvReply(&err, &cookie));
+    CHECK(err == 0);
+    answered.insert(cookie);
+  }
+  CHECK(answered == std::set<uint64_t>{1, 2});
+  CHECK(c.ServerClosed());
+  REQUIRE(d.Stop() == 0);
+  // The orderly stop ran (it used to end with the io context idle while
+  // the request ran, skipping the exports' close and the final flush).
+  CHECK(d.Log().find("export 'vm' closed") < d.Log().find("stopped"));
   RequireFsckClean(tv.vol);
 }
 

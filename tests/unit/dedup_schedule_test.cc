@@ -529,6 +529,77 @@ TEST_CASE(
   CHECK(scene.ReadAll("b", kDisk) == disk);
 }
 
+TEST_CASE("a pass holds at most max_records records and reads the other logs in another round",
+          "[schedule]") {
+  // Every record of every log was held in memory until one merge at the
+  // end (max_records bounded only --rescan): a pass after days of writes
+  // could take tens of gigabytes.
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  constexpr uint64_t kDisk = 64;
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 51);
+  for (const char* name : {"a", "b", "c", "d"}) {
+    scene.Create(name, kDisk);
+    scene.Write(name, 0, disk);
+  }
+  scene.FlushLogs();
+  clock.Advance(kMinute);
+  DedupOptions o;
+  o.max_records = kDisk;  // one log per round
+  auto st = scene.Pass(o);
+  REQUIRE(st.ok());
+  CHECK(st->rounds == 4);
+  CHECK(st->logs_left_over == 0);
+  CHECK(st->log_records == 4 * kDisk);
+  CHECK_FALSE(st->stopped);
+  CHECK(scene.PhysicalDataBlocks() == kDisk);
+  for (const char* name : {"a", "b", "c", "d"}) {
+    CHECK(scene.ReadAll(name, kDisk) == disk);
+    CHECK(scene.SharedBlocks(name) == kDisk);
+  }
+  // Nothing is left for the next pass.
+  auto again = scene.Pass(DedupOptions{});
+  REQUIRE(again.ok());
+  CHECK(again->log_records == 0);
+  CHECK(again->rounds == 1);
+}
+
+TEST_CASE("a file opted out after the pass listed the files is treated as opted out",
+          "[schedule]") {
+  // The pass took each file's dedup flag from its listing at the start:
+  // `dede set NAME dedup=off` just after it had the file's zero blocks
+  // punched, its changed blocks rehashed and index entries made for it.
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  constexpr uint64_t kDisk = 16;
+  std::vector<uint8_t> data = RandomBlocks(kDisk, 61);
+  std::fill(data.begin(), data.begin() + 8 * kB, 0);  // 8 zero blocks
+  File* b = scene.Create("b", kDisk);
+  scene.Create("a", kDisk);
+  scene.Write("a", 0, RandomBlocks(kDisk, 62));
+  scene.Write("b", 0, data);
+  scene.FlushLogs();
+  clock.Advance(kMinute);
+  bool switched = false;
+  DedupOptions o;
+  o.settle_io = [&](const std::function<void()>&) {
+    if (!switched) {  // after the listing, before any file is opened
+      switched = true;
+      REQUIRE(b->SetDedup(false).ok());
+    }
+  };
+  auto st = scene.Pass(o);
+  REQUIRE(st.ok());
+  REQUIRE(switched);
+  CHECK(st->files_dedup_off == 1);
+  CHECK(st->zero_blocks_freed == 0);
+  CHECK(scene.UniqueEntriesOf(b->id().ino) == 0);
+  auto info = b->Info();
+  REQUIRE(info.ok());
+  CHECK(info->mapped_blocks == kDisk);  // no zero block punched
+  CHECK(scene.ReadAll("b", kDisk) == data);
+}
+
 TEST_CASE("a dedup=off file is never shared and its index entries go at the next forced pass",
           "[schedule]") {
   TestClock clock(LocalTime(2026, 11, 24, 9, 0));

@@ -502,6 +502,48 @@ TEST_CASE("export: a close waits for a write log held elsewhere instead of dropp
   CHECK(state->records.at(0).fp == ComputeFingerprint(HashAlgo::kXxh128, second.data(), kB));
 }
 
+TEST_CASE("export: a close waiting for its write log holds up no other export's open", "[export]") {
+  // Closing ran under the table's open mutex: a close waiting up to
+  // kCloseLogWaitS for a log another process held (then syncing) made
+  // every open of every other disk wait too, each on a worker of the pool
+  // that serves all disks' I/O. A reopen of the closing disk waits for its
+  // close, and then finds it on disk.
+  LoggedExport t;
+  REQUIRE(t.vol->Create("vm2", kFileBytes).ok());
+  std::shared_ptr<Export> ex = std::move(t.ex);
+  const FileId id = ex->id();
+  const std::vector<uint8_t> data = Pattern(kB, 24);
+  REQUIRE(ex->Write(0, data.data(), kB, false).ok());
+  REQUIRE(t.flusher->FlushAll().ok());
+  REQUIRE(ex->Write(kB, data.data(), kB, false).ok());
+  std::unique_ptr<Volume> other = t.OpenAs(2);
+  auto held = OpenWriteLog(other.get(), id);
+  REQUIRE(held.ok());
+  std::thread closer([&] { t.table->Release(ex); });
+  std::this_thread::sleep_for(200ms);  // the close is waiting for the log
+  const auto t0 = std::chrono::steady_clock::now();
+  auto e2 = t.table->Acquire("vm2");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  REQUIRE(e2.ok());
+  CHECK(s < 1.0);
+  // The same disk again: its open waits for the close.
+  std::thread letgo([&] {
+    std::this_thread::sleep_for(300ms);
+    held.value().reset();
+  });
+  auto again = t.table->Acquire("vm");
+  REQUIRE(again.ok());
+  std::vector<uint8_t> back(kB);
+  IoBytes out;
+  REQUIRE((*again)->Read(kB, kB, &out).ok());
+  CHECK(std::vector<uint8_t>(out.begin(), out.end()) == data);
+  closer.join();
+  letgo.join();
+  t.table->Release(*again);
+  t.table->Release(*e2);
+  ex.reset();
+}
+
 TEST_CASE("export: a close does not wait for a write log this process holds", "[export]") {
   // A dedup pass in dedupd holds the logs it consumes until it ends, and
   // hands a borrowed disk back (closing it) meanwhile, on its own thread:
@@ -522,6 +564,15 @@ TEST_CASE("export: a close does not wait for a write log this process holds", "[
   CHECK(s < 1.0);
   CHECK(t.monitor.FileStats(id).buffered_records == 0);  // parked, then gone with the file
   CHECK(t.flusher->parked_files() == 1);
+  // The file and its log are removed (`dede rm`) before the next flush
+  // interval: the parked changes go, and no log comes back for a file
+  // that is gone (appending created it again).
+  held.value().reset();
+  REQUIRE(t.vol->Remove(WriteLogName(id)).ok());
+  REQUIRE(t.vol->Remove("vm").ok());
+  REQUIRE(t.flusher->FlushAll().ok());
+  CHECK(t.flusher->parked_files() == 0);
+  CHECK(t.vol->Lookup(WriteLogName(id)).status().code() == Status::Code::kNotFound);
 }
 
 // The case that matters: a pass of this dedupd holds the log, with a young

@@ -809,6 +809,39 @@ struct SmallVolume {
     REQUIRE(st.ok());
     return st->free_blocks;
   }
+  // Files "a" and "b" of 4000 blocks, created and opened.
+  std::pair<std::unique_ptr<File>, std::unique_ptr<File>> CreateAB() {
+    REQUIRE(vol->Create("a", 4000 * kB).ok());
+    REQUIRE(vol->Create("b", 4000 * kB).ok());
+    return {std::move(vol->OpenFile("a").value()), std::move(vol->OpenFile("b").value())};
+  }
+  // Closes the files (fsck wants the volume to itself); fsck finds nothing.
+  void CloseAndCheck(std::unique_ptr<File>* a, std::unique_ptr<File>* b) {
+    a->reset();
+    b->reset();
+    std::string problems = FsckProblems(vol.get());
+    INFO("fsck:" << problems);
+    CHECK(problems.empty());
+  }
+  // Writes 0x11 blocks into `f` from its start until at most `free_left`
+  // blocks are free (fewer when the last write needed a pointer block
+  // too), then syncs; returns the next block index.
+  uint64_t Fill(File* f, uint64_t free_left) {
+    const std::vector<uint8_t> chunk(64 * kB, 0x11);
+    uint64_t next = 0;
+    while (Free() > free_left + 64 + 4) {
+      REQUIRE(f->Write(next * kB, chunk.data(), chunk.size()).ok());
+      next += 64;
+    }
+    while (Free() > free_left) {
+      Status w = f->Write(next * kB, chunk.data(), kB);
+      if (w.code() == Status::Code::kNoSpace) break;
+      REQUIRE(w.ok());
+      next++;
+    }
+    REQUIRE(vol->Sync().ok());
+    return next;
+  }
   MemDevice dev;
   std::shared_ptr<LockManager> locks;
   std::unique_ptr<Volume> vol;
@@ -859,10 +892,7 @@ TEST_CASE("volume full: kNoSpace while growing the block map leaks nothing",
           "[crash][volume][nospace]") {
   SmallVolume sv(24ull << 20);
   Volume* vol = sv.vol.get();
-  REQUIRE(vol->Create("a", 4000 * kB).ok());
-  REQUIRE(vol->Create("b", 4000 * kB).ok());
-  auto a = std::move(vol->OpenFile("a").value());
-  auto b = std::move(vol->OpenFile("b").value());
+  auto [a, b] = sv.CreateAB();
   // Fill "a" until exactly 11 blocks are free.
   std::vector<uint8_t> chunk(64 * kB, 0x11);
   uint64_t next = 0;
@@ -913,6 +943,67 @@ TEST_CASE("volume full: kNoSpace while growing the block map leaks nothing",
   bool read_back = back == ten;
   REQUIRE(read_back);
   REQUIRE(vol->Sync().ok());
+}
+
+// The first write to an empty file far from its start needs two pointer
+// blocks (a root and a leaf below a second level). With room for its data
+// block and one of them, the write failed kNoSpace and the grown root was
+// never stored: its pointer block leaked.
+TEST_CASE("volume full: a write whose block map grows part-way before kNoSpace leaks nothing",
+          "[crash][volume][nospace]") {
+  SmallVolume sv(24ull << 20);
+  Volume* vol = sv.vol.get();
+  auto [a, b] = sv.CreateAB();
+  std::vector<uint8_t> chunk(kB, 0x11);
+  const uint64_t next = sv.Fill(a.get(), 2);
+  for (uint64_t back = next; sv.Free() < 2 && back > 0;) {
+    REQUIRE(a->Punch(--back).ok());
+    REQUIRE(vol->Sync().ok());
+  }
+  REQUIRE(sv.Free() == 2);
+  Status st = b->Write(600 * kB, chunk.data(), kB);
+  INFO("write: " << st.ToString());
+  CHECK(st.code() == Status::Code::kNoSpace);
+  REQUIRE(vol->Sync().ok());
+  sv.CloseAndCheck(&a, &b);
+}
+
+// A clone (a merge post, an arena clone) into a part of its destination
+// that has no block-map path yet needs a pointer block: on a full volume
+// that allocation failed after the source's count had gone up, and the
+// half-done operation poisoned the volume (every later write of the host
+// failed until it restarted). The path is now built first.
+TEST_CASE("volume full: a clone or clone-if-hash that needs a pointer block fails alone",
+          "[crash][volume][nospace]") {
+  SmallVolume sv(24ull << 20);
+  Volume* vol = sv.vol.get();
+  auto [a, b] = sv.CreateAB();
+  std::vector<uint8_t> chunk(kB, 0x11);
+  sv.Fill(a.get(), 0);
+  REQUIRE(sv.Free() < 2);
+  const uint64_t refs_before = a->BlockRefCount(0).value();
+  // b is empty: block 600 needs a root and a leaf.
+  Status st = vol->CloneBlock(a.get(), 0, b.get(), 600);
+  INFO("clone: " << st.ToString());
+  CHECK(st.code() == Status::Code::kNoSpace);
+  std::vector<Volume::BlockOp> ops(1);
+  ops[0].kind = Volume::BlockOp::Kind::kCloneIfHash;
+  ops[0].src = a.get();
+  ops[0].src_index = 1;
+  ops[0].dst = b.get();
+  ops[0].dst_index = 700;
+  ops[0].witness = ComputeFingerprint(vol->superblock().hash_algo, chunk.data(), kB);
+  REQUIRE(vol->ApplyBlockOps(&ops, VerifyMode::kByteCompare).ok());
+  INFO("clone_if_hash: " << ops[0].result.ToString());
+  CHECK(ops[0].result.code() == Status::Code::kNoSpace);
+  CHECK_FALSE(ops[0].changed);
+  // Not poisoned: a flush point and writes in place work.
+  REQUIRE(vol->Sync().ok());
+  CHECK(a->BlockRefCount(0).value() == refs_before);
+  CHECK(a->BlockRefCount(1).value() == refs_before);
+  REQUIRE(a->Write(0, chunk.data(), kB).ok());
+  REQUIRE(vol->Sync().ok());
+  sv.CloseAndCheck(&a, &b);
 }
 
 // Random writes, clones and trims into a small volume until it is full,

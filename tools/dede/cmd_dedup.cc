@@ -46,6 +46,7 @@ json StatsJson(const DedupStats& s) {
   j["logs_saturated"] = s.logs_saturated;
   j["blocks_rehashed"] = s.blocks_rehashed;
   j["files_rescanned"] = s.files_rescanned;
+  j["rounds"] = s.rounds;
   j["arena_blocks_swept"] = s.arena_blocks_swept;
   j["zero_blocks_freed"] = s.zero_blocks_freed;
   j["unique_added"] = s.unique_added;
