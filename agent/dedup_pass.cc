@@ -1914,12 +1914,18 @@ class Pass {
 Result<DedupStats> RunDedupPass(Volume* vol, FileAccess* access, const DedupOptions& opts) {
   DedupStats total;
   DedupOptions round_opts = opts;
+  uint64_t left_before = 0;
   while (true) {
     Pass pass(vol, access, round_opts);
     ASSIGN_OR_RETURN(DedupStats st, pass.Run());
     total.Add(st);
     total.rounds++;
     if (st.stopped || st.logs_left_over == 0) break;
+    // Each round must get further: one that re-read only what earlier
+    // rounds left in their logs (rehashes past its budget) leaves the rest
+    // to the next pass instead of going round again.
+    if (total.rounds > 1 && st.logs_left_over >= left_before) break;
+    left_before = st.logs_left_over;
     // The next round reads the logs this one left (and what was left of
     // the ones it read: their deferred records). The sweep and the rescan
     // were done.

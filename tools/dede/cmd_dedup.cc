@@ -47,6 +47,7 @@ json StatsJson(const DedupStats& s) {
   j["blocks_rehashed"] = s.blocks_rehashed;
   j["files_rescanned"] = s.files_rescanned;
   j["rounds"] = s.rounds;
+  j["logs_left_over"] = s.logs_left_over;
   j["arena_blocks_swept"] = s.arena_blocks_swept;
   j["zero_blocks_freed"] = s.zero_blocks_freed;
   j["unique_added"] = s.unique_added;
@@ -251,6 +252,8 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
     return kExitOk;
   }
   std::cout << "dedup pass: " << s.logs_consumed << " logs, " << s.log_records << " records";
+  if (s.rounds > 1) std::cout << " in " << s.rounds << " rounds (bounded memory)";
+  if (s.logs_left_over > 0) std::cout << "; " << s.logs_left_over << " logs left for the next pass";
   if (s.files_busy) {
     std::cout << " (" << s.files_busy
               << " files held by another process or host were skipped: a dedupd serving "
