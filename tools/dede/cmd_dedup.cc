@@ -132,7 +132,10 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
       "block in a file held elsewhere becomes a merge request that the holder\n"
       "applies; requests posted for files this process can lock are applied first.\n"
       "The volume's policy (dede policy) applies: outside its windows the pass\n"
-      "needs --now; it runs at the policy's rate cap, priority and stable-after.");
+      "needs --now; it runs at the policy's rate cap, priority and stable-after.\n"
+      "Ctrl-C (or SIGTERM) stops the pass at its next step, as a window's end\n"
+      "does: what it did is kept, what it had not merged waits for the next\n"
+      "pass, and the command fails saying so; a second Ctrl-C kills it.");
   if (auto rc = parser.Parse(args)) return *rc;
   DedupOptions opts;
   opts.force = parser.flag("force");
