@@ -1855,6 +1855,7 @@ Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKi
     // Take the first free inode nobody holds rather than fail the create.
     uint64_t free_ino = 0;
     for (uint64_t ino : free_inos) {
+      if (opening_.count(ino)) continue;  // an open's lock (it will find no file)
       Status st = locks_->Acquire(InodeLock(ino), LockMode::kExclusive, false);
       if (st.ok()) {
         free_ino = ino;
@@ -2012,19 +2013,30 @@ Result<std::unique_ptr<File>> VolumeImpl::OpenFileById(FileId id) {
 
 Result<std::unique_ptr<File>> VolumeImpl::OpenInode(uint64_t ino, uint64_t generation,
                                                     const std::string& name) {
-  MutexLock l(&mu_);
-  if (ino == 0 || ino > sb_.inode_count) return Status::NotFound("no such file: " + name);
-  // A failed write or commit (maybe in a close, which cannot report it)
-  // poisoned the volume: say so, rather than trip over the locks it kept.
-  if (!poisoned_.ok()) return poisoned_;
-  if (open_.count(ino)) return Status::Locked("file '" + name + "' is already open here");
+  {
+    MutexLock l(&mu_);
+    if (ino == 0 || ino > sb_.inode_count) return Status::NotFound("no such file: " + name);
+    // A failed write or commit (maybe in a close, which cannot report it)
+    // poisoned the volume: say so, rather than trip over the locks it kept.
+    if (!poisoned_.ok()) return poisoned_;
+    if (open_.count(ino) || opening_.count(ino)) {
+      return Status::Locked("file '" + name + "' is already open here");
+    }
+    opening_.insert(ino);
+  }
+  // The file's lock is taken without mu_: with sanlock, a lock record a
+  // dead host left makes the acquirer wait for that host's partition
+  // lease (up to 8 io_timeouts + 60 s), and every other file's reads and
+  // writes need mu_.
   Status st = locks_->Acquire(InodeLock(ino),
                               read_only_ ? LockMode::kShared : LockMode::kExclusive, false);
+  MutexLock l(&mu_);
+  opening_.erase(ino);
   if (st.code() == Status::Code::kLocked) {
     return Status::Locked("file '" + name + "' is in use by another process or host");
   }
   RETURN_IF_ERROR(st);
-  Status rec = RecoverDeadHosts();
+  Status rec = poisoned_.ok() ? RecoverDeadHosts() : poisoned_;
   auto in = rec.ok() ? GetInode(ino) : Result<Inode>(rec);
   if (!in.ok() || !in->in_use() || in->generation != generation) {
     DropCache(InodeLock(ino));

@@ -471,6 +471,11 @@ class VolumeImpl : public Volume {
   // WaitLock logs which lock a wait this long was for.
   static constexpr std::chrono::milliseconds kLogWaitsFrom{100};
   std::map<uint64_t, OpenFileState*> open_ GUARDED_BY(mu_);  // by inode number
+  // Inodes whose OpenInode is taking the file's lock, outside mu_ (with
+  // sanlock that can wait out a dead host's lease: no other file's I/O may
+  // wait behind it). Keeps a second open of the same inode, and Create's
+  // pick of a free inode, away from a lock this process is acquiring.
+  std::set<uint64_t> opening_ GUARDED_BY(mu_);
   struct GroupCursor {
     uint64_t data = 0;  // next data index to try (upwards)
     uint64_t meta = 0;  // next block-map index to try (downwards; 0 wraps to the top)

@@ -1,9 +1,12 @@
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
+#include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <future>
 #include <map>
+#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -703,6 +706,73 @@ TEST_CASE("volume: an opener holds its slot's kRecovery from before the slot is 
   Result<bool> slot_held = hosts[1]->IsHeldElsewhere(slot);
   REQUIRE(slot_held.ok());
   CHECK(*slot_held);
+}
+
+// With sanlock, taking a file's lock can wait out a dead host's partition
+// lease (minutes). OpenInode took it holding the volume's mutex, so one
+// VM's open stalled the reads and writes of every disk served by the
+// process. The lock is now taken outside it.
+TEST_CASE("volume: an open waiting for its file's lock does not hold up other files' I/O",
+          "[volume]") {
+  MemDevice dev(64 << 20);
+  std::mutex gate_mu;
+  std::condition_variable gate_cv;
+  bool gate_open = false, acquiring = false;
+  uint64_t slow_ino = 0;  // set once "slow" exists
+  auto locks = std::make_shared<AcquireProbe>(TempLocks(), [&](LockId id) {
+    std::unique_lock<std::mutex> g(gate_mu);
+    if (slow_ino == 0 || !(id == LockId{LockKind::kInode, slow_ino})) return;
+    acquiring = true;
+    gate_cv.notify_all();
+    gate_cv.wait_for(g, std::chrono::seconds(30), [&] { return gate_open; });
+  });
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = locks;
+  auto v = Volume::Open(&dev, oo);
+  REQUIRE(v.ok());
+  REQUIRE(v.value()->Create("busy", 1 << 20).ok());
+  Result<FileId> slow = v.value()->Create("slow", 1 << 20);
+  REQUIRE(slow.ok());
+  auto busy = v.value()->OpenFile("busy");
+  REQUIRE(busy.ok());
+  {
+    std::lock_guard<std::mutex> g(gate_mu);
+    slow_ino = slow->ino;
+  }
+  std::future<Result<std::unique_ptr<File>>> opening =
+      std::async(std::launch::async, [&] { return v.value()->OpenFile("slow"); });
+  {
+    std::unique_lock<std::mutex> g(gate_mu);
+    REQUIRE(gate_cv.wait_for(g, std::chrono::seconds(10), [&] { return acquiring; }));
+  }
+  // While that open waits: the other file's I/O goes on, and a second open
+  // of the same file is refused rather than racing for the lock.
+  const std::vector<uint8_t> data = Pattern(64 << 10, 11);
+  std::future<bool> io = std::async(std::launch::async, [&] {
+    std::vector<uint8_t> back(data.size());
+    return busy.value()->Write(4096, data.data(), data.size()).ok() && v.value()->Sync().ok() &&
+           busy.value()->Read(4096, back.data(), back.size()).ok() && back == data;
+  });
+  const bool io_done = io.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  Result<std::unique_ptr<File>> again(Status::Invalid("not run"));
+  std::future<void> second =
+      std::async(std::launch::async, [&] { again = v.value()->OpenFile("slow"); });
+  const bool second_done = second.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  {
+    std::lock_guard<std::mutex> g(gate_mu);
+    gate_open = true;
+    gate_cv.notify_all();
+  }
+  CHECK(io_done);
+  CHECK(io.get());
+  CHECK(second_done);
+  second.get();
+  CHECK(again.status().code() == Status::Code::kLocked);
+  Result<std::unique_ptr<File>> opened = opening.get();
+  REQUIRE(opened.ok());
+  opened.value().reset();
+  busy.value().reset();
 }
 
 // A data pointer carries no checksum of its target: before the check in
