@@ -1935,67 +1935,87 @@ Result<DedupStats> RunDedupPass(Volume* vol, FileAccess* access, const DedupOpti
   return total;
 }
 
+namespace {
+
+constexpr DedupCounter kDedupCounters[] = {
+    {"logs_consumed", &DedupStats::logs_consumed},
+    {"files_busy", &DedupStats::files_busy},
+    {"files_dedup_off", &DedupStats::files_dedup_off},
+    {"orphan_logs_removed", &DedupStats::orphan_logs_removed},
+    {"log_records", &DedupStats::log_records},
+    {"log_corrupt_frames", &DedupStats::log_corrupt_frames},
+    {"log_dropped_records", &DedupStats::log_dropped_records},
+    {"logs_saturated", &DedupStats::logs_saturated},
+    {"blocks_rehashed", &DedupStats::blocks_rehashed},
+    {"files_rescanned", &DedupStats::files_rescanned},
+    {"zero_blocks_freed", &DedupStats::zero_blocks_freed},
+    {"unique_added", &DedupStats::unique_added},
+    {"shared_new", &DedupStats::shared_new},
+    {"shared_hits", &DedupStats::shared_hits},
+    {"already_shared", &DedupStats::already_shared},
+    {"stale_records", &DedupStats::stale_records},
+    {"stale_entries", &DedupStats::stale_entries},
+    {"busy_targets", &DedupStats::busy_targets},
+    {"records_parked_busy", &DedupStats::records_parked_busy},
+    {"shards_revisited", &DedupStats::shards_revisited},
+    {"merge_requests_posted", &DedupStats::merge_requests_posted},
+    {"merge_posts_busy", &DedupStats::merge_posts_busy},
+    {"merge_requests_applied", &DedupStats::merge_requests_applied},
+    {"merge_requests_failed_verification", &DedupStats::merge_requests_failed_verification},
+    {"merge_requests_busy", &DedupStats::merge_requests_busy},
+    {"merge_requests_stale", &DedupStats::merge_requests_stale},
+    {"merge_corrupt_groups", &DedupStats::merge_corrupt_groups},
+    {"merge_files_removed", &DedupStats::merge_files_removed},
+    {"gc_arena_blocks", &DedupStats::gc_arena_blocks},
+    {"gc_unique_entries", &DedupStats::gc_unique_entries},
+    {"arena_blocks_swept", &DedupStats::arena_blocks_swept},
+    {"gc_checks_busy", &DedupStats::gc_checks_busy},
+    {"shards_rewritten", &DedupStats::shards_rewritten},
+    {"shards_deferred", &DedupStats::shards_deferred},
+    {"shards_split", &DedupStats::shards_split},
+    {"splits_deferred_busy", &DedupStats::splits_deferred_busy},
+    {"shard_waits", &DedupStats::shard_waits},
+    {"pending_records_written", &DedupStats::pending_records_written},
+    {"pending_records_applied", &DedupStats::pending_records_applied},
+    {"entries_scanned", &DedupStats::entries_scanned},
+    {"entries_written", &DedupStats::entries_written},
+    {"index_bytes_read", &DedupStats::index_bytes_read},
+    {"index_bytes_written", &DedupStats::index_bytes_written},
+    {"corrupt_shard_blocks", &DedupStats::corrupt_shard_blocks},
+    {"incomplete_versions_removed", &DedupStats::incomplete_versions_removed},
+    {"stale_files_removed", &DedupStats::stale_files_removed},
+    {"files_given_back", &DedupStats::files_given_back},
+    {"records_parked_at_stop", &DedupStats::records_parked_at_stop},
+    {"young_records_deferred", &DedupStats::young_records_deferred},
+    {"young_ranges_deferred", &DedupStats::young_ranges_deferred},
+    {"rehash_ranges_deferred", &DedupStats::rehash_ranges_deferred},
+};
+
+// Everything in DedupStats that is not in kDedupCounters: rounds,
+// logs_left_over, shard_lock_ns, shard_lock_spans, the span list and its
+// count, `stopped` (padded to 8 bytes) and the three times. A new member
+// changes the size: add it to the list above, or here if it is not summed.
+static_assert(sizeof(DedupStats) == sizeof(uint64_t) * (std::size(kDedupCounters) + 2 + 2 + 1 + 3) +
+                                        sizeof(size_t) + sizeof(DedupStats::shard_span_list),
+              "DedupStats has a member kDedupCounters does not list");
+
+}  // namespace
+
+std::span<const DedupCounter> DedupCounters() {
+  return kDedupCounters;
+}
+
 void DedupStats::Add(const DedupStats& o) {
+  // The spans kept are counted in the totals already: add the totals, then
+  // the kept spans' list only.
+  const uint64_t lock_ns = shard_lock_ns + o.shard_lock_ns;
+  const uint64_t lock_spans = shard_lock_spans + o.shard_lock_spans;
   for (const ShardSpan& span : o.shard_spans()) AddShardSpan(span.start_ns, span.end_ns);
-  shard_lock_ns += o.shard_lock_ns - [&] {
-    uint64_t kept = 0;
-    for (const ShardSpan& span : o.shard_spans()) kept += span.end_ns - span.start_ns;
-    return kept;
-  }();
-  shard_lock_spans += o.shard_lock_spans - o.shard_span_count;
+  shard_lock_ns = lock_ns;
+  shard_lock_spans = lock_spans;
   stopped = stopped || o.stopped;
   logs_left_over = o.logs_left_over;
-  logs_consumed += o.logs_consumed;
-  files_busy += o.files_busy;
-  files_dedup_off += o.files_dedup_off;
-  orphan_logs_removed += o.orphan_logs_removed;
-  log_records += o.log_records;
-  log_corrupt_frames += o.log_corrupt_frames;
-  log_dropped_records += o.log_dropped_records;
-  logs_saturated += o.logs_saturated;
-  blocks_rehashed += o.blocks_rehashed;
-  files_rescanned += o.files_rescanned;
-  zero_blocks_freed += o.zero_blocks_freed;
-  unique_added += o.unique_added;
-  shared_new += o.shared_new;
-  shared_hits += o.shared_hits;
-  already_shared += o.already_shared;
-  stale_records += o.stale_records;
-  stale_entries += o.stale_entries;
-  busy_targets += o.busy_targets;
-  records_parked_busy += o.records_parked_busy;
-  shards_revisited += o.shards_revisited;
-  merge_requests_posted += o.merge_requests_posted;
-  merge_posts_busy += o.merge_posts_busy;
-  merge_requests_applied += o.merge_requests_applied;
-  merge_requests_failed_verification += o.merge_requests_failed_verification;
-  merge_requests_busy += o.merge_requests_busy;
-  merge_requests_stale += o.merge_requests_stale;
-  merge_corrupt_groups += o.merge_corrupt_groups;
-  merge_files_removed += o.merge_files_removed;
-  gc_arena_blocks += o.gc_arena_blocks;
-  gc_unique_entries += o.gc_unique_entries;
-  arena_blocks_swept += o.arena_blocks_swept;
-  gc_checks_busy += o.gc_checks_busy;
-  shards_rewritten += o.shards_rewritten;
-  shards_deferred += o.shards_deferred;
-  shards_split += o.shards_split;
-  splits_deferred_busy += o.splits_deferred_busy;
-  shard_waits += o.shard_waits;
-  pending_records_written += o.pending_records_written;
-  pending_records_applied += o.pending_records_applied;
-  entries_scanned += o.entries_scanned;
-  entries_written += o.entries_written;
-  index_bytes_read += o.index_bytes_read;
-  index_bytes_written += o.index_bytes_written;
-  corrupt_shard_blocks += o.corrupt_shard_blocks;
-  incomplete_versions_removed += o.incomplete_versions_removed;
-  stale_files_removed += o.stale_files_removed;
-  files_given_back += o.files_given_back;
-  records_parked_at_stop += o.records_parked_at_stop;
-  young_records_deferred += o.young_records_deferred;
-  young_ranges_deferred += o.young_ranges_deferred;
-  rehash_ranges_deferred += o.rehash_ranges_deferred;
+  for (const DedupCounter& c : kDedupCounters) this->*c.field += o.*c.field;
   gather_ns += o.gather_ns;
   merge_ns += o.merge_ns;
   total_ns += o.total_ns;

@@ -244,6 +244,17 @@ struct DedupStats {
   void Add(const DedupStats& o);
 };
 
+// The counters of DedupStats that rounds sum (DedupStats::Add) and
+// `dede dedup --json` prints, by their JSON names: every uint64_t member
+// but rounds, logs_left_over, the shard spans and the times. A static
+// check of the struct's size (dedup_pass.cc) makes a member added to
+// DedupStats without a decision about this list a compile error.
+struct DedupCounter {
+  const char* name;
+  uint64_t DedupStats::*field;
+};
+std::span<const DedupCounter> DedupCounters();
+
 // How the pass reaches files: dedupd lends its open exports; the command
 // line opens files on the volume (taking their locks). Every check and
 // change the pass makes to a file's blocks is a Volume::ApplyBlockOps

@@ -667,7 +667,11 @@ void NbdServer::Admit(Socket sock) {
     MutexLock l(&mu_);
     if (shutting_down_) return;  // the socket closes with `sock`
   }
-  if (sock.local_endpoint().protocol().family() == AF_INET) {
+  // The error_code form: the throwing one would end dedupd if the socket
+  // failed (getsockname) between the accept and here.
+  boost::system::error_code ec;
+  const auto local = sock.local_endpoint(ec);
+  if (!ec && local.protocol().family() == AF_INET) {
     int one = 1;
     ::setsockopt(sock.native_handle(), IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
   }

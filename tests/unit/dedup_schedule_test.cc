@@ -564,6 +564,43 @@ TEST_CASE("a pass holds at most max_records records and reads the other logs in 
   CHECK(again->rounds == 1);
 }
 
+// Rounds of a pass are summed by DedupStats::Add; a counter it missed
+// would vanish from every report of a pass past max_records.
+TEST_CASE("DedupStats::Add sums every counter and keeps the shard-lock totals", "[schedule]") {
+  DedupStats a, b;
+  uint64_t v = 1;
+  for (const DedupCounter& c : DedupCounters()) {
+    a.*c.field = v;
+    b.*c.field = 1000 * v;
+    v++;
+  }
+  std::set<std::string> names;
+  for (const DedupCounter& c : DedupCounters()) CHECK(names.insert(c.name).second);
+  a.AddShardSpan(10, 15);
+  b.AddShardSpan(20, 27);
+  b.shard_lock_ns += 100;  // spans past kMaxShardSpans count in the totals only
+  b.shard_lock_spans += 3;
+  a.gather_ns = 1;
+  b.gather_ns = 2;
+  b.stopped = true;
+  b.logs_left_over = 4;
+  a.logs_left_over = 9;
+  a.Add(b);
+  v = 1;
+  for (const DedupCounter& c : DedupCounters()) {
+    INFO(c.name);
+    CHECK(a.*c.field == 1001 * v);
+    v++;
+  }
+  CHECK(a.shard_lock_ns == 5 + 7 + 100);
+  CHECK(a.shard_lock_spans == 1 + 1 + 3);
+  REQUIRE(a.shard_spans().size() == 2);
+  CHECK(a.shard_spans()[1].start_ns == 20);
+  CHECK(a.gather_ns == 3);
+  CHECK(a.stopped);
+  CHECK(a.logs_left_over == 4);
+}
+
 TEST_CASE("a file opted out after the pass listed the files is treated as opted out",
           "[schedule]") {
   // The pass took each file's dedup flag from its listing at the start:
