@@ -713,8 +713,22 @@ Status VolumeImpl::Load(uint64_t addr, LockId owner, uint32_t magic, const char*
                         uint8_t** out) {
   auto it = cache_.find(addr);
   if (it != cache_.end()) {
-    *out = it->second.data.get();
-    return Status::Ok();
+    if (it->second.owner == owner) {
+      *out = it->second.data.get();
+      return Status::Ok();
+    }
+    // Cached for another lock: a pointer block this process freed (the
+    // cache keeps a file's blocks until it closes), its address since
+    // reused by another host for the file we now ask for. Such a copy is
+    // stale; read the block again. One that is still to be written home
+    // cannot have been reused (freed blocks wait for our checkpoint).
+    if (txn_.count(addr) || dirty_.count(addr)) {
+      return Status::Corruption(std::string(what) + " at block " + std::to_string(addr) +
+                                " is asked for under " + owner.ToString() +
+                                " while this process has it unwritten under " +
+                                it->second.owner.ToString());
+    }
+    cache_.erase(it);
   }
   BlockBuf b = NewBlockBuf();
   RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, b.get(), kBlockSize));

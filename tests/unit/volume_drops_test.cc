@@ -1164,6 +1164,54 @@ TEST_CASE("volume: a group taken while the dead-host scan fails is given back, n
   v1.reset();
 }
 
+// A pointer block a truncate freed stayed in its process's block cache
+// (tagged with the truncated file) until that file closed. Once another
+// host reused the address for a file of its own, this process read that
+// file's map from its stale copy: zeros for written blocks, and a write
+// would have committed the stale map over the other host's.
+TEST_CASE("volume: a freed pointer block reused by another host is read from the device",
+          "[volume][drops]") {
+  MemDevice base{64 << 20};
+  FormatOptions fo;
+  fo.group_refblocks = 64;  // one group: both hosts allocate from it
+  REQUIRE(FormatVolume(&base, fo, false).ok());
+  LocalHosts hosts;
+  auto lm1 = hosts.NewLocks();
+  auto v1 = hosts.Open(&base, 1, lm1);
+  REQUIRE(v1->superblock().group_count == 1);
+  REQUIRE(v1->Create("f", 1 << 20).ok());
+  REQUIRE(v1->Create("c", 1 << 20).ok());
+  auto f = v1->OpenFile("f");
+  REQUIRE(f.ok());
+  const std::vector<uint8_t> old_data = Pattern(0x31, 1), new_data = Pattern(0x59, 1);
+  REQUIRE(f.value()->Write(0, old_data.data(), kB).ok());
+  REQUIRE(v1->Sync().ok());
+  // Free f's one pointer block, keep f open, and hand the group over.
+  REQUIRE(f.value()->Truncate(0).ok());
+  auto asker = hosts.NewLocks();
+  REQUIRE(asker->Acquire(WantedGroup(0), LockMode::kShared, false).ok());
+  REQUIRE(v1->Sync().ok());
+  REQUIRE(asker->Release(WantedGroup(0)).ok());
+  {
+    auto v2 = hosts.Open(&base, 2, hosts.NewLocks());
+    auto c = v2->OpenFile("c");
+    REQUIRE(c.ok());
+    REQUIRE(c.value()->Write(0, new_data.data(), kB).ok());
+    c.value().reset();
+    REQUIRE(v2->Sync().ok());
+  }
+  auto c = v1->OpenFile("c");
+  REQUIRE(c.ok());
+  std::vector<uint8_t> got(kB);
+  REQUIRE(c.value()->Read(0, got.data(), kB).ok());
+  CHECK(got == new_data);
+  c.value().reset();
+  f.value().reset();
+  std::string problems = test::FsckProblems(v1.get());
+  INFO("fsck:" << problems);
+  CHECK(problems.empty());
+}
+
 // A free slot whose two journal headers are both damaged failed every
 // open (the dead-host scan cannot find its tail), fsck's included, so the
 // documented repair could not run; and that repair wrote fresh headers
