@@ -20,6 +20,8 @@ class ForwardingLocks : public LockManager {
   Status Release(LockId id) override { return base_->Release(id); }
   Result<bool> IsHeldElsewhere(LockId id) override { return base_->IsHeldElsewhere(id); }
   std::vector<std::pair<LockId, LockMode>> Held() override { return base_->Held(); }
+  Status ReleaseUnclean(LockId id) override { return base_->ReleaseUnclean(id); }
+  void Abandon() override { base_->Abandon(); }
   bool ReportsDeadHolders() const override { return base_->ReportsDeadHolders(); }
   uint64_t dead_holders_replaced() const override { return base_->dead_holders_replaced(); }
   Result<uint32_t> RepairLockTablePartition(uint32_t p) override {

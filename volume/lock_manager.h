@@ -60,6 +60,25 @@ class LockManager {
   // The locks this manager holds now (for `dede status`).
   virtual std::vector<std::pair<LockId, LockMode>> Held() = 0;
 
+  // Gives `id` back without vouching for what it guards: the caller took
+  // it, maybe from a dead holder, and could not replay the dead hosts'
+  // journals (its scan failed). The next acquirer must take it as a dead
+  // holder's and scan first. A backend that reports dead holders leaves
+  // its record marked dead (sanlock: FORMAT.md 1.1.1); one that does not
+  // just releases (its acquirers scan after every acquisition).
+  virtual Status ReleaseUnclean(LockId id) { return Release(id); }
+  // The volume cannot vouch for what its locks guard (poisoned: its
+  // journal may hold committed changes that never reached home): keep
+  // every lock held now until this manager goes (the process exits), and
+  // then leave them as a process that dies does, so that whoever takes
+  // them next replays that journal first. The local backend does so
+  // anyway (the kernel drops the locks; its acquirers always scan); the
+  // sanlock one, whose destructor otherwise releases (erases) its
+  // records, marks them dead instead, host slots first (FORMAT.md 1.1.1),
+  // or leaves them to this host's next collector if the table cannot be
+  // written.
+  virtual void Abandon() {}
+
   // Whether this backend sees the locks a dead holder left (the sanlock
   // lock table keeps their records until an acquirer replaces them) and
   // counts, in dead_holders_replaced(), every acquisition that did so. A

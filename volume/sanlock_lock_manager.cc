@@ -193,11 +193,40 @@ class SanlockImpl : public SanlockLockManager {
 
   ~SanlockImpl() override {
     std::vector<LockId> held;
+    bool abandoned;
     {
       MutexLock l(&mu_);
       for (auto& [id, mode] : held_) held.push_back(id);
+      abandoned = abandoned_;
     }
-    for (const LockId& id : held) (void)Release(id);
+    if (!abandoned) {
+      for (const LockId& id : held) (void)Release(id);
+      return;
+    }
+    // Left as a dying process leaves them. With the local locks gone our
+    // records are a dead process's (DeadProcessRecord), and the collector
+    // marks them, host slots before anything else (the order a dead-host
+    // scan needs). Released, they would be erased: the next acquirer would
+    // replace no dead holder and skip the scan.
+    // (The volume lease guards no state: released as usual.)
+    {
+      MutexLock l(&mu_);
+      for (const LockId& id : held) {
+        if (id.kind != LockKind::kVolume) held_.erase(id);
+      }
+    }
+    for (const LockId& id : held) {
+      if (id.kind != LockKind::kVolume) (void)local_->Release(id);
+    }
+    Result<uint64_t> marked = CollectStaleRecords();
+    if (!marked.ok()) {
+      LOG(kWarning) << "could not mark the lock records of an abandoned volume dead ("
+                    << marked.status().ToString()
+                    << "); this host's next dede process or dedupd marks them";
+    }
+    for (const LockId& id : held) {
+      if (id.kind == LockKind::kVolume) (void)Release(id);
+    }
   }
 
   Status Init() {
@@ -315,6 +344,46 @@ class SanlockImpl : public SanlockLockManager {
       (void)local_->Release(id);
       return EraseRecords(recs, id, [&](const LockRecord& r) { return r.host == opts_.host_id; });
     });
+  }
+
+  Status ReleaseUnclean(LockId id) override {
+    LockMode mode = LockMode::kShared;
+    {
+      MutexLock l(&mu_);
+      auto it = held_.find(id);
+      if (it == held_.end()) return Status::Invalid(id.ToString() + " is not held here");
+      mode = it->second;
+    }
+    // The volume lease and the hints guard no state; a shared record may
+    // be other processes' of this host too.
+    if (mode != LockMode::kExclusive || id.kind == LockKind::kVolume ||
+        id.kind == LockKind::kWanted || id.kind == LockKind::kWaiting) {
+      return Release(id);
+    }
+    {
+      MutexLock l(&mu_);
+      held_.erase(id);
+    }
+    // Marked under the partition lease, before the local lock goes: no
+    // other process of this host can have a record of it meanwhile. If the
+    // table cannot be written, the record stays live, ours, with the local
+    // lock free: a dead process's to this host's next collector.
+    Status st = UpdatePartition(PartitionOf(id), [&](std::vector<LockRecord>* recs) {
+      bool changed = false;
+      for (LockRecord& r : *recs) {
+        if (!Matches(r, id) || r.host != opts_.host_id || r.generation != generation_) continue;
+        r.generation = kDeadProcessGeneration;
+        changed = true;
+      }
+      return changed;
+    });
+    Status ls = local_->Release(id);
+    return st.ok() ? ls : st;
+  }
+
+  void Abandon() override {
+    MutexLock l(&mu_);
+    abandoned_ = true;
   }
 
   std::vector<std::pair<LockId, LockMode>> Held() override {
@@ -994,6 +1063,7 @@ class SanlockImpl : public SanlockLockManager {
   // so this costs no parallelism.
   mutable Mutex mu_;
   std::map<LockId, LockMode> held_ GUARDED_BY(mu_);
+  bool abandoned_ GUARDED_BY(mu_) = false;  // Abandon(): the destructor marks, not releases
   Counters counters_ GUARDED_BY(mu_);
 };
 

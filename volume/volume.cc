@@ -490,9 +490,12 @@ VolumeImpl::~VolumeImpl() {
   wanted_groups_.clear();
   Status st = (read_only_ || !poisoned_.ok()) ? poisoned_ : Checkpoint();
   if (!st.ok()) {
-    // Same as CloseFile: locks stay held (the lock manager drops them when
-    // it is destroyed, i.e. when this process is gone) so that whoever
-    // takes them next first replays our journal.
+    // Same as CloseFile: the locks stay held until the lock manager goes
+    // (with this process), so that whoever takes them next first replays
+    // our journal; abandoned, the manager then leaves them as a dead
+    // process's (a plain release would, with sanlock, erase their records:
+    // the next acquirer would replace no dead holder and skip the scan).
+    locks_->Abandon();
     return;
   }
   (void)ReleaseCached();
@@ -527,7 +530,11 @@ Status VolumeImpl::ScanForTaken(const std::vector<LockId>& taken) {
 }
 
 void VolumeImpl::ForgetTaken(const std::vector<LockId>& taken) {
-  for (const LockId& id : taken) (void)ForgetCachedLock(id);
+  // Unclean: an acquisition may have replaced a dead holder's record, the
+  // one sign (with sanlock) that its journal must be replayed before the
+  // lock's blocks are read; a clean release would erase it, and the next
+  // acquirer would skip the scan.
+  for (const LockId& id : taken) (void)ForgetCachedLock(id, /*unclean=*/true);
 }
 
 Status VolumeImpl::ScanDeadHosts() {
@@ -1089,7 +1096,7 @@ Status VolumeImpl::ReleaseCachedLock(LockId id) {
   return ForgetCachedLock(id);
 }
 
-Status VolumeImpl::ForgetCachedLock(LockId id) {
+Status VolumeImpl::ForgetCachedLock(LockId id, bool unclean) {
   if (id.kind == LockKind::kGroup && GroupPinned(static_cast<uint32_t>(id.id))) {
     return Status::Corruption("internal error: " + id.ToString() +
                               " would be released with blocks reserved in it");
@@ -1103,7 +1110,7 @@ Status VolumeImpl::ForgetCachedLock(LockId id) {
     alloc_cursor_.erase(static_cast<uint32_t>(id.id));
     full_groups_.erase(static_cast<uint32_t>(id.id));
   }
-  return locks_->Release(id);
+  return unclean ? locks_->ReleaseUnclean(id) : locks_->Release(id);
 }
 
 Status VolumeImpl::ReleaseCached(Pin pin) {
@@ -2054,7 +2061,8 @@ Result<std::unique_ptr<File>> VolumeImpl::OpenInode(uint64_t ino, uint64_t gener
   auto in = rec.ok() ? GetInode(ino) : Result<Inode>(rec);
   if (!in.ok() || !in->in_use() || in->generation != generation) {
     DropCache(InodeLock(ino));
-    (void)locks_->Release(InodeLock(ino));
+    // Unclean when the scan failed (see ForgetTaken).
+    (void)(rec.ok() ? locks_->Release(InodeLock(ino)) : locks_->ReleaseUnclean(InodeLock(ino)));
     if (!in.ok()) return in.status();
     return Status::NotFound("file '" + name + "' no longer exists");
   }

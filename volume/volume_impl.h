@@ -176,7 +176,9 @@ class VolumeImpl : public Volume {
   // its cached blocks and allocation state, releases it. Refuses a group
   // that still has reservations not materialized (an internal error: its
   // next holder could allocate them).
-  Status ForgetCachedLock(LockId id) REQUIRES(mu_);
+  // `unclean`: the dead-host scan after taking it failed (LockManager::
+  // ReleaseUnclean), so the next acquirer must take it as a dead holder's.
+  Status ForgetCachedLock(LockId id, bool unclean = false) REQUIRES(mu_);
 
   // Reservations (reserved_). A reserved block is allocated in memory
   // only: its count stays 0 until ClaimReservation sets it in the

@@ -10,6 +10,7 @@
 // (a minute, then fail with kLocked).
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
@@ -862,7 +863,16 @@ class SlotQueriesFail : public test::ForwardingLocks {
     }
     return base()->IsHeldElsewhere(id);
   }
+  Status Release(LockId id) override {
+    if (on_release) on_release(id, false);
+    return base()->Release(id);
+  }
+  Status ReleaseUnclean(LockId id) override {
+    if (on_release) on_release(id, true);
+    return base()->ReleaseUnclean(id);
+  }
   std::atomic<bool> fail{false};
+  std::function<void(LockId, bool unclean)> on_release;
 };
 
 class FlushCounter : public test::ForwardingDevice {
@@ -1112,6 +1122,11 @@ TEST_CASE("volume: a group taken while the dead-host scan fails is given back, n
     REQUIRE(v1->Create("b", 1 << 20).ok());
   }
   auto locks3 = std::make_shared<SlotQueriesFail>(hosts.NewLocks());
+  std::vector<LockId> unclean, clean_after_fail;
+  locks3->on_release = [&](LockId id, bool is_unclean) {
+    if (is_unclean) unclean.push_back(id);
+    if (!is_unclean && locks3->fail && id.kind == LockKind::kGroup) clean_after_fail.push_back(id);
+  };
   auto v3 = hosts.Open(&base, 3, locks3);
   auto b3 = v3->OpenFile("b");
   REQUIRE(b3.ok());
@@ -1140,6 +1155,10 @@ TEST_CASE("volume: a group taken while the dead-host scan fails is given back, n
   Status failed = b3.value()->Write(0, y.data(), y.size());
   INFO("write while the scan fails: " << failed.ToString());
   CHECK_FALSE(failed.ok());
+  // Given back unclean: with sanlock a clean release erased the record
+  // that told every other host a dead holder's journal comes first.
+  CHECK(std::count(unclean.begin(), unclean.end(), Group(0)) == 1);
+  CHECK(clean_after_fail.empty());
   locks3->fail = false;
   REQUIRE(b3.value()->Write(0, y.data(), y.size()).ok());
   REQUIRE(b3.value()->Flush().ok());
@@ -1208,6 +1227,62 @@ TEST_CASE("volume: a freed pointer block reused by another host is read from the
   c.value().reset();
   f.value().reset();
   std::string problems = test::FsckProblems(v1.get());
+  INFO("fsck:" << problems);
+  CHECK(problems.empty());
+}
+
+// A poisoned volume keeps its locks so that whoever takes them next
+// replays its journal first. They used to go back cleanly when the lock
+// manager was destroyed: with sanlock that erased their records, and
+// another host took them as released cleanly, skipping the scan that
+// replays this journal.
+TEST_CASE("volume: a poisoned volume abandons its locks instead of releasing them",
+          "[volume][drops][crash]") {
+  MemDevice base{64 << 20};
+  REQUIRE(FormatVolume(&base, FormatOptions{}, false).ok());
+  LocalHosts hosts;
+  {
+    auto v1 = hosts.Open(&base, 1, hosts.NewLocks());
+    REQUIRE(v1->Create("a", 1 << 20).ok());
+  }
+  auto locks = std::make_shared<SlotQueriesFail>(hosts.NewLocks());
+  int abandoned = 0;
+  std::vector<LockId> released;
+  locks->on_release = [&](LockId id, bool) { released.push_back(id); };
+  struct AbandonSpy : test::ForwardingLocks {
+    using ForwardingLocks::ForwardingLocks;
+    std::function<void()> on_abandon;
+    void Abandon() override {
+      on_abandon();
+      ForwardingLocks::Abandon();
+    }
+  };
+  auto spy = std::make_shared<AbandonSpy>(locks);
+  spy->on_abandon = [&] {
+    abandoned++;
+    CHECK(!spy->Held().empty());  // the kept locks, not yet given back
+  };
+  FaultDevice dev(&base);
+  {
+    auto v2 = hosts.Open(&dev, 2, spy);
+    auto a = v2->OpenFile("a");
+    REQUIRE(a.ok());
+    const std::vector<uint8_t> x = Pattern(0x21, 4);
+    REQUIRE(a.value()->Write(0, x.data(), x.size()).ok());
+    dev.FailWritesAfter(0, EIO);
+    CHECK_FALSE(v2->Sync().ok());  // poisoned, with committed work unwritten
+    released.clear();
+    a.value().reset();
+    CHECK(released.empty());  // the file's lock is kept
+  }
+  CHECK(abandoned == 1);
+  CHECK(!locks->Held().empty());  // kept until the process (its lock manager) goes
+  // Then another process takes them and replays host 2's journal.
+  spy.reset();
+  locks.reset();
+  dev.ClearFault();
+  auto v3 = hosts.Open(&base, 3, hosts.NewLocks());
+  std::string problems = test::FsckProblems(v3.get());
   INFO("fsck:" << problems);
   CHECK(problems.empty());
 }
