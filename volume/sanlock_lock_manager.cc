@@ -417,8 +417,12 @@ class SanlockImpl : public SanlockLockManager {
   }
 
   // Left by a process of this host that died: our host, this generation,
-  // not held by this process, and its local lock free. (A probe: the
-  // local lock is taken and let go at once.)
+  // not held by this process, and its local lock free. The local lock is
+  // looked at (F_OFD_GETLK), not taken: a probe that took it made it look
+  // held to the other processes of this host for a moment, and a dead-host
+  // scan that asked then about a dead process's host slot went on without
+  // replaying its journal; an acquirer of this host got kLocked for
+  // nothing.
   bool DeadProcessRecord(const LockRecord& r) {
     if (r.host != opts_.host_id || r.generation != generation_) return false;
     const LockId id{static_cast<LockKind>(r.kind), r.id};
@@ -426,9 +430,8 @@ class SanlockImpl : public SanlockLockManager {
       MutexLock l(&mu_);
       if (held_.count(id) != 0) return false;
     }
-    if (!local_->Acquire(id, LockMode::kExclusive, false).ok()) return false;
-    (void)local_->Release(id);
-    return true;
+    Result<bool> held_here = local_->IsHeldElsewhere(id);
+    return held_here.ok() && !*held_here;
   }
 
   // Records of this host's dead processes are marked dead, not erased

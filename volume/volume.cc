@@ -430,7 +430,8 @@ Status VolumeImpl::Start(uint32_t host_id) {
     // and waits for kRecovery (ScanDeadHosts), until our replay is done.
     auto take_slot = [&](uint32_t h, bool wait_for_recovery) -> Status {
       const LockId rec{LockKind::kRecovery, h};
-      RETURN_IF_ERROR(locks_->Acquire(rec, LockMode::kExclusive, wait_for_recovery));
+      RETURN_IF_ERROR(wait_for_recovery ? TakeRecoveryLock(rec, LockMode::kExclusive)
+                                        : locks_->Acquire(rec, LockMode::kExclusive, false));
       Status st = locks_->Acquire(LockId{LockKind::kHostSlot, h}, LockMode::kExclusive, false);
       if (!st.ok()) (void)locks_->Release(rec);
       return st;
@@ -557,12 +558,12 @@ Status VolumeImpl::ScanDeadHosts() {
       // A live owner may be replaying its own journal right now: wait for it.
       ASSIGN_OR_RETURN(bool replaying, locks_->IsHeldElsewhere(rec));
       if (replaying) {
-        RETURN_IF_ERROR(locks_->Acquire(rec, LockMode::kShared, true));
+        RETURN_IF_ERROR(TakeRecoveryLock(rec, LockMode::kShared));
         (void)locks_->Release(rec);
       }
       continue;
     }
-    RETURN_IF_ERROR(locks_->Acquire(rec, LockMode::kExclusive, true));
+    RETURN_IF_ERROR(TakeRecoveryLock(rec, LockMode::kExclusive));
     // A new owner may have taken the slot while we waited for kRecovery
     // (it replays its own journal under it, then commits to it): its
     // journal is live now, not ours to replay.
@@ -582,6 +583,24 @@ Status VolumeImpl::ScanDeadHosts() {
     adopt_due_ns_ = 0;  // it may have left drops behind
   }
   return Status::Ok();
+}
+
+Status VolumeImpl::TakeRecoveryLock(LockId rec, LockMode mode) {
+  // Bounded like every other wait (LOCKING.md rule 3): with sanlock, a
+  // process that died replaying leaves its record live until a collector
+  // of its host marks it, and an unbounded wait here (under mu_) froze
+  // every file of this process meanwhile.
+  LockWatch watch;
+  watch.deadline = LockWatch::Clock::now() + lock_wait_;
+  Status st = WatchAndTake(locks_.get(), rec, mode, &watch);
+  if (st.code() == Status::Code::kLocked) {
+    return Status::Locked(rec.ToString() + " is still held after " +
+                          std::to_string(lock_wait_.count()) +
+                          " s: another process or host is replaying that slot's journal, or one "
+                          "that died doing so left its lock record (its host's next dede "
+                          "command or dedupd marks it dead)");
+  }
+  return st;
 }
 
 bool VolumeImpl::DamagedJournal(uint32_t h) const {

@@ -176,6 +176,8 @@ class VolumeImpl : public Volume {
   // its cached blocks and allocation state, releases it. Refuses a group
   // that still has reservations not materialized (an internal error: its
   // next holder could allocate them).
+  // Takes a host slot's kRecovery lock, waiting at most lock_wait_.
+  Status TakeRecoveryLock(LockId rec, LockMode mode);  // locks_ only: no mu_ needed
   // `unclean`: the dead-host scan after taking it failed (LockManager::
   // ReleaseUnclean), so the next acquirer must take it as a dead holder's.
   Status ForgetCachedLock(LockId id, bool unclean = false) REQUIRES(mu_);

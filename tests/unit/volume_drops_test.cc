@@ -17,6 +17,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <future>
 #include <memory>
 #include <random>
 #include <string>
@@ -1283,6 +1284,52 @@ TEST_CASE("volume: a poisoned volume abandons its locks instead of releasing the
   dev.ClearFault();
   auto v3 = hosts.Open(&base, 3, hosts.NewLocks());
   std::string problems = test::FsckProblems(v3.get());
+  INFO("fsck:" << problems);
+  CHECK(problems.empty());
+}
+
+// A dead host's dirty journal is replayed under its slot's kRecovery.
+// With sanlock, a process that died replaying it leaves that lock's
+// record live until a collector of its host marks it; the scan waited for
+// it without a bound, holding the volume mutex (every file of the process
+// froze, an open never returned).
+TEST_CASE("volume: the wait for a slot's replayer is bounded by the lock wait",
+          "[volume][drops][crash]") {
+  MemDevice base{64 << 20};
+  REQUIRE(FormatVolume(&base, FormatOptions{}, false).ok());
+  LocalHosts hosts;
+  {
+    auto v1 = hosts.Open(&base, 1, hosts.NewLocks());
+    REQUIRE(v1->Create("a", 1 << 20).ok());
+  }
+  {
+    FaultDevice d2(&base);
+    auto v2 = hosts.Open(&d2, 2, hosts.NewLocks());
+    auto a2 = v2->OpenFile("a");
+    REQUIRE(a2.ok());
+    const std::vector<uint8_t> x = Pattern(0x11, 4);
+    REQUIRE(a2.value()->Write(0, x.data(), x.size()).ok());
+    REQUIRE(a2.value()->Flush().ok());  // in the journal, not yet home
+    std::mt19937_64 rng(5);
+    d2.Crash(rng, 0.0);
+    d2.FailWritesAfter(0, EIO);
+  }
+  auto replayer = hosts.NewLocks();  // "replaying" host 2's journal, stuck
+  const LockId rec{LockKind::kRecovery, 2};
+  REQUIRE(replayer->Acquire(rec, LockMode::kExclusive, false).ok());
+  OpenOptions oo;
+  oo.lock_wait_s = 1;
+  auto opening =
+      std::async(std::launch::async, [&] { return hosts.TryOpen(&base, 3, hosts.NewLocks(), oo); });
+  const bool returned = opening.wait_for(std::chrono::seconds(20)) == std::future_status::ready;
+  REQUIRE(replayer->Release(rec).ok());  // lets an unbounded wait end too
+  auto v3 = opening.get();
+  CHECK(returned);
+  INFO(v3.status().ToString());
+  CHECK(v3.status().code() == Status::Code::kLocked);
+  v3 = hosts.TryOpen(&base, 3, hosts.NewLocks());  // replays now
+  REQUIRE(v3.ok());
+  std::string problems = test::FsckProblems(v3.value().get());
   INFO("fsck:" << problems);
   CHECK(problems.empty());
 }
