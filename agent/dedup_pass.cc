@@ -204,18 +204,33 @@ struct Group {
   bool target_busy = false;
 };
 
+// Where a --rescan round starts: files are rescanned in the order of their
+// inodes, each from block 0, except the file of `id`, from `block` (a
+// round that stopped inside it). Another file in that inode now (removed
+// and created again) starts from block 0.
+struct RescanCursor {
+  FileId id;
+  uint64_t block = 0;
+};
+
 class Pass {
  public:
-  Pass(Volume* vol, FileAccess* access, const DedupOptions& opts)
+  Pass(Volume* vol, FileAccess* access, const DedupOptions& opts, RescanCursor rescan_from = {})
       : vol_(vol),
         access_(access),
         opts_(opts),
+        rescan_from_(rescan_from),
         clock_(opts.clock != nullptr ? opts.clock : Clock::Real()),
         uuid_(vol->superblock().uuid),
         algo_(vol->superblock().hash_algo) {
     std::vector<uint8_t> zero(kBlockSize, 0);
     zero_key_ = KeyOf(ComputeFingerprint(algo_, zero.data(), zero.size()));
   }
+
+  // After Run with opts.rescan: whether every file was rescanned, and if
+  // not (max_records reached), where the next round starts.
+  bool rescan_done() const { return rescan_done_; }
+  RescanCursor rescan_next() const { return rescan_next_; }
 
   Result<DedupStats> Run() {
     // Every device I/O of this thread (and the shard read-ahead it starts)
@@ -629,19 +644,32 @@ class Pass {
 
   // --rescan: every block of every regular file this process can lock is
   // read and fingerprinted, as if just written (rebuilds a lost or damaged
-  // index, or indexes data written before dedup ran). Bounded memory: the
-  // records are merged into the index whenever max_records accumulate.
+  // index, or indexes data written before dedup ran), from rescan_from_ on.
+  // Bounded memory: once max_records are held (and this round has read
+  // something), the round stops there and rescan_next() says where the next
+  // round starts; RunDedupPass runs it as a new Pass. Not a merge within
+  // this pass: a rescanned block is "touched" for the rest of its pass (it
+  // supersedes every hint made before), so a later merge of the same pass
+  // would take the entries and parked records an earlier merge made from
+  // the rescan for stale and drop them, and nothing rescanned in one round
+  // would ever share with another round. A new pass marks only its own
+  // rounds' blocks; a block written after an earlier round read it is in
+  // its file's log, which the new pass gathers first (and a hint that is
+  // stale all the same costs a failed compare, never data).
   Status Rescan() {
     static const std::map<uint64_t, BlockRecord> kNone;
     std::vector<FileInfo> regular;
     for (const auto& [ino, fi] : by_ino_) {
-      if (fi.kind == FileKind::kRegular && fi.dedup) regular.push_back(fi);
+      if (fi.kind == FileKind::kRegular && fi.dedup && ino >= rescan_from_.id.ino) {
+        regular.push_back(fi);
+      }
     }
     std::sort(regular.begin(), regular.end(),
               [](const FileInfo& a, const FileInfo& b) { return a.id.ino < b.id.ino; });
+    bool read_any = false;  // every round gets further
     for (const FileInfo& fi : regular) {
       // Stopping: what was read so far is parked by the final merge round.
-      if (StopAsked()) break;
+      if (StopAsked()) return Status::Ok();
       RETURN_IF_ERROR(GiveBackWantedFiles());
       const uint32_t fidx = FileIndex(fi);
       PassFile* pf = &files_[fidx];
@@ -655,21 +683,33 @@ class Pass {
         return h.status();
       }
       const uint64_t whole = pf->WholeBlocks();
+      const uint64_t first = fi.id == rescan_from_.id ? std::min(rescan_from_.block, whole) : 0;
       Progress("rescanning '" + fi.name + "'");
-      for (uint64_t b = 0; b < whole;) {
+      uint64_t b = first;
+      bool full = false;
+      while (b < whole) {
+        if (read_any && records_.size() >= opts_.max_records) {
+          full = true;
+          break;
+        }
         const uint64_t n = std::min<uint64_t>(whole - b, 256);
         RETURN_IF_ERROR(Rehash(pf, fidx, b, n, kNone));
         b += n;
+        read_any = true;
         SettleIo();
       }
-      if (whole > 0) {
-        pf->touched.emplace_back(0, whole - 1);
+      if (b > first) {
+        pf->touched.emplace_back(first, b - 1);
         Coalesce(&pf->touched);
       }
-      stats_.files_rescanned++;
       RETURN_IF_ERROR(FlushZeroBlocks());
-      if (records_.size() >= opts_.max_records) RETURN_IF_ERROR(MergeRound(false));
+      if (full) {
+        rescan_next_ = RescanCursor{fi.id, b};
+        return Status::Ok();
+      }
+      stats_.files_rescanned++;
     }
+    rescan_done_ = true;
     return Status::Ok();
   }
 
@@ -1864,6 +1904,9 @@ class Pass {
   Volume* vol_;
   FileAccess* access_;
   DedupOptions opts_;
+  const RescanCursor rescan_from_;
+  RescanCursor rescan_next_;  // where the next round starts, unless rescan_done_
+  bool rescan_done_ = false;
   Clock* clock_;
   static constexpr uint64_t kGiveBackEveryNs = 1'000'000'000;
   uint64_t next_give_back_ns_ = 0;  // GiveBackWantedFiles looks again from then
@@ -1914,23 +1957,35 @@ class Pass {
 Result<DedupStats> RunDedupPass(Volume* vol, FileAccess* access, const DedupOptions& opts) {
   DedupStats total;
   DedupOptions round_opts = opts;
+  RescanCursor rescan_from;
   uint64_t left_before = 0;
   while (true) {
-    Pass pass(vol, access, round_opts);
+    // Every round is a pass of its own (see Pass::Rescan: merging twice
+    // within one pass would take the first merge's entries for stale).
+    Pass pass(vol, access, round_opts, rescan_from);
     ASSIGN_OR_RETURN(DedupStats st, pass.Run());
     total.Add(st);
     total.rounds++;
-    if (st.stopped || st.logs_left_over == 0) break;
-    // Each round must get further: one that re-read only what earlier
-    // rounds left in their logs (rehashes past its budget) leaves the rest
-    // to the next pass instead of going round again.
-    if (total.rounds > 1 && st.logs_left_over >= left_before) break;
+    if (st.stopped) break;
+    const bool rescan_more = round_opts.rescan && !pass.rescan_done();
+    if (!rescan_more) {
+      if (st.logs_left_over == 0) break;
+      // Each round must get further: one that re-read only what earlier
+      // rounds left in their logs (rehashes past its budget) leaves the
+      // rest to the next pass instead of going round again. (A rescan
+      // round always gets further: it reads at least one run of blocks.)
+      if (total.rounds > 1 && st.logs_left_over >= left_before) break;
+    }
     left_before = st.logs_left_over;
     // The next round reads the logs this one left (and what was left of
-    // the ones it read: their deferred records). The sweep and the rescan
-    // were done.
+    // the ones it read: their deferred records), and rescans from where
+    // this one stopped. The sweep was done.
     round_opts.force = false;
-    round_opts.rescan = false;
+    if (rescan_more) {
+      rescan_from = pass.rescan_next();
+    } else {
+      round_opts.rescan = false;
+    }
   }
   return total;
 }

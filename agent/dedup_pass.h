@@ -62,9 +62,9 @@ struct DedupOptions {
   bool rescan = false;
   // Records held in memory before they are merged into the index (~48
   // bytes each, plus what a shard's merge holds per record), so a pass
-  // after days of writes does not hold every record at once: a rescan
-  // merges in rounds of this many, and the gathering of logs stops there
-  // and leaves the other logs to another round of the pass.
+  // after days of writes does not hold every record at once: the
+  // gathering of logs, and a rescan, stop there and leave the other logs
+  // and blocks to another round of the pass (RunDedupPass).
   size_t max_records = size_t{4} << 20;
   // Blocks the logs say changed without a fingerprint (partial writes)
   // are read and hashed by the pass, at most this many per pass.
@@ -148,8 +148,9 @@ struct DedupStats {
   uint64_t blocks_rehashed = 0;      // changed without a record (or rescanned): read and hashed
   uint64_t files_rescanned = 0;
   // Bounded memory (DedupOptions::max_records): a round of the pass stops
-  // reading logs once it holds that many records; RunDedupPass runs
-  // another round for the rest. Statistics are summed over the rounds.
+  // reading logs (and rescanning) once it holds that many records;
+  // RunDedupPass runs another round for the rest, each a pass of its own.
+  // Statistics are summed over the rounds.
   uint64_t rounds = 0;
   uint64_t logs_left_over = 0;  // of the last round: not read (0 once all were)
   // Transitions.

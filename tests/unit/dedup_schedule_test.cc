@@ -564,6 +564,55 @@ TEST_CASE("a pass holds at most max_records records and reads the other logs in 
   CHECK(again->rounds == 1);
 }
 
+// A --rescan past max_records goes in rounds. They were merges within one
+// pass, which had marked every rescanned block "touched" (superseding
+// every older hint) for the whole pass: each round took the entries and
+// parked records of the rounds before it for stale and dropped them, and
+// no block ever shared with a block another round read. Every round is a
+// pass of its own now, rescanning from where the previous one stopped.
+TEST_CASE("a rescan in several rounds shares blocks read in different rounds", "[schedule]") {
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  constexpr uint64_t kDisk = 64;
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 52);
+  // No logs: only the rescan sees these blocks.
+  scene.Create("a", kDisk);
+  scene.Create("b", kDisk);
+  REQUIRE(scene.file("a")->Write(0, disk.data(), disk.size()).ok());
+  REQUIRE(scene.file("b")->Write(0, disk.data(), disk.size()).ok());
+  REQUIRE(scene.vol()->Sync().ok());
+  DedupOptions o;
+  o.rescan = true;
+  o.max_records = kDisk;  // one file per round
+  auto st = scene.Pass(o);
+  REQUIRE(st.ok());
+  CHECK(st->rounds == 2);
+  CHECK(st->files_rescanned == 2);
+  CHECK(st->blocks_rehashed == 2 * kDisk);
+  CHECK(st->shared_new == kDisk);
+  CHECK(st->gc_unique_entries == 0);
+  CHECK(scene.PhysicalDataBlocks() == kDisk);
+  CHECK(scene.SharedBlocks("a") == kDisk);
+  CHECK(scene.SharedBlocks("b") == kDisk);
+  CHECK(scene.ReadAll("a", kDisk) == disk);
+  CHECK(scene.ReadAll("b", kDisk) == disk);
+
+  // A round can stop inside a file: the next one goes on from there.
+  const std::vector<uint8_t> half = RandomBlocks(256, 53);
+  scene.Create("c", 512);
+  REQUIRE(scene.file("c")->Write(0, half.data(), half.size()).ok());
+  REQUIRE(scene.file("c")->Write(256 * kB, half.data(), half.size()).ok());
+  REQUIRE(scene.vol()->Sync().ok());
+  o.max_records = 256;
+  auto again = scene.Pass(o);
+  REQUIRE(again.ok());
+  CHECK(again->blocks_rehashed == 512 + 2 * kDisk);
+  CHECK(again->files_rescanned == 3);
+  CHECK(again->shared_new == 256);
+  CHECK(scene.SharedBlocks("c") == 512);
+  CHECK(scene.PhysicalDataBlocks() == kDisk + 256);
+}
+
 // Rounds of a pass are summed by DedupStats::Add; a counter it missed
 // would vanish from every report of a pass past max_records.
 TEST_CASE("DedupStats::Add sums every counter and keeps the shard-lock totals", "[schedule]") {
