@@ -113,10 +113,42 @@ ShardMap ResolveShardMap(const std::vector<FileInfo>& files,
   return m;
 }
 
+namespace {
+
+bool Overlap(const ShardRange& a, const ShardRange& b) {
+  return a.Contains(b.lo) || b.Contains(a.lo);
+}
+
+// The live slots of `m` that overlap `r`, as (range, version).
+std::vector<std::pair<ShardRange, uint64_t>> LiveNear(const ShardMap& m, const ShardRange& r) {
+  std::vector<std::pair<ShardRange, uint64_t>> out;
+  for (const ShardSlot& s : m.live) {
+    if (Overlap(s.range, r)) out.emplace_back(s.range, s.version);
+  }
+  return out;
+}
+
+}  // namespace
+
 Result<ShardMap> LoadShardMap(Volume* vol, const ShardRange* locked) {
   ASSIGN_OR_RETURN(std::vector<FileInfo> files, vol->List());
   std::set<std::string> incomplete, gone;
   std::vector<uint8_t> blk(kBlockSize);
+  // Checks the header of an open version.
+  auto check = [&](const FileInfo& fi, File* f) -> Status {
+    RETURN_IF_ERROR(f->Read(0, blk.data(), kBlockSize));
+    if (!DecodeShardHeader(blk.data(), vol->superblock().uuid, fi.id, fi.name).ok()) {
+      incomplete.insert(fi.name);
+    }
+    return Status::Ok();
+  };
+  // Versions held open elsewhere (only looked at when `locked` is given):
+  // whether each is under our lock (ShardLockId).
+  struct Held {
+    const FileInfo* fi;
+    bool ours;
+  };
+  std::vector<Held> held;
   for (const FileInfo& fi : files) {
     ShardRange r;
     uint64_t version;
@@ -125,40 +157,81 @@ Result<ShardMap> LoadShardMap(Volume* vol, const ShardRange* locked) {
       incomplete.insert(fi.name);
       continue;
     }
-    // Under our lock: the versions whose lock is the one we hold (a stale
-    // guess's range may also hold a split half under another lock).
-    const bool ours =
-        locked != nullptr && locked->Contains(r.lo) && ShardLockId(r) == ShardLockId(*locked);
-    const auto until = std::chrono::steady_clock::now() + kLockedRangeWait;
     Result<std::unique_ptr<File>> f = vol->OpenFileById(fi.id);
-    while (ours && f.status().code() == Status::Code::kLocked &&
-           std::chrono::steady_clock::now() < until) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-      f = vol->OpenFileById(fi.id);
-    }
     if (!f.ok()) {
       if (f.status().code() == Status::Code::kNotFound) {
         gone.insert(fi.name);
         continue;
       }
       if (f.status().code() == Status::Code::kLocked) {
-        if (!ours) continue;
-        return Status::Locked("index shard version '" + fi.name +
-                              "' stays open elsewhere; its header cannot be checked");
+        // Without a lock of ours: taken as complete.
+        if (locked == nullptr) continue;
+        // Under our lock: the versions whose lock is the one we hold (a
+        // stale guess's range may also hold a split half under another
+        // lock).
+        const bool ours = locked->Contains(r.lo) && ShardLockId(r) == ShardLockId(*locked);
+        held.push_back({&fi, ours});
+        continue;
       }
       return f.status();
     }
-    RETURN_IF_ERROR((*f)->Read(0, blk.data(), kBlockSize));
-    if (!DecodeShardHeader(blk.data(), vol->superblock().uuid, fi.id, fi.name).ok()) {
-      incomplete.insert(fi.name);
+    RETURN_IF_ERROR(check(fi, f->get()));
+  }
+  auto present = [&] {
+    std::vector<FileInfo> out;
+    out.reserve(files.size());
+    for (const FileInfo& fi : files) {
+      if (!gone.count(fi.name)) out.push_back(fi);
+    }
+    return out;
+  };
+  // Does the map around the locked range depend on a held version being
+  // complete? One under our lock always does (nobody else writes it: its
+  // holder is a reader, and readers open incomplete versions too). One
+  // under another lock does when taking it for incomplete resolves the
+  // slots overlapping ours differently: the upper half of a split that
+  // died is under the upper half's lock, and taken as complete it made the
+  // split look finished, the parent stale, and the parent's lock holder
+  // (the lower half's) deleted the live parent.
+  auto matters = [&] {
+    if (held.empty()) return false;
+    for (const Held& h : held) {
+      if (h.ours) return true;
+    }
+    const std::vector<FileInfo> now = present();
+    std::set<std::string> pessimistic = incomplete;
+    for (const Held& h : held) pessimistic.insert(h.fi->name);
+    return LiveNear(ResolveShardMap(now, incomplete), *locked) !=
+           LiveNear(ResolveShardMap(now, pessimistic), *locked);
+  };
+  // Such versions are opened again until free (a reader's look is brief);
+  // still held after kLockedRangeWait: kLocked, the caller looks again.
+  const auto until = std::chrono::steady_clock::now() + kLockedRangeWait;
+  while (matters()) {
+    if (std::chrono::steady_clock::now() >= until) {
+      return Status::Locked("index shard version '" + held.front().fi->name +
+                            "' stays open elsewhere; its header cannot be checked");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    for (size_t k = 0; k < held.size();) {
+      const FileInfo& fi = *held[k].fi;
+      Result<std::unique_ptr<File>> f = vol->OpenFileById(fi.id);
+      if (!f.ok() && f.status().code() == Status::Code::kLocked) {
+        k++;
+        continue;
+      }
+      if (!f.ok() && f.status().code() != Status::Code::kNotFound) return f.status();
+      if (f.ok()) {
+        RETURN_IF_ERROR(check(fi, f->get()));
+      } else {
+        gone.insert(fi.name);
+      }
+      held.erase(held.begin() + static_cast<ptrdiff_t>(k));
     }
   }
-  if (!gone.empty()) {
-    files.erase(std::remove_if(files.begin(), files.end(),
-                               [&](const FileInfo& fi) { return gone.count(fi.name) > 0; }),
-                files.end());
-  }
-  return ResolveShardMap(files, incomplete);
+  // What is still held does not change the map around our range: taken as
+  // complete, as without a lock.
+  return ResolveShardMap(present(), incomplete);
 }
 
 }  // namespace dede

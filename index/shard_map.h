@@ -77,14 +77,20 @@ ShardMap ResolveShardMap(const std::vector<FileInfo>& files,
 // Lists the volume's files and reads every shard version's header: a
 // version that does not check is incomplete; one removed meanwhile is left
 // out. One held open by someone else is taken as complete (its holder is
-// reading it, or writing it under the range's lock), except inside
-// `locked`, the range whose lock the caller holds (versions in it under
-// that same lock, ShardLockId): there nobody else
-// writes, so the holder is only a reader, and readers open incomplete
-// versions too; taken as complete, an incomplete version would make the
-// live one look stale, and the lock holder deletes stale versions. Those
-// are opened again until free (the reader's look is brief); still held
-// after kLockedRangeWait, kLocked.
+// reading it, or writing it under the range's lock), except where the
+// caller holds the lock of `locked` (ShardLockId) and the map near it
+// depends on it:
+//   * a version in `locked` under that same lock: nobody else writes it,
+//     so its holder is only a reader, and readers open incomplete versions
+//     too; taken as complete, an incomplete version would make the live
+//     one look stale, and the lock holder deletes stale versions;
+//   * a version under another lock whose completeness changes the live
+//     slots overlapping `locked`: the upper half of a split that died
+//     (under the upper half's lock) taken as complete makes the split look
+//     finished and the live parent stale, and the parent's lock is the
+//     lower half's, whose holder deletes it.
+// Those are opened again until free (the reader's look is brief); still
+// held after kLockedRangeWait, kLocked (the caller looks again later).
 Result<ShardMap> LoadShardMap(Volume* vol, const ShardRange* locked = nullptr);
 inline constexpr std::chrono::milliseconds kLockedRangeWait{5000};
 

@@ -809,6 +809,82 @@ TEST_CASE(
   CHECK(rep->clean());
 }
 
+// A split that died: its lower half complete, its upper half without a
+// header, the parent still live. The upper half is under its own lock
+// (ShardLockId(lo)), not the parent's, which is the lower half's. A
+// reader holding the upper half open while the parent's lock holder
+// loaded its map made the upper half count as complete: the split looked
+// finished, the parent stale, and the pass deleted it with its entries.
+TEST_CASE(
+    "dedup: a dead split's upper half held open by a reader does not make the live parent "
+    "stale",
+    "[dedup][crash]") {
+  TwinFiles t;
+  Volume* vol = t.vol.get();
+  REQUIRE(t.Pass().ok());
+  auto m = LoadShardMap(vol);
+  REQUIRE(m.ok());
+  REQUIRE(m->live.size() == 1);
+  const ShardSlot parent = m->live[0];
+  REQUIRE(parent.range.depth == 0);
+  auto entries = [&] {  // entries of every live shard version
+    uint64_t n = 0;
+    test::ForEachLiveShard(vol,
+                           [&](const ShardSlot&, ShardReader* r) { n += r->header().entry_count; });
+    return n;
+  };
+  const uint64_t before = entries();
+  REQUIRE(before >= 8);
+  const ShardRange lower = parent.range.Lower(), upper = parent.range.Upper();
+  REQUIRE(ShardLockId(lower) == ShardLockId(parent.range));
+  REQUIRE(ShardLockId(upper) != ShardLockId(parent.range));
+  {
+    const std::string name = ShardFileName(lower, parent.version + 1);
+    REQUIRE(vol->Create(name, 0, FileKind::kIndexShard).ok());
+    auto f = vol->OpenFile(name);
+    REQUIRE(f.ok());
+    ShardHeader proto;
+    proto.range = lower;
+    proto.version = parent.version + 1;
+    proto.algo = vol->superblock().hash_algo;
+    ShardWriter w(vol, f->get(), proto);
+    REQUIRE(w.Finish(0, 0).ok());
+  }
+  const std::string upper_name = ShardFileName(upper, parent.version + 1);
+  REQUIRE(vol->Create(upper_name, 2 * kB, FileKind::kIndexShard).ok());
+  {
+    auto half = LoadShardMap(vol);
+    REQUIRE(half.ok());
+    REQUIRE(half->live.size() == 1);  // half-finished: the parent is live
+    REQUIRE(half->live[0].name == parent.name);
+  }
+  auto reader = vol->OpenFile(upper_name);
+  REQUIRE(reader.ok());
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    reader->reset();
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto st = t.Pass(true);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  release.join();
+  REQUIRE(st.ok());
+  // The pass waited for the reader instead of deciding without the header.
+  CHECK(took >= std::chrono::milliseconds(1000));
+  CHECK(st->incomplete_versions_removed == 1);  // the upper half
+  auto after = LoadShardMap(vol);
+  REQUIRE(after.ok());
+  REQUIRE(after->live.size() == 1);
+  CHECK(after->live[0].range == parent.range);
+  CHECK(after->live[0].version >= parent.version);
+  CHECK(entries() == before);
+  for (MFile& f : t.files) f.file.reset();
+  auto rep = CheckVolume(vol, false);
+  REQUIRE(rep.ok());
+  for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
+  CHECK(rep->clean());
+}
+
 // A pass that defers a shard appends its records to the shard's pending
 // file. After a torn frame (a crash between the file's extension and the
 // frame's write), readers stop at it, and passes went on appending behind
