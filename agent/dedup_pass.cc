@@ -420,6 +420,7 @@ class Pass {
     stats_.merge_requests_stale += merged.stale;
     stats_.merge_corrupt_groups += merged.corrupt_groups;
     stats_.merge_files_removed += merged.request_files_removed;
+    stats_.newer_format_left_alone += merged.newer_files_kept;
     return Status::Ok();
   }
 
@@ -934,6 +935,26 @@ class Pass {
     SettleIo();  // listing the namespace reads the inode table
     const ShardSlot slot = map.SlotFor(*p);
     if (slot.range.lo != guess.lo) return false;
+    size_t end = *i;
+    while (end < records_.size() && KeyPrefix(records_[end].fp) <= slot.range.last()) end++;
+    auto next_slot = [&] {
+      *i = end;
+      if (slot.range.last() == ~0ull) {
+        swept_all_ = true;
+      } else {
+        *p = slot.range.last() + 1;
+      }
+    };
+    for (const IndexFile& f : map.newer) {
+      // A newer dede's version, live or not: not ours to read, rewrite,
+      // remove or clean up around (docs/FORMAT.md section 9), and a new
+      // version (or a split's halves) could take its name. The range is
+      // left alone.
+      if (!slot.range.Contains(f.range.lo)) continue;
+      LeaveNewerAlone(slot, "shard version '" + f.name + "'", end - *i);
+      next_slot();
+      return true;
+    }
     // Our lock covers every index file inside the slot's range (nobody can
     // be splitting it: that takes this lock too): clear out what is stale
     // there first (superseded and incomplete versions, pending files of
@@ -951,7 +972,8 @@ class Pass {
       return st;
     };
     for (const IndexFile& f : map.stale_shards) {
-      if (slot.range.Contains(f.range.lo)) RETURN_IF_ERROR(remove(f, &stats_.stale_files_removed));
+      if (!slot.range.Contains(f.range.lo)) continue;
+      RETURN_IF_ERROR(remove(f, &stats_.stale_files_removed));
     }
     for (const IndexFile& f : map.incomplete) {
       if (slot.range.Contains(f.range.lo)) {
@@ -959,29 +981,50 @@ class Pass {
       }
     }
     for (const IndexFile& f : map.pending) {
-      if (slot.range.Contains(f.range.lo) && !map.IsLivePending(f.range)) {
-        RETURN_IF_ERROR(remove(f, &stats_.stale_files_removed));
+      if (!slot.range.Contains(f.range.lo) || map.IsLivePending(f.range)) continue;
+      // One holding a newer dede's frames is not ours to remove.
+      Result<std::unique_ptr<File>> pf = vol_->OpenFile(f.name);
+      if (!pf.ok()) {
+        // Held open by a reader or already gone: next time.
+        if (pf.status().code() == Status::Code::kLocked ||
+            pf.status().code() == Status::Code::kNotFound) {
+          continue;
+        }
+        return pf.status();
       }
+      ASSIGN_OR_RETURN(const bool newer, PendingHasNewerFrame(pf->get(), algo_, uuid_));
+      pf->reset();
+      if (newer) {
+        LOG(kWarning) << "stale pending file '" << f.name
+                      << "' holds frames of a newer format version; left alone";
+        stats_.newer_format_left_alone++;
+        continue;
+      }
+      RETURN_IF_ERROR(remove(f, &stats_.stale_files_removed));
     }
     for (const IndexFile& f : map.arenas) {
       if (slot.range.Contains(f.range.lo) && !map.IsLiveArena(f.range.lo)) {
         RETURN_IF_ERROR(remove(f, &stats_.stale_files_removed));
       }
     }
-    size_t end = *i;
-    while (end < records_.size() && KeyPrefix(records_[end].fp) <= slot.range.last()) end++;
     const bool has_pending = map.IsPendingListed(slot.range);
     if (end > *i || (!parking_ && (opts_.force || has_pending))) {
       Result<bool> r = ProcessSlot(slot, has_pending, *i, end);
       if (!r.ok() || !*r) return r;
     }
-    *i = end;
-    if (slot.range.last() == ~0ull) {
-      swept_all_ = true;
-    } else {
-      *p = slot.range.last() + 1;
-    }
+    next_slot();
     return true;
+  }
+
+  // A shard range whose live version or pending file a newer dede wrote
+  // is not updated: this pass's `records` for it are dropped (hints: only
+  // an opportunity goes), nothing there is rewritten or removed.
+  void LeaveNewerAlone(const ShardSlot& slot, const std::string& what, size_t records) {
+    LOG(kWarning) << "index shard " << slot.range.ToString() << ": " << what
+                  << " is of a newer format version than this dede supports; the range is left "
+                     "alone ("
+                  << records << " records of this pass dropped)";
+    stats_.newer_format_left_alone++;
   }
 
   // The index files of a range (its shard versions, pending file and
@@ -1063,6 +1106,10 @@ class Pass {
       if (!opened.ok()) return opened.status();
       cur = std::move(*opened);
       Result<std::unique_ptr<ShardReader>> r = ShardReader::Open(cur.get(), uuid_, what);
+      if (!r.ok() && r.status().code() == Status::Code::kUnsupported) {
+        LeaveNewerAlone(slot, "its live version '" + slot.name + "'", e - b);
+        return true;
+      }
       if (!r.ok()) {
         if (r.status().code() != Status::Code::kCorruption) return r.status();
         // An update that died before its header, or a damaged header: the
@@ -1089,7 +1136,13 @@ class Pass {
         PendingScanStats ps;
         ASSIGN_OR_RETURN(pending, ReadPendingFile(pending_file.get(), algo_, uuid_, &ps,
                                                   "pending file of " + what));
-        if (ps.corrupt_frames && !ps.newer_frame) {
+        if (ps.newer_frame) {
+          // Frames a newer dede parked: a rewrite would retire them with
+          // the file, and frames appended behind them are never read here.
+          LeaveNewerAlone(slot, "its pending file", e - b);
+          return true;
+        }
+        if (ps.corrupt_frames) {
           // Nothing past a bad frame is ever read: cut the file there (as
           // fsck --repair does), or every record parked from now on would
           // be appended behind it and lost as well.
@@ -2039,6 +2092,7 @@ constexpr DedupCounter kDedupCounters[] = {
     {"corrupt_shard_blocks", &DedupStats::corrupt_shard_blocks},
     {"incomplete_versions_removed", &DedupStats::incomplete_versions_removed},
     {"stale_files_removed", &DedupStats::stale_files_removed},
+    {"newer_format_left_alone", &DedupStats::newer_format_left_alone},
     {"files_given_back", &DedupStats::files_given_back},
     {"records_parked_at_stop", &DedupStats::records_parked_at_stop},
     {"young_records_deferred", &DedupStats::young_records_deferred},

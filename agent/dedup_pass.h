@@ -228,6 +228,12 @@ struct DedupStats {
   uint64_t corrupt_shard_blocks = 0;
   uint64_t incomplete_versions_removed = 0;
   uint64_t stale_files_removed = 0;
+  // Index files (shard versions, pending files) and merge-request files of
+  // a newer major format version (a newer dede on the volume): never read,
+  // rewritten or removed here (docs/FORMAT.md section 9). A shard left
+  // alone so is not updated by this pass: its records are dropped (hints).
+  // Counted at each encounter.
+  uint64_t newer_format_left_alone = 0;
   uint64_t files_given_back = 0;  // borrowed files handed to a client waiting to open them
   // Scheduling.
   bool stopped = false;                // stopped by DedupOptions::stop (work parked)

@@ -71,11 +71,20 @@ class Checker {
                       "damage); it hides nothing and the next pass or --repair removes it");
     }
     for (const IndexFile& f : map.stale_shards) {
+      if (map.IsNewer(f.name)) {
+        report_.newer.push_back(f.name);
+        continue;
+      }
       AddStale(f, "shard version " + std::to_string(f.version) + " of " + f.range.ToString() +
                       " is superseded (left by an update that did not finish cleaning up)");
     }
     for (const IndexFile& f : map.pending) {
       if (!map.IsLivePending(f.range)) {
+        ASSIGN_OR_RETURN(const bool newer, PendingIsNewer(f));
+        if (newer) {
+          report_.newer.push_back(f.name);
+          continue;
+        }
         AddStale(f, "pending records of " + f.range.ToString() +
                         ", which is not a live shard (its records were applied before the "
                         "range changed)");
@@ -163,16 +172,23 @@ class Checker {
     File* f = opened->get();
     const FileId id = f->id();
     const std::string& name = s.name;
-    report_.shards_checked++;
     const uint64_t size = f->size();
+    std::vector<uint8_t> blk(kBlockSize);
+    if (size >= kBlockSize) {
+      RETURN_IF_ERROR(f->Read(0, blk.data(), kBlockSize));
+      if (DecodeShardHeader(blk.data(), uuid_, id, name).status().code() ==
+          Status::Code::kUnsupported) {
+        report_.newer.push_back(name);
+        return Status::Ok();
+      }
+    }
+    report_.shards_checked++;
     if (size < kBlockSize) {
       AddShardDamage(s, AtBlock(name, 0),
                      "incomplete shard version: " + std::to_string(size) +
                          " bytes, shorter than its header (an update that died?)");
       return Status::Ok();
     }
-    std::vector<uint8_t> blk(kBlockSize);
-    RETURN_IF_ERROR(f->Read(0, blk.data(), kBlockSize));
     Result<ShardHeader> hr = DecodeShardHeader(blk.data(), uuid_, id, name);
     if (!hr.ok()) {
       AddShardDamage(s, AtBlock(name, 0),
@@ -305,6 +321,18 @@ class Checker {
 
   // ------------------------------------------------------------ pending
 
+  // A stale pending file holding frames of a newer format version is not
+  // ours to remove. One that cannot be opened is not (the caller reports
+  // it as it would anyway).
+  Result<bool> PendingIsNewer(const IndexFile& pf) {
+    Result<std::unique_ptr<File>> opened = vol_->OpenFile(pf.name);
+    if (!opened.ok()) {
+      if (Gone(opened.status()) || Busy(opened.status())) return false;
+      return opened.status();
+    }
+    return PendingHasNewerFrame(opened->get(), algo_, uuid_);
+  }
+
   Status CheckPending(const IndexFile& pf) {
     Result<std::unique_ptr<File>> opened = vol_->OpenFile(pf.name);
     if (!opened.ok()) {
@@ -319,14 +347,32 @@ class Checker {
     report_.pending_files_checked++;
     const uint64_t size = f->size();
     const uint64_t blocks = size / kBlockSize;
-    std::vector<uint8_t> buf(blocks * kBlockSize);
-    if (!buf.empty()) RETURN_IF_ERROR(f->Read(0, buf.data(), buf.size()));
+    // Frame by frame, each read whole only once its header checks out (as
+    // ReadPendingFile): memory follows the frames really there, not the
+    // file's size, which a damaged inode may put anywhere up to 2^60.
+    std::vector<uint8_t> buf;
     std::vector<PendingRecord> recs;
     uint64_t block = 0;
     while (block < blocks) {
+      buf.resize(kBlockSize);
+      RETURN_IF_ERROR(f->Read(block * kBlockSize, buf.data(), kBlockSize));
       uint64_t frame_blocks = 0;
-      Status st = DecodePendingFrame(buf.data() + block * kBlockSize, (blocks - block) * kBlockSize,
-                                     algo_, uuid_, f->id(), block, &recs, &frame_blocks, pf.name);
+      recs.clear();
+      Status st = DecodePendingFrame(buf.data(), kBlockSize, algo_, uuid_, f->id(), block, &recs,
+                                     &frame_blocks, pf.name);
+      if (!st.ok() && frame_blocks > 1 && frame_blocks <= blocks - block) {
+        buf.resize(frame_blocks * kBlockSize);
+        RETURN_IF_ERROR(f->Read((block + 1) * kBlockSize, buf.data() + kBlockSize,
+                                (frame_blocks - 1) * kBlockSize));
+        recs.clear();
+        st = DecodePendingFrame(buf.data(), buf.size(), algo_, uuid_, f->id(), block, &recs,
+                                &frame_blocks, pf.name);
+      }
+      if (st.code() == Status::Code::kUnsupported) {
+        // A newer dede's frame: neither damage nor ours to cut.
+        report_.newer.push_back(pf.name);
+        return Status::Ok();
+      }
       if (!st.ok()) {
         const size_t p =
             Add(IndexProblem::Kind::kPendingDamaged, pf.name, AtBlock(pf.name, block),

@@ -17,7 +17,9 @@
 //   * stale index files: superseded shard versions, pending files of ranges
 //     that are not live shards, arenas of ranges that have no usable shard
 //     version (left behind by an update or split that died);
-//   * pending files with a bad frame;
+//   * pending files with a bad frame (a frame of a newer format version is
+//     no damage: such files, and shard versions of a newer format, are
+//     listed in `newer` and left alone);
 //   * write logs with corrupt frames (bytes skipped), and orphan write logs
 //     whose file is gone.
 //
@@ -133,6 +135,10 @@ struct IndexCheckReport {
   std::vector<IndexProblem> problems;
   // Files held open elsewhere (a running pass or dedupd): not checked.
   std::vector<std::string> busy;
+  // Shard versions and pending files of a newer major format version (a
+  // newer dede wrote them; docs/FORMAT.md section 9): not checked, not
+  // problems, never repaired.
+  std::vector<std::string> newer;
   uint64_t shards_checked = 0;
   uint64_t entry_blocks_checked = 0;
   uint64_t entries_checked = 0;

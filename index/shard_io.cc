@@ -398,6 +398,25 @@ Status AppendPendingFrame(File* f, const std::vector<PendingRecord>& recs, HashA
   return f->Write(at * kBlockSize, frame.data(), frame.size());
 }
 
+Result<bool> PendingHasNewerFrame(File* f, HashAlgo algo, const Uuid& uuid) {
+  const uint64_t blocks = f->size() / kBlockSize;
+  std::vector<uint8_t> hb(kBlockSize);
+  std::vector<PendingRecord> ignored;
+  for (uint64_t b = 0; b < blocks;) {
+    RETURN_IF_ERROR(f->Read(b * kBlockSize, hb.data(), kBlockSize));
+    uint64_t frame_blocks = 0;
+    ignored.clear();
+    Status s = DecodePendingFrame(hb.data(), kBlockSize, algo, uuid, f->id(), b, &ignored,
+                                  &frame_blocks, "pending file");
+    if (s.code() == Status::Code::kUnsupported) return true;
+    // A header that checks sets the frame's size (its records are not
+    // read: only a single-block frame decodes whole here).
+    if (frame_blocks == 0) return false;
+    b += frame_blocks;
+  }
+  return false;
+}
+
 Result<uint64_t> CountPendingRecords(File* f, HashAlgo algo, const Uuid& uuid) {
   uint64_t total = 0;
   const uint64_t blocks = f->size() / kBlockSize;

@@ -171,6 +171,10 @@ Result<std::vector<PendingRecord>> ReadPendingFile(File* f, HashAlgo algo, const
 // Appends one frame at the file's end (its size rounded up to 4 KiB).
 Status AppendPendingFrame(File* f, const std::vector<PendingRecord>& recs, HashAlgo algo,
                           const Uuid& uuid);
+// Whether a pending file holds a frame of a newer major format version
+// (before any damaged frame), reading only frame headers: such a file is
+// never removed or cut by this dede.
+Result<bool> PendingHasNewerFrame(File* f, HashAlgo algo, const Uuid& uuid);
 // Counts the records of a pending file by reading only frame headers.
 Result<uint64_t> CountPendingRecords(File* f, HashAlgo algo, const Uuid& uuid);
 

@@ -69,6 +69,13 @@ bool ShardMap::IsPendingListed(const ShardRange& r) const {
   return false;
 }
 
+bool ShardMap::IsNewer(const std::string& name) const {
+  for (const IndexFile& f : newer) {
+    if (f.name == name) return true;
+  }
+  return false;
+}
+
 bool ShardMap::IsLiveArena(uint64_t lo) const {
   for (const ShardSlot& s : live) {
     if (s.range.lo == lo) return true;
@@ -77,7 +84,8 @@ bool ShardMap::IsLiveArena(uint64_t lo) const {
 }
 
 ShardMap ResolveShardMap(const std::vector<FileInfo>& files,
-                         const std::set<std::string>& incomplete) {
+                         const std::set<std::string>& incomplete,
+                         const std::set<std::string>& newer) {
   ShardMap m;
   for (const FileInfo& fi : files) {
     IndexFile f;
@@ -91,6 +99,7 @@ ShardMap ResolveShardMap(const std::vector<FileInfo>& files,
         m.incomplete.push_back(f);
         continue;
       }
+      if (newer.count(fi.name)) m.newer.push_back(f);
       m.shard_files.push_back(f);
     } else if (fi.kind == FileKind::kIndexShard && ParsePendingFileName(fi.name, &f.range)) {
       m.pending.push_back(f);
@@ -132,12 +141,15 @@ std::vector<std::pair<ShardRange, uint64_t>> LiveNear(const ShardMap& m, const S
 
 Result<ShardMap> LoadShardMap(Volume* vol, const ShardRange* locked) {
   ASSIGN_OR_RETURN(std::vector<FileInfo> files, vol->List());
-  std::set<std::string> incomplete, gone;
+  std::set<std::string> incomplete, gone, newer;
   std::vector<uint8_t> blk(kBlockSize);
   // Checks the header of an open version.
   auto check = [&](const FileInfo& fi, File* f) -> Status {
     RETURN_IF_ERROR(f->Read(0, blk.data(), kBlockSize));
-    if (!DecodeShardHeader(blk.data(), vol->superblock().uuid, fi.id, fi.name).ok()) {
+    Result<ShardHeader> h = DecodeShardHeader(blk.data(), vol->superblock().uuid, fi.id, fi.name);
+    if (h.status().code() == Status::Code::kUnsupported) {
+      newer.insert(fi.name);
+    } else if (!h.ok()) {
       incomplete.insert(fi.name);
     }
     return Status::Ok();
@@ -201,8 +213,8 @@ Result<ShardMap> LoadShardMap(Volume* vol, const ShardRange* locked) {
     const std::vector<FileInfo> now = present();
     std::set<std::string> pessimistic = incomplete;
     for (const Held& h : held) pessimistic.insert(h.fi->name);
-    return LiveNear(ResolveShardMap(now, incomplete), *locked) !=
-           LiveNear(ResolveShardMap(now, pessimistic), *locked);
+    return LiveNear(ResolveShardMap(now, incomplete, newer), *locked) !=
+           LiveNear(ResolveShardMap(now, pessimistic, newer), *locked);
   };
   // Such versions are opened again until free (a reader's look is brief);
   // still held after kLockedRangeWait: kLocked, the caller looks again.
@@ -231,7 +243,7 @@ Result<ShardMap> LoadShardMap(Volume* vol, const ShardRange* locked) {
   }
   // What is still held does not change the map around our range: taken as
   // complete, as without a lock.
-  return ResolveShardMap(present(), incomplete);
+  return ResolveShardMap(present(), incomplete, newer);
 }
 
 }  // namespace dede

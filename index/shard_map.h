@@ -59,6 +59,12 @@ struct ShardMap {
   // header was durable, or the header is damaged): left out of the
   // partition, so they hide nothing. Removed by the range's lock holder.
   std::vector<IndexFile> incomplete;
+  // Shard versions whose header is of a newer major format version (a
+  // newer dede wrote them): complete for the partition (they hide what
+  // they supersede, and no version of this dede takes their numbers), also
+  // listed in shard_files (and live_ or stale_shards), but never read,
+  // rewritten or removed by this dede (docs/FORMAT.md section 9).
+  std::vector<IndexFile> newer;
   std::vector<IndexFile> pending;      // every pending file
   std::vector<IndexFile> arenas;       // every arena file
 
@@ -68,15 +74,20 @@ struct ShardMap {
   // A pending file of exactly this range exists.
   bool IsPendingListed(const ShardRange& r) const;
   bool IsLiveArena(uint64_t lo) const;
+  // A shard version of a newer major format version (`newer`).
+  bool IsNewer(const std::string& name) const;
 };
 
 // Builds the map from a list of the volume's files, leaving out the shard
-// versions named in `incomplete`.
+// versions named in `incomplete`; those named in `newer` are of a newer
+// major format version.
 ShardMap ResolveShardMap(const std::vector<FileInfo>& files,
-                         const std::set<std::string>& incomplete = {});
+                         const std::set<std::string>& incomplete = {},
+                         const std::set<std::string>& newer = {});
 // Lists the volume's files and reads every shard version's header: a
-// version that does not check is incomplete; one removed meanwhile is left
-// out. One held open by someone else is taken as complete (its holder is
+// version that does not check is incomplete, except one of a newer major
+// format version (kUnsupported), which is `newer`; one removed meanwhile is
+// left out. One held open by someone else is taken as complete (its holder is
 // reading it, or writing it under the range's lock), except where the
 // caller holds the lock of `locked` (ShardLockId) and the map near it
 // depends on it:

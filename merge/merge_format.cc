@@ -204,6 +204,7 @@ void MergeApplyStats::Add(const MergeApplyStats& o) {
   stale += o.stale;
   busy += o.busy;
   corrupt_groups += o.corrupt_groups;
+  newer_files_kept += o.newer_files_kept;
 }
 
 }  // namespace dede

@@ -54,7 +54,17 @@ Result<std::vector<MergeGroup>> ReadMergeRequestFile(File* request, HashAlgo alg
     // Not a group header: a post that died before its header landed (a
     // hole), damage, or a clone block of a group whose header is gone.
     // Step one block, like a write log's reader: the crc binds each header
-    // to its position, so no clone passes as a header by accident.
+    // to its position, so no clone passes as a header by accident. A
+    // newer dede's group is stepped over the same way, but counted as
+    // what it is, and the blocks after it (its clones, most likely) are
+    // not counted as a bad run.
+    if (!g.ok() && g.status().code() == Status::Code::kUnsupported) {
+      stats->newer_groups++;
+      LOG(kDebug) << g.status().message();
+      in_bad_run = true;
+      b++;
+      continue;
+    }
     if (!in_bad_run) {
       stats->corrupt_groups++;
       LOG(kDebug) << (g.ok() ? what + " group at block " + std::to_string(b) +
@@ -246,6 +256,14 @@ Result<MergeApplyStats> ApplyMergeRequests(Volume* vol, File* target, VerifyMode
   // The shares are durable before the requests go: a crash in between
   // applies them again, which finds them shared (idempotent).
   RETURN_IF_ERROR(vol->Sync());
+  if (scan.newer_groups > 0) {
+    // A newer dede's requests: not ours to read or drop. The file stays;
+    // the requests applied now are found shared next time.
+    LOG(kWarning) << "merge-request file '" << mi.name << "' holds " << scan.newer_groups
+                  << " groups of a newer format version than this dede supports; kept";
+    stats.newer_files_kept++;
+    return stats;
+  }
   if (stats.busy > 0) {
     // Some shares were held back: the file stays as it is for the next
     // apply, which finds the ones done now already shared (idempotent, as

@@ -108,6 +108,10 @@ struct MergeScanStats {
   uint64_t groups = 0;
   uint64_t records = 0;
   uint64_t corrupt_groups = 0;  // runs of blocks that held no valid group
+  // Group headers of a newer major format version (a newer dede posted
+  // them): skipped like bad blocks, but not damage, and the file that
+  // holds them is never cleared by this dede (docs/FORMAT.md section 9).
+  uint64_t newer_groups = 0;
 };
 
 // Reads every valid group of an open request file, in file order. A block
@@ -158,6 +162,10 @@ struct MergeApplyStats {
   // whole for the next apply.
   uint64_t busy = 0;
   uint64_t corrupt_groups = 0;         // skipped runs of bad blocks
+  // Request files kept because they hold groups of a newer format version
+  // (MergeScanStats::newer_groups): their other requests are applied, and
+  // applied again next time (idempotent), but the file is not removed.
+  uint64_t newer_files_kept = 0;
   void Add(const MergeApplyStats& o);
 };
 
@@ -173,7 +181,8 @@ struct MergeApplyStats {
 // Never waits for another host: a share whose block's allocation group is
 // held elsewhere is held back (Volume::BlockOpsOptions::no_wait), counted
 // in `busy`, and then the request file is kept as it is, to be applied
-// again (the done shares are found already shared then).
+// again (the done shares are found already shared then). A file holding a
+// group of a newer format version is kept too (newer_files_kept).
 Result<MergeApplyStats> ApplyMergeRequests(Volume* vol, File* target, VerifyMode verify);
 
 }  // namespace dede

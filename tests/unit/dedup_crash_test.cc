@@ -53,6 +53,7 @@
 #include "tests/index_entries.h"
 #include "tests/process_device.h"
 #include "tests/temp_locks.h"
+#include "util/coding.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
 #include "volume/volume.h"
@@ -933,4 +934,127 @@ TEST_CASE("dedup: records parked after a torn pending frame are not lost behind 
   REQUIRE(rep.ok());
   for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
   CHECK(rep->clean());
+}
+
+namespace {
+
+// Makes the block at `index` of `f` (a shard header or a pending frame
+// header: the crc at byte 8, FileBlockCrc) claim major version 2, as a
+// newer dede would write it.
+void MakeNewerMajor(Volume* vol, File* f, uint64_t index) {
+  std::vector<uint8_t> blk(kB);
+  REQUIRE(f->Read(index * kB, blk.data(), kB).ok());
+  EncodeU16(blk.data() + 4, kShardMajor + 1);
+  EncodeU32(blk.data() + 8, FileBlockCrc(blk.data(), 8, vol->superblock().uuid, f->id(), index));
+  REQUIRE(f->Write(index * kB, blk.data(), kB).ok());
+}
+
+}  // namespace
+
+// docs/FORMAT.md section 9: a newer major version is refused, not taken
+// for damage. A shard version a newer dede wrote looked incomplete (its
+// header does not decode here): the next pass removed it, and fsck
+// --repair called it damage and removed it too.
+TEST_CASE("dedup: a shard version of a newer format version is left alone by passes and fsck",
+          "[dedup][crash]") {
+  TwinFiles t;
+  Volume* vol = t.vol.get();
+  REQUIRE(t.Pass().ok());
+  auto m = LoadShardMap(vol);
+  REQUIRE(m.ok());
+  REQUIRE(m->live.size() == 1);
+  const ShardSlot s = m->live[0];
+  {
+    auto f = vol->OpenFile(s.name);
+    REQUIRE(f.ok());
+    MakeNewerMajor(vol, f->get(), 0);
+  }
+  auto newer = LoadShardMap(vol);
+  REQUIRE(newer.ok());
+  CHECK(newer->incomplete.empty());
+  CHECK(newer->IsNewer(s.name));
+  REQUIRE(newer->live.size() == 1);
+  CHECK(newer->live[0].name == s.name);
+  // New records for the range, and a forced pass.
+  t.Write(t.files[0], 3, 700);
+  t.Write(t.files[1], 4, 700);
+  t.FlushLogs();
+  auto st = t.Pass(/*force=*/true);
+  REQUIRE(st.ok());
+  CHECK(st->newer_format_left_alone >= 1);
+  CHECK(st->incomplete_versions_removed == 0);
+  CHECK(st->shards_rewritten == 0);
+  auto now = vol->Lookup(s.name);
+  REQUIRE(now.ok());
+  CHECK(now->id == s.id);
+  // fsck: not damage, and --repair leaves it.
+  for (MFile& f : t.files) f.file.reset();
+  auto ix = CheckIndex(vol, /*repair=*/true);
+  REQUIRE(ix.ok());
+  for (auto& p : ix->problems) INFO(p.where << ": " << p.what);
+  CHECK(ix->clean());
+  CHECK(ix->newer == std::vector<std::string>{s.name});
+  auto still = vol->Lookup(s.name);
+  REQUIRE(still.ok());
+  CHECK(still->id == s.id);
+}
+
+// A pending frame of a newer format version: the reader stops at it (the
+// records before it are applied), but a rewrite retired the whole file
+// with it, and fsck --repair cut it off as damage.
+TEST_CASE("dedup: a pending file with a frame of a newer format version is left alone",
+          "[dedup][crash]") {
+  TwinFiles t;
+  Volume* vol = t.vol.get();
+  REQUIRE(t.Pass().ok());
+  {
+    SceneAccess access(&t.files);
+    DedupOptions opts;
+    opts.rewrite_fraction = 1.0;  // a few records: park them
+    t.Write(t.files[0], 13, 800);
+    t.Write(t.files[1], 14, 800);
+    t.FlushLogs();
+    auto st = RunDedupPass(vol, &access, opts);
+    REQUIRE(st.ok());
+    REQUIRE(st->pending_records_written == 2);
+  }
+  auto m = LoadShardMap(vol);
+  REQUIRE(m.ok());
+  REQUIRE(m->pending.size() == 1);
+  const std::string pname = m->pending[0].name;
+  uint64_t size = 0;
+  {
+    // A second frame, as a newer dede would park it.
+    auto pf = vol->OpenFile(pname);
+    REQUIRE(pf.ok());
+    const uint64_t at = (*pf)->size() / kB;
+    PendingRecord r;
+    r.fp[0] = 0x42;
+    r.file = t.files[0].id;
+    REQUIRE(AppendPendingFrame(pf->get(), {r}, vol->superblock().hash_algo, vol->superblock().uuid)
+                .ok());
+    MakeNewerMajor(vol, pf->get(), at);
+    size = (*pf)->size();
+    auto newer =
+        PendingHasNewerFrame(pf->get(), vol->superblock().hash_algo, vol->superblock().uuid);
+    REQUIRE(newer.ok());
+    CHECK(*newer);
+  }
+  auto st = t.Pass(/*force=*/true);
+  REQUIRE(st.ok());
+  CHECK(st->newer_format_left_alone >= 1);
+  {
+    auto pf = vol->OpenFile(pname);
+    REQUIRE(pf.ok());
+    CHECK((*pf)->size() == size);
+  }
+  for (MFile& f : t.files) f.file.reset();
+  auto ix = CheckIndex(vol, /*repair=*/true);
+  REQUIRE(ix.ok());
+  for (auto& p : ix->problems) INFO(p.where << ": " << p.what);
+  CHECK(ix->clean());
+  CHECK(ix->newer == std::vector<std::string>{pname});
+  auto pf = vol->OpenFile(pname);
+  REQUIRE(pf.ok());
+  CHECK((*pf)->size() == size);
 }

@@ -724,6 +724,51 @@ TEST_CASE("merge request files skip torn and damaged groups", "[merge]") {
   RequireFsckClean(h.vol_.get());
 }
 
+// docs/FORMAT.md section 9: a newer major version is refused, not taken
+// for damage. A group a newer dede posted was skipped as corrupt and the
+// file removed with it once the rest was applied.
+TEST_CASE("a merge-request file holding a group of a newer format version is kept", "[merge]") {
+  OneHost h;
+  for (uint64_t i = 0; i < 2; i++) {
+    const std::vector<uint8_t> c = Content(650 + i);
+    REQUIRE(h.source_->Write(i * kB, c.data(), kB).ok());
+    REQUIRE(h.target_->Write(i * kB, c.data(), kB).ok());
+  }
+  const std::string name = MergeRequestFileName(h.target_id_.ino);
+  REQUIRE(PostMergeRequests(h.vol_.get(), h.target_id_, {h.Req(0, 0, 650)}, h.source_.get()).ok());
+  REQUIRE(PostMergeRequests(h.vol_.get(), h.target_id_, {h.Req(1, 1, 651)}, h.source_.get()).ok());
+  uint64_t size = 0;
+  {
+    // The second group (block 2) as a newer dede would post it.
+    auto mr = h.vol_->OpenFile(name);
+    REQUIRE(mr.ok());
+    std::vector<uint8_t> blk(kB);
+    REQUIRE((*mr)->Read(2 * kB, blk.data(), kB).ok());
+    EncodeU16(blk.data() + 4, kMergeMajor + 1);
+    EncodeU32(blk.data() + 8,
+              FileBlockCrc(blk.data(), 8, h.vol_->superblock().uuid, (*mr)->id(), 2));
+    REQUIRE((*mr)->Write(2 * kB, blk.data(), kB).ok());
+    size = (*mr)->size();
+    MergeScanStats scan;
+    auto groups = ReadMergeRequestFile(mr->get(), h.algo_, h.vol_->superblock().uuid,
+                                       h.target_id_.ino, &scan);
+    REQUIRE(groups.ok());
+    CHECK(groups->size() == 1);
+    CHECK(scan.newer_groups == 1);
+    CHECK(scan.corrupt_groups == 0);
+  }
+  auto st = ApplyMergeRequests(h.vol_.get(), h.target_.get(), VerifyMode::kByteCompare);
+  REQUIRE(st.ok());
+  CHECK(st->applied == 1);
+  CHECK(st->newer_files_kept == 1);
+  CHECK(st->corrupt_groups == 0);
+  CHECK(Refs(h.target_.get(), 0) == 3);  // source, target, the kept file's clone
+  REQUIRE(HasRequestFile(h.vol_.get(), h.target_id_.ino));
+  auto mr = h.vol_->OpenFile(name);
+  REQUIRE(mr.ok());
+  CHECK((*mr)->size() == size);
+}
+
 TEST_CASE("merge requests apply with a SHA-256 witness", "[merge]") {
   OneHost h(HashAlgo::kSha256);
   const std::vector<uint8_t> c = Content(700);

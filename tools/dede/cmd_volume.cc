@@ -517,7 +517,8 @@ int RunFsck(const Command& cmd, const std::vector<std::string>& args) {
                   {"pending_files_checked", ix.pending_files_checked},
                   {"write_logs_checked", ix.logs_checked},
                   {"write_log_frames_checked", ix.log_frames_checked},
-                  {"busy_files", ix.busy}};
+                  {"busy_files", ix.busy},
+                  {"newer_format_files", ix.newer}};
     PrintJson(j);
   } else {
     for (const auto& p : report->problems) {
@@ -527,6 +528,9 @@ int RunFsck(const Command& cmd, const std::vector<std::string>& args) {
       std::cout << p.where << ": " << p.what << (p.repaired ? " [repaired]" : "") << '\n';
     }
     for (const auto& name : ix.busy) std::cout << name << ": in use, not checked\n";
+    for (const auto& name : ix.newer) {
+      std::cout << name << ": newer format version than this dede supports, left alone\n";
+    }
     std::cout << spec << ": " << Count(report->files, "file") << ", "
               << Count(report->mapped_blocks, "mapped block") << ", "
               << Count(report->metadata_blocks, "metadata block") << ", "
