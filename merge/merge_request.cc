@@ -39,7 +39,16 @@ Result<std::vector<MergeGroup>> ReadMergeRequestFile(File* request, HashAlgo alg
   std::vector<MergeGroup> groups;
   std::unique_ptr<uint8_t[]> blk(new uint8_t[kBlockSize]);
   bool in_bad_run = false;
+  uint64_t bad_run = 0;  // blocks since the last group header
   for (uint64_t b = 0; b < blocks;) {
+    if (bad_run >= kMaxMergeBadRunBlocks) {
+      // Damage (a post that died leaves far less): the rest is not read,
+      // its requests are lost (hints only).
+      LOG(kWarning) << what << ": " << bad_run << " blocks without a group header before block "
+                    << b << "; the " << blocks - b << " blocks after them are not read";
+      stats->gave_up = true;
+      break;
+    }
     RETURN_IF_ERROR(request->Read(b * kBlockSize, blk.get(), kBlockSize));
     Result<MergeGroup> g =
         DecodeMergeGroupBlock(blk.get(), algo, uuid, info.id, b, target_ino, what);
@@ -49,6 +58,7 @@ Result<std::vector<MergeGroup>> ReadMergeRequestFile(File* request, HashAlgo alg
       b += g->blocks();
       groups.push_back(std::move(*g));
       in_bad_run = false;
+      bad_run = 0;
       continue;
     }
     // Not a group header: a post that died before its header landed (a
@@ -62,6 +72,7 @@ Result<std::vector<MergeGroup>> ReadMergeRequestFile(File* request, HashAlgo alg
       stats->newer_groups++;
       LOG(kDebug) << g.status().message();
       in_bad_run = true;
+      bad_run = 0;
       b++;
       continue;
     }
@@ -72,6 +83,7 @@ Result<std::vector<MergeGroup>> ReadMergeRequestFile(File* request, HashAlgo alg
                              : g.status().message());
     }
     in_bad_run = true;
+    bad_run++;
     b++;
   }
   return groups;

@@ -112,12 +112,20 @@ struct MergeScanStats {
   // them): skipped like bad blocks, but not damage, and the file that
   // holds them is never cleared by this dede (docs/FORMAT.md section 9).
   uint64_t newer_groups = 0;
+  // A run of kMaxMergeBadRunBlocks blocks without a group header ended the
+  // scan: what follows was not read (a damaged inode's size, or a sparse
+  // tail, would otherwise be stepped through one block at a time).
+  bool gave_up = false;
 };
+// A post that dies leaves at most 1 + kMaxMergeRecordsPerGroup blocks
+// without a header; a run this long is damage.
+inline constexpr uint64_t kMaxMergeBadRunBlocks = 4096;
 
 // Reads every valid group of an open request file, in file order. A block
 // that is not a valid group header (torn post, damage, foreign bytes) is
 // skipped one block at a time and counted once per run, like a write log's
 // torn frame; a header whose group runs past the file's end is torn too.
+// A run of kMaxMergeBadRunBlocks such blocks ends the scan (gave_up).
 // Only I/O errors fail.
 Result<std::vector<MergeGroup>> ReadMergeRequestFile(File* request, HashAlgo algo, const Uuid& uuid,
                                                      uint64_t target_ino, MergeScanStats* stats);

@@ -1058,3 +1058,42 @@ TEST_CASE("dedup: a pending file with a frame of a newer format version is left 
   REQUIRE(pf.ok());
   CHECK((*pf)->size() == size);
 }
+
+// fsck read a whole pending file into one buffer: a damaged inode
+// claiming a terabyte (here a sparse tail) made it allocate that much.
+TEST_CASE("fsck reads a pending file whose size runs far past its frames frame by frame",
+          "[dedup][crash]") {
+  TwinFiles t;
+  Volume* vol = t.vol.get();
+  REQUIRE(t.Pass().ok());
+  {
+    SceneAccess access(&t.files);
+    DedupOptions opts;
+    opts.rewrite_fraction = 1.0;  // a few records: park them
+    t.Write(t.files[0], 13, 800);
+    t.Write(t.files[1], 14, 800);
+    t.FlushLogs();
+    auto st = RunDedupPass(vol, &access, opts);
+    REQUIRE(st.ok());
+    REQUIRE(st->pending_records_written == 2);
+  }
+  auto m = LoadShardMap(vol);
+  REQUIRE(m.ok());
+  REQUIRE(m->pending.size() == 1);
+  const std::string pname = m->pending[0].name;
+  uint64_t frames_end = 0;
+  {
+    auto pf = vol->OpenFile(pname);
+    REQUIRE(pf.ok());
+    frames_end = (*pf)->size();
+    REQUIRE((*pf)->Truncate(uint64_t{1} << 40).ok());
+  }
+  for (MFile& f : t.files) f.file.reset();
+  const auto t0 = std::chrono::steady_clock::now();
+  auto ix = CheckIndex(vol, /*repair=*/false);
+  REQUIRE(ix.ok());
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  REQUIRE(ix->problems.size() == 1);
+  CHECK(ix->problems[0].kind == IndexProblem::Kind::kPendingDamaged);
+  CHECK(ix->problems[0].where == pname + " block " + std::to_string(frames_end / kB));
+}
