@@ -2305,8 +2305,11 @@ Status VolumeImpl::FreeSubtree(uint64_t addr, uint32_t level, uint64_t base, uin
     if (child_empty) {
       RETURN_IF_ERROR(EnsureRoom(8));
       RETURN_IF_ERROR(PrepareDrops({PtrAddr(p)}));
-      dede::SetPtr(Dirty(addr), s, 0);
+      // The reference first: a DropRef that fails changes nothing, and a
+      // slot cleared before it would commit at the next flush point with
+      // the block's count never dropped (a leaked pointer block).
       RETURN_IF_ERROR(DropRef(PtrAddr(p)));
+      dede::SetPtr(Dirty(addr), s, 0);
     } else {
       empty = false;
     }
@@ -2627,6 +2630,9 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
     MutexLock l(&mu_);
     Status st = io;
     if (!io.ok()) (void)Poison(io);
+    // Poisoned by another thread since phase 1: its transaction never
+    // commits, so publishing into it would answer Ok for a lost write.
+    if (st.ok()) st = poisoned_;
     // Other threads used the transaction and the drop list since phase 1.
     if (st.ok()) st = EnsureRoom(PublishCost(old, target, fresh, map_cost));
     if (st.ok()) {

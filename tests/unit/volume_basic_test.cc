@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <future>
 #include <map>
 #include <mutex>
@@ -773,6 +774,54 @@ TEST_CASE("volume: an open waiting for its file's lock does not hold up other fi
   REQUIRE(opened.ok());
   opened.value().reset();
   busy.value().reset();
+}
+
+// A write that allocates publishes its blocks after writing them, outside
+// the volume mutex meanwhile. When another thread's commit failed (the
+// volume poisoned) during that window, the write published into a
+// transaction that can never commit, and still answered Ok.
+TEST_CASE("volume: a write that finds the volume poisoned after its data I/O fails", "[volume]") {
+  MemDevice mem(64 << 20);
+  REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
+  struct PoisonMidWrite : test::ForwardingDevice {
+    using ForwardingDevice::ForwardingDevice;
+    std::function<void()> on_data_write;  // once, at the first 64 KiB write
+    std::atomic<bool> fail{false};
+    Status Write(uint64_t offset, const void* buf, size_t len) override {
+      if (fail) return Status::IoError("injected");
+      if (len == 64 * 1024 && on_data_write) {
+        auto hook = std::move(on_data_write);
+        on_data_write = nullptr;
+        hook();
+      }
+      return base()->Write(offset, buf, len);
+    }
+  } dev(&mem, "poison-mid-write");
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  auto v = Volume::Open(&dev, oo);
+  REQUIRE(v.ok());
+  REQUIRE(v.value()->Create("a", 1 << 20).ok());
+  REQUIRE(v.value()->Create("b", 1 << 20).ok());
+  auto a = v.value()->OpenFile("a");
+  auto b = v.value()->OpenFile("b");
+  REQUIRE(a.ok());
+  REQUIRE(b.ok());
+  const std::vector<uint8_t> small = Pattern(kBlockSize, 1), data = Pattern(64 << 10, 2);
+  REQUIRE(b.value()->Write(0, small.data(), small.size()).ok());  // something to commit
+  Status sync_failed;
+  dev.on_data_write = [&] {
+    // Another thread's flush point fails here, while a's write has its
+    // blocks allocated and is writing them.
+    dev.fail = true;
+    std::thread t([&] { sync_failed = v.value()->Sync(); });
+    t.join();
+    dev.fail = false;
+  };
+  Status w = a.value()->Write(0, data.data(), data.size());
+  REQUIRE_FALSE(sync_failed.ok());
+  INFO("write: " << w.ToString());
+  CHECK_FALSE(w.ok());
 }
 
 // A data pointer carries no checksum of its target: before the check in
