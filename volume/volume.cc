@@ -863,7 +863,10 @@ Status VolumeImpl::Checkpoint() {
   if (read_only_ || !journal_) return Status::Ok();
   RETURN_IF_ERROR(Commit(/*durable=*/false));
   if (dirty_.empty()) {
-    if (!pending_free_.empty()) full_groups_.clear();
+    if (!pending_free_.empty()) {
+      full_groups_.clear();
+      full_until_ns_ = 0;
+    }
     pending_free_.clear();
     return Status::Ok();
   }
@@ -886,7 +889,10 @@ Status VolumeImpl::Checkpoint() {
   RETURN_IF_ERROR(Poison(journal_->Checkpoint()));
   RETURN_IF_ERROR(Poison(dev_->Flush()));
   dirty_.clear();
-  if (!pending_free_.empty()) full_groups_.clear();  // freed blocks are usable now
+  if (!pending_free_.empty()) {  // freed blocks are usable now
+    full_groups_.clear();
+    full_until_ns_ = 0;
+  }
   pending_free_.clear();
   return Status::Ok();
 }
@@ -1738,6 +1744,11 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, All
     if (id.kind != LockKind::kGroup || out->size() >= n) continue;
     RETURN_IF_ERROR(from_group(static_cast<uint32_t>(id.id)));
   }
+  // (Blocks freed here wait for a checkpoint, which the walk below makes.)
+  if (out->size() < n && clock_->MonotonicNanos() < full_until_ns_ && pending_free_.empty()) {
+    RETURN_IF_ERROR(UndoAllocate(out, reserve));
+    return Status::NoSpace("the volume is full (every allocation group was full a moment ago)");
+  }
   // Then this host's share of the groups, so hosts rarely meet; groups held
   // by someone else are skipped, not waited for.
   uint32_t first = static_cast<uint32_t>(uint64_t{host_ - 1} * sb_.group_count / sb_.max_hosts);
@@ -1772,6 +1783,7 @@ Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, All
   }
   if (out->size() < n) {
     RETURN_IF_ERROR(UndoAllocate(out, reserve));
+    full_until_ns_ = clock_->MonotonicNanos() + kFullBackoffNs;
     return Status::NoSpace("the volume is full");
   }
   return Status::Ok();

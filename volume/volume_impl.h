@@ -487,6 +487,16 @@ class VolumeImpl : public Volume {
   std::map<uint32_t, GroupCursor> alloc_cursor_ GUARDED_BY(mu_);
   // Groups a scan found full; cleared when freed blocks become reusable.
   std::set<uint32_t> full_groups_ GUARDED_BY(mu_);
+  // An allocation that went through every group (taking, and waiting for,
+  // each) and found the volume full: until this monotonic time, others
+  // look only in the groups held already and fail at once. Each such walk
+  // takes and gives back every group lock under mu_ (with sanlock, paxos
+  // rounds; with a group held elsewhere, a wait of up to lock_wait_), so
+  // VMs writing into a full volume stalled every disk of the process.
+  // Cleared when blocks freed here become reusable; another host's frees
+  // are seen once it passes.
+  uint64_t full_until_ns_ GUARDED_BY(mu_) = 0;
+  static constexpr uint64_t kFullBackoffNs = 2'000'000'000;
   Status poisoned_ GUARDED_BY(mu_);
   // Where a name was last seen (a hint: Lookup re-reads that inode and
   // falls back to a full scan when it no longer carries the name), so a

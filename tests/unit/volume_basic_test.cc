@@ -16,6 +16,7 @@
 #include "tests/forwarding_device.h"
 #include "tests/forwarding_locks.h"
 #include "tests/temp_locks.h"
+#include "util/clock.h"
 #include "volume/fsck.h"
 #include "volume/journal.h"
 #include "volume/mem_device.h"
@@ -822,6 +823,69 @@ TEST_CASE("volume: a write that finds the volume poisoned after its data I/O fai
   REQUIRE_FALSE(sync_failed.ok());
   INFO("write: " << w.ToString());
   CHECK_FALSE(w.ok());
+}
+
+// Every allocation that found a full volume took, and gave back, every
+// allocation group's lock under the volume mutex (and waited up to the
+// lock wait for one held elsewhere): VMs writing into a full volume stalled
+// every disk of the process, with sanlock for seconds per write. For a
+// moment after, allocations look only in the groups held already.
+TEST_CASE("volume: a full volume fails allocations at once for a moment, then looks again",
+          "[volume]") {
+  MemDevice dev(48 << 20);
+  FormatOptions fo;
+  fo.group_refblocks = 2;  // several groups
+  REQUIRE(FormatVolume(&dev, fo, false).ok());
+  std::atomic<int> group_tries{0};
+  auto locks = std::make_shared<AcquireProbe>(TempLocks(), [&](LockId id) {
+    if (id.kind == LockKind::kGroup) group_tries++;
+  });
+  ManualClock clock;
+  OpenOptions oo;
+  oo.locks = locks;
+  oo.clock = &clock;
+  auto v = Volume::Open(&dev, oo);
+  REQUIRE(v.ok());
+  REQUIRE(v.value()->superblock().group_count > 2);
+  auto st = v.value()->Stats();
+  REQUIRE(st.ok());
+  const uint64_t fill_blocks = st->free_blocks;
+  REQUIRE(v.value()->Create("fill", fill_blocks * kBlockSize).ok());
+  REQUIRE(v.value()->Create("late", 1 << 20).ok());
+  auto fill = v.value()->OpenFile("fill");
+  auto late = v.value()->OpenFile("late");
+  REQUIRE(fill.ok());
+  REQUIRE(late.ok());
+  const std::vector<uint8_t> chunk = Pattern(256 * kBlockSize, 4);
+  uint64_t b = 0;
+  Status w;
+  for (uint64_t n = 256; n > 0; n /= 2) {
+    while (b + n <= fill_blocks) {
+      w = fill.value()->Write(b * kBlockSize, chunk.data(), n * kBlockSize);
+      if (w.code() == Status::Code::kNoSpace) break;
+      REQUIRE(w.ok());
+      b += n;
+    }
+  }
+  REQUIRE(w.code() == Status::Code::kNoSpace);
+  const std::vector<uint8_t> one = Pattern(kBlockSize, 9);
+  group_tries = 0;
+  CHECK(late.value()->Write(0, one.data(), one.size()).code() == Status::Code::kNoSpace);
+  CHECK(group_tries == 0);
+  clock.Advance(3'000'000'000);  // past the moment: every group again
+  CHECK(late.value()->Write(0, one.data(), one.size()).code() == Status::Code::kNoSpace);
+  CHECK(group_tries >= int(v.value()->superblock().group_count) - 1);
+  // Blocks freed here end the moment at once.
+  CHECK(late.value()->Write(0, one.data(), one.size()).code() == Status::Code::kNoSpace);
+  REQUIRE(fill.value()->Trim(0, 64 * kBlockSize).ok());
+  REQUIRE(v.value()->Sync().ok());
+  CHECK(late.value()->Write(0, one.data(), one.size()).ok());
+  fill.value().reset();
+  late.value().reset();
+  auto rep = CheckVolume(v.value().get(), false);
+  REQUIRE(rep.ok());
+  for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
+  CHECK(rep->clean());
 }
 
 // A data pointer carries no checksum of its target: before the check in
