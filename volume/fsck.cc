@@ -200,6 +200,14 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
 
   std::vector<LockId> inode_locks;
   auto release_inodes = [&]() NO_THREAD_SAFETY_ANALYSIS {
+    // Checkpoint before release (LOCKING.md rule 1), also when fsck stops
+    // early (a newer block, a read error) after repairs began: they may be
+    // only in the running transaction or our journal, and the next holder
+    // of a file reads its home blocks; our later commit would then write
+    // our old images over its changes. Each repair alone leaves counts too
+    // high at worst (the recount that lowers them comes last): a leak,
+    // which the next fsck repairs.
+    if (poisoned_.ok() && (!txn_.empty() || !dirty_.empty())) (void)Poison(Checkpoint());
     // A failed repair (poisoned: its changes may be only in our journal)
     // keeps the files' locks, as CloseFile does: whoever opens them next
     // first replays our journal, instead of reading stale home blocks.

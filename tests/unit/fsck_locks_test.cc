@@ -1,0 +1,154 @@
+// fsck and the other processes of a volume: what it may read before it
+// holds a file's lock, what its early returns leave behind, and which
+// generation an inode it clears gets (docs/ARCHITECTURE.md "fsck",
+// docs/LOCKING.md rule 1, docs/FORMAT.md section 6).
+//
+// Two hosts of one in-memory volume (two lock managers on one lock file):
+// host 1 runs fsck, host 2 plays the other process.
+#include <catch2/catch.hpp>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "tests/forwarding_device.h"
+#include "tests/fsck_problems.h"
+#include "tests/temp_locks.h"
+#include "util/clock.h"
+#include "volume/fsck.h"
+#include "volume/mem_device.h"
+#include "volume/volume.h"
+
+using namespace dede;
+
+namespace {
+
+constexpr uint64_t kB = kBlockSize;
+
+std::vector<uint8_t> Fill(uint8_t seed, uint64_t blocks) {
+  std::vector<uint8_t> v(blocks * kB);
+  for (size_t i = 0; i < v.size(); i++) v[i] = static_cast<uint8_t>(seed + i * 13 + i / kB);
+  return v;
+}
+
+struct TwoHosts {
+  MemDevice base{64 << 20};
+  std::vector<std::shared_ptr<LockManager>> locks = test::TempLockGroup(2);
+  Superblock sb;
+
+  TwoHosts() { REQUIRE(FormatVolume(&base, FormatOptions{}, false).ok()); }
+  std::unique_ptr<Volume> Open(BlockDevice* dev, uint32_t host, Clock* clock = nullptr) {
+    OpenOptions oo;
+    oo.host_id = host;
+    oo.locks = locks[host - 1];
+    oo.clock = clock;
+    auto v = Volume::Open(dev, oo);
+    INFO("open as host " << host << ": " << v.status().ToString());
+    REQUIRE(v.ok());
+    sb = v.value()->superblock();
+    return std::move(v.value());
+  }
+  // Creates `name` (1 MiB) with `blocks` blocks of data from block 0.
+  FileId CreateWith(Volume* vol, const std::string& name, uint64_t blocks, uint8_t seed) {
+    auto id = vol->Create(name, 1 << 20);
+    REQUIRE(id.ok());
+    auto f = vol->OpenFile(name);
+    REQUIRE(f.ok());
+    const std::vector<uint8_t> d = Fill(seed, blocks);
+    REQUIRE(f.value()->Write(0, d.data(), d.size()).ok());
+    return id.value();
+  }
+  uint64_t InodeAddr(uint64_t ino) const { return sb.inode_start + ino - 1; }
+  Inode ReadInode(uint64_t ino) {
+    std::vector<uint8_t> blk(kB);
+    REQUIRE(base.Read(InodeAddr(ino) * kB, blk.data(), kB).ok());
+    auto in = DecodeInode(blk.data(), sb.uuid, InodeAddr(ino));
+    INFO(in.status().ToString());
+    REQUIRE(in.ok());
+    return in.value();
+  }
+  // Rewrites inode `ino` on the device (valid checksum) after `change`.
+  void EditInode(uint64_t ino, const std::function<void(Inode*)>& change) {
+    Inode in = ReadInode(ino);
+    change(&in);
+    std::vector<uint8_t> blk(kB);
+    EncodeInode(in, 7, sb.uuid, InodeAddr(ino), blk.data());
+    REQUIRE(base.Write(InodeAddr(ino) * kB, blk.data(), kB).ok());
+  }
+  // Blocks [first, first + n) as on the device.
+  std::vector<uint8_t> Snapshot(uint64_t first, uint64_t n) {
+    std::vector<uint8_t> v(n * kB);
+    REQUIRE(base.Read(first * kB, v.data(), v.size()).ok());
+    return v;
+  }
+};
+
+// "a" (inode 1) maps 8 blocks but its inode says 4 blocks long: repair
+// clears slots 4..7 of its leaf and sets its counter to 4. "b" (inode 2)
+// maps 8 blocks. Returns their ids; no volume is open afterwards.
+std::pair<FileId, FileId> TwoFilesOneDamaged(TwoHosts* h) {
+  FileId a, b;
+  {
+    auto v = h->Open(&h->base, 1);
+    a = h->CreateWith(v.get(), "a", 8, 0x21);
+    b = h->CreateWith(v.get(), "b", 8, 0x42);
+  }
+  REQUIRE(a.ino < b.ino);  // fsck walks "a" first
+  h->EditInode(a.ino, [](Inode* in) { in->size = 4 * kB; });
+  return {a, b};
+}
+
+bool AllZero(const std::vector<uint8_t>& v) {
+  for (uint8_t c : v) {
+    if (c) return false;
+  }
+  return true;
+}
+
+// Host 2 punches block 0 of "a" (fsck let go of the file), then host 1's
+// volume closes; block 0 must stay a hole.
+void PunchSurvivesFsckVolume(std::unique_ptr<Volume>* v1, Volume* v2) {
+  {
+    auto fa = v2->OpenFile("a");
+    INFO(fa.status().ToString());
+    REQUIRE(fa.ok());
+    REQUIRE(fa.value()->Punch(0).ok());
+  }
+  v1->reset();  // its close commits whatever it still held
+  auto fa = v2->OpenFile("a");
+  REQUIRE(fa.ok());
+  std::vector<uint8_t> got(kB);
+  REQUIRE(fa.value()->Read(0, got.data(), kB).ok());
+  INFO("block 0 of 'a' after host 2 punched it and host 1's volume closed");
+  CHECK(AllZero(got));
+}
+
+}  // namespace
+
+// Finding A, other early returns: fsck repaired "a", then stopped at "b"
+// (a pointer block of a newer format: kUnsupported), and released "a"'s
+// lock with the repair only in its running transaction. Now it
+// checkpoints before it lets a file go (LOCKING.md rule 1).
+TEST_CASE("fsck: an early return after a repair checkpoints before releasing the files",
+          "[volume][fsck]") {
+  TwoHosts h;
+  const auto [a, b] = TwoFilesOneDamaged(&h);
+  {
+    const Inode ib = h.ReadInode(b.ino);
+    std::vector<uint8_t> blk = h.Snapshot(ib.root, 1);
+    BlockHeader hd = PeekHeader(blk.data());
+    hd.major = kFormatMajor + 1;
+    SealBlock(blk.data(), hd, h.sb.uuid);
+    REQUIRE(h.base.Write(ib.root * kB, blk.data(), kB).ok());
+  }
+  auto v1 = h.Open(&h.base, 1);
+  auto v2 = h.Open(&h.base, 2);
+  auto rep = CheckVolume(v1.get(), /*repair=*/true);
+  INFO(rep.status().ToString());
+  REQUIRE_FALSE(rep.ok());
+  REQUIRE(rep.status().code() == Status::Code::kUnsupported);
+  // "a"'s repair is home before its lock went.
+  CHECK(h.ReadInode(a.ino).mapped_blocks == 4);
+  PunchSurvivesFsckVolume(&v1, v2.get());
+}
