@@ -224,6 +224,53 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
 
   BlockBuf buf = NewBlockBuf();
 
+  // ---- file locks: every file's before any inode is read for the check
+  // or anything but the lock table is repaired. A holder may change its
+  // file (truncate, punch, flags) and close it until we hold the lock, so
+  // an inode read before would be stale, and written back stale by a
+  // repair; and a file in use stops fsck here (kLocked), before any
+  // repair, rather than after it repaired other files (whose locks it
+  // then gave back). Which inodes need a lock cannot change
+  // meanwhile: creating and removing a file take the namespace lock, which
+  // we hold. A damaged inode is locked too (its holder, if any, may be
+  // about to write it whole again; repair clears it).
+  std::vector<bool> inode_locked(sb_.inode_count + 1, false);
+  auto lock_inode = [&](uint64_t ino, const std::string& what) NO_THREAD_SAFETY_ANALYSIS -> Status {
+    const LockId il{LockKind::kInode, ino};
+    Status st = locks_->Acquire(il, LockMode::kExclusive, false);
+    if (st.code() == Status::Code::kLocked) {
+      return Status::Locked(what +
+                            " is in use by another process or host; fsck needs the volume to "
+                            "itself");
+    }
+    RETURN_IF_ERROR(st);
+    inode_locks.push_back(il);
+    inode_locked[ino] = true;
+    return Status::Ok();
+  };
+  for (uint64_t ino = 1; ino <= sb_.inode_count; ino++) {
+    const uint64_t addr = sb_.InodeBlock(ino);
+    RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, buf.get(), kBlockSize));
+    if (AllZeroBlock(buf.get())) continue;
+    auto in = DecodeInode(buf.get(), sb_.uuid, addr);
+    if (in.status().code() == Status::Code::kUnsupported) {
+      return in.status().WithContext("fsck stops: inode " + std::to_string(ino) +
+                                     " is newer than this dede");
+    }
+    const bool valid = in.ok() && in->ino == ino;
+    if (valid && !in->in_use()) continue;
+    RETURN_IF_ERROR(lock_inode(
+        ino, valid ? "file '" + in->name + "'" : "inode " + std::to_string(ino) + " (damaged)"));
+  }
+  // Rule 2 (recover before reading): a holder that died since our scan
+  // above left its changes to these files in its journal.
+  if (Status rec = RecoverDeadHosts(); !rec.ok()) {
+    // Unclean, as OpenInode does (see ForgetTaken): nothing is changed yet.
+    for (const LockId& id : inode_locks) (void)locks_->ReleaseUnclean(id);
+    inode_locks.clear();
+    return rec;
+  }
+
   // ---- superblocks
   {
     BlockBuf two = NewBlockBuf(2);
@@ -303,6 +350,9 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
   };
 
   for (uint64_t ino = 1; ino <= sb_.inode_count; ino++) {
+    // Free (or never used) when read above, under the namespace lock: it
+    // still is. The others are read again, now under the file's lock.
+    if (!inode_locked[ino]) continue;
     uint64_t addr = sb_.InodeBlock(ino);
     RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, buf.get(), kBlockSize));
     if (AllZeroBlock(buf.get())) continue;
@@ -317,7 +367,6 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     if (!in.ok() || in->ino != ino) {
       bool fixed = false;
       if (repair) {
-        RETURN_IF_ERROR(take(LockId{LockKind::kInode, ino}));
         Fresh(addr, LockId{LockKind::kInode, ino}, kMagicInode, 0);
         Inode cleared;
         cleared.ino = ino;
@@ -336,14 +385,6 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     rep.files++;
     where += " '" + in->name + "'";
     LockId il{LockKind::kInode, ino};
-    Status st = locks_->Acquire(il, LockMode::kExclusive, false);
-    if (st.code() == Status::Code::kLocked) {
-      return Status::Locked("file '" + in->name +
-                            "' is in use by another process or host; fsck needs the volume to "
-                            "itself");
-    }
-    RETURN_IF_ERROR(st);
-    inode_locks.push_back(il);
     if (!names.emplace(in->name, ino).second) {
       problem(where, "has the same name as inode " + std::to_string(names[in->name]));
     }

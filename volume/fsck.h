@@ -42,9 +42,10 @@ struct FsckReport {
 };
 
 // The caller must have the volume to itself: fsck takes the namespace lock,
-// every group lock and every file's lock, and fails with kLocked (naming the
-// lock or file) when another process or host holds one. Journals of dead
-// hosts are replayed first.
+// every group lock and every file's lock (all before it reads an inode for
+// the check or repairs anything), and fails with kLocked (naming the lock
+// or file) when another process or host holds one. Journals of dead hosts
+// are replayed first.
 Result<FsckReport> CheckVolume(Volume* vol, bool repair);
 
 }  // namespace dede

@@ -32,6 +32,34 @@ std::vector<uint8_t> Fill(uint8_t seed, uint64_t blocks) {
   return v;
 }
 
+// Calls `hook` (once, when armed) when a read of block `addr` has read
+// it, before returning: another process acting between fsck's read of a
+// block and what fsck does next.
+class HookDevice : public test::ForwardingDevice {
+ public:
+  explicit HookDevice(BlockDevice* base) : ForwardingDevice(base, "hook") {}
+  void Arm(uint64_t addr, std::function<void()> hook) {
+    addr_ = addr;
+    hook_ = std::move(hook);
+  }
+  bool fired() const { return fired_; }
+  Status Read(uint64_t offset, void* buf, size_t len) override {
+    Status st = base()->Read(offset, buf, len);
+    if (st.ok() && hook_ && offset <= addr_ * kB && addr_ * kB < offset + len) {
+      auto h = std::move(hook_);
+      hook_ = nullptr;
+      fired_ = true;
+      h();
+    }
+    return st;
+  }
+
+ private:
+  uint64_t addr_ = 0;
+  std::function<void()> hook_;
+  bool fired_ = false;
+};
+
 struct TwoHosts {
   MemDevice base{64 << 20};
   std::vector<std::shared_ptr<LockManager>> locks = test::TempLockGroup(2);
@@ -126,6 +154,43 @@ void PunchSurvivesFsckVolume(std::unique_ptr<Volume>* v1, Volume* v2) {
 
 }  // namespace
 
+// Finding A, kLocked: fsck repaired "a" (only in its running transaction),
+// then met "b" open on host 2 and returned kLocked, releasing "a"'s lock
+// without a checkpoint. Host 2 opened "a" from the stale home blocks and
+// punched block 0; host 1's close then wrote fsck's old leaf and inode over
+// that: the punched pointer came back (its drop still pending). Now fsck
+// takes every file's lock before it reads or changes any: a busy file
+// stops it before any repair.
+TEST_CASE("fsck: a file in use stops fsck before it repairs anything", "[volume][fsck]") {
+  TwoHosts h;
+  const auto [a, b] = TwoFilesOneDamaged(&h);
+  auto v1 = h.Open(&h.base, 1);
+  auto v2 = h.Open(&h.base, 2);
+  const Inode before = h.ReadInode(a.ino);
+  REQUIRE(before.depth == 1);  // one leaf: the root
+  const std::vector<uint8_t> inode_before = h.Snapshot(h.InodeAddr(a.ino), 1);
+  const std::vector<uint8_t> leaf_before = h.Snapshot(before.root, 1);
+  {
+    auto fb = v2->OpenFile("b");
+    REQUIRE(fb.ok());
+    auto rep = CheckVolume(v1.get(), /*repair=*/true);
+    INFO(rep.status().ToString());
+    REQUIRE_FALSE(rep.ok());
+    REQUIRE(rep.status().code() == Status::Code::kLocked);
+  }
+  // Nothing was repaired: not on the device, and not held back for later.
+  CHECK(h.Snapshot(h.InodeAddr(a.ino), 1) == inode_before);
+  CHECK(h.Snapshot(before.root, 1) == leaf_before);
+  PunchSurvivesFsckVolume(&v1, v2.get());
+  v2.reset();
+  // The damage is still there for a later fsck, which repairs it.
+  auto v = h.Open(&h.base, 1);
+  const std::string found = test::FsckProblems(v.get());
+  CHECK(found.find("mapped beyond the end of the file") != std::string::npos);
+  REQUIRE(CheckVolume(v.get(), /*repair=*/true).ok());
+  CHECK(test::FsckProblems(v.get()) == "");
+}
+
 // Finding A, other early returns: fsck repaired "a", then stopped at "b"
 // (a pointer block of a newer format: kUnsupported), and released "a"'s
 // lock with the repair only in its running transaction. Now it
@@ -151,4 +216,38 @@ TEST_CASE("fsck: an early return after a repair checkpoints before releasing the
   // "a"'s repair is home before its lock went.
   CHECK(h.ReadInode(a.ino).mapped_blocks == 4);
   PunchSurvivesFsckVolume(&v1, v2.get());
+}
+
+// Finding B: fsck read "a"'s inode before it took the file's lock. Host 2,
+// which had "a" open, grew it and turned dedup off and closed it in
+// between; fsck then wrote its stale copy back (old size and flags) with
+// the counter it fixed. Now it reads every inode under the file's lock.
+TEST_CASE("fsck: an inode changed before fsck took its lock is not written back stale",
+          "[volume][fsck]") {
+  TwoHosts h;
+  FileId a;
+  {
+    auto v = h.Open(&h.base, 1);
+    a = h.CreateWith(v.get(), "a", 4, 0x33);
+  }
+  h.EditInode(a.ino, [](Inode* in) { in->mapped_blocks = 9; });  // for repair to fix
+  HookDevice dev(&h.base);
+  auto v1 = h.Open(&dev, 1);
+  auto v2 = h.Open(&h.base, 2);
+  auto fa = v2->OpenFile("a");
+  REQUIRE(fa.ok());
+  dev.Arm(h.InodeAddr(a.ino), [&] {
+    REQUIRE(fa.value()->Truncate(2 << 20).ok());
+    REQUIRE(fa.value()->SetDedup(false).ok());
+    fa.value().reset();  // closed: checkpointed, lock released
+  });
+  auto rep = CheckVolume(v1.get(), /*repair=*/true);
+  INFO(rep.status().ToString());
+  REQUIRE(rep.ok());
+  REQUIRE(dev.fired());
+  const Inode in = h.ReadInode(a.ino);
+  CHECK(in.size == uint64_t{2} << 20);
+  CHECK((in.flags & kInodeDedupOff) != 0);
+  CHECK(in.mapped_blocks == 4);
+  CHECK(test::FsckProblems(v1.get()) == "");
 }
