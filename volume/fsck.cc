@@ -4,15 +4,18 @@
 // truth and nobody changes it underneath.
 #include "volume/fsck.h"
 
+#include <algorithm>
 #include <cctype>
 #include <chrono>
 #include <cstdio>
 #include <cstring>
 #include <functional>
 #include <map>
+#include <random>
 #include <thread>
 #include <unordered_map>
 
+#include "util/coding.h"
 #include "volume/volume_impl.h"
 
 namespace dede {
@@ -57,6 +60,42 @@ std::string DescribeContent(const uint8_t* blk) {
   }
   return std::string("a \"") + tag + "\" block (flags " + std::to_string(h.flags) + ", seq " +
          std::to_string(h.seq) + ", stamped for block " + std::to_string(h.addr) + ")";
+}
+
+// The generation of an inode that repair clears. (ino, generation) never
+// repeats (FORMAT.md section 6): an earlier incarnation's write log, merge
+// requests, index entries and other hosts' handles name it, and must not
+// attach to the next file created there. What the inode had is not
+// knowable in general: the damaged block may still say (right magic and
+// number, a value below 2^63: creates go on from there), but the field may
+// be the damage, and the references elsewhere (other files' names and
+// contents, other hosts' memory) cannot all be found. So the floor is a
+// value no incarnation reached: a generation counts creates (one each,
+// from 0; each a journal commit, far longer than a nanosecond), so the
+// wall clock in ns since the epoch (about 2^60.6 in 2026) is above any
+// count of creates, and above what an earlier clearing by this rule plus
+// the creates since came to (a clock set back by s seconds since could
+// meet one only after s * 10^9 creates). A clock not set (before 2020) gives no floor:
+// a random one in [2^62, 2^62 + 2^61) then, above any count of creates
+// and any clock reading until 2116; it meets an earlier incarnation only
+// by landing within the creates that followed an earlier random clearing
+// of the same inode (chance about creates / 2^61).
+constexpr uint64_t kClockSetNs = uint64_t{1'577'836'800} * 1'000'000'000;  // 2020-01-01
+constexpr uint64_t kRandomGenerationBase = uint64_t{1} << 62;
+
+uint64_t ClearedGeneration(const uint8_t* blk, uint64_t ino, uint64_t now_ns) {
+  uint64_t gen = 1;
+  if (PeekHeader(blk).magic == kMagicInode && DecodeU64(blk + kHeaderSize) == ino) {
+    const uint64_t had = DecodeU64(blk + kHeaderSize + 8);
+    if (had < uint64_t{1} << 63) gen = had + 1;  // else no count of creates: damage
+  }
+  uint64_t floor = now_ns;
+  if (now_ns < kClockSetNs) {
+    std::random_device rd;
+    const uint64_t r = (uint64_t{rd()} << 32) ^ rd();
+    floor = kRandomGenerationBase + (r >> 3);
+  }
+  return std::max(gen, floor);
 }
 
 uint64_t SpanOf(uint32_t level) {
@@ -370,7 +409,7 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
         Fresh(addr, LockId{LockKind::kInode, ino}, kMagicInode, 0);
         Inode cleared;
         cleared.ino = ino;
-        cleared.generation = 1;
+        cleared.generation = ClearedGeneration(buf.get(), ino, clock_->NowNanos());
         PutInode(cleared);
         RETURN_IF_ERROR(EnsureRoom(8));
         fixed = true;

@@ -251,3 +251,57 @@ TEST_CASE("fsck: an inode changed before fsck took its lock is not written back 
   CHECK(in.mapped_blocks == 4);
   CHECK(test::FsckProblems(v1.get()) == "");
 }
+
+// Finding C: a damaged inode that repair clears got generation 1, so the
+// next create there made (ino, 2), which an earlier incarnation may have
+// had: its write log, merge requests or index entries would attach to the
+// new file. The cleared inode now gets one no incarnation had, with
+// or without a plausible generation in the damaged block and with a wall
+// clock that is set or not (a test clock at 1 s after the epoch).
+TEST_CASE("fsck: a cleared inode's next incarnation has a new generation", "[volume][fsck]") {
+  const bool real_clock = GENERATE(true, false);
+  const bool garbage = GENERATE(false, true);  // else one flipped name byte
+  INFO((real_clock ? "wall clock" : "clock at 1 s")
+       << ", " << (garbage ? "garbage block" : "bit flip"));
+  ManualClock manual;
+  Clock* clock = real_clock ? nullptr : &manual;
+  TwoHosts h;
+  FileId old;
+  {
+    auto v = h.Open(&h.base, 1, clock);
+    for (int i = 0; i < 3; i++) {
+      old = h.CreateWith(v.get(), "a", 2, 0x55);
+      if (i < 2) REQUIRE(v->Remove("a").ok());
+    }
+  }
+  REQUIRE(old.generation >= 3);
+  uint64_t last = old.generation;
+  for (int round = 0; round < 2; round++) {
+    INFO("clearing " << round + 1);
+    std::vector<uint8_t> blk = h.Snapshot(h.InodeAddr(old.ino), 1);
+    if (garbage) {
+      for (size_t i = 0; i < kB; i++) blk[i] = static_cast<uint8_t>(i * 7 + 1 + round);
+    } else {
+      blk[128] ^= 0x01;  // the name: the checksum fails
+    }
+    REQUIRE(h.base.Write(h.InodeAddr(old.ino) * kB, blk.data(), kB).ok());
+    auto v = h.Open(&h.base, 1, clock);
+    auto rep = CheckVolume(v.get(), /*repair=*/true);
+    INFO(rep.status().ToString());
+    REQUIRE(rep.ok());
+    REQUIRE_FALSE(rep->clean());
+    auto id = v->Create("c" + std::to_string(round), 1 << 20);
+    REQUIRE(id.ok());
+    REQUIRE(id->ino == old.ino);
+    CHECK(id->generation > old.generation);
+    if (garbage && !real_clock) {
+      // Nothing tells what it was: a random one far above any count of
+      // creates, unequal to the last with overwhelming probability.
+      CHECK(id->generation != last);
+    } else {
+      CHECK(id->generation > last);
+    }
+    last = id->generation;
+    CHECK(test::FsckProblems(v.get()) == "");
+  }
+}
