@@ -252,8 +252,13 @@ class VolumeImpl : public Volume {
   // holds the block's group or can take it now, else the count its holder
   // last wrote home (stale by at most that holder's uncheckpointed work).
   // For answers that are safe either way: statistics (File::Usage;
-  // docs/LOCKING.md "Counts read without the group").
-  Result<uint32_t> PeekRef(uint64_t addr) REQUIRES(mu_);
+  // docs/LOCKING.md "Counts read without the group"). `read_home`, if
+  // given, keeps the refcount blocks read from home (groups not held, or a
+  // read-only volume) for later calls: a walk over a file's blocks reads
+  // each once, not once per block.
+  Result<uint32_t> PeekRef(uint64_t addr,
+                           std::unordered_map<uint64_t, BlockBuf>* read_home = nullptr)
+      REQUIRES(mu_);
   Status AddRef(uint64_t addr, int delta) REQUIRES(mu_);
 
   // Deferred drops (docs/LOCKING.md "Deferred drops"). Before an operation
