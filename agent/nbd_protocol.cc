@@ -464,6 +464,12 @@ void NbdSession::ReplyList(const std::vector<std::string>& names) {
   phase_ = Phase::kOptionHeader;
 }
 
+void NbdSession::ReplyListError(const std::string& message) {
+  if (phase_ != Phase::kWaitList) return;
+  QueueOptionError(kOptList, kRepErrPlatform, message);
+  phase_ = Phase::kOptionHeader;
+}
+
 void NbdSession::ReplyExport(const ExportInfo& info) {
   if (phase_ != Phase::kWaitExport) return;
   const uint16_t flags = TransmissionFlags(info);

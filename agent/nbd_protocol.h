@@ -48,6 +48,7 @@ inline constexpr uint32_t kRepInfo = 3;
 inline constexpr uint32_t kRepErrUnsup = 0x80000001;
 inline constexpr uint32_t kRepErrPolicy = 0x80000002;
 inline constexpr uint32_t kRepErrInvalid = 0x80000003;
+inline constexpr uint32_t kRepErrPlatform = 0x80000004;
 inline constexpr uint32_t kRepErrUnknown = 0x80000006;
 inline constexpr uint32_t kRepErrShutdown = 0x80000007;
 inline constexpr uint32_t kRepErrTooBig = 0x80000009;
@@ -148,8 +149,10 @@ class NbdSession {
   const std::string& export_name() const { return export_name_; }
   bool info_only() const { return info_only_; }
 
-  // Answer to kListExports.
+  // Answer to kListExports: the names, or (the listing failed) an
+  // NBD_REP_ERR_PLATFORM with a message; the handshake goes on either way.
   void ReplyList(const std::vector<std::string>& names);
+  void ReplyListError(const std::string& message);
   // Answer to kOpenExport: the export's info, or an NBD_REP_ERR_* with a
   // human-readable message (sent to the client; qemu prints it). On success
   // of GO/EXPORT_NAME the session enters the transmission phase. For

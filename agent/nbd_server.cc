@@ -213,7 +213,10 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
         if (names.ok()) {
           self->session_.ReplyList(*names);
         } else {
-          self->session_.ReplyList({});
+          // An error, not an empty list: a client must not conclude the
+          // volume has no disks.
+          self->session_.ReplyListError("listing the volume's files failed: " +
+                                        names.status().message());
           LOG(kWarning) << "listing exports: " << names.status().ToString();
         }
         self->SendSessionOutput();
@@ -301,9 +304,14 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       asio::post(self->strand_, [self, e = std::move(e), info, table]() mutable {
         self->waiting_backend_ = false;
         if (!e.ok()) {
-          uint32_t rep = e.status().code() == Status::Code::kNotFound ? nbd::kRepErrUnknown
-                         : e.status().code() == Status::Code::kLocked ? nbd::kRepErrUnknown
-                                                                       : nbd::kRepErrShutdown;
+          // ERR_SHUTDOWN only when dedupd is stopping (it ends the
+          // client's whole session); a file that is missing, held
+          // elsewhere or failed to open (an I/O error, the message says)
+          // is an export not available.
+          const uint32_t rep =
+              e.status().code() == Status::Code::kUnavailable && self->server_->stopping()
+                  ? nbd::kRepErrShutdown
+                  : nbd::kRepErrUnknown;
           LOG(kInfo) << "nbd connection " << self->id_ << ": " << e.status().message();
           self->session_.ReplyExportError(rep, e.status().message());
         } else {

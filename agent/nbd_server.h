@@ -80,6 +80,11 @@ class NbdServer {
   // sends their replies and closes; then `done` runs on the io_context.
   void Shutdown(std::function<void()> done);
   NbdServerStats stats();
+  // Shutdown has begun.
+  bool stopping() {
+    MutexLock l(&mu_);
+    return shutting_down_;
+  }
 
   // Runs blocking work (volume I/O) on the worker pool.
   template <typename F>

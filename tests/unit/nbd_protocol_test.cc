@@ -343,6 +343,15 @@ TEST_CASE("nbd: LIST sends one SERVER reply per export, then ACK", "[nbd]") {
   REQUIRE(again.size() == 1);
   CHECK(again[0].type == kRepAck);
 
+  // A failed listing is an error (not an empty list); the handshake goes on.
+  REQUIRE(Feed(&s, Option(kOptList, {})) == Action::kListExports);
+  s.ReplyListError("listing the volume's files failed: injected");
+  std::vector<OptReply> failed = OptReplies(s.TakeOutput());
+  REQUIRE(failed.size() == 1);
+  CHECK(failed[0].option == kOptList);
+  CHECK(failed[0].type == kRepErrPlatform);
+  CHECK(failed[0].text().find("injected") != std::string::npos);
+
   // LIST with data is invalid; the handshake goes on.
   REQUIRE(Feed(&s, Option(kOptList, {1, 2, 3})) == Action::kNeedInput);
   std::vector<OptReply> bad = OptReplies(s.TakeOutput());
