@@ -1,6 +1,7 @@
 #include "agent/metrics_server.h"
 
 #include <array>
+#include <atomic>
 #include <charconv>
 #include <cmath>
 #include <cstdio>
@@ -109,6 +110,9 @@ class MetricsConnection : public std::enable_shared_from_this<MetricsConnection>
   void Close() {
     asio::dispatch(strand_, [self = shared_from_this()] { self->CloseNow(); });
   }
+  // Whether its request is in (being answered): one still waiting for it
+  // may be closed to admit a new client at the connection limit.
+  bool answering() const { return answering_.load(); }
 
  private:
   void ArmTimer(std::chrono::steady_clock::duration d) {
@@ -153,6 +157,7 @@ class MetricsConnection : public std::enable_shared_from_this<MetricsConnection>
       return;
     }
     // The request is in; a slow render must not hit the request timeout.
+    answering_ = true;
     ArmTimer(kResponseTimeout);
     std::string request_line = inbuf_.substr(0, inbuf_.find('\n'));
     if (!request_line.empty() && request_line.back() == '\r') request_line.pop_back();
@@ -256,6 +261,7 @@ class MetricsConnection : public std::enable_shared_from_this<MetricsConnection>
   }
 
   const std::shared_ptr<MetricsServer::Shared> shared_;
+  std::atomic<bool> answering_{false};
   tcp::socket sock_;
   Strand strand_;
   asio::steady_timer timer_;
@@ -318,17 +324,30 @@ void MetricsServer::Start() {
 void MetricsServer::Accept() {
   acceptor_->async_accept([this, shared = shared_](boost::system::error_code ec, tcp::socket sock) {
     if (ec == asio::error::operation_aborted) return;
-    std::shared_ptr<MetricsConnection> conn;
+    std::shared_ptr<MetricsConnection> conn, evicted;
     {
       MutexLock l(&shared->mu);
       // Stopped (maybe destroyed): `this` must not be touched.
       if (shared->stopped) return;
+      if (!ec && shared->conns.size() >= kMaxConnections) {
+        // Full: the oldest connection that has not sent its request makes
+        // room. Refusing the newcomer let any local user keep the limit
+        // filled with idle connections, and every scrape failed.
+        for (auto it = shared->conns.begin(); it != shared->conns.end(); ++it) {
+          std::shared_ptr<MetricsConnection> c = it->second.lock();
+          if (c && c->answering()) continue;
+          evicted = std::move(c);
+          shared->conns.erase(it);
+          break;
+        }
+      }
       if (!ec && shared->conns.size() < kMaxConnections) {
         uint64_t id = ++shared->next_id;
         conn = std::make_shared<MetricsConnection>(shared, std::move(sock), id);
         shared->conns[id] = conn;
       }
     }
+    if (evicted) evicted->Close();
     if (conn) {
       conn->Start();
     } else if (ec) {

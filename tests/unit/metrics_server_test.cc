@@ -420,6 +420,37 @@ TEST_CASE("metrics: Stop closes the listener and idle connections", "[metrics]")
   ::close(again);
 }
 
+// At the connection limit a newcomer was refused: any local user could
+// keep 64 idle connections open (renewing them every 10 s) and every
+// scrape failed. The oldest connection that has not sent its request now
+// makes room.
+TEST_CASE("metrics: idle connections at the limit do not lock out a scrape", "[metrics]") {
+  Loop loop;
+  MetricsServer server(
+      loop.io(), 0, [] { return kBody; }, loop.run_blocking());
+  REQUIRE(server.Listen().ok());
+  loop.RunOnIo([&] { server.Start(); });
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_port = htons(static_cast<uint16_t>(server.port()));
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  std::vector<int> idle;
+  for (int i = 0; i < 70; i++) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    idle.push_back(fd);
+  }
+  auto deadline = std::chrono::steady_clock::now() + 5s;
+  while (server.connections() < 64 && std::chrono::steady_clock::now() < deadline)
+    std::this_thread::sleep_for(5ms);
+  CHECK(server.connections() == 64);
+  Response r = Get(server.port(), "/metrics");
+  CHECK(r.code == 200);
+  CHECK(r.body == kBody);
+  for (int fd : idle) ::close(fd);
+  loop.RunOnIo([&] { server.Stop(); });
+}
+
 TEST_CASE("metrics: MetricsText groups families and emits HELP and TYPE once", "[metrics]") {
   MetricsText m;
   m.Gauge("dede_export_clients", "Clients connected to the export.", 1, {{"export", "vm1"}});
