@@ -1,20 +1,24 @@
 // `dede dedup VOL`: one deduplication pass of this host, in the foreground.
 #include <unistd.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstdio>
-#include <memory>
-#include <optional>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "agent/control_server.h"
 #include "agent/dedup_pass.h"
 #include "agent/dedup_policy.h"
 #include "agent/io_throttle.h"
-#include "util/clock.h"
+#include "agent/pass_scheduler.h"
 #include "tools/dede/cli.h"
+#include "util/clock.h"
 
 namespace po = boost::program_options;
 using json = nlohmann::json;
@@ -82,7 +86,9 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
       "block in a file held elsewhere becomes a merge request that the holder\n"
       "applies; requests posted for files this process can lock are applied first.\n"
       "The volume's policy (dede policy) applies: outside its windows the pass\n"
-      "needs --now; it runs at the policy's rate cap, priority and stable-after.\n"
+      "needs --now, and a pass started in a window stops at the window's end\n"
+      "(what it had not merged waits for the next pass; exit status 0); it runs\n"
+      "at the policy's rate cap, priority and stable-after.\n"
       "Ctrl-C (or SIGTERM) stops the pass at its next step, as a window's end\n"
       "does: what it did is kept, what it had not merged waits for the next\n"
       "pass, and the command fails saying so; a second Ctrl-C kills it.");
@@ -176,13 +182,33 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   // and unlocked here rather than left to a dead process's lock records.
   // A second one kills as usual.
   InterruptGuard interrupt;
-  opts.stop = interrupt.flag();
+  // A pass started inside a window stops at its end, as dedupd's does
+  // (without --now the policy's windows bound the pass, not only its
+  // start). A watcher turns either cause into the pass's stop flag.
+  PassScheduler window(Clock::Real(), PassScheduler::Options{});
+  window.SetPolicy(*policy);
+  if (!now) window.PassStarted(PassTrigger::kWindow);
+  std::atomic<bool> stop{false}, window_ended{false}, pass_done{false};
+  opts.stop = &stop;
+  std::thread watcher([&] {
+    while (!pass_done.load()) {
+      if (interrupt.interrupted()) {
+        stop = true;
+      } else if (!now && window.ShouldStop()) {
+        window_ended = true;
+        stop = true;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+  });
   auto access = std::make_unique<VolumeFileAccess>(vol);
   Result<DedupStats> st = Status::Ok();
   {
     ScopedDedupPriority priority(policy->priority);
     st = RunDedupPass(vol, access.get(), opts);
   }
+  pass_done = true;
+  watcher.join();
   access.reset();  // close (unlock) the files
   if (tty && !as_json) std::fprintf(stderr, "\r\033[K");
   if (!st.ok()) {
@@ -192,6 +218,16 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
     return Fail(cmd, st.status());
   }
   const DedupStats& s = *st;
+  if (s.stopped && window_ended && !interrupt.interrupted()) {
+    // The policy's window closed: a normal end, like dedupd's.
+    if (as_json) {
+      PrintJson(StatsJson(s));
+    } else {
+      std::cout << "dedup pass stopped at the end of the dedup window; " << s.records_parked_at_stop
+                << " records were parked for the next pass, the work done is kept\n";
+    }
+    return kExitOk;
+  }
   if (s.stopped) {
     // Interrupted: what was done is durable; say so, and fail the command
     // (it did not finish the pass it was asked for).
