@@ -613,19 +613,25 @@ int Run(const Config& cfg) {
     // The volume after the pass, for savings over time. It reads every
     // reference-count block and block map (about 0.1% of the volume): dedup
     // I/O, charged to the rate cap at the pass's priority like the pass's
-    // own.
-    Result<SpaceSummary> space = [&] {
-      ScopedDedupPriority priority(policy.priority);
-      ScopedIoBudget charged(&throttle);
-      return SummarizeSpace(vol);
-    }();
-    throttle.Settle(nullptr);
-    if (space.ok()) {
-      row.volume_logical_bytes = space->logical_bytes();
-      row.volume_physical_bytes = space->physical_bytes();
-      row.volume_saved_bytes = space->saved_bytes();
+    // own. Not when shutting down: the reads and their rate-cap wait would
+    // hold up the drain (the row then has no volume figures, which `dede
+    // report` reads as not measured).
+    if (cancel_pass) {
+      LOG(kInfo) << "volume figures after the pass: skipped (shutting down)";
     } else {
-      LOG(kWarning) << "volume figures after the pass: " << space.status().ToString();
+      Result<SpaceSummary> space = [&] {
+        ScopedDedupPriority priority(policy.priority);
+        ScopedIoBudget charged(&throttle);
+        return SummarizeSpace(vol);
+      }();
+      throttle.Settle(nullptr);
+      if (space.ok()) {
+        row.volume_logical_bytes = space->logical_bytes();
+        row.volume_physical_bytes = space->physical_bytes();
+        row.volume_saved_bytes = space->saved_bytes();
+      } else {
+        LOG(kWarning) << "volume figures after the pass: " << space.status().ToString();
+      }
     }
     if (history) {
       if (Result<int64_t> id = history->Record(row); !id.ok()) {
@@ -1080,6 +1086,9 @@ int Run(const Config& cfg) {
     if (control) control->Stop();
     if (metrics) metrics->Stop();
     cancel_pass = true;
+    // A pass or merge apply sleeping off its rate-cap debt wakes within
+    // ~50 ms, and later settles do not sleep: shutdown waits for pass_mu.
+    throttle.Cancel();
     server.Shutdown([&] {
       server.RunBlocking([&] {
         // A control handler may be using an export (set-dedup enters it

@@ -21,11 +21,12 @@ void IoThrottle::Charge(uint64_t bytes) {
 
 void IoThrottle::Settle(const std::function<void()>& between) {
   uint64_t debt = debt_.exchange(0, std::memory_order_relaxed);
+  if (cancelled_.load()) return;
   const uint64_t rate = limiter_.rate();
   const uint64_t slice = between && rate > 0 ? std::max<uint64_t>(rate / 4, 1) : debt;
   while (debt > 0) {
     const uint64_t n = std::min(debt, slice);
-    limiter_.Acquire(n);
+    if (!limiter_.Acquire(n, &cancelled_)) return;  // Cancel: the rest is dropped
     debt -= n;
     if (debt > 0) between();
   }

@@ -36,6 +36,11 @@ class IoThrottle : public IoBudget {
   // `between` runs after each slice but the last (a dedup pass gives back
   // disks that clients wait for meanwhile).
   void Settle(const std::function<void()>& between = nullptr);
+  // Shutdown: a Settle sleeping now returns within ~50 ms
+  // (RateLimiter::kCancelCheckNs), and every later one returns at once,
+  // its debt dropped. The I/O stays counted in bytes(). Not undone.
+  void Cancel() { cancelled_.store(true); }
+  bool cancelled() const { return cancelled_.load(); }
 
   uint64_t bytes() const { return total_.load(std::memory_order_relaxed); }
   uint64_t waited_ns() const { return limiter_.waited_ns(); }
@@ -48,6 +53,7 @@ class IoThrottle : public IoBudget {
   RateLimiter limiter_;
   std::atomic<uint64_t> debt_{0};
   std::atomic<uint64_t> total_{0};
+  std::atomic<bool> cancelled_{false};
 };
 
 // Runs the calling thread at the policy's priority until destroyed, then

@@ -48,13 +48,13 @@ uint64_t RateLimiter::rate() const {
   return rate_;
 }
 
-void RateLimiter::Acquire(uint64_t bytes) {
+bool RateLimiter::Acquire(uint64_t bytes, const std::atomic<bool>* cancel) {
   const uint64_t now = clock_->MonotonicNanos();
   uint64_t wait = 0;
   {
     MutexLock l(&mu_);
     bytes_charged_ += bytes;
-    if (rate_ == 0 || bytes == 0) return;
+    if (rate_ == 0 || bytes == 0) return true;
     // An idle bucket starts from now: idle time does not accumulate
     // credit beyond the burst.
     const uint64_t tat = SaturatingAdd(std::max(tat_ns_, now), CostNs(bytes, rate_));
@@ -63,7 +63,17 @@ void RateLimiter::Acquire(uint64_t bytes) {
     if (tat > now + kBurstNs) wait = tat - kBurstNs - now;
     waited_ns_ = SaturatingAdd(waited_ns_, wait);
   }
-  if (wait > 0) sleep_ns_(wait);
+  if (cancel == nullptr) {
+    if (wait > 0) sleep_ns_(wait);
+    return true;
+  }
+  while (wait > 0) {
+    if (cancel->load()) return false;
+    const uint64_t slice = std::min(wait, kCancelCheckNs);
+    sleep_ns_(slice);
+    wait -= slice;
+  }
+  return true;
 }
 
 uint64_t RateLimiter::bytes_charged() const {

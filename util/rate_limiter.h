@@ -10,6 +10,7 @@
 // over any longer stretch the rate holds.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 
@@ -35,11 +36,17 @@ class RateLimiter {
   void SetRate(uint64_t bytes_per_s) EXCLUDES(mu_);
   uint64_t rate() const EXCLUDES(mu_);
 
+  // Longest single sleep of a wait that `cancel` may end.
+  static constexpr uint64_t kCancelCheckNs = 50'000'000;
+
   // Charges `bytes` and waits as long as needed so that the long-run rate
   // stays at most the rate, with a burst of at most ~50 ms worth of the
   // rate (plus the one request that crosses it). Thread-safe; never holds
-  // its mutex while sleeping.
-  void Acquire(uint64_t bytes) EXCLUDES(mu_);
+  // its mutex while sleeping. With `cancel`, the wait is slept in slices of
+  // at most kCancelCheckNs and ends early once *cancel is true (shutdown
+  // must not wait for a long debt): returns false then, true when the
+  // booking was waited for in full. The charge stays booked either way.
+  bool Acquire(uint64_t bytes, const std::atomic<bool>* cancel = nullptr) EXCLUDES(mu_);
 
   uint64_t bytes_charged() const EXCLUDES(mu_);
   uint64_t waited_ns() const EXCLUDES(mu_);

@@ -143,3 +143,36 @@ TEST_CASE("rate limiter: threads share the rate on the real clock", "[ratelimit]
   CHECK(seconds >= 0.1 - 0.05 - 0.005);
   CHECK(limiter.waited_ns() > 0);
 }
+
+TEST_CASE("rate limiter: a wait given a cancel flag ends within one slice of its setting",
+          "[ratelimit]") {
+  // 60 MB at 1 MB/s: a minute's wait, cancelled after about 200 ms of it.
+  ManualClock clock(5 * kNsPerSec);
+  std::atomic<bool> cancel{false};
+  std::vector<uint64_t> sleeps;
+  uint64_t slept = 0;
+  RateLimiter limiter(1'000'000, &clock, [&](uint64_t ns) {
+    sleeps.push_back(ns);
+    slept += ns;
+    clock.Advance(ns);
+    if (slept >= 200'000'000) cancel = true;
+  });
+  CHECK_FALSE(limiter.Acquire(60'000'000, &cancel));
+  CHECK(slept >= 200'000'000);
+  CHECK(slept <= 200'000'000 + RateLimiter::kCancelCheckNs);
+  for (uint64_t ns : sleeps) CHECK(ns <= RateLimiter::kCancelCheckNs);
+  // Already set: no sleep at all, and the bytes are still charged.
+  sleeps.clear();
+  CHECK_FALSE(limiter.Acquire(1'000'000, &cancel));
+  CHECK(sleeps.empty());
+  CHECK(limiter.bytes_charged() == 61'000'000);
+  // Not set: the whole booking is waited for, in slices.
+  RateLimiter full(1'000'000, &clock, [&](uint64_t ns) {
+    sleeps.push_back(ns);
+    clock.Advance(ns);
+  });
+  std::atomic<bool> never{false};
+  const uint64_t start = clock.MonotonicNanos();
+  CHECK(full.Acquire(2'000'000, &never));
+  CHECK(clock.MonotonicNanos() - start == 2 * kNsPerSec - RateLimiter::kBurstNs);
+}
