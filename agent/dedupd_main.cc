@@ -70,9 +70,10 @@ const char kUsage[] =
     "Fully written 4 KiB blocks are fingerprinted in memory and logged per file on\n"
     "the volume for later dedup passes. Dedup passes and merge requests run in the\n"
     "windows of the volume's policy (dede policy VOL show), at its rate cap and\n"
-    "priority; `dede dedup --now` or SIGUSR1 runs a pass at once. `dede status`\n"
-    "asks this daemon over --control; `dede report` reads --history. SIGTERM or\n"
-    "SIGINT drains requests, flushes logs and data, releases locks and exits 0.\n";
+    "priority; `dede dedup --now` or SIGUSR1 runs a pass at once; SIGHUP re-reads\n"
+    "the policy at once (options are not re-read). `dede status` asks this daemon\n"
+    "over --control; `dede report` reads --history. SIGTERM or SIGINT drains\n"
+    "requests, flushes logs and data, releases locks and exits 0.\n";
 
 struct Config {
   std::string volume;
@@ -412,7 +413,10 @@ int Run(const Config& cfg) {
   PassScheduler scheduler(Clock::Real(), so_sched);
   IoThrottle throttle(0);
   uint64_t policy_generation = ~0ull;
+  // The refresh job and SIGHUP may both run it.
+  std::mutex policy_mu;
   auto refresh_policy = [&] {
+    std::lock_guard<std::mutex> one_at_a_time(policy_mu);
     Result<DedupPolicy> p = ReadPolicy(vol);
     if (!p.ok()) {
       // kLocked: `dede policy set` or another host is reading it; next time.
@@ -693,6 +697,8 @@ int Run(const Config& cfg) {
   };
   PeriodicJob schedule_job(io, &server, 1.0, start_due_pass);
   PeriodicJob policy_job(io, &server, cfg.policy_refresh, refresh_policy);
+  // SIGUSR1 and SIGHUP were ignored since main() started (the volume open
+  // may take ~20 s): from here they are handled.
   asio::signal_set usr1(io, SIGUSR1);
   std::function<void(boost::system::error_code, int)> on_usr1 =
       [&](boost::system::error_code ec, int) {
@@ -701,6 +707,18 @@ int Run(const Config& cfg) {
         usr1.async_wait(on_usr1);
       };
   usr1.async_wait(on_usr1);
+  // SIGHUP (`systemctl reload dedupd`): re-read the volume's policy now,
+  // not at the next --policy-refresh. Command-line and config-file options
+  // are not re-read.
+  asio::signal_set hup(io, SIGHUP);
+  std::function<void(boost::system::error_code, int)> on_hup = [&](boost::system::error_code ec,
+                                                                   int) {
+    if (ec) return;
+    LOG(kInfo) << "SIGHUP: re-reading the dedup policy";
+    server.RunBlocking([&] { refresh_policy(); });
+    hup.async_wait(on_hup);
+  };
+  hup.async_wait(on_hup);
 
   // Merge requests (DeDe 3.3.2) other hosts posted for the files served
   // here, applied every --merge-interval (a pass applies them too) inside
@@ -1083,6 +1101,7 @@ int Run(const Config& cfg) {
     policy_job.Stop();
     merge_job.Stop();
     usr1.cancel();
+    hup.cancel();
     if (control) control->Stop();
     if (metrics) metrics->Stop();
     cancel_pass = true;
@@ -1143,6 +1162,12 @@ int Run(const Config& cfg) {
   }
   io.run();
   server.JoinWorkers();
+  // The signal sets' removal restores the default actions (which kill):
+  // ignore these two again while the exports and the volume close.
+  usr1.clear();
+  hup.clear();
+  ::signal(SIGUSR1, SIG_IGN);
+  ::signal(SIGHUP, SIG_IGN);
   LOG(kInfo) << "stopped";
   return exit_code;
 }
@@ -1151,6 +1176,12 @@ int Run(const Config& cfg) {
 }  // namespace dede
 
 int main(int argc, char** argv) {
+  // First of all: until Run installs their handlers, after the volume is
+  // open (~20 s with sanlock), SIGUSR1 (a pass now) and SIGHUP (re-read
+  // the policy) would kill dedupd by their default action, with no drain,
+  // flush or lock release.
+  ::signal(SIGUSR1, SIG_IGN);
+  ::signal(SIGHUP, SIG_IGN);
   dede::SetLogProgram("dedupd");
   ::signal(SIGPIPE, SIG_IGN);
   dede::Config cfg;

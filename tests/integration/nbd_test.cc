@@ -8,6 +8,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <xxhash.h>
 
@@ -1528,6 +1529,103 @@ TEST_CASE("dedupd command line with usage errors and bad volumes and taken host 
   REQUIRE(r.err.find("another server") != std::string::npos);
   RunOk({RequireProgram("qemu-io"), "-f", "raw", "-c", "write -P 0x61 0 4096", d.Uri("vm")});
   REQUIRE(d.Stop() == 0);
+}
+
+}  // namespace
+}  // namespace dede
+
+namespace dede {
+namespace {
+
+std::string ReadTextFile(const std::string& path) {
+  const std::vector<uint8_t> data = ReadWholeFile(path);
+  return std::string(data.begin(), data.end());
+}
+
+// The signals process `pid` ignores (SigIgn of /proc/PID/status: bit n-1
+// for signal n); 0 when it cannot be read.
+uint64_t IgnoredSignals(int pid) {
+  std::ifstream in("/proc/" + std::to_string(pid) + "/status");
+  std::string line;
+  while (std::getline(in, line)) {
+    if (line.rfind("SigIgn:", 0) == 0) return std::stoull(line.substr(7), nullptr, 16);
+  }
+  return 0;
+}
+
+// SIGUSR1 during the start (the volume open takes ~20 s with sanlock) and
+// SIGHUP at any time killed dedupd by their default action: no drain, no
+// flush, no lock release.
+TEST_CASE("dedupd survives SIGUSR1 and SIGHUP from its first line and SIGHUP re-reads the policy",
+          "[nbd]") {
+  TestVolume tv({{"vm", 1 * kMiB}});
+  const std::string log = tv.dir.file("dedupd.log");
+  const std::string ctl = tv.dir.file("dedupd.ctl");
+  // Through env, which resets SIGPIPE to its default action and execs
+  // dedupd in its place: once SIGPIPE is ignored, dedupd's main() has begun
+  // (it ignores SIGPIPE in its first lines).
+  int pid = test::StartProcess(
+      {"env", "--default-signal=PIPE", BinaryPath("dedupd"), "--volume", tv.vol, "--host-id", "1",
+       "--socket", tv.sock, "--control", ctl, "--history", "off", "--metrics-port", "off",
+       // The longest refresh taken: only SIGHUP re-reads it here.
+       "--policy-refresh", "2592000"},
+      {}, log);
+  struct Reaper {
+    int* pid;
+    ~Reaper() {
+      if (*pid > 0) {
+        ::kill(*pid, SIGKILL);
+        int status = 0;
+        ::waitpid(*pid, &status, 0);
+      }
+    }
+  } reaper{&pid};
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+  // Fails the test when dedupd died (or the start took too long). After
+  // it, pid is > 0: kill() below never gets -1.
+  auto running = [&] {
+    const bool alive = test::ChildRunning(&pid);
+    if (!alive || std::chrono::steady_clock::now() > deadline) {
+      FAIL((alive ? "timed out" : "dedupd died") << "; its log:\n" << ReadTextFile(log));
+    }
+  };
+  while ((IgnoredSignals(pid) & (uint64_t{1} << (SIGPIPE - 1))) == 0) {
+    running();
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  // From main()'s first lines to "serving": SIGUSR1 and SIGHUP, over and
+  // over.
+  uint64_t sent = 0;
+  while (!test::CanConnectUnix(tv.sock)) {
+    running();
+    ::kill(pid, SIGUSR1);
+    ::kill(pid, SIGHUP);
+    sent++;
+    std::this_thread::sleep_for(std::chrono::microseconds(500));
+  }
+  running();
+  INFO("signal pairs sent during the start: " << sent);
+  CHECK(sent > 0);
+  // Serving: SIGHUP re-reads the policy at once and dedupd goes on serving.
+  ::kill(pid, SIGHUP);
+  while (CountOf(ReadTextFile(log), "SIGHUP: re-reading the dedup policy") == 0) {
+    running();
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  running();
+  RunOk({BinaryPath("dede"), "status", "--control", ctl});
+  CHECK(test::CanConnectUnix(tv.sock));
+  // And still stops cleanly.
+  ::kill(pid, SIGTERM);
+  int status = 0;
+  while (::waitpid(pid, &status, WNOHANG) == 0) {
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  pid = -1;
+  INFO("dedupd log:\n" << ReadTextFile(log));
+  CHECK(WIFEXITED(status));
+  CHECK(WEXITSTATUS(status) == 0);
 }
 
 }  // namespace
