@@ -8,6 +8,7 @@
 #include <sys/resource.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/asio.hpp>
 #include <boost/program_options.hpp>
 #include <cmath>
@@ -73,7 +74,9 @@ const char kUsage[] =
     "priority; `dede dedup --now` or SIGUSR1 runs a pass at once; SIGHUP re-reads\n"
     "the policy at once (options are not re-read). `dede status` asks this daemon\n"
     "over --control; `dede report` reads --history. SIGTERM or SIGINT drains\n"
-    "requests, flushes logs and data, releases locks and exits 0.\n";
+    "requests, flushes logs and data, releases locks and exits 0.\n"
+    "SEC options take 0.001 to 2592000 seconds (30 days), or 0 where their help\n"
+    "says what 0 means (--lease-io-timeout: whole seconds, at most 300).\n";
 
 struct Config {
   std::string volume;
@@ -116,6 +119,23 @@ struct Config {
 int UsageError(const std::string& msg) {
   std::fprintf(stderr, "dedupd: %s\n(try dedupd --help)\n", msg.c_str());
   return kExitUsage;
+}
+
+// Every option in seconds takes 1 ms to 30 days (the usage error says so),
+// and 0 where its help says what 0 means: timers take them in whole
+// microseconds of an int64.
+constexpr double kMinDurationS = 0.001;
+constexpr double kMaxDurationS = 30 * 86400;
+
+struct DurationOption {
+  const char* name;
+  double value;
+  bool zero_allowed;
+};
+
+bool DurationInRange(double s, bool zero_allowed) {
+  if (zero_allowed && s == 0) return true;
+  return std::isfinite(s) && s >= kMinDurationS && s <= kMaxDurationS;
 }
 
 // Returns an exit code, or -1 to go on.
@@ -222,25 +242,33 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   if (cfg->iscsi_sessions < 1 || cfg->iscsi_sessions > kMaxIscsiSessions) {
     return UsageError("--iscsi-sessions: 1.." + std::to_string(kMaxIscsiSessions));
   }
-  if (!(cfg->sync_interval > 0) || !(cfg->log_flush_interval > 0)) {
-    return UsageError("intervals must be positive");
+  // Every duration, before it reaches a timer (a huge or infinite one
+  // wrapped to a negative period, a tiny one rounded to 0: either fired
+  // the timer without pause).
+  for (const auto& [name, value, zero] :
+       std::initializer_list<DurationOption>{{"sync-interval", cfg->sync_interval, false},
+                                             {"log-flush-interval", cfg->log_flush_interval, false},
+                                             {"dedup-interval", cfg->dedup_interval, true},
+                                             {"fence-after", cfg->fence_after, true},
+                                             {"merge-interval", cfg->merge_interval, true},
+                                             {"open-wait", cfg->open_wait, true},
+                                             {"drain-timeout", cfg->drain_timeout, true},
+                                             {"split-after", cfg->split_after, false},
+                                             {"window-interval", cfg->window_interval, true},
+                                             {"policy-refresh", cfg->policy_refresh, false}}) {
+    if (!DurationInRange(value, zero)) {
+      std::ostringstream msg;
+      msg << "--" << name << ": need a number of seconds from 0.001 to 2592000 (30 days)"
+          << (zero ? " or 0" : "") << ", not " << value;
+      return UsageError(msg.str());
+    }
   }
-  if (cfg->dedup_interval < 0) return UsageError("--dedup-interval: must be >= 0");
   if (!(cfg->dedup_fraction >= 0)) return UsageError("--dedup-fraction: must be >= 0");
-  if (!(cfg->fence_after >= 0) || !std::isfinite(cfg->fence_after)) {
-    return UsageError("--fence-after: must be a number of seconds >= 0");
-  }
   if (cfg->lease_io_timeout > kMaxLeaseIoTimeoutS) {
     return UsageError("--lease-io-timeout: at most " + std::to_string(kMaxLeaseIoTimeoutS) +
                       " seconds");
   }
-  if (!(cfg->merge_interval >= 0)) return UsageError("--merge-interval: must be >= 0");
-  if (!(cfg->open_wait >= 0)) return UsageError("--open-wait: must be >= 0");
-  if (!(cfg->drain_timeout >= 0)) return UsageError("--drain-timeout: must be >= 0");
   if (cfg->max_connections < 1) return UsageError("--max-connections: must be >= 1");
-  if (!(cfg->split_after > 0)) return UsageError("--split-after: must be > 0");
-  if (!(cfg->window_interval >= 0)) return UsageError("--window-interval: must be >= 0");
-  if (!(cfg->policy_refresh > 0)) return UsageError("--policy-refresh: must be > 0");
   cfg->control_given = vm.count("control") > 0;
   cfg->max_connections_given = vm.count("max-connections") > 0;
   cfg->history_given = vm.count("history") > 0;
@@ -272,7 +300,10 @@ class PeriodicJob {
  private:
   void Arm() {
     if (stopped_) return;
-    timer_.expires_after(std::chrono::microseconds(static_cast<int64_t>(interval_ * 1e6)));
+    // ParseArgs keeps intervals within 1 ms..30 days; the clamp keeps the
+    // cast defined whatever a caller passes.
+    timer_.expires_after(std::chrono::microseconds(
+        static_cast<int64_t>(std::clamp(interval_, kMinDurationS, 1e9) * 1e6)));
     timer_.async_wait([this](boost::system::error_code ec) {
       if (ec || stopped_) return;
       server_->RunBlocking([this] {

@@ -1478,16 +1478,34 @@ TEST_CASE("dedupd command line with usage errors and bad volumes and taken host 
   REQUIRE(r.exit_code == 0);
   REQUIRE(r.out.find("--socket") != std::string::npos);
   // Values that read as numbers but are not usable: an endless fence, a
-  // negative io_timeout that the option parser wraps to 2^32 - 1.
+  // negative io_timeout that the option parser wraps to 2^32 - 1. Durations
+  // that overflowed a timer's microseconds to a negative period or rounded
+  // to 0 (the timer then fired without pause: a busy CPU), an infinite
+  // split threshold (every shard split at every update). Timeout 20 s: one
+  // that is accepted serves (and then with no control socket, history or
+  // metrics of the host's).
+  const std::vector<std::string> off = {"--control",      "off", "--history", "off",
+                                        "--metrics-port", "off"};
   for (const std::vector<std::string>& bad : {std::vector<std::string>{"--fence-after", "inf"},
                                               {"--fence-after", "nan"},
                                               {"--fence-after", "-1"},
                                               {"--lease-io-timeout", "-1"},
-                                              {"--lease-io-timeout", "301"}}) {
+                                              {"--lease-io-timeout", "301"},
+                                              {"--merge-interval", "1e300"},
+                                              {"--log-flush-interval", "1e14"},
+                                              {"--policy-refresh", "1e13"},
+                                              {"--sync-interval", "inf"},
+                                              {"--sync-interval", "0"},
+                                              {"--dedup-interval", "1e-7"},
+                                              {"--split-after", "inf"},
+                                              {"--drain-timeout", "inf"},
+                                              {"--open-wait", "nan"},
+                                              {"--window-interval", "2592001"}}) {
     std::vector<std::string> args = {dedupd, "--volume", tv.vol, "--host-id",
                                      "1",    "--socket", tv.sock};
+    args.insert(args.end(), off.begin(), off.end());
     args.insert(args.end(), bad.begin(), bad.end());
-    r = RunProcess(args);
+    r = RunProcess(args, 20);
     INFO(bad[0] << " " << bad[1] << ": " << r.err);
     CHECK(r.exit_code == 2);
     CHECK(r.err.find(bad[0]) != std::string::npos);
