@@ -446,12 +446,32 @@ int Run(const Config& cfg) {
   uint64_t policy_generation = ~0ull;
   // The refresh job and SIGHUP may both run it.
   std::mutex policy_mu;
+  // Until the policy was read once, no dedup work runs (PassScheduler):
+  // why, for `dede status`, the log and `dede dedup --now`.
+  std::mutex policy_error_mu;
+  std::string policy_error = "not read yet";
+  auto unread_policy_error = [&]() -> std::string {
+    if (scheduler.has_policy()) return "";
+    std::lock_guard<std::mutex> l(policy_error_mu);
+    return policy_error;
+  };
   auto refresh_policy = [&] {
     std::lock_guard<std::mutex> one_at_a_time(policy_mu);
     Result<DedupPolicy> p = ReadPolicy(vol);
     if (!p.ok()) {
-      // kLocked: `dede policy set` or another host is reading it; next time.
-      if (p.status().code() != Status::Code::kLocked) {
+      if (!scheduler.has_policy()) {
+        // Fail closed: without its windows and rate cap, passes and merge
+        // requests would run at any time, uncapped.
+        {
+          std::lock_guard<std::mutex> l(policy_error_mu);
+          policy_error = p.status().ToString();
+        }
+        LOG(kError) << "cannot read the volume's dedup policy: " << p.status().ToString()
+                    << "; no dedup passes or merge requests run until it can be read (trying "
+                       "again every "
+                    << cfg.policy_refresh << " s, or at SIGHUP; `dede policy VOL show`)";
+      } else if (p.status().code() != Status::Code::kLocked) {
+        // kLocked: `dede policy set` or another host is reading it; next time.
         LOG(kWarning) << "reading the dedup policy: " << p.status().ToString()
                       << " (keeping the previous one)";
       }
@@ -734,7 +754,10 @@ int Run(const Config& cfg) {
   std::function<void(boost::system::error_code, int)> on_usr1 =
       [&](boost::system::error_code ec, int) {
         if (ec) return;
-        scheduler.Request(PassTrigger::kSignal);
+        if (!scheduler.Request(PassTrigger::kSignal)) {
+          LOG(kWarning) << "SIGUSR1: no dedup pass: the volume's dedup policy could not be read ("
+                        << unread_policy_error() << ")";
+        }
         usr1.async_wait(on_usr1);
       };
   usr1.async_wait(on_usr1);
@@ -869,6 +892,8 @@ int Run(const Config& cfg) {
                    {"priority", PriorityName(pol.priority)},
                    {"stable_after_s", pol.stable_after_s},
                    {"generation", pol.generation},
+                   {"read", scheduler.has_policy()},
+                   {"error", unread_policy_error()},
                    {"in_window", scheduler.InWindow()},
                    {"window", scheduler.CurrentWindow()},
                    {"next_change_ns", next ? *next : 0}};
@@ -942,7 +967,11 @@ int Run(const Config& cfg) {
     // `dede dedup --now`: a pass at once, whatever the windows.
     control->Handle("dedup-now", [&](const nlohmann::json&) -> Result<nlohmann::json> {
       const bool was_running = scheduler.running();
-      scheduler.Request(PassTrigger::kNow);
+      if (!scheduler.Request(PassTrigger::kNow)) {
+        return Status::Unavailable(
+            "the volume's dedup policy could not be read (" + unread_policy_error() +
+            "): no dedup pass runs until it can; see `dede policy VOL show`");
+      }
       return nlohmann::json{{"requested", true}, {"pass_running", was_running}};
     });
     // `dede set VOL NAME dedup=on|off` on a running export: takes effect at
@@ -1059,6 +1088,9 @@ int Run(const Config& cfg) {
     m.Gauge("dede_leases_held", "Locks and leases this dedupd holds", double(j["leases"].size()), host);
     m.Gauge("dede_in_window", "1 inside a dedup window (or when the policy has none)",
             j["policy"]["in_window"].get<bool>() ? 1 : 0, host);
+    m.Gauge("dede_policy_read",
+            "1 once the volume's dedup policy was read (until then no dedup work runs)",
+            j["policy"]["read"].get<bool>() ? 1 : 0, host);
     m.Gauge("dede_pass_running", "1 while a dedup pass runs", j["pass"]["running"].get<bool>() ? 1 : 0,
             host);
     for (const char* outcome : {"completed", "stopped", "failed"}) {

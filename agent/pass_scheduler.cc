@@ -25,6 +25,12 @@ PassScheduler::PassScheduler(Clock* clock, Options opts)
 void PassScheduler::SetPolicy(const DedupPolicy& p) {
   MutexLock l(&mu_);
   policy_ = p;
+  has_policy_ = true;
+}
+
+bool PassScheduler::has_policy() const {
+  MutexLock l(&mu_);
+  return has_policy_;
 }
 
 DedupPolicy PassScheduler::policy() const {
@@ -33,7 +39,7 @@ DedupPolicy PassScheduler::policy() const {
 }
 
 bool PassScheduler::InWindowLocked(uint64_t now) const {
-  return dede::InWindow(policy_, now);
+  return has_policy_ && dede::InWindow(policy_, now);
 }
 
 bool PassScheduler::InWindow() const {
@@ -43,22 +49,26 @@ bool PassScheduler::InWindow() const {
 
 std::string PassScheduler::CurrentWindow() const {
   MutexLock l(&mu_);
+  if (!has_policy_) return "";
   return CurrentWindowText(policy_, clock_->NowNanos());
 }
 
 std::optional<uint64_t> PassScheduler::NextChange() const {
   MutexLock l(&mu_);
+  if (!has_policy_) return std::nullopt;
   return NextWindowChange(policy_, clock_->NowNanos());
 }
 
-void PassScheduler::Request(PassTrigger t) {
+bool PassScheduler::Request(PassTrigger t) {
   MutexLock l(&mu_);
+  if (!has_policy_) return false;
   requested_ = t;
+  return true;
 }
 
 std::optional<PassTrigger> PassScheduler::Due() {
   MutexLock l(&mu_);
-  if (running_) return std::nullopt;
+  if (running_ || !has_policy_) return std::nullopt;
   if (requested_) {
     const PassTrigger t = *requested_;
     requested_.reset();

@@ -13,6 +13,10 @@
 //    ends; the first pass of the next window resumes from there.
 //  * A requested pass runs whatever the time and is not stopped by a
 //    window's end (the administrator asked for it).
+//  * Until the first SetPolicy (dedupd could not read the volume's policy
+//    yet: both slots damaged, a newer format), nothing runs: no scheduled
+//    pass, no merge requests (InWindow is false), and requests are
+//    refused. Running without the policy would run uncapped, at any time.
 //
 // A pure decision object: it reads the injected Clock and is driven by
 // dedupd's timer (Tick); nothing here sleeps or does I/O. Thread-safe.
@@ -46,6 +50,8 @@ class PassScheduler {
 
   void SetPolicy(const DedupPolicy& p) EXCLUDES(mu_);
   DedupPolicy policy() const EXCLUDES(mu_);
+  // A policy was set: dedup work may run (under it).
+  bool has_policy() const EXCLUDES(mu_);
 
   // Dedup work (passes, merge requests) may run now under the windows.
   bool InWindow() const EXCLUDES(mu_);
@@ -54,8 +60,9 @@ class PassScheduler {
   // Epoch ns of the next window opening or closing; nullopt if none.
   std::optional<uint64_t> NextChange() const EXCLUDES(mu_);
 
-  // An administrator asked for a pass; the next Due() returns it.
-  void Request(PassTrigger t) EXCLUDES(mu_);
+  // An administrator asked for a pass; the next Due() returns it. False
+  // (and nothing is recorded) while there is no policy.
+  bool Request(PassTrigger t) EXCLUDES(mu_);
   // Called on every timer tick with no pass running: the pass to start
   // now, if any.
   std::optional<PassTrigger> Due() EXCLUDES(mu_);
@@ -74,6 +81,7 @@ class PassScheduler {
   const Options opts_;
   mutable Mutex mu_;
   DedupPolicy policy_ GUARDED_BY(mu_);
+  bool has_policy_ GUARDED_BY(mu_) = false;
   std::optional<PassTrigger> requested_ GUARDED_BY(mu_);
   std::optional<PassTrigger> running_ GUARDED_BY(mu_);
   // Monotonic ns the last pass ended (at first: when the scheduler began).

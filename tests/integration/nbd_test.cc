@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "agent/dedup_policy.h"
 #include "kmod/writemon/write_log.h"
 #include "tests/integration/rig.h"
 #include "volume/fsck.h"
@@ -1644,6 +1645,66 @@ TEST_CASE("dedupd survives SIGUSR1 and SIGHUP from its first line and SIGHUP re-
   INFO("dedupd log:\n" << ReadTextFile(log));
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
+}
+
+nlohmann::json StatusJson(const DedupdProcess& d) {
+  const std::vector<std::string> argv = {BinaryPath("dede"), "status", "--control", d.control(),
+                                         "--json"};
+  ProcessResult r = RunOk(argv);
+  nlohmann::json j;
+  REQUIRE_NOTHROW(j = nlohmann::json::parse(r.out));
+  return j;
+}
+
+// dedupd that could not read the policy at start ran as if the volume had
+// no windows and no rate cap: passes and merge applies at any time,
+// uncapped. It must run none, refuse `dede dedup --now`, say why, and
+// read the policy once it can.
+TEST_CASE("dedupd runs no dedup pass until it has read the volume's policy", "[nbd]") {
+  TestVolume tv({{"vm", 1 * kMiB}});
+  Dede({"policy", tv.vol, "set", "windows=always", "rate=0"});
+  {  // Both slots damaged.
+    auto ov = OpenVolumeSpec(tv.vol, OpenOptions{});
+    REQUIRE(ov.ok());
+    auto f = ov->volume->OpenFile(kPolicyFileName);
+    REQUIRE(f.ok());
+    const std::vector<uint8_t> junk(kPolicySlots * kBlk, 0x5a);
+    REQUIRE((*f)->Write(0, junk.data(), junk.size()).ok());
+    REQUIRE((*f)->Flush().ok());
+  }
+  // A pass every millisecond, were one allowed; the policy is retried
+  // every 0.2 s.
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--dedup-interval", "0.001", "--policy-refresh", "0.2"});
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  nlohmann::json st = StatusJson(d);
+  INFO(st.dump(2) << "\ndedupd log:\n" << d.Log());
+  CHECK(st["policy"]["read"] == false);
+  CHECK(!st["policy"]["error"].get<std::string>().empty());
+  CHECK(st["passes"]["completed"] == 0);
+  CHECK(st["passes"]["failed"] == 0);
+  CHECK(st["pass"]["running"] == false);
+  CHECK(CountOf(d.Log(), "cannot read the volume's dedup policy") > 0);
+  const std::vector<std::string> now = {BinaryPath("dede"), "dedup",    tv.vol, "--now",
+                                        "--control",        d.control()};
+  ProcessResult r = RunProcess(now);
+  INFO(Describe(now, r));
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("policy could not be read") != std::string::npos);
+  // `dede status` says so in words too.
+  const std::vector<std::string> text = {BinaryPath("dede"), "status", "--control", d.control()};
+  r = RunOk(text);
+  CHECK(r.out.find("UNREADABLE") != std::string::npos);
+
+  // Repaired: the next refresh reads it, and passes run.
+  Dede({"policy", tv.vol, "set", "windows=always", "rate=0"});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while (true) {
+    st = StatusJson(d);
+    if (st["policy"]["read"] == true && st["passes"]["completed"].get<uint64_t>() > 0) break;
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  REQUIRE(d.Stop() == 0);
 }
 
 }  // namespace

@@ -341,6 +341,7 @@ TEST_CASE("requested passes run at any time and only windowed passes are stopped
   PassScheduler::Options so;
   so.interval_s = 0;
   PassScheduler sched(&clock, so);
+  sched.SetPolicy(DedupPolicy{});
   // No windows, no interval: only on request.
   CHECK(sched.InWindow());
   CHECK_FALSE(sched.Due().has_value());
@@ -384,6 +385,7 @@ TEST_CASE("requested passes run at any time and only windowed passes are stopped
   PassScheduler::Options every;
   every.interval_s = 60;
   PassScheduler periodic(&clock, every);
+  periodic.SetPolicy(DedupPolicy{});
   CHECK_FALSE(periodic.Due().has_value());
   clock.Advance(59'000'000'000ull);
   CHECK_FALSE(periodic.Due().has_value());
@@ -393,6 +395,37 @@ TEST_CASE("requested passes run at any time and only windowed passes are stopped
   CHECK_FALSE(periodic.ShouldStop());
   periodic.PassEnded();
   CHECK_FALSE(periodic.Due().has_value());
+}
+
+TEST_CASE("without a policy read nothing runs: no scheduled pass, no window, no request",
+          "[schedule]") {
+  // dedupd could not read the volume's policy (both slots damaged, a newer
+  // format): it must not run as if the volume had no windows and no cap.
+  TestClock clock(LocalTime(2026, 11, 24, 12, 0));
+  PassScheduler::Options every;
+  every.interval_s = 60;
+  PassScheduler sched(&clock, every);
+  CHECK_FALSE(sched.has_policy());
+  for (int i = 0; i < 10; i++) {
+    clock.Advance(60'000'000'000ull);
+    CHECK_FALSE(sched.InWindow());  // merge requests are applied only in a window
+    CHECK(sched.CurrentWindow().empty());
+    CHECK_FALSE(sched.NextChange().has_value());
+    CHECK_FALSE(sched.Due().has_value());
+  }
+  // `dede dedup --now` and SIGUSR1 are refused, and not kept for later.
+  CHECK_FALSE(sched.Request(PassTrigger::kNow));
+  CHECK_FALSE(sched.Request(PassTrigger::kSignal));
+  CHECK_FALSE(sched.Due().has_value());
+  // Once read, the policy rules, and requests are taken.
+  sched.SetPolicy(WindowPolicy("daily 12:00-13:00"));
+  CHECK(sched.has_policy());
+  CHECK(sched.InWindow());
+  REQUIRE(sched.Due() == PassTrigger::kWindow);
+  sched.PassStarted(PassTrigger::kWindow);
+  sched.PassEnded();
+  CHECK(sched.Request(PassTrigger::kNow));
+  CHECK(sched.Due() == PassTrigger::kNow);
 }
 
 TEST_CASE("stable-after keeps young records in their logs until they are old enough", "[schedule]") {

@@ -301,6 +301,11 @@ void PrintMonitor(const json& r) {
 void PrintPolicy(const json& r) {
   const json* p = Object(r, "policy");
   if (p == nullptr) return;
+  if (auto read = Bool(*p, "read"); read && !*read) {
+    Line("policy", "UNREADABLE (" + Str(*p, "error").value_or("?") +
+                       "): no dedup passes or merge requests until dedupd can read it");
+    return;
+  }
   // Window texts contain commas ("sat,sun 00:00-24:00") and are listed the
   // way `dede policy` takes them, ';'-separated: on a line of their own.
   std::string label = "policy";
