@@ -14,6 +14,7 @@
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <optional>
 #include <atomic>
 #include <functional>
 #include <memory>
@@ -38,6 +39,7 @@
 #include "util/io_budget.h"
 #include "util/log.h"
 #include "util/units.h"
+#include "volume/format.h"
 #include "volume/sanlock_lock_manager.h"
 #include "volume/volume.h"
 
@@ -76,7 +78,9 @@ const char kUsage[] =
     "over --control; `dede report` reads --history. SIGTERM or SIGINT drains\n"
     "requests, flushes logs and data, releases locks and exits 0.\n"
     "SEC options take 0.001 to 2592000 seconds (30 days), or 0 where their help\n"
-    "says what 0 means (--lease-io-timeout: whole seconds, at most 300).\n";
+    "says what 0 means (--lease-io-timeout: whole seconds, at most 300). Exit 2: a\n"
+    "usage or configuration error (also a host id beyond the volume's max-hosts);\n"
+    "exit 1: any other failure.\n";
 
 struct Config {
   std::string volume;
@@ -138,31 +142,44 @@ bool DurationInRange(double s, bool zero_allowed) {
   return std::isfinite(s) && s >= kMinDurationS && s <= kMaxDurationS;
 }
 
+// A whole-number option given as text: true when it is decimal digits only
+// (no sign) for a value from `lo` to `hi`, stored in *out.
+template <typename T>
+bool ParseWhole(const std::string& text, uint64_t lo, uint64_t hi, T* out) {
+  const std::optional<uint64_t> v = ParseUnsigned(text);
+  if (!v || *v < lo || *v > hi) return false;
+  *out = static_cast<T>(*v);
+  return true;
+}
+
 // Returns an exit code, or -1 to go on.
 int ParseArgs(int argc, char** argv, Config* cfg) {
   std::string tcp_port, flush_bytes, memory, log_level, config_file, metrics_port, read_ahead,
       read_ahead_memory, write_log_min;
+  // Whole numbers are read as text (ParseWhole): Boost reads "-1" into an
+  // unsigned option as 2^32 - 1.
+  std::string host_id, lease_io_timeout, threads, iscsi_sessions, write_log_limit, max_connections;
   bool no_write_monitor = false;
   po::options_description opts("options");
   opts.add_options()
       ("help,h", "show this help")
       ("version", "print the version")
       ("volume", po::value(&cfg->volume)->value_name("VOL"), "volume: path or iscsi://host[:port]/iqn/lun")
-      ("host-id", po::value(&cfg->host_id)->value_name("N"), "this host's slot on the volume (1..max-hosts)")
+      ("host-id", po::value(&host_id)->value_name("N"), "this host's slot on the volume (1..max-hosts)")
       ("lease-path", po::value(&cfg->lease_path)->value_name("PATH"), "sanlock volumes: the LUN as a path for sanlock (block device; in tests the file backing the LUN); default VOL when VOL is a path")
-      ("lease-io-timeout", po::value(&cfg->lease_io_timeout)->value_name("SEC"), "sanlock volumes: io_timeout of this host's lockspace membership when it joins (default: the daemon's, 10); once joined, the membership keeps the io_timeout of the process that joined first, and dedupd uses that one")
+      ("lease-io-timeout", po::value(&lease_io_timeout)->value_name("SEC"), "sanlock volumes: io_timeout of this host's lockspace membership when it joins (default: the daemon's, 10); once joined, the membership keeps the io_timeout of the process that joined first, and dedupd uses that one")
       ("fence-after", po::value(&cfg->fence_after)->value_name("SEC"), "sanlock volumes: stop (exit) when this host's lease was last seen renewed SEC seconds ago (default 8 x io_timeout + 30, before other hosts may call this one dead at 8 x io_timeout + 60; at least 4 x io_timeout + 4)")
       ("socket", po::value(&cfg->socket)->value_name("PATH"), "Unix socket to serve NBD on")
       ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port), to the local users the Unix socket admits (root, its owner, members of its group)")
       ("config", po::value(&config_file)->value_name("FILE"), "read options from FILE (lines: name = value)")
-      ("threads", po::value(&cfg->threads)->value_name("N"), "worker threads for volume I/O (default 8)")
+      ("threads", po::value(&threads)->value_name("N"), "worker threads for volume I/O (default 8)")
       ("initiator-name", po::value(&cfg->initiator_name)->value_name("IQN"), "iscsi:// volumes: the iSCSI initiator name to log in with, which the target's ACL must admit (default: InitiatorName= in /etc/iscsi/initiatorname.iscsi, else iqn.2026-11.org.dede:HOSTNAME)")
-      ("iscsi-sessions", po::value(&cfg->iscsi_sessions)->value_name("N"), "iscsi:// volumes: sessions logged in to the LUN, each carrying one command at a time, so up to N volume commands are in flight (default 4)")
+      ("iscsi-sessions", po::value(&iscsi_sessions)->value_name("N"), "iscsi:// volumes: sessions logged in to the LUN, each carrying one command at a time, so up to N volume commands are in flight (default 4)")
       ("sync-interval", po::value(&cfg->sync_interval)->value_name("SEC"), "volume flush point every SEC seconds (default 1)")
       ("log-flush-interval", po::value(&cfg->log_flush_interval)->value_name("SEC"), "append buffered records to write logs every SEC seconds (default 30)")
       ("log-flush-bytes", po::value(&flush_bytes)->value_name("SIZE"), "flush a file's records once they fill SIZE of log (default 1M)")
       ("monitor-memory", po::value(&memory)->value_name("SIZE"), "memory cap of the write monitor's buffers (default 64M)")
-      ("write-log-limit", po::value(&cfg->write_log_limit.percent)->value_name("PERCENT"), "a file's write log may grow to PERCENT of the file's size (at least --write-log-min) before it stops taking records and marks the whole file changed for the next dedup pass (default 3; 0: no limit)")
+      ("write-log-limit", po::value(&write_log_limit)->value_name("PERCENT"), "a file's write log may grow to PERCENT of the file's size (at least --write-log-min) before it stops taking records and marks the whole file changed for the next dedup pass (default 3; 0: no limit)")
       ("write-log-min", po::value(&write_log_min)->value_name("SIZE"), "the least size limit of a write log (default 4M)")
       ("no-write-monitor", po::bool_switch(&no_write_monitor), "serve without fingerprinting writes (benchmarks)")
       ("read-ahead", po::value(&read_ahead)->value_name("SIZE"), "after a sequential READ of up to SIZE with no other READ in flight, read the next one ahead while the reply is sent (default 2M; 0: off)")
@@ -172,7 +189,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
       ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that)")
       ("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"), "on SIGTERM, a client that takes none of its replies for SEC seconds loses them and is disconnected, so that a stuck client cannot keep the other disks' locks (default 10)")
-      ("max-connections", po::value(&cfg->max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs; TCP connections waiting for their user check count for TCP)")
+      ("max-connections", po::value(&max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs; TCP connections waiting for their user check count for TCP)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600)")
       ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30)")
@@ -200,7 +217,11 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
     return kExitOk;
   }
   if (cfg->volume.empty()) return UsageError("--volume is required");
-  if (cfg->host_id == 0) return UsageError("--host-id is required (1..max-hosts)");
+  if (host_id.empty()) return UsageError("--host-id is required (1..max-hosts)");
+  if (!ParseWhole(host_id, 1, kMaxHosts, &cfg->host_id)) {
+    return UsageError("--host-id: a whole number from 1 to max-hosts (at most " +
+                      std::to_string(kMaxHosts) + "), not '" + host_id + "'");
+  }
   if (cfg->socket.empty() && tcp_port.empty()) return UsageError("--socket is required");
   if (!tcp_port.empty()) {
     auto p = ParseUnsigned(tcp_port);
@@ -217,7 +238,10 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
     if (!v || *v < (1 << 20)) return UsageError("--monitor-memory: need a size of at least 1M");
     cfg->monitor_memory = *v;
   }
-  if (cfg->write_log_limit.percent > 100) return UsageError("--write-log-limit: 0..100 (percent)");
+  if (!write_log_limit.empty() &&
+      !ParseWhole(write_log_limit, 0, 100, &cfg->write_log_limit.percent)) {
+    return UsageError("--write-log-limit: 0..100 (percent), not '" + write_log_limit + "'");
+  }
   if (!write_log_min.empty()) {
     auto v = ParseSize(write_log_min);
     if (!v || *v < 4096) return UsageError("--write-log-min: need a size of at least 4K");
@@ -238,9 +262,13 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
     if (!l) return UsageError("--log-level: one of debug, info, warning, error");
     cfg->log_level = *l;
   }
-  if (cfg->threads < 1 || cfg->threads > 256) return UsageError("--threads: 1..256");
-  if (cfg->iscsi_sessions < 1 || cfg->iscsi_sessions > kMaxIscsiSessions) {
-    return UsageError("--iscsi-sessions: 1.." + std::to_string(kMaxIscsiSessions));
+  if (!threads.empty() && !ParseWhole(threads, 1, 256, &cfg->threads)) {
+    return UsageError("--threads: 1..256, not '" + threads + "'");
+  }
+  if (!iscsi_sessions.empty() &&
+      !ParseWhole(iscsi_sessions, 1, kMaxIscsiSessions, &cfg->iscsi_sessions)) {
+    return UsageError("--iscsi-sessions: 1.." + std::to_string(kMaxIscsiSessions) + ", not '" +
+                      iscsi_sessions + "'");
   }
   // Every duration, before it reaches a timer (a huge or infinite one
   // wrapped to a negative period, a tiny one rounded to 0: either fired
@@ -264,11 +292,16 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
     }
   }
   if (!(cfg->dedup_fraction >= 0)) return UsageError("--dedup-fraction: must be >= 0");
-  if (cfg->lease_io_timeout > kMaxLeaseIoTimeoutS) {
-    return UsageError("--lease-io-timeout: at most " + std::to_string(kMaxLeaseIoTimeoutS) +
-                      " seconds");
+  if (!lease_io_timeout.empty() &&
+      !ParseWhole(lease_io_timeout, 0, kMaxLeaseIoTimeoutS, &cfg->lease_io_timeout)) {
+    return UsageError("--lease-io-timeout: whole seconds, at most " +
+                      std::to_string(kMaxLeaseIoTimeoutS) + " (0: the daemon's), not '" +
+                      lease_io_timeout + "'");
   }
-  if (cfg->max_connections < 1) return UsageError("--max-connections: must be >= 1");
+  if (!max_connections.empty() &&
+      !ParseWhole(max_connections, 1, uint64_t{1} << 32, &cfg->max_connections)) {
+    return UsageError("--max-connections: a whole number from 1, not '" + max_connections + "'");
+  }
   cfg->control_given = vm.count("control") > 0;
   cfg->max_connections_given = vm.count("max-connections") > 0;
   cfg->history_given = vm.count("history") > 0;
@@ -361,7 +394,12 @@ int Run(const Config& cfg) {
   Result<OpenedVolume> ov = OpenVolumeSpec(cfg.volume, oo);
   if (!ov.ok()) {
     LOG(kError) << "cannot open volume " << cfg.volume << ": " << ov.status().ToString();
-    return kExitError;
+    // kInvalid: the configuration does not fit the volume or its target (a
+    // host id beyond its max-hosts, a malformed iscsi:// URL, a login the
+    // target refuses for CHAP or its ACL, a LUN that is not a disk, a lease
+    // path that is not the volume). Starting again cannot help: exit 2,
+    // which systemd does not restart (RestartPreventExitStatus=2).
+    return ov.status().code() == Status::Code::kInvalid ? kExitUsage : kExitError;
   }
   Volume* vol = ov->volume.get();
   // Hosts sharing a LUN: fence ourselves when our lockspace membership

@@ -1482,9 +1482,9 @@ TEST_CASE("dedupd command line with usage errors and bad volumes and taken host 
   // negative io_timeout that the option parser wraps to 2^32 - 1. Durations
   // that overflowed a timer's microseconds to a negative period or rounded
   // to 0 (the timer then fired without pause: a busy CPU), an infinite
-  // split threshold (every shard split at every update). Timeout 20 s: one
-  // that is accepted serves (and then with no control socket, history or
-  // metrics of the host's).
+  // split threshold (every shard split at every update), and a negative
+  // count read as 2^64 - 1. Timeout 20 s: one that is accepted serves (and
+  // then with no control socket, history or metrics of the host's).
   const std::vector<std::string> off = {"--control",      "off", "--history", "off",
                                         "--metrics-port", "off"};
   for (const std::vector<std::string>& bad : {std::vector<std::string>{"--fence-after", "inf"},
@@ -1501,7 +1501,9 @@ TEST_CASE("dedupd command line with usage errors and bad volumes and taken host 
                                               {"--split-after", "inf"},
                                               {"--drain-timeout", "inf"},
                                               {"--open-wait", "nan"},
-                                              {"--window-interval", "2592001"}}) {
+                                              {"--window-interval", "2592001"},
+                                              {"--max-connections", "-1"},
+                                              {"--write-log-limit", "-1"}}) {
     std::vector<std::string> args = {dedupd, "--volume", tv.vol, "--host-id",
                                      "1",    "--socket", tv.sock};
     args.insert(args.end(), off.begin(), off.end());
@@ -1511,6 +1513,20 @@ TEST_CASE("dedupd command line with usage errors and bad volumes and taken host 
     CHECK(r.exit_code == 2);
     CHECK(r.err.find(bad[0]) != std::string::npos);
   }
+  // A host id that is negative (read as 2^32 - 1 by the option parser), or
+  // beyond the volume's max-hosts (8): configuration errors, exit 2, which
+  // systemd does not restart (it restarted dedupd every 5 s on exit 1).
+  std::vector<std::string> args = {dedupd, "--volume", tv.vol, "--host-id",
+                                   "-1",   "--socket", tv.sock};
+  args.insert(args.end(), off.begin(), off.end());
+  r = RunProcess(args, 20);
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("--host-id") != std::string::npos);
+  args[4] = "9";
+  r = RunProcess(args, 20);
+  INFO(r.err);
+  CHECK(r.exit_code == 2);
+  CHECK(r.err.find("out of range 1..8") != std::string::npos);
 
   r = RunProcess({dedupd, "--volume", tv.dir.file("missing.img"), "--host-id", "1", "--socket",
                   tv.sock});
