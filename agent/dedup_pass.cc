@@ -1,6 +1,7 @@
 #include "agent/dedup_pass.h"
 
 #include <algorithm>
+#include <deque>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -1971,7 +1972,10 @@ class Pass {
   // touched before are much cheaper to read into and compare).
   Volume::ReadBuffer read_buf_;
   std::unordered_map<uint64_t, FileInfo> by_ino_;
-  std::vector<PassFile> files_;
+  // A deque: a PassFile* stays valid while FileIndex adds files (a
+  // vector's growth left ResolveRounds reading a freed PassFile after it
+  // looked up an indexed file the pass had not met yet).
+  std::deque<PassFile> files_;
   std::unordered_map<uint64_t, uint32_t> file_index_;
   std::vector<PassRecord> records_;
   // The logs this pass consumes (held open, so no one appends meanwhile)
