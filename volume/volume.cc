@@ -2640,6 +2640,10 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
       std::memcpy(blk + (lo - bstart), buf + (lo - offset), hi - lo);
       src[k] = blk;
     }
+    // A failed read of an old block (above) comes before any write of
+    // this round: nothing changed, so the write fails alone. A failed
+    // write may have changed a block in place: that poisons.
+    bool write_failed = false;
     for (size_t k = 0; k < nblk && io.ok();) {
       size_t n = 1;
       while (k + n < nblk && target[k + n] == target[k] + n &&
@@ -2647,13 +2651,14 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
         n++;
       }
       io = dev_->Write(target[k] * kBlockSize, src[k], n * kBlockSize);
+      write_failed = !io.ok();
       k += n;
     }
     // Phase 3 (mu_): count and publish the new blocks in one transaction.
     // On failure, blocks not yet published are given back.
     MutexLock l(&mu_);
     Status st = io;
-    if (!io.ok()) (void)Poison(io);
+    if (write_failed) (void)Poison(io);
     // Poisoned by another thread since phase 1: its transaction never
     // commits, so publishing into it would answer Ok for a lost write.
     if (st.ok()) st = poisoned_;
@@ -2723,25 +2728,44 @@ Status VolumeImpl::TrimData(OpenFileState* f, uint64_t offset, uint64_t len) {
   if (offset + len > tail_start && end_full >= first_full) {
     RETURN_IF_ERROR(WriteData(f, tail_start, kZeros.data(), offset + len - tail_start));
   }
-  WriterLock wl(&f->rw);
-  for (uint64_t i = first_full; i < end_full; i++) RETURN_IF_ERROR(PunchBlock(f, i));
+  // Mapped blocks only, from the end of the range down (a hole costs
+  // nothing: a guest's fstrim of a thin disk sends discards of gigabytes
+  // that are mostly holes), and the file's lock is let go every
+  // kTrimBlocksPerHold punches so that the disk's READs, which take it
+  // shared, are not held up for the whole range.
+  uint64_t i = end_full;
+  while (i > first_full) {
+    WriterLock wl(&f->rw);
+    for (uint64_t n = 0; n < kTrimBlocksPerHold && i > first_full; n++) {
+      ASSIGN_OR_RETURN(std::optional<uint64_t> next, PunchLastMappedBelow(f, first_full, i));
+      if (!next) return Status::Ok();
+      i = *next;
+    }
+  }
   return Status::Ok();
 }
 
 Status VolumeImpl::PunchBlock(OpenFileState* f, uint64_t index) {
+  if (index == UINT64_MAX) return Status::Invalid("block index out of range");
+  return PunchLastMappedBelow(f, index, index + 1).status();
+}
+
+Result<std::optional<uint64_t>> VolumeImpl::PunchLastMappedBelow(OpenFileState* f, uint64_t first,
+                                                                 uint64_t limit) {
   MutexLock l(&mu_);
   RETURN_IF_ERROR(CheckWritable());
   RETURN_IF_ERROR(EnsureRoom(16));
   ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
-  if (index * kBlockSize >= in.size) {
-    return Status::Invalid("block " + std::to_string(index) + " is past the end of '" + in.name +
-                           "'");
+  const uint64_t blocks = (in.size + kBlockSize - 1) / kBlockSize;
+  if (limit > blocks) {
+    return Status::Invalid("block " + std::to_string(limit - 1) + " is past the end of '" +
+                           in.name + "'");
   }
-  ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, index));
-  if (p == 0) return Status::Ok();
-  RETURN_IF_ERROR(ReplaceBlock(&in, index, 0));
+  ASSIGN_OR_RETURN(std::optional<uint64_t> last, LastMappedBelow(in, limit));
+  if (!last || *last < first) return std::optional<uint64_t>();
+  RETURN_IF_ERROR(ReplaceBlock(&in, *last, 0));
   PutInode(in);
-  return Status::Ok();
+  return last;
 }
 
 Status VolumeImpl::TruncateFile(OpenFileState* f, uint64_t size) {
@@ -3319,7 +3343,10 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
         if (path.code() == Status::Code::kNoSpace) {
           op.result = path;
           op.changed = false;
-          held_back.insert(p.dst);  // later operations on it assumed this one
+          // Later operations on either position assumed this one (the
+          // source's planned pointer carries the copy-on-write bit).
+          if (p.src != nullptr) held_back.insert(p.src);
+          held_back.insert(p.dst);
           return false;
         }
         if (path.code() == Status::Code::kLocked) {

@@ -109,6 +109,12 @@ class VolumeImpl : public Volume {
   Result<uint32_t> RefCountAt(OpenFileState* f, uint64_t index, bool may_wait) EXCLUDES(mu_);
   Status TakeGroupOfBlock(OpenFileState* f, uint64_t index) EXCLUDES(mu_);
   Status PunchBlock(OpenFileState* f, uint64_t index) EXCLUDES(mu_);
+  // Punches the last mapped block in [first, limit) and returns its index;
+  // nullopt when there is none. kInvalid when limit is past the file's end.
+  Result<std::optional<uint64_t>> PunchLastMappedBelow(OpenFileState* f, uint64_t first,
+                                                       uint64_t limit) EXCLUDES(mu_);
+  // TrimData lets the file's lock go between runs of this many punches.
+  static constexpr uint64_t kTrimBlocksPerHold = 1024;
   Result<FileUsage> UsageOf(OpenFileState* f) EXCLUDES(mu_);
   Result<Inode> InodeOf(OpenFileState* f) EXCLUDES(mu_);
   void CloseFile(OpenFileState* f) EXCLUDES(mu_);

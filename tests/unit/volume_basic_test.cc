@@ -538,6 +538,60 @@ TEST_CASE("volume: removing or shrinking a huge thin file walks its mapped block
   CHECK(st->logical_blocks == 3);
 }
 
+TEST_CASE("volume: a trim of a huge thin range punches its mapped blocks only", "[volume]") {
+  // A trim punched every block index of its range, holes included, each
+  // under the volume's mutex and the file's lock: a guest's fstrim of a
+  // thin 16 TiB disk took four billion lookups while the disk's READs
+  // waited. It now walks the mapped blocks from the end down (and lets
+  // the file's lock go every kTrimBlocksPerHold of them).
+  MemDevice dev(64 << 20);
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  FormatWithOneFile(&dev, oo, {});
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  constexpr uint64_t kSize = uint64_t{16} << 40;
+  constexpr uint64_t kLast = kSize / kBlockSize - 1;
+  REQUIRE(vol.value()->Create("thin", kSize).ok());
+  auto f = vol.value()->OpenFile("thin");
+  REQUIRE(f.ok());
+  const std::vector<uint8_t> d = Pattern(kBlockSize, 17);
+  // A run of 3000 blocks (several holds of the file's lock), and blocks
+  // far apart; the first and last blocks stay outside the trim.
+  std::vector<uint64_t> mapped = {0, uint64_t{1} << 30, kLast};
+  for (uint64_t b = 5000; b < 8000; b++) mapped.push_back(b);
+  const std::vector<uint8_t> run = Pattern(3000 * kBlockSize, 18);
+  REQUIRE(f.value()->Write(5000 * kBlockSize, run.data(), run.size()).ok());
+  for (uint64_t b : {uint64_t{0}, uint64_t{1} << 30, kLast}) {
+    REQUIRE(f.value()->Write(b * kBlockSize, d.data(), d.size()).ok());
+  }
+  // From the middle of block 0 to the middle of the last block: both edge
+  // blocks are zeroed in part, every whole block between is punched.
+  REQUIRE(f.value()->Trim(kBlockSize / 2, kSize - kBlockSize).ok());
+  auto info = f.value()->Info();
+  REQUIRE(info.ok());
+  CHECK(info->mapped_blocks == 2);
+  std::vector<uint8_t> got(kBlockSize), want = d;
+  REQUIRE(f.value()->Read(0, got.data(), got.size()).ok());
+  std::fill(want.begin() + kBlockSize / 2, want.end(), 0);
+  CHECK(got == want);
+  REQUIRE(f.value()->Read(kLast * kBlockSize, got.data(), got.size()).ok());
+  want = d;
+  std::fill(want.begin(), want.begin() + kBlockSize / 2, 0);
+  CHECK(got == want);
+  for (uint64_t b : {uint64_t{5000}, uint64_t{6500}, uint64_t{7999}, uint64_t{1} << 30}) {
+    REQUIRE(f.value()->Read(b * kBlockSize, got.data(), got.size()).ok());
+    CHECK(std::all_of(got.begin(), got.end(), [](uint8_t c) { return c == 0; }));
+  }
+  // A trim past the end is refused.
+  CHECK(f.value()->Trim(kSize - kBlockSize, 2 * kBlockSize).code() == Status::Code::kInvalid);
+  f.value().reset();
+  auto rep = CheckVolume(vol.value().get(), false);
+  REQUIRE(rep.ok());
+  for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
+  CHECK(rep->clean());
+}
+
 TEST_CASE("volume: a write whose new blocks scatter over many refcount blocks, on the "
           "smallest journal",
           "[volume]") {
