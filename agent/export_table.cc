@@ -2,12 +2,15 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <thread>
 
 #include "kmod/writemon/write_log.h"
+#include "util/io_buffer.h"
 #include "util/log.h"
 #include "volume/format.h"
 
@@ -251,13 +254,21 @@ Status Export::Trim(uint64_t offset, uint64_t len, bool fua) {
 Status Export::WriteZeroes(uint64_t offset, uint64_t len, bool fua, bool no_hole) {
   if (!no_hole) return Trim(offset, len, fua);
   static constexpr size_t kChunk = 1 << 20;
-  static const std::vector<uint8_t> zeros(kChunk, 0);
+  // Aligned, so that an O_DIRECT device writes it as it is (a plain
+  // vector's storage went through the path device's bounce buffer, a copy
+  // and an allocation per chunk). Never freed: reachable till exit.
+  static const uint8_t* const zeros = [] {
+    auto* p = static_cast<uint8_t*>(std::aligned_alloc(kIoAlign, kChunk));
+    if (p == nullptr) throw std::bad_alloc();
+    std::memset(p, 0, kChunk);
+    return p;
+  }();
   Status st;
   {
     RangeGuard g(&ranges_, offset, len);
     for (uint64_t done = 0; done < len && st.ok();) {
       size_t n = static_cast<size_t>(std::min<uint64_t>(kChunk, len - done));
-      st = file_->Write(offset + done, zeros.data(), n);
+      st = file_->Write(offset + done, zeros, n);
       done += n;
     }
     read_ahead_.Invalidate(offset, len);
@@ -321,7 +332,7 @@ Result<std::shared_ptr<Export>> ExportTable::Acquire(const std::string& name, do
   while (true) {
     Result<std::shared_ptr<Export>> e = w.Step();
     if (!w.retry()) return e;
-    // Not under open_mu_: other exports open meanwhile.
+    // Holding nothing: other exports open meanwhile.
     std::this_thread::sleep_for(OpenWait::kRetryInterval);
   }
 }
@@ -365,24 +376,34 @@ Result<std::shared_ptr<Export>> ExportTable::OpenWait::Step() {
   return e;
 }
 
-Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name) {
-  // An export of this name still closing holds its file open: wait for
-  // that close (seconds at most), then open it anew. (Its last client may
-  // leave again between the wait and open_mu_: wait again.)
-  while (true) {
-    WaitForClose(name);
-    MutexLock o(&open_mu_);
-    {
-      MutexLock l(&mu_);
-      auto it = exports_.find(name);
-      if (it != exports_.end()) {
-        it->second->clients_++;
-        return it->second;
-      }
-      if (closing_names_.count(name)) continue;
+// The condition variable needs the native mutex (see BlockRangeLock).
+Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name)
+    NO_THREAD_SAFETY_ANALYSIS {
+  {
+    // An export of this name still closing holds its file open, and one
+    // being opened will be in the table in a moment: wait for either
+    // (a close takes seconds at most; an open, the time its file's lock
+    // takes), then enter it or open it anew. Opens of other names go on
+    // meanwhile: with sanlock an open can wait for a dead host's lease.
+    std::unique_lock<std::mutex> l(mu_.native());
+    closed_cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS {
+      return closing_names_.count(name) == 0 && opening_names_.count(name) == 0;
+    });
+    auto it = exports_.find(name);
+    if (it != exports_.end()) {
+      it->second->clients_++;
+      return it->second;
     }
-    return OpenExport(name);
+    opening_names_.insert(name);
   }
+  Result<std::shared_ptr<Export>> e = OpenExport(name);
+  {
+    MutexLock l(&mu_);
+    opening_names_.erase(name);
+    if (e.ok()) exports_[name] = *e;
+  }
+  closed_cv_.notify_all();
+  return e;
 }
 
 Result<std::shared_ptr<Export>> ExportTable::OpenExport(const std::string& name) {
@@ -405,8 +426,6 @@ Result<std::shared_ptr<Export>> ExportTable::OpenExport(const std::string& name)
   e->clients_ = 1;
   LOG(kInfo) << "export '" << name << "' opened (" << info.size << " bytes, dedup "
              << (info.dedup ? "on" : "off") << ")";
-  MutexLock l(&mu_);
-  exports_[name] = e;
   return e;
 }
 
@@ -422,12 +441,6 @@ void ExportTable::Release(const std::shared_ptr<Export>& e) {
     closing_names_.insert(e->name_);
   }
   Close(e);
-}
-
-// The condition variable needs the native mutex (see BlockRangeLock).
-void ExportTable::WaitForClose(const std::string& name) NO_THREAD_SAFETY_ANALYSIS {
-  std::unique_lock<std::mutex> l(mu_.native());
-  closed_cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS { return closing_names_.count(name) == 0; });
 }
 
 void ExportTable::Close(const std::shared_ptr<Export>& e) {
@@ -467,11 +480,15 @@ void ExportTable::Close(const std::shared_ptr<Export>& e) {
   LOG(kInfo) << "export '" << e->name() << "' closed";
 }
 
-void ExportTable::CloseAll() {
-  MutexLock o(&open_mu_);
+void ExportTable::CloseAll() NO_THREAD_SAFETY_ANALYSIS {
   std::map<std::string, std::shared_ptr<Export>> all;
   {
-    MutexLock l(&mu_);
+    // Opens under way finish first (their exports are closed with the
+    // rest), and so do closes that Release began.
+    std::unique_lock<std::mutex> l(mu_.native());
+    closed_cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS {
+      return opening_names_.empty() && closing_names_.empty();
+    });
     all.swap(exports_);
     for (auto& [name, e] : all) {
       closing_.push_back(e);

@@ -194,8 +194,7 @@ class ExportTable {
   // (Volume::AnnounceOpenWait) so that the pass gives the disk back at its
   // next step; the pass itself never waits (0). Blocking (volume I/O,
   // sleeps): call from a worker thread.
-  Result<std::shared_ptr<Export>> Acquire(const std::string& name, double wait_s = 0)
-      EXCLUDES(mu_, open_mu_);
+  Result<std::shared_ptr<Export>> Acquire(const std::string& name, double wait_s = 0) EXCLUDES(mu_);
   // What NBD_OPT_INFO tells about an export, without entering it: the
   // size of the open export, or else of the regular file on the volume
   // (read without its lock, which another host's VM may hold; no wait,
@@ -212,7 +211,7 @@ class ExportTable {
    public:
     static constexpr std::chrono::milliseconds kRetryInterval{200};
     OpenWait(ExportTable* table, std::string name, double wait_s);
-    Result<std::shared_ptr<Export>> Step() EXCLUDES(table_->mu_, table_->open_mu_);
+    Result<std::shared_ptr<Export>> Step() EXCLUDES(table_->mu_);
     bool retry() const { return retry_; }
     // No more Steps (the client left): withdraws the announcement.
     void Abandon();
@@ -258,35 +257,36 @@ class ExportTable {
   std::shared_ptr<Export> AcquireIfOpen(const std::string& name) EXCLUDES(mu_);
 
  private:
-  Result<std::shared_ptr<Export>> TryAcquire(const std::string& name) EXCLUDES(mu_, open_mu_);
-  // Opens the file of an export no client has (TryAcquire's second half).
-  Result<std::shared_ptr<Export>> OpenExport(const std::string& name) REQUIRES(open_mu_)
-      EXCLUDES(mu_);
+  Result<std::shared_ptr<Export>> TryAcquire(const std::string& name) EXCLUDES(mu_);
+  // Opens the file of an export no client has (TryAcquire's second half,
+  // with `name` in opening_names_).
+  Result<std::shared_ptr<Export>> OpenExport(const std::string& name) EXCLUDES(mu_);
   // The regular file `name` names (no lock taken); kNotFound, worded for
   // a client, when there is none.
   Result<FileInfo> LookupExportFile(const std::string& name);
   void Close(const std::shared_ptr<Export>& e) EXCLUDES(mu_);
-  // Returns once no export named `name` is closing.
-  void WaitForClose(const std::string& name) EXCLUDES(mu_);
   Volume* const vol_;
   WriteMonitor* const monitor_;
   LogFlusher* const flusher_;
   const size_t read_ahead_bytes_;
   // Before exports_: every Export's window returns its bytes here.
   ReadAheadBudget read_ahead_budget_;
-  // Lock order: ExportTable::mu_ is never held across volume I/O; opening
-  // runs under open_mu_ (held across I/O, never taken by the data path) so
-  // two clients racing for a new export open it once. Closing does not:
-  // a close can wait seconds for its write log (kCloseLogWaitS) and syncs,
-  // and every open of every export, each parking a worker of the pool that
-  // serves all disks' I/O, used to wait behind it. An open of an export
-  // that is closing waits for that close instead (closing_names_).
-  Mutex open_mu_ ACQUIRED_BEFORE(mu_);
+  // mu_ is never held across volume I/O. Opening and closing an export
+  // happen outside it, marked by name (opening_names_, closing_names_):
+  // an open can wait long for its file's lock (with sanlock, a dead
+  // host's lease: minutes), a close seconds for its write log and a
+  // sync, and neither may hold up another export's open or anything of
+  // the data path. Two clients racing for one new export open it once
+  // (the second waits for the first's open, then enters or retries it);
+  // an open of an export that is still closing waits for that close.
   Mutex mu_;
   std::map<std::string, std::shared_ptr<Export>> exports_ GUARDED_BY(mu_);
   // Names whose Close has not finished (their file is still open here);
   // closed_cv_ (with mu_) is signalled as each finishes.
   std::multiset<std::string> closing_names_ GUARDED_BY(mu_);
+  // Names whose open is under way (not yet in exports_).
+  std::set<std::string> opening_names_ GUARDED_BY(mu_);
+  // With mu_: signalled as each open or close finishes.
   std::condition_variable closed_cv_;
   // Exports taken out of exports_ whose Close has not yet folded their
   // counts into closed_ (Close does it under mu_), so the totals never

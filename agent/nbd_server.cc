@@ -270,31 +270,25 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     });
   }
 
-  // One attempt to enter the export, on a worker. A refusal that may clear
-  // (the file held elsewhere for a moment) is tried again after a timer on
-  // the strand: a waiting open holds no worker, which every disk's I/O
-  // needs.
+  // One attempt to enter the export, on the open pool: an open can wait
+  // long for its file's lock (with sanlock, for a dead host's lease), and
+  // must not do so on a worker, which every disk's I/O needs. A refusal
+  // that may clear (the file held elsewhere for a moment) is tried again
+  // after a timer on the strand, holding no thread meanwhile.
   void TryOpen(std::shared_ptr<ExportTable::OpenWait> wait) {
     ExportTable* table = server_->table_;
     const std::string name = session_.export_name();
-    server_->RunBlocking([self = shared_from_this(), table, wait, name] {
+    server_->RunOpen([self = shared_from_this(), table, wait, name] {
       Result<std::shared_ptr<Export>> e = wait->Step();
       if (wait->retry()) {
         asio::post(self->strand_, [self, wait] {
-          if (self->stop_reading_) {
-            // The client left, or dedupd stops: no one is waiting now.
-            self->server_->RunBlocking([self, wait] {
-              wait->Abandon();
-              asio::post(self->strand_, [self] {
-                self->waiting_backend_ = false;
-                self->MaybeFinish();
-              });
-            });
-            return;
-          }
+          if (self->AbandonOpenIfGone(wait)) return;
           self->open_timer_.expires_after(ExportTable::OpenWait::kRetryInterval);
-          self->open_timer_.async_wait(asio::bind_executor(
-              self->strand_, [self, wait](boost::system::error_code) {
+          self->open_timer_.async_wait(
+              asio::bind_executor(self->strand_, [self, wait](boost::system::error_code) {
+                // The client may have left (or dedupd begun to stop)
+                // during the pause: then the file is not opened for no one.
+                if (self->AbandonOpenIfGone(wait)) return;
                 self->TryOpen(wait);
               }));
         });
@@ -329,6 +323,21 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
         self->Pump();
       });
     });
+  }
+
+  // On the strand, between attempts of a waiting open: true (and the wait
+  // withdrawn) if no one is waiting for it any more (the client left, or
+  // dedupd stops).
+  bool AbandonOpenIfGone(const std::shared_ptr<ExportTable::OpenWait>& wait) {
+    if (!stop_reading_) return false;
+    server_->RunOpen([self = shared_from_this(), wait] {
+      wait->Abandon();
+      asio::post(self->strand_, [self] {
+        self->waiting_backend_ = false;
+        self->MaybeFinish();
+      });
+    });
+    return true;
   }
 
   void Execute(nbd::Request req) {
@@ -537,6 +546,7 @@ NbdServer::NbdServer(asio::io_context& io, ExportTable* table, const NbdServerOp
 
 NbdServer::~NbdServer() {
   pool_.join();
+  open_pool_.join();
   admission_pool_.join();
   if (!opts_.unix_socket.empty() && unix_acceptor_) ::unlink(opts_.unix_socket.c_str());
 }

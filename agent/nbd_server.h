@@ -91,12 +91,22 @@ class NbdServer {
   void RunBlocking(F&& f) {
     boost::asio::post(pool_, std::forward<F>(f));
   }
-  // Waits for the worker pool (and the TCP client checks) to finish
-  // everything posted.
+  // Runs an export open (which may wait long for its file's lock) on the
+  // open pool, never on a worker.
+  template <typename F>
+  void RunOpen(F&& f) {
+    boost::asio::post(open_pool_, std::forward<F>(f));
+  }
+  // Waits for the worker pool (and the opens and TCP client checks) to
+  // finish everything posted.
   void JoinWorkers() {
     pool_.join();
+    open_pool_.join();
     admission_pool_.join();
   }
+  // Threads that open exports: as many opens may wait for their files'
+  // locks at once before later ones queue (other disks' I/O goes on).
+  static constexpr size_t kOpenThreads = 4;
 
  private:
   friend class NbdConnection;
@@ -125,6 +135,7 @@ class NbdServer {
   ExportTable* const table_;
   const NbdServerOptions opts_;
   boost::asio::thread_pool pool_;
+  boost::asio::thread_pool open_pool_{kOpenThreads};
   // One thread for the TCP client checks, so that a slow user database
   // (sssd, LDAP) or a flood of local connects holds up no VM's I/O.
   boost::asio::thread_pool admission_pool_{1};

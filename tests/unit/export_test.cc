@@ -20,6 +20,7 @@
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "tests/forwarding_device.h"
+#include "tests/forwarding_locks.h"
 #include "tests/temp_locks.h"
 #include "util/fingerprint.h"
 #include "volume/format.h"
@@ -638,4 +639,94 @@ TEST_CASE(
   CHECK(changed(0));
   CHECK(changed(5));
   CHECK_FALSE(changed(2));
+}
+
+namespace {
+
+// Holds an acquire of one file's lock (kInode of `ino`) until Open(): an
+// open waiting for its lock, as with sanlock for a dead host's lease.
+class LatchLocks : public test::ForwardingLocks {
+ public:
+  using ForwardingLocks::ForwardingLocks;
+  void Arm(uint64_t ino) {
+    std::lock_guard<std::mutex> l(mu_);
+    ino_ = ino;
+  }
+  bool WaitHeld(std::chrono::milliseconds limit) {
+    std::unique_lock<std::mutex> l(mu_);
+    return cv_.wait_for(l, limit, [&] { return held_; });
+  }
+  void Open() {
+    std::lock_guard<std::mutex> l(mu_);
+    open_ = true;
+    cv_.notify_all();
+  }
+  Status Acquire(LockId id, LockMode mode, bool wait) override {
+    {
+      std::unique_lock<std::mutex> l(mu_);
+      if (id.kind == LockKind::kInode && id.id == ino_ && !open_) {
+        held_ = true;
+        cv_.notify_all();
+        cv_.wait(l, [&] { return open_; });
+      }
+    }
+    return ForwardingLocks::Acquire(id, mode, wait);
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  uint64_t ino_ = 0;
+  bool held_ = false;
+  bool open_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("export: an open waiting for its file's lock holds up no other export's open",
+          "[export]") {
+  // Opening ran under the table's open mutex, across the volume's open of
+  // the file: with sanlock, an open that waits for a dead host's lease
+  // (8 io_timeouts + 60 s) made every other disk's open wait as long. Two
+  // clients of the disk being opened still get one export.
+  MemDevice mem(64 << 20);
+  REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
+  auto locks = std::make_shared<LatchLocks>(TempLocks());
+  OpenOptions oo;
+  oo.locks = locks;
+  auto vol = Volume::Open(&mem, oo);
+  REQUIRE(vol.ok());
+  REQUIRE((*vol)->Create("slow", kFileBytes).ok());
+  REQUIRE((*vol)->Create("vm2", kFileBytes).ok());
+  auto slow = (*vol)->Lookup("slow");
+  REQUIRE(slow.ok());
+  ExportTable table(vol->get(), nullptr, nullptr);
+  locks->Arm(slow->id.ino);
+  Result<std::shared_ptr<Export>> first = Status::Unavailable("not run"),
+                                  second = Status::Unavailable("not run");
+  std::thread opener([&] { first = table.Acquire("slow"); });
+  REQUIRE(locks->WaitHeld(5s));
+  std::thread joiner([&] { second = table.Acquire("slow"); });
+  // Whatever happens below, the held open ends in 3 s.
+  std::thread letgo([&] {
+    std::this_thread::sleep_for(3s);
+    locks->Open();
+  });
+  const auto t0 = std::chrono::steady_clock::now();
+  auto other = table.Acquire("vm2");
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  REQUIRE(other.ok());
+  CHECK(s < 1.0);
+  letgo.join();
+  opener.join();
+  joiner.join();
+  REQUIRE(first.ok());
+  REQUIRE(second.ok());
+  CHECK(first->get() == second->get());
+  CHECK(table.StatusOfOpen().size() == 2);
+  table.Release(*first);
+  CHECK(table.StatusOfOpen().size() == 2);  // the second client still has it
+  table.Release(*second);
+  table.Release(*other);
+  CHECK(table.StatusOfOpen().empty());
 }
