@@ -499,11 +499,20 @@ class Pass {
         return log.status();
       }
       if (opts_.log_taken) opts_.log_taken(owner_info.id);
+      // At most max_records of one log in memory (more: the log stands for
+      // "every block changed", and the file is rehashed instead).
       ASSIGN_OR_RETURN(WriteLogState st,
-                       ReplayWriteLog(log->get(), algo_, uuid_, owner_info.id));
+                       ReplayWriteLog(log->get(), algo_, uuid_, owner_info.id, opts_.max_records));
+      if (st.stats.newer_frames > 0) {
+        // A newer dede wrote part of it: consuming the log would cut away
+        // what this one cannot read. Left whole for that dede's pass.
+        stats_.newer_format_left_alone++;
+        continue;
+      }
       stats_.log_corrupt_frames += st.stats.corrupt_frames;
       stats_.log_dropped_records += st.stats.dropped_records;
       if (st.saturated) stats_.logs_saturated++;
+      if (st.over_budget) stats_.logs_over_budget++;
       logs_.push_back(ConsumedLog{std::move(*log), MonitorBatch{}});
       MonitorBatch& deferred = logs_.back().deferred;
       deferred.file = owner_info.id;
@@ -2058,6 +2067,7 @@ constexpr DedupCounter kDedupCounters[] = {
     {"log_corrupt_frames", &DedupStats::log_corrupt_frames},
     {"log_dropped_records", &DedupStats::log_dropped_records},
     {"logs_saturated", &DedupStats::logs_saturated},
+    {"logs_over_budget", &DedupStats::logs_over_budget},
     {"blocks_rehashed", &DedupStats::blocks_rehashed},
     {"files_rescanned", &DedupStats::files_rescanned},
     {"zero_blocks_freed", &DedupStats::zero_blocks_freed},

@@ -145,6 +145,10 @@ struct DedupStats {
   uint64_t log_corrupt_frames = 0;
   uint64_t log_dropped_records = 0;  // the monitor shed these: not in the log
   uint64_t logs_saturated = 0;       // logs that reached their size limit (whole file rehashed)
+  // Logs describing more than max_records blocks at once: read in bounded
+  // memory as if saturated (their files rehashed, within rehash_limit per
+  // pass, instead of their records held).
+  uint64_t logs_over_budget = 0;
   uint64_t blocks_rehashed = 0;      // changed without a record (or rescanned): read and hashed
   uint64_t files_rescanned = 0;
   // Bounded memory (DedupOptions::max_records): a round of the pass stops

@@ -12,7 +12,8 @@
 
 namespace dede {
 
-Status LogFlusher::FlushLocked(FileId id, bool keep_open, bool skip_if_no_space) {
+Status LogFlusher::FlushLocked(FileId id, bool keep_open, bool skip_if_no_space,
+                               MonitorBatch* failed) {
   MonitorBatch batch = monitor_->Take(id, std::move(spare_records_));
   spare_records_.clear();
   if (batch.empty()) {
@@ -83,12 +84,17 @@ Status LogFlusher::FlushLocked(FileId id, bool keep_open, bool skip_if_no_space)
     return Status::Ok();
   }
   stats_.failed++;
+  const bool no_space = st.code() == Status::Code::kNoSpace;
+  if (failed != nullptr) {
+    // The caller keeps it (an export's last flush parks it).
+    *failed = std::move(batch);
+    return st;
+  }
   // Everything in the batch is lost, invalidations included (a lost
   // invalidation may leave a stale record in the log): the file is marked so
   // the next pass verifies everything.
   const uint64_t lost = batch.entries();
   monitor_->MarkDropped(id, lost, batch.oldest_ns(), batch.dropped_records);
-  const bool no_space = st.code() == Status::Code::kNoSpace;
   if (no_space) {
     no_space_.insert(id);
     monitor_->SetLogNoSpace(id, true);
@@ -208,11 +214,15 @@ Status LogFlusher::AppendParked() {
                  << batch.invalidated.size()
                  << " changed ranges logged after its export closed while the log was held";
     } else {
+      // Kept for the next FlushAll (a full volume may have room then):
+      // dropped, the log's older records for those blocks would stand as
+      // if they still held that content, with no sign that any were lost.
       stats_.failed++;
       LOG(kWarning) << "write log of file " << id.ino << "." << id.generation << ": "
-                    << batch.entries()
-                    << " changes parked while the log was held are lost: " << st.ToString();
+                    << batch.entries() << " parked changes not logged yet: " << st.ToString();
       if (first.ok()) first = st;
+      ++it;
+      continue;
     }
     it = parked_.erase(it);
   }
@@ -242,9 +252,24 @@ Status LogFlusher::FlushFile(FileId id, double wait_s) {
     {
       MutexLock l(&mu_);
       const uint64_t deferred = stats_.deferred;
-      Status st = FlushLocked(id, /*keep_open=*/false, /*skip_if_no_space=*/false);
+      MonitorBatch failed;
+      Status st = FlushLocked(id, /*keep_open=*/false, /*skip_if_no_space=*/false, &failed);
       open_logs_.erase(id);
-      if (stats_.deferred == deferred) return st;  // appended, or failed for good
+      if (!st.ok()) {
+        // Failed for good (an I/O error, a full volume). The caller forgets
+        // the file in the monitor next, and with it the batch and any
+        // marks of records shed or lost before: all of it is parked, as
+        // changed blocks, for FlushAll to log when it can.
+        MonitorBatch rest = monitor_->Take(id, {});
+        if (!failed.empty()) Park(std::move(failed), MaxLogBytes(id));
+        if (!rest.empty()) Park(std::move(rest), MaxLogBytes(id));
+        LOG(kWarning) << "write log of file " << id.ino << "." << id.generation
+                      << ": its last changes wait, as changed blocks, until they can be "
+                         "logged: "
+                      << st.ToString();
+        return st;
+      }
+      if (stats_.deferred == deferred) return st;  // appended
       // Held by this process (a dedup pass consuming it, maybe on this very
       // thread, handing the disk back): waiting would be in vain.
       if (std::chrono::steady_clock::now() >= deadline || vol_->IsOpenHere(WriteLogName(id))) {

@@ -134,7 +134,10 @@ class LogFlusher {
   // invalidations, which FlushAll appends once the log is free. Dropping
   // it would leave the log's older records for those blocks standing, as
   // if they still held that content; the holder (a pass) may even write
-  // such records back.
+  // such records back. A batch whose append fails for good (an I/O error,
+  // a full volume) is parked the same way, with the marks of records the
+  // monitor shed, and the error returned; a parked batch stays until it
+  // is logged or its file is removed.
   Status FlushFile(FileId id, double wait_s = 0) EXCLUDES(mu_);
   // Files with a parked batch (tests, status).
   size_t parked_files() EXCLUDES(mu_);
@@ -147,7 +150,10 @@ class LogFlusher {
   // `keep_open`: leave the log open afterwards if the file is tracked.
   // `skip_if_no_space`: a file in no_space_ has its batch dropped, not
   // appended.
-  Status FlushLocked(FileId id, bool keep_open, bool skip_if_no_space) REQUIRES(mu_);
+  // `failed` (may be nullptr): where a batch whose append failed for good
+  // goes, instead of being dropped and counted in the monitor.
+  Status FlushLocked(FileId id, bool keep_open, bool skip_if_no_space,
+                     MonitorBatch* failed = nullptr) REQUIRES(mu_);
   bool Tracked(FileId id) EXCLUDES(files_mu_);
   void CloseLogsLocked() REQUIRES(mu_);
 

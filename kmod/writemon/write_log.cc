@@ -473,6 +473,7 @@ Result<bool> WriteLogReader::Next(WriteLogFrame* out) {
     // one block either way: the next valid header may lie inside the bad
     // frame's extent (an append after a torn one).
     if (frame_bytes > 0 || !in_bad_run_) stats_.corrupt_frames++;
+    if (r.status().code() == Status::Code::kUnsupported) stats_.newer_frames++;
     in_bad_run_ = true;
     const uint64_t step = std::min<uint64_t>(kBlockSize, rest);
     stats_.skipped_bytes += step;
@@ -481,13 +482,19 @@ Result<bool> WriteLogReader::Next(WriteLogFrame* out) {
   return false;
 }
 
-Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid, FileId owner) {
+Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid, FileId owner,
+                                     size_t max_entries) {
   WriteLogState state;
   WriteLogReader reader(log, algo, uuid, owner);
   WriteLogFrame f;
+  uint64_t newest_ns = 0;
   while (true) {
     ASSIGN_OR_RETURN(bool more, reader.Next(&f));
     if (!more) break;
+    newest_ns = std::max(newest_ns, f.last_ns);
+    for (const InvalidRange& r : f.invalidated) newest_ns = std::max(newest_ns, r.time_ns);
+    state.saturated = IsSaturationFrame(f);
+    if (state.over_budget) continue;  // only the times and the stats now
     state.invalidated.insert(state.invalidated.end(), f.invalidated.begin(), f.invalidated.end());
     for (const InvalidRange& r : f.invalidated) {
       // Only the records present are visited: a whole-disk TRIM is cheap.
@@ -496,7 +503,14 @@ Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid,
       while (it != state.records.end() && it->first < end) it = state.records.erase(it);
     }
     for (const BlockRecord& r : f.records) state.records.insert_or_assign(r.block, r);
-    state.saturated = IsSaturationFrame(f);
+    if (state.records.size() + state.invalidated.size() > max_entries) {
+      state.over_budget = true;
+      std::map<uint64_t, BlockRecord>().swap(state.records);
+      std::vector<InvalidRange>().swap(state.invalidated);
+    }
+  }
+  if (state.over_budget) {
+    state.invalidated.push_back(InvalidRange{0, kWriteLogWholeFileBlocks, newest_ns});
   }
   state.stats = reader.stats();
   return state;

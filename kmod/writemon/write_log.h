@@ -24,6 +24,7 @@
 // between.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <map>
 #include <optional>
@@ -96,6 +97,8 @@ struct WriteLogScanStats {
   uint64_t frames = 0;          // valid frames
   uint64_t corrupt_frames = 0;  // bad header runs or bad payloads skipped
                                 // (a newer major version counts here too)
+  uint64_t newer_frames = 0;    // of those, sound frames of a newer major
+                                // version (a newer dede wrote them)
   uint64_t skipped_bytes = 0;   // bytes of the log not in a valid frame
   uint64_t records = 0;         // fingerprint records in valid frames
   uint64_t invalidations = 0;   // invalidated ranges in valid frames
@@ -137,8 +140,18 @@ struct WriteLogState {
   std::vector<InvalidRange> invalidated;
   WriteLogScanStats stats;
   bool saturated = false;  // the last valid frame is a saturation frame
+  // More than `max_entries` records and ranges at once: the log describes
+  // more than the reader may hold, so it says what a saturation frame
+  // says instead: `records` is empty and `invalidated` one range of every
+  // block ([0, kWriteLogWholeFileBlocks)) at the newest frame's time.
+  bool over_budget = false;
 };
-Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid, FileId owner);
+// Replays the whole log in memory bounded by `max_entries` (records plus
+// ranges held at once; each about 100 bytes in the map): a log of a big
+// disk can describe hundreds of millions of blocks (its limit is 3% of
+// the disk), and a pass holding them all would take gigabytes.
+Result<WriteLogState> ReplayWriteLog(File* log, HashAlgo algo, const Uuid& uuid, FileId owner,
+                                     size_t max_entries = SIZE_MAX);
 
 // A log's size limit. Without a pass consuming it, a log grows by about 1%
 // of every byte its file is written (one record per 4 KiB block written,

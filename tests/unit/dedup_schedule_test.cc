@@ -597,6 +597,36 @@ TEST_CASE("a pass holds at most max_records records and reads the other logs in 
   CHECK(again->rounds == 1);
 }
 
+TEST_CASE("a log of more than max_records blocks is read in bounded memory and its file rehashed",
+          "[schedule]") {
+  // max_records was checked only between logs: one log was replayed whole
+  // into memory, and a log may describe every block of a big disk (its
+  // limit is 3% of the disk: gigabytes of map for a terabyte). Such a log
+  // now stands for "every block changed", like a saturated one.
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  constexpr uint64_t kDisk = 64;
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 54);
+  for (const char* name : {"a", "b"}) {
+    scene.Create(name, kDisk);
+    scene.Write(name, 0, disk);
+  }
+  scene.FlushLogs();
+  clock.Advance(kMinute);
+  DedupOptions o;
+  o.max_records = kDisk / 2;  // each log describes twice that
+  auto st = scene.Pass(o);
+  REQUIRE(st.ok());
+  CHECK(st->logs_over_budget == 2);
+  CHECK(st->log_records == 0);  // none held
+  CHECK(st->blocks_rehashed == 2 * kDisk);
+  CHECK(scene.PhysicalDataBlocks() == kDisk);
+  for (const char* name : {"a", "b"}) {
+    CHECK(scene.ReadAll(name, kDisk) == disk);
+    CHECK(scene.SharedBlocks(name) == kDisk);
+  }
+}
+
 // A --rescan past max_records goes in rounds. They were merges within one
 // pass, which had marked every rescanned block "touched" (superseding
 // every older hint) for the whole pass: each round took the entries and

@@ -4,18 +4,20 @@
 // AppendToWriteLog + ReplayWriteLog on an in-memory volume against a model.
 #include "kmod/writemon/write_log.h"
 
+#include <unistd.h>
+
 #include <catch2/catch.hpp>
 #include <chrono>
-#include <thread>
 #include <cstring>
 #include <functional>
 #include <map>
 #include <memory>
 #include <random>
 #include <string>
-#include <unistd.h>
+#include <thread>
 #include <vector>
 
+#include "agent/dedup_pass.h"
 #include "agent/log_flusher.h"
 #include "tests/temp_locks.h"
 #include "util/coding.h"
@@ -846,6 +848,24 @@ struct FlusherRig {
   std::vector<uint8_t> data;
 };
 
+// Fills `vol` with a file "filler" until a write fails for want of space.
+void FillVolume(Volume* vol) {
+  REQUIRE(vol->Create("filler", uint64_t{1} << 30).ok());
+  auto filler = vol->OpenFile("filler");
+  REQUIRE(filler.ok());
+  // 1 MiB writes, then 4 KiB ones for what a failed 1 MiB write left.
+  std::vector<uint8_t> chunk(1 << 20, 0x5a);
+  uint64_t off = 0;
+  for (size_t len : {chunk.size(), size_t{kB}}) {
+    Status st;
+    while (st.ok()) {
+      st = (*filler)->Write(off, chunk.data(), len);
+      if (st.ok()) off += len;
+    }
+    REQUIRE(st.code() == Status::Code::kNoSpace);
+  }
+}
+
 TEST_CASE("log flusher: its thread appends a file that reaches the flush size, unprompted",
           "[writemon]") {
   FlusherRig rig(200, 400);
@@ -984,23 +1004,7 @@ TEST_CASE("log flusher: after a log append finds the volume full, Tick drops wit
   LogFlusher& flusher = *rig.flusher;
   const std::vector<uint8_t>& data = rig.data;
 
-  // Fill the volume.
-  REQUIRE(vol->Create("filler", uint64_t{1} << 30).ok());
-  {
-    auto filler = vol->OpenFile("filler");
-    REQUIRE(filler.ok());
-    // 1 MiB writes, then 4 KiB ones for what a failed 1 MiB write left.
-    std::vector<uint8_t> chunk(1 << 20, 0x5a);
-    uint64_t off = 0;
-    for (size_t len : {chunk.size(), size_t{kB}}) {
-      Status st;
-      while (st.ok()) {
-        st = (*filler)->Write(off, chunk.data(), len);
-        if (st.ok()) off += len;
-      }
-      REQUIRE(st.code() == Status::Code::kNoSpace);
-    }
-  }
+  FillVolume(vol);
 
   // The first batch is tried and lost.
   monitor.OnWrite(owner, 0, data.data(), 10 * kB);
@@ -1052,4 +1056,116 @@ TEST_CASE("log flusher: after a log append finds the volume full, Tick drops wit
   for (uint64_t b = 30; b < 40; b++) {
     CHECK(log.records.at(b).fp == ComputeFingerprint(algo, data.data() + b * kB, kB));
   }
+}
+
+TEST_CASE("log flusher: an export's last flush that fails is parked, and logged once it can be",
+          "[writemon]") {
+  // An export's close flushed its file's batch once; when the append
+  // failed for good (a full volume, an I/O error) the batch was dropped
+  // with the monitor's buffer, marks included: the log kept the block's
+  // old record as if the block still held that content, with no sign that
+  // anything was lost. The batch is now parked as changed blocks.
+  FlusherRig rig(1000, 64);
+  Volume* vol = rig.vol;
+  const FileId owner = rig.owner;
+  WriteMonitor& monitor = *rig.monitor;
+  LogFlusher& flusher = *rig.flusher;
+  monitor.OnWrite(owner, 0, rig.data.data(), 4 * kB);
+  REQUIRE(flusher.FlushAll().ok());
+  REQUIRE(Replay(vol, owner).records.size() == 4);
+  FillVolume(vol);
+  monitor.OnInvalidate(owner, kB, kB);  // a TRIM of block 1
+  // The close: its flush fails, then the file is forgotten.
+  Status st = flusher.FlushFile(owner);
+  CHECK(st.code() == Status::Code::kNoSpace);
+  CHECK(flusher.parked_files() == 1);
+  flusher.ForgetFile(owner);
+  monitor.RemoveFile(owner);
+  // Still no room: kept.
+  CHECK_FALSE(flusher.FlushAll().ok());
+  CHECK(flusher.parked_files() == 1);
+  // Room again: logged.
+  REQUIRE(vol->Remove("filler").ok());
+  REQUIRE(flusher.FlushAll().ok());
+  CHECK(flusher.parked_files() == 0);
+  WriteLogState log = Replay(vol, owner);
+  CHECK(log.records.count(0) == 1);
+  CHECK(log.records.count(1) == 0);  // the trim reached the log
+  CHECK(log.records.count(2) == 1);
+}
+
+TEST_CASE("writelog: a replay holds at most max_entries records and ranges", "[writemon]") {
+  // A log's limit is 3% of its file: the log of a 1 TiB disk can describe
+  // every one of its 268 million blocks, gigabytes in the replay's map.
+  // Past its bound the replay says what a saturation frame says.
+  const HashAlgo algo = HashAlgo::kXxh128;
+  MemVolume mv(algo);
+  Volume* vol = mv.vol.get();
+  auto created = vol->Create("vm", 8 << 20);
+  REQUIRE(created.ok());
+  const FileId owner = *created;
+  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 60, 2, 0)).ok());
+  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 60, 2, 5000)).ok());
+  auto log = OpenWriteLog(vol, owner);
+  REQUIRE(log.ok());
+  const Uuid uuid = vol->superblock().uuid;
+  auto whole = ReplayWriteLog(log->get(), algo, uuid, owner);
+  REQUIRE(whole.ok());
+  CHECK_FALSE(whole->over_budget);
+  CHECK(whole->records.size() == 120);
+  auto bounded = ReplayWriteLog(log->get(), algo, uuid, owner, 200);
+  REQUIRE(bounded.ok());
+  CHECK_FALSE(bounded->over_budget);
+  CHECK(bounded->records.size() == 120);
+  auto over = ReplayWriteLog(log->get(), algo, uuid, owner, 50);
+  REQUIRE(over.ok());
+  CHECK(over->over_budget);
+  CHECK(over->records.empty());
+  REQUIRE(over->invalidated.size() == 1);
+  CHECK(over->invalidated[0].first == 0);
+  CHECK(over->invalidated[0].count == kWriteLogWholeFileBlocks);
+  uint64_t newest = 0;
+  for (const auto& [b, r] : whole->records) newest = std::max(newest, r.time_ns);
+  for (const InvalidRange& r : whole->invalidated) newest = std::max(newest, r.time_ns);
+  CHECK(over->invalidated[0].time_ns >= newest);
+  CHECK(over->stats.frames == 2);  // read to the end all the same
+}
+
+TEST_CASE("writelog: frames of a newer major version are counted apart", "[writemon]") {
+  const HashAlgo algo = HashAlgo::kXxh128;
+  MemVolume mv(algo);
+  Volume* vol = mv.vol.get();
+  auto created = vol->Create("vm", 8 << 20);
+  REQUIRE(created.ok());
+  const FileId owner = *created;
+  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 10, 1, 0)).ok());
+  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 10, 1, 100)).ok());
+  const Uuid uuid = vol->superblock().uuid;
+  {
+    auto log = OpenWriteLog(vol, owner);
+    REQUIRE(log.ok());
+    std::vector<uint8_t> head(kWriteLogHeaderSize);
+    REQUIRE((*log)->Read(0, head.data(), head.size()).ok());
+    EncodeU16(head.data() + 4, kWriteLogMajor + 1);
+    ResealHeader(head.data(), uuid, owner, 0);
+    REQUIRE((*log)->Write(0, head.data(), head.size()).ok());
+    auto st = ReplayWriteLog(log->get(), algo, uuid, owner);
+    REQUIRE(st.ok());
+    CHECK(st->stats.frames == 1);
+    CHECK(st->stats.newer_frames == 1);
+    CHECK(st->stats.corrupt_frames >= 1);
+  }
+  // A pass leaves such a log whole: consuming it (cutting it to nothing)
+  // destroyed what a newer dede wrote and this one cannot read.
+  const uint64_t size_before = Replay(vol, owner).stats.skipped_bytes;
+  VolumeFileAccess access(vol);
+  DedupOptions o;
+  auto pass = RunDedupPass(vol, &access, o);
+  REQUIRE(pass.ok());
+  CHECK(pass->newer_format_left_alone == 1);
+  CHECK(pass->logs_consumed == 0);
+  WriteLogState after = Replay(vol, owner);
+  CHECK(after.stats.frames == 1);
+  CHECK(after.stats.newer_frames == 1);
+  CHECK(after.stats.skipped_bytes == size_before);
 }
