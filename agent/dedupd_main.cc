@@ -106,6 +106,7 @@ struct Config {
   double merge_interval = 10;  // apply merge requests for served files; 0: only at passes
   double open_wait = 30;       // a client's export open waits this long for a busy file
   double drain_timeout = 10;  // shutdown: how long a client may take to read its last replies
+  double handshake_timeout = 30;  // a client idle in the NBD handshake is closed after this
   uint64_t max_connections = 1024;  // NBD connections open at once
   bool max_connections_given = false;
   double split_after = 30;     // split a shard whose last update took longer (seconds)
@@ -189,6 +190,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
       ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that)")
       ("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"), "on SIGTERM, a client that takes none of its replies for SEC seconds loses them and is disconnected, so that a stuck client cannot keep the other disks' locks (default 10)")
+      ("handshake-timeout", po::value(&cfg->handshake_timeout)->value_name("SEC"), "an NBD client that has not entered an export and sends nothing for SEC seconds is disconnected, so idle connections cannot hold every --max-connections slot (default 30; 0: never)")
       ("max-connections", po::value(&max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs; TCP connections waiting for their user check count for TCP)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600)")
@@ -281,6 +283,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
                                              {"merge-interval", cfg->merge_interval, true},
                                              {"open-wait", cfg->open_wait, true},
                                              {"drain-timeout", cfg->drain_timeout, true},
+                                             {"handshake-timeout", cfg->handshake_timeout, true},
                                              {"split-after", cfg->split_after, false},
                                              {"window-interval", cfg->window_interval, true},
                                              {"policy-refresh", cfg->policy_refresh, false}}) {
@@ -457,6 +460,7 @@ int Run(const Config& cfg) {
   so.worker_threads = cfg.threads;
   so.open_wait_s = cfg.open_wait;
   so.drain_timeout_s = cfg.drain_timeout;
+  so.handshake_timeout_s = cfg.handshake_timeout;
   so.max_connections = MaxConnectionsWithin(cfg.max_connections, cfg.max_connections_given);
   NbdServer server(io, &table, so);
 
@@ -964,6 +968,7 @@ int Run(const Config& cfg) {
                 {"connections_refused", nbd_stats.connections_refused},
                 {"connections_denied", nbd_stats.connections_denied},
                 {"protocol_errors", nbd_stats.protocol_errors},
+                {"handshake_timeouts", nbd_stats.handshake_timeouts},
                 {"requests", nbd_stats.requests},
                 {"request_errors", nbd_stats.request_errors},
                 {"bytes_read", nbd_stats.bytes_read},
@@ -1115,6 +1120,9 @@ int Run(const Config& cfg) {
               j["nbd"]["connections_denied"].get<double>(), host);
     m.Counter("dede_nbd_protocol_errors_total", "NBD connections closed for malformed traffic",
               j["nbd"]["protocol_errors"].get<double>(), host);
+    m.Counter("dede_nbd_handshake_timeouts_total",
+              "NBD connections closed for sending nothing in the handshake for --handshake-timeout",
+              j["nbd"]["handshake_timeouts"].get<double>(), host);
     m.Counter("dede_nbd_requests_total", "NBD requests received",
               j["nbd"]["requests"].get<double>(), host);
     m.Counter("dede_nbd_request_errors_total", "NBD requests answered with an error",

@@ -51,6 +51,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   void Start() {
     asio::dispatch(strand_, [self = shared_from_this()] {
       self->SendSessionOutput();
+      self->ArmHandshakeTimer();
       self->Pump();
     });
   }
@@ -92,6 +93,34 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
           }
           LOG(kWarning) << "nbd connection " << self->id_ << ": client took no replies for "
                         << self->server_->opts_.drain_timeout_s << " s of shutdown; closing it";
+          self->client_gone_ = true;
+          boost::system::error_code ignored;
+          self->sock_.cancel(ignored);
+          self->MaybeFinish();
+        }));
+  }
+
+  // Until the client enters an export: a connection that sends nothing
+  // for handshake_timeout_s is closed (it holds one of max_connections,
+  // and a local user could hold them all). Time spent waiting on our
+  // side (an open waiting for its file, a listing) does not count.
+  void ArmHandshakeTimer() {
+    const double s = server_->opts_.handshake_timeout_s;
+    if (s <= 0) return;
+    handshake_progress_ = handshake_bytes_;
+    handshake_timer_.expires_after(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::duration<double>(s)));
+    handshake_timer_.async_wait(
+        asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+          if (ec || self->finished_ || self->stop_reading_ || self->export_) return;
+          if (self->waiting_backend_ || self->handshake_bytes_ != self->handshake_progress_) {
+            self->ArmHandshakeTimer();
+            return;
+          }
+          self->server_->c_handshake_timeouts_++;
+          LOG(kWarning) << "nbd connection " << self->id_ << ": closing: no handshake traffic for "
+                        << self->server_->opts_.handshake_timeout_s << " s";
+          self->stop_reading_ = true;
           self->client_gone_ = true;
           boost::system::error_code ignored;
           self->sock_.cancel(ignored);
@@ -187,6 +216,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
         asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec, size_t n) {
           if (!self->ReadCompleted(ec, n)) return;
           self->rend_ += n;
+          if (!self->export_) self->handshake_bytes_ += n;
           self->Pump();
         }));
   }
@@ -500,6 +530,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     finished_ = true;
     boost::system::error_code ec;
     drain_timer_.cancel();
+    handshake_timer_.cancel();
     sock_.shutdown(asio::socket_base::shutdown_both, ec);
     sock_.close(ec);
     if (export_) {
@@ -529,6 +560,9 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   size_t wq_bytes_ = 0;  // of wq_'s messages, heads and data
   asio::steady_timer drain_timer_{strand_};
   asio::steady_timer open_timer_{strand_};  // a waiting open's next attempt
+  asio::steady_timer handshake_timer_{strand_};
+  uint64_t handshake_bytes_ = 0;     // read before an export was entered
+  uint64_t handshake_progress_ = 0;  // handshake_bytes_ when the timer was armed
   std::shared_ptr<Export> export_;
   size_t inflight_ = 0;
   size_t inflight_bytes_ = 0;
@@ -823,6 +857,7 @@ NbdServerStats NbdServer::stats() {
   s.requests = c_requests_;
   s.request_errors = c_request_errors_;
   s.protocol_errors = c_protocol_errors_;
+  s.handshake_timeouts = c_handshake_timeouts_;
   s.connections_refused = c_refused_;
   s.connections_denied = c_denied_;
   s.bytes_read = c_bytes_read_;

@@ -49,6 +49,11 @@ struct NbdServerOptions {
   // accepted (and counted), so that a client leaking connections cannot
   // take every file descriptor of the daemon (the volume's, the logs').
   size_t max_connections = 1024;
+  // A connection still in the handshake (no export entered) that sends
+  // nothing for this long is closed: it holds one of max_connections.
+  // Waits on our side (an open waiting for its file, a listing) do not
+  // count. 0: no limit.
+  double handshake_timeout_s = 30;
   nbd::SessionOptions session;
 };
 
@@ -58,6 +63,7 @@ struct NbdServerStats {
   uint64_t requests = 0;
   uint64_t request_errors = 0;   // replies with a non-zero error
   uint64_t protocol_errors = 0;  // connections closed for bad traffic
+  uint64_t handshake_timeouts = 0;   // closed idle in the handshake
   uint64_t connections_refused = 0;  // past max_connections
   uint64_t connections_denied = 0;   // TCP clients the Unix socket would not admit
   uint64_t bytes_read = 0;           // payload of READs answered without error
@@ -170,7 +176,7 @@ class NbdServer {
  public:
   // Counters (relaxed atomics, read by stats()).
   std::atomic<uint64_t> c_total_{0}, c_requests_{0}, c_request_errors_{0}, c_protocol_errors_{0},
-      c_bytes_read_{0}, c_bytes_written_{0}, c_refused_{0}, c_denied_{0};
+      c_handshake_timeouts_{0}, c_bytes_read_{0}, c_bytes_written_{0}, c_refused_{0}, c_denied_{0};
 };
 
 }  // namespace dede

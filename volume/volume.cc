@@ -2782,13 +2782,17 @@ Status VolumeImpl::TruncateFile(OpenFileState* f, uint64_t size) {
   }
   uint64_t keep = (size + kBlockSize - 1) / kBlockSize;
   uint64_t old_blocks = (old_size + kBlockSize - 1) / kBlockSize;
-  // The bytes of the partial block at min(old, new) size that lie past EOF
-  // must read as zeros after the change: a shrink cuts data off there, and a
-  // grow exposes bytes a cloned or shared block may carry from another file.
-  // (The caller holds the file exclusively, so this cannot go through
-  // WriteData, which takes the file lock itself.)
-  const uint64_t edge = std::min(size, old_size);
-  if (size != old_size && edge % kBlockSize != 0) {
+  // A grow exposes the bytes past the old end of the block it ends in:
+  // they must read as zeros, whatever a shrink left there or a cloned or
+  // shared block carries from another file. A shrink leaves them (nothing
+  // reads past the end of a file, and the next grow zeroes them): zeroed
+  // here, on the device before the transaction that cuts the file, a
+  // shrink that failed or crashed before its commit left the file at its
+  // old size with those bytes zeroed. (The caller holds the file
+  // exclusively, so this cannot go through WriteData, which takes the
+  // file lock itself.)
+  const uint64_t edge = old_size;
+  if (size > old_size && edge % kBlockSize != 0) {
     MutexLock l(&mu_);
     ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
     const uint64_t eblk = edge / kBlockSize;

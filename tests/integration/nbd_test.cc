@@ -1361,6 +1361,53 @@ TEST_CASE("connections past --max-connections are closed at once, and the others
   CHECK(nbd["connections_total"].get<uint64_t>() >= 3);
 }
 
+TEST_CASE("a client idle in the handshake is closed after --handshake-timeout and frees its place",
+          "[nbd]") {
+  // A connection that never finished its handshake kept its place among
+  // --max-connections for ever: a local user could take them all.
+  TestVolume tv({{"vm", 8 * kMiB}});
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--max-connections", "2", "--handshake-timeout", "1"});
+  RawClient idle(tv.sock), talking(tv.sock);
+  REQUIRE(idle.Hello());
+  REQUIRE(talking.Hello());
+  // `talking` sends an option every 0.4 s for 2.4 s: never idle long.
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int i = 0; i < 6; i++) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(400));
+    talking.SendOption(3 /*NBD_OPT_LIST*/, {});
+    RawClient::OptReply r;
+    do {
+      REQUIRE(talking.RecvOptReply(&r));
+    } while (r.type != 1 /*NBD_REP_ACK*/);
+  }
+  CHECK(idle.ServerClosed());
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(s < 5.0);
+  // Its place is free again; `talking` is still served.
+  bool served = false;
+  for (int i = 0; i < 100 && !served; i++) {
+    RawClient again(tv.sock);
+    served = again.Hello();
+    if (!served) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  CHECK(served);
+  REQUIRE(talking.Go("vm") > 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // idle, but in transmission
+  talking.SendRequest(0 /*READ*/, 7, 0, 4096);
+  uint32_t err = 1;
+  uint64_t cookie = 0;
+  REQUIRE(talking.RecvReply(&err, &cookie));
+  CHECK(err == 0);
+  CHECK(cookie == 7);
+  INFO(d.Log());
+  CHECK(d.Log().find("no handshake traffic for 1 s") != std::string::npos);
+  const nlohmann::json nbd = NbdCountersOf(d);
+  INFO(nbd.dump());
+  CHECK(nbd["handshake_timeouts"].get<uint64_t>() >= 1);
+  talking.Close();
+  REQUIRE(d.Stop() == 0);
+}
+
 TEST_CASE("dedupd out of file descriptors waits to accept instead of spinning", "[nbd]") {
   // A connection that cannot be accepted (EMFILE) stays in the listen
   // backlog; accepting again at once failed again at once, for ever: a

@@ -250,6 +250,9 @@ void PrintNbd(const json& r) {
   if (auto v = Uint(*n, "protocol_errors"); v && *v > 0) {
     parts.push_back(Count(*v, "connection") + " closed for malformed traffic");
   }
+  if (auto v = Uint(*n, "handshake_timeouts"); v && *v > 0) {
+    parts.push_back(Count(*v, "connection") + " closed idle in the handshake");
+  }
   if (!parts.empty()) Line("nbd", Join(parts, ", "));
 }
 
