@@ -360,6 +360,8 @@ Result<std::shared_ptr<Export>> ExportTable::OpenWait::Step() {
       // A pass that only borrowed the disk hands it back when it sees this.
       Result<FileInfo> info = vol->Lookup(name_);
       if (info.ok() && vol->AnnounceOpenWait(info->id, true).ok()) announced_ = info->id;
+      LOG(kInfo) << "export '" << name_ << "' is held elsewhere: waiting up to "
+                 << std::chrono::duration<double>(deadline_ - start_).count() << " s for it";
     }
     waited_ = true;
     return e;

@@ -272,7 +272,7 @@ json WaitStatus(const DedupdProcess& d, Pred pred, const char* what) {
   }
 }
 
-TEST_CASE("a write log at its size limit saturates; the next pass rehashes the file and dedups it",
+TEST_CASE("a write log at its size limit saturates, the next pass rehashes the file and dedups it",
           "[ops]") {
   TempDir dir;
   const std::string vol = dir.file("vol.img");

@@ -4,6 +4,7 @@
 // answer and the write.
 #include <unistd.h>
 
+#include <atomic>
 #include <catch2/catch.hpp>
 #include <chrono>
 #include <condition_variable>
@@ -36,20 +37,14 @@ namespace {
 constexpr uint64_t kB = kBlockSize;
 constexpr uint64_t kFileBytes = 64 * kB;
 
-// Holds the next write after Arm() until Open(); that write then fails
-// with EIO if FailHeld() was called.
-class GateDevice : public test::ForwardingDevice {
+// Holds one call: after Arm(), the next Pass() waits until Open().
+class Gate {
  public:
-  explicit GateDevice(BlockDevice* base) : ForwardingDevice(base, "gate") {}
   void Arm() {
     std::lock_guard<std::mutex> l(mu_);
     armed_ = true;
   }
-  void FailHeld() {
-    std::lock_guard<std::mutex> l(mu_);
-    fail_ = true;
-  }
-  // Waits until a write is held at the gate.
+  // Waits until a call is held at the gate.
   bool WaitHeld(std::chrono::milliseconds limit) {
     std::unique_lock<std::mutex> l(mu_);
     return cv_.wait_for(l, limit, [&] { return held_; });
@@ -61,24 +56,43 @@ class GateDevice : public test::ForwardingDevice {
     }
     cv_.notify_all();
   }
-  // Closed and unarmed again, for the next held write.
+  // Closed and unarmed again, for the next held call.
   void Reset() {
     std::lock_guard<std::mutex> l(mu_);
-    armed_ = held_ = open_ = fail_ = false;
+    armed_ = held_ = open_ = false;
+  }
+  // True if this call was the one held (it has been let go since).
+  bool Pass() {
+    std::unique_lock<std::mutex> l(mu_);
+    if (!armed_) return false;
+    armed_ = false;
+    held_ = true;
+    cv_.notify_all();
+    cv_.wait(l, [&] { return open_; });
+    return true;
+  }
+
+ private:
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool armed_ = false, held_ = false, open_ = false;
+};
+
+// Holds the next write after Arm() until Open(); that write then fails
+// with EIO if FailHeld() was called.
+class GateDevice : public test::ForwardingDevice {
+ public:
+  explicit GateDevice(BlockDevice* base) : ForwardingDevice(base, "gate") {}
+  void Arm() { gate_.Arm(); }
+  void FailHeld() { fail_ = true; }
+  bool WaitHeld(std::chrono::milliseconds limit) { return gate_.WaitHeld(limit); }
+  void Open() { gate_.Open(); }
+  void Reset() {
+    gate_.Reset();
+    fail_ = false;
   }
   Status Write(uint64_t offset, const void* buf, size_t len) override {
-    bool fail = false;
-    {
-      std::unique_lock<std::mutex> l(mu_);
-      if (armed_) {
-        armed_ = false;
-        held_ = true;
-        cv_.notify_all();
-        cv_.wait(l, [&] { return open_; });
-        fail = fail_;
-      }
-    }
-    if (fail) return Status::IoError("injected write error");
+    if (gate_.Pass() && fail_) return Status::IoError("injected write error");
     return base()->Write(offset, buf, len);
   }
   // Called before every device flush, when set.
@@ -89,9 +103,8 @@ class GateDevice : public test::ForwardingDevice {
   }
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool armed_ = false, held_ = false, open_ = false, fail_ = false;
+  Gate gate_;
+  std::atomic<bool> fail_{false};
 };
 
 std::vector<uint8_t> Pattern(size_t n, uint32_t seed) {
@@ -188,7 +201,7 @@ struct WriteFailingAfterAnswer {
 
 }  // namespace
 
-TEST_CASE("export: an in-place write is answered before its device write; READ and FLUSH wait",
+TEST_CASE("export: an in-place write is answered before its device write, READ and FLUSH wait",
           "[export]") {
   Rig r;
   const std::vector<uint8_t> data = Pattern(16 * kB, 2);
@@ -643,42 +656,26 @@ TEST_CASE(
 
 namespace {
 
-// Holds an acquire of one file's lock (kInode of `ino`) until Open(): an
-// open waiting for its lock, as with sanlock for a dead host's lease.
+// Holds the next acquire of one file's lock (kInode of `ino`) until
+// Open(): an open waiting for its lock, as with sanlock for a dead host's
+// lease.
 class LatchLocks : public test::ForwardingLocks {
  public:
   using ForwardingLocks::ForwardingLocks;
   void Arm(uint64_t ino) {
-    std::lock_guard<std::mutex> l(mu_);
     ino_ = ino;
+    gate_.Arm();
   }
-  bool WaitHeld(std::chrono::milliseconds limit) {
-    std::unique_lock<std::mutex> l(mu_);
-    return cv_.wait_for(l, limit, [&] { return held_; });
-  }
-  void Open() {
-    std::lock_guard<std::mutex> l(mu_);
-    open_ = true;
-    cv_.notify_all();
-  }
+  bool WaitHeld(std::chrono::milliseconds limit) { return gate_.WaitHeld(limit); }
+  void Open() { gate_.Open(); }
   Status Acquire(LockId id, LockMode mode, bool wait) override {
-    {
-      std::unique_lock<std::mutex> l(mu_);
-      if (id.kind == LockKind::kInode && id.id == ino_ && !open_) {
-        held_ = true;
-        cv_.notify_all();
-        cv_.wait(l, [&] { return open_; });
-      }
-    }
+    if (id.kind == LockKind::kInode && id.id == ino_) (void)gate_.Pass();
     return ForwardingLocks::Acquire(id, mode, wait);
   }
 
  private:
-  std::mutex mu_;
-  std::condition_variable cv_;
-  uint64_t ino_ = 0;
-  bool held_ = false;
-  bool open_ = false;
+  Gate gate_;
+  std::atomic<uint64_t> ino_{0};
 };
 
 }  // namespace

@@ -269,7 +269,7 @@ TEST_CASE("nbd: GO handshake sends INFO_EXPORT, BLOCK_SIZE, ACK and starts trans
   CHECK(r.cookie == 77);
 }
 
-TEST_CASE("nbd: GO answers NAME and DESCRIPTION when asked; BLOCK_SIZE always", "[nbd]") {
+TEST_CASE("nbd: GO answers NAME and DESCRIPTION when asked, BLOCK_SIZE always", "[nbd]") {
   NbdSession s;
   s.TakeOutput();
   REQUIRE(Feed(&s, Cat(ClientFlags(kBothFlags),
@@ -591,7 +591,7 @@ TEST_CASE("nbd: a pending action is repeated until the driver serves it", "[nbd]
 
 // ------------------------------------------------------------- transmission
 
-TEST_CASE("nbd: valid READ, WRITE, TRIM, WRITE_ZEROES, FLUSH; DISC disconnects", "[nbd]") {
+TEST_CASE("nbd: valid READ, WRITE, TRIM, WRITE_ZEROES, FLUSH, DISC disconnects", "[nbd]") {
   NbdSession s = Opened(Export(1 << 20));
 
   Request r = Accepted(&s, Req(kCmdRead, 0x0102030405060708ull, 4096, 8192));
@@ -641,7 +641,7 @@ TEST_CASE("nbd: a bad request magic closes the connection", "[nbd]") {
   CHECK_FALSE(s.in_transmission());
 }
 
-TEST_CASE("nbd: an unknown command gets EINVAL with its cookie; the next one is read", "[nbd]") {
+TEST_CASE("nbd: an unknown command gets EINVAL with its cookie, the next one is read", "[nbd]") {
   NbdSession s = Opened(Export());
   for (uint16_t type : {uint16_t{5}, uint16_t{7}, uint16_t{8}, uint16_t{0xffff}}) {
     CHECK(Rejected(&s, Req(type, 0xabcdef0000000000ull + type, 0, 512),
@@ -700,7 +700,7 @@ TEST_CASE("nbd: zero lengths and unaligned requests get EINVAL", "[nbd]") {
   CHECK(Accepted(&s, Req(kCmdRead, 9, 1024, 512)).cookie == 9);
 }
 
-TEST_CASE("nbd: READ over the maximum payload gets EINVAL; WRITE over it closes", "[nbd]") {
+TEST_CASE("nbd: READ over the maximum payload gets EINVAL, WRITE over it closes", "[nbd]") {
   SessionOptions opts;
   opts.max_payload = 64 * 1024;
   ExportInfo info = Export(1 << 30);

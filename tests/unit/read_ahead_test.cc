@@ -317,8 +317,7 @@ TEST_CASE("read-ahead: a write drops the window, ready or still being read", "[r
   }
 }
 
-TEST_CASE("read-ahead: a failed prefetch is no error; the READ reads for itself",
-          "[read_ahead]") {
+TEST_CASE("read-ahead: a failed prefetch is no error, the READ reads for itself", "[read_ahead]") {
   FakeFile f(1 << 20);
   ReadAhead ra(f.Reader(), 1 << 20, 256 * kK);
   IoBytes a;

@@ -65,6 +65,20 @@ OneFileVolume FormatWithOneFile(BlockDevice* dev, const OpenOptions& oo,
   out.inode = *in;
   return out;
 }
+// A 64 MiB volume, open, for files far bigger than it (thin disks).
+struct ThinVolume {
+  ThinVolume() : dev(64 << 20) {
+    OpenOptions oo;
+    oo.locks = TempLocks();
+    FormatWithOneFile(&dev, oo, {});
+    auto v = Volume::Open(&dev, oo);
+    REQUIRE(v.ok());
+    vol = std::move(v.value());
+  }
+  static constexpr uint64_t kSize = uint64_t{16} << 40;  // a 16 TiB disk
+  MemDevice dev;
+  std::unique_ptr<Volume> vol;
+};
 }  // namespace
 
 TEST_CASE("volume: create, write, read, share, reopen", "[volume]") {
@@ -502,23 +516,19 @@ TEST_CASE("volume: removing or shrinking a huge thin file walks its mapped block
   // Truncation looked up every block index from the end down, holes
   // included: removing a thin 16 TiB disk with a few blocks written took
   // four billion lookups under the volume's mutex.
-  MemDevice dev(64 << 20);
-  OpenOptions oo;
-  oo.locks = TempLocks();
-  FormatWithOneFile(&dev, oo, {});
-  auto vol = Volume::Open(&dev, oo);
-  REQUIRE(vol.ok());
-  constexpr uint64_t kSize = uint64_t{16} << 40;
+  ThinVolume tv;
+  Volume* vol = tv.vol.get();
+  constexpr uint64_t kSize = ThinVolume::kSize;
   const std::vector<uint8_t> d = Pattern(kBlockSize, 13);
   const std::vector<uint64_t> at = {0, 1, 600, uint64_t{1} << 30, kSize / kBlockSize - 1};
   for (const char* name : {"shrunk", "removed"}) {
-    REQUIRE(vol.value()->Create(name, kSize).ok());
-    auto f = vol.value()->OpenFile(name);
+    REQUIRE(vol->Create(name, kSize).ok());
+    auto f = vol->OpenFile(name);
     REQUIRE(f.ok());
     for (uint64_t b : at) REQUIRE(f.value()->Write(b * kBlockSize, d.data(), d.size()).ok());
   }
   {
-    auto f = vol.value()->OpenFile("shrunk");
+    auto f = vol->OpenFile("shrunk");
     REQUIRE(f.ok());
     REQUIRE(f.value()->Truncate(700 * kBlockSize).ok());
     auto info = f.value()->Info();
@@ -528,12 +538,12 @@ TEST_CASE("volume: removing or shrinking a huge thin file walks its mapped block
     REQUIRE(f.value()->Read(600 * kBlockSize, got.data(), got.size()).ok());
     CHECK(got == d);
   }
-  REQUIRE(vol.value()->Remove("removed").ok());
-  auto rep = CheckVolume(vol.value().get(), false);
+  REQUIRE(vol->Remove("removed").ok());
+  auto rep = CheckVolume(vol, false);
   REQUIRE(rep.ok());
   for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
   CHECK(rep->clean());
-  auto st = vol.value()->Stats();
+  auto st = vol->Stats();
   REQUIRE(st.ok());
   CHECK(st->logical_blocks == 3);
 }
@@ -544,16 +554,12 @@ TEST_CASE("volume: a trim of a huge thin range punches its mapped blocks only", 
   // thin 16 TiB disk took four billion lookups while the disk's READs
   // waited. It now walks the mapped blocks from the end down (and lets
   // the file's lock go every kTrimBlocksPerHold of them).
-  MemDevice dev(64 << 20);
-  OpenOptions oo;
-  oo.locks = TempLocks();
-  FormatWithOneFile(&dev, oo, {});
-  auto vol = Volume::Open(&dev, oo);
-  REQUIRE(vol.ok());
-  constexpr uint64_t kSize = uint64_t{16} << 40;
+  ThinVolume tv;
+  Volume* vol = tv.vol.get();
+  constexpr uint64_t kSize = ThinVolume::kSize;
   constexpr uint64_t kLast = kSize / kBlockSize - 1;
-  REQUIRE(vol.value()->Create("thin", kSize).ok());
-  auto f = vol.value()->OpenFile("thin");
+  REQUIRE(vol->Create("thin", kSize).ok());
+  auto f = vol->OpenFile("thin");
   REQUIRE(f.ok());
   const std::vector<uint8_t> d = Pattern(kBlockSize, 17);
   // A run of 3000 blocks (several holds of the file's lock), and blocks
@@ -586,7 +592,7 @@ TEST_CASE("volume: a trim of a huge thin range punches its mapped blocks only", 
   // A trim past the end is refused.
   CHECK(f.value()->Trim(kSize - kBlockSize, 2 * kBlockSize).code() == Status::Code::kInvalid);
   f.value().reset();
-  auto rep = CheckVolume(vol.value().get(), false);
+  auto rep = CheckVolume(vol, false);
   REQUIRE(rep.ok());
   for (auto& p : rep->problems) INFO(p.where << ": " << p.what);
   CHECK(rep->clean());

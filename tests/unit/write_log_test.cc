@@ -132,6 +132,25 @@ std::vector<WriteLogFrame> ReadAll(File* log, HashAlgo algo, const Uuid& uuid, F
   return out;
 }
 
+// A volume with one file "vm" (8 MiB) whose log the test writes.
+struct VmLog {
+  explicit VmLog(HashAlgo a = HashAlgo::kXxh128) : algo(a), mv(a) {
+    vol = mv.vol.get();
+    auto created = vol->Create("vm", 8 << 20);
+    REQUIRE(created.ok());
+    owner = *created;
+    uuid = vol->superblock().uuid;
+  }
+  void Append(size_t records, size_t ranges, uint64_t block_base) {
+    REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, records, ranges, block_base)).ok());
+  }
+  const HashAlgo algo;
+  MemVolume mv;
+  Volume* vol;
+  FileId owner;
+  Uuid uuid;
+};
+
 }  // namespace
 
 TEST_CASE("writelog: names", "[writemon]") {
@@ -581,20 +600,13 @@ TEST_CASE("writelog: the reader skips torn and corrupt frames", "[writemon]") {
 }
 
 TEST_CASE("writelog: a log bigger than the read chunk replays", "[writemon]") {
-  const HashAlgo algo = HashAlgo::kXxh128;
-  MemVolume mv(algo);
-  Volume* vol = mv.vol.get();
-  auto created = vol->Create("vm", 1 << 20);
-  REQUIRE(created.ok());
-  const FileId owner = *created;
+  VmLog t;
   // Three appends of ~3.2 MB each: frames straddle the 4 MiB read chunks.
-  for (int i = 0; i < 3; i++) {
-    REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 120000, 0, i * 1000000)).ok());
-  }
-  auto log = OpenWriteLog(vol, owner);
+  for (int i = 0; i < 3; i++) t.Append(120000, 0, i * 1000000);
+  auto log = OpenWriteLog(t.vol, t.owner);
   REQUIRE(log.ok());
   CHECK((*log)->size() > (8u << 20));
-  auto st = ReplayWriteLog(log->get(), algo, vol->superblock().uuid, owner);
+  auto st = ReplayWriteLog(log->get(), t.algo, t.uuid, t.owner);
   REQUIRE(st.ok());
   CHECK(st->stats.frames == 3);
   CHECK(st->stats.corrupt_frames == 0);
@@ -1098,17 +1110,14 @@ TEST_CASE("writelog: a replay holds at most max_entries records and ranges", "[w
   // A log's limit is 3% of its file: the log of a 1 TiB disk can describe
   // every one of its 268 million blocks, gigabytes in the replay's map.
   // Past its bound the replay says what a saturation frame says.
-  const HashAlgo algo = HashAlgo::kXxh128;
-  MemVolume mv(algo);
-  Volume* vol = mv.vol.get();
-  auto created = vol->Create("vm", 8 << 20);
-  REQUIRE(created.ok());
-  const FileId owner = *created;
-  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 60, 2, 0)).ok());
-  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 60, 2, 5000)).ok());
-  auto log = OpenWriteLog(vol, owner);
+  VmLog t;
+  const HashAlgo algo = t.algo;
+  const Uuid uuid = t.uuid;
+  const FileId owner = t.owner;
+  t.Append(60, 2, 0);
+  t.Append(60, 2, 5000);
+  auto log = OpenWriteLog(t.vol, owner);
   REQUIRE(log.ok());
-  const Uuid uuid = vol->superblock().uuid;
   auto whole = ReplayWriteLog(log->get(), algo, uuid, owner);
   REQUIRE(whole.ok());
   CHECK_FALSE(whole->over_budget);
@@ -1132,15 +1141,13 @@ TEST_CASE("writelog: a replay holds at most max_entries records and ranges", "[w
 }
 
 TEST_CASE("writelog: frames of a newer major version are counted apart", "[writemon]") {
-  const HashAlgo algo = HashAlgo::kXxh128;
-  MemVolume mv(algo);
-  Volume* vol = mv.vol.get();
-  auto created = vol->Create("vm", 8 << 20);
-  REQUIRE(created.ok());
-  const FileId owner = *created;
-  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 10, 1, 0)).ok());
-  REQUIRE(AppendToWriteLog(vol, SampleBatch(algo, owner, 10, 1, 100)).ok());
-  const Uuid uuid = vol->superblock().uuid;
+  VmLog t;
+  const HashAlgo algo = t.algo;
+  const Uuid uuid = t.uuid;
+  const FileId owner = t.owner;
+  Volume* vol = t.vol;
+  t.Append(10, 1, 0);
+  t.Append(10, 1, 100);
   {
     auto log = OpenWriteLog(vol, owner);
     REQUIRE(log.ok());

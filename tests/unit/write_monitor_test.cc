@@ -284,7 +284,7 @@ TEST_CASE("writemon: TRIM and WRITE_ZEROES drop the records they touch", "[write
   CHECK(b.invalidated[0].count == 15);
 }
 
-TEST_CASE("writemon: dedup=off files are not hashed; SetDedup off discards", "[writemon]") {
+TEST_CASE("writemon: dedup=off files are not hashed, SetDedup off discards", "[writemon]") {
   ManualClock clock;
   WriteMonitor m(Opts(&clock));
   m.AddFile(kF, false);
