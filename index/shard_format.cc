@@ -214,14 +214,16 @@ Result<ShardHeader> DecodeShardHeader(const uint8_t* blk, const Uuid& uuid, File
   }
   Decoder d(blk + 4, kBlockSize - 4);
   uint16_t major = d.u16();
-  d.u16();  // minor: newer minors only add fields in the zeroed tail
+  const uint16_t minor = d.u16();  // newer minors only add fields in the zeroed tail
   if (major > kShardMajor) {
     return Status::Unsupported(what + ": shard format major version " + std::to_string(major) +
                                " is newer than this build (" + std::to_string(kShardMajor) + ")");
   }
   if (major == 0) return bad("format version 0");
   d.u32();  // crc
-  d.u32();  // flags
+  const uint32_t flags = d.u32();
+  // None defined: a newer minor may define some.
+  if (flags != 0 && minor <= kShardMinor) return bad("unknown flags " + std::to_string(flags));
   ShardHeader h;
   h.range.depth = d.u8();
   uint8_t fp_size = d.u8();

@@ -508,7 +508,9 @@ Result<std::vector<uint64_t>> DecodeDropListBlock(const uint8_t* blk, const Supe
     }
     out.push_back(a);
   }
-  for (uint32_t i = kHeaderSize + 8 + n * 8; i < kBlockSize; i++) {
+  // A newer minor may use the bytes after the entries.
+  for (uint32_t i = kHeaderSize + 8 + n * 8;
+       i < kBlockSize && PeekHeader(blk).minor <= kFormatMinor; i++) {
     if (blk[i] != 0) {
       return Status::Corruption(where + ": nonzero bytes after entry " + std::to_string(n));
     }

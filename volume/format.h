@@ -211,12 +211,13 @@ Result<std::vector<LockRecord>> DecodeLockTableBlock(const uint8_t* blk, uint64_
 
 // Each host's journal region: two header slots (blocks 0 and 1, written
 // alternately; the valid one with the larger header seq wins) then a ring of
-// journal_blocks - 2 blocks holding transactions.
+// journal_blocks - 2 - drop_blocks blocks holding transactions
+// (Superblock::JournalRingBlocks), then the drop list.
 inline constexpr uint64_t kJournalHeaderSlots = 2;
 struct JournalHeader {
   uint32_t host = 0;
   uint64_t tail_seq = 1;  // sequence number of the oldest live transaction
-  uint64_t tail_pos = 0;  // its ring position (0 .. journal_blocks-3)
+  uint64_t tail_pos = 0;  // its ring position (0 .. ring size - 1)
 };
 void EncodeJournalHeader(const JournalHeader& jh, uint64_t seq, const Uuid& uuid, uint64_t addr,
                          uint8_t* blk);

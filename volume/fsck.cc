@@ -559,6 +559,12 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
           for (uint64_t a : *e) refs[a]++;
           continue;
         }
+        if (e.status().code() == Status::Code::kUnsupported) {
+          // A newer dede's block: its entries cannot be read here, so no
+          // count can be judged too high; never cleared (FORMAT.md §9).
+          return e.status().WithContext("drop list of host " + std::to_string(h) + " block " +
+                                        std::to_string(addr));
+        }
         // Cleared, its entries are lost: the recount below then finds
         // their blocks' counts too high, and repair lowers them.
         bool fixed = false;

@@ -62,10 +62,17 @@ Result<std::unique_ptr<Journal>> Journal::Open(BlockDevice* dev, const Superbloc
   RETURN_IF_ERROR(dev->Read(j->start_ * kBlockSize, buf.p, 2 * kBlockSize));
   Status first_error;
   bool found = false;
+  // The newest header slot a newer dede wrote (sound crc, newer major).
+  Status newer;
+  uint64_t newer_seq = 0;
   for (uint64_t i = 0; i < kJournalHeaderSlots; i++) {
     const uint8_t* b = buf.p + i * kBlockSize;
     auto jh = DecodeJournalHeader(b, sb.uuid, j->start_ + i);
     if (!jh.ok()) {
+      if (jh.status().code() == Status::Code::kUnsupported && PeekHeader(b).seq >= newer_seq) {
+        newer = jh.status();
+        newer_seq = PeekHeader(b).seq;
+      }
       if (first_error.ok()) first_error = jh.status();
       continue;
     }
@@ -85,6 +92,9 @@ Result<std::unique_ptr<Journal>> Journal::Open(BlockDevice* dev, const Superbloc
       j->tail_pos_ = jh->tail_pos;
     }
   }
+  // A newer dede's header newer than ours says where its log starts: ours
+  // would replay from an older tail, over home blocks it has written since.
+  if (!newer.ok() && (!found || newer_seq > j->header_seq_)) return newer;
   if (!found) return first_error;
   j->head_seq_ = j->tail_seq_;
   j->head_pos_ = j->tail_pos_;
@@ -119,8 +129,16 @@ Result<bool> Journal::ReadTxn(uint64_t pos, uint64_t seq, JournalTxn* txn,
   AlignedBuf desc(kBlockSize);
   RETURN_IF_ERROR(ReadRing(pos, 1, desc.p));
   auto t = DecodeJournalTxn(desc.p, uuid_, RingAddr(pos));
-  // Anything that is not the next transaction ends the log: an old lap, a
-  // torn descriptor, or never-written space.
+  if (!t.ok() && t.status().code() == Status::Code::kUnsupported && PeekHeader(desc.p).seq == seq) {
+    // The next transaction, written by a newer dede (the header's crc and
+    // seq are sound): taken for the end of the log, replay would skip it
+    // and every later one, and the checkpoint after it forget them.
+    return t.status().WithContext("journal of host " + std::to_string(host_) + ", transaction " +
+                                  std::to_string(seq) + " at ring position " + std::to_string(pos));
+  }
+  // Anything else that is not the next transaction ends the log: an old
+  // lap (of this dede or a newer one), a torn descriptor, or never-written
+  // space.
   if (!t.ok() || t->seq != seq || t->homes.size() + 1 > ring_) return false;
   AlignedBuf img(t->homes.size() * kBlockSize);
   RETURN_IF_ERROR(ReadRing((pos + 1) % ring_, t->homes.size(), img.p));

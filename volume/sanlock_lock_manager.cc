@@ -549,6 +549,9 @@ class SanlockImpl : public SanlockLockManager {
                                          sb_.uuid);
         if (recs.ok()) {
           kept.insert(kept.end(), recs->begin(), recs->end());
+        } else if (recs.status().code() == Status::Code::kUnsupported) {
+          // A newer dede's block is not damage: never rewritten here.
+          return recs.status();
         } else {
           damaged.push_back(k);
         }

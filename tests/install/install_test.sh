@@ -130,13 +130,9 @@ for o in "${options[@]}"; do
   case $o in help | version | config) continue ;; esac
   grep -Eq "^#? ?$o =" "$example" || fail "dedupd.conf.example does not document --$o"
 done
-# Every option the example names exists; control, history and metrics-port
-# may be missing while dedupd does not have them yet.
-pending=" control history metrics-port "
+# Every option the example names exists.
 while read -r name; do
-  has_option "$name" && continue
-  [[ $pending == *" $name "* ]] && { note "dedupd has no --$name yet: its example line stays commented"; continue; }
-  fail "dedupd.conf.example names '$name', which is not a dedupd option"
+  has_option "$name" || fail "dedupd.conf.example names '$name', which is not a dedupd option"
 done < <(sed -nE 's/^#? ?([a-z][a-z0-9-]*) =.*/\1/p' "$example" | sort -u)
 # The staged config: the example with every default line (`#name = value`)
 # of an option dedupd has uncommented, so dedupd parses all of them. The
@@ -161,10 +157,7 @@ truncate -s 64M "$vol"
 "$bin/dede" create "$vol" vm1 --size 4M || fail "dede create failed"
 "$bin/dede" ls "$vol" | grep -q vm1 || fail "dede ls does not list vm1"
 
-extra=()
-has_option control && extra+=(--control "$tmp/dedupd.ctl")
-has_option history && extra+=(--history "$tmp/history.db")
-has_option metrics-port && extra+=(--metrics-port 0)
+extra=(--control "$tmp/dedupd.ctl" --history "$tmp/history.db" --metrics-port 0)
 # systemd's notification socket, played by python3: Type=notify units need
 # dedupd to report READY=1 once it serves.
 notify_sock=$tmp/notify.sock

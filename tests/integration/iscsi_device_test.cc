@@ -771,9 +771,12 @@ TEST_CASE("iSCSI: while a lost WRITE is fenced, the device's other sessions send
     released = Clock::now();
     fuse.Release();
   });
-  // A second past the lost WRITE's timeout (1 s): it is lost, its reset
-  // under way (the reset waits up to 2 x 1 s + 10 s).
-  std::this_thread::sleep_until(held_at + std::chrono::milliseconds(2000));
+  // Past the lost WRITE's timeout (1 s): once the device counts it lost,
+  // its reset is under way (the reset waits up to 2 x 1 s + 10 s).
+  while (dev->counters().lost_commands == 0 && Clock::now() < held_at + std::chrono::seconds(3)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const bool lost_before_read = dev->counters().lost_commands > 0;
   std::vector<uint8_t> got(4096);
   Status sr = dev->Read(kAt + kMiB, got.data(), got.size());
   const auto read_done = Clock::now();
@@ -781,6 +784,7 @@ TEST_CASE("iSCSI: while a lost WRITE is fenced, the device's other sessions send
   writer.join();
   INFO("fuse: " << fuse.Log());
   REQUIRE(held);
+  REQUIRE(lost_before_read);  // the READ went out after the WRITE was lost
   INFO("write: " << sb.ToString() << "; read: " << sr.ToString());
   REQUIRE(sb.ok());
   REQUIRE(sr.ok());

@@ -224,11 +224,16 @@ TEST_CASE("dedup=off on a live export: no records after the switch and no entrie
   REQUIRE(d2.Stop() == 0);
   CHECK(UniqueEntriesOf(vol, "vm-b") == 0);
   json ls = json::parse(Dede({"ls", vol, "-l", "--json"}));
+  int seen = 0;
   for (const json& f : ls) {
     INFO(f.dump());
-    if (f["name"] == "vm-b" || f["name"] == "vm-a") CHECK(f["shared_blocks"] == 0);
+    if (f["name"] == "vm-b" || f["name"] == "vm-a") {
+      seen++;
+      CHECK(f["shared_blocks"] == 0);
+    }
     if (f["name"] == "vm-b") CHECK(f["dedup"] == false);
   }
+  CHECK(seen == 2);
   // Data intact.
   const std::vector<uint8_t> xd = ReadWholeFile(x), zd = ReadWholeFile(z);
   REQUIRE(a.size() == 4 * kMiB);

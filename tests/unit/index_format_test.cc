@@ -241,6 +241,7 @@ TEST_CASE("index: header versions", "[index]") {
     Block b = EncodeHeader(h);
     EncodeU16(b.data() + kHdrMinor, kShardMinor + 1);
     b[kBlockSize - 1] = 0x77;  // a field a newer minor added
+    EncodeU32(b.data() + kHdrCrc + 4, 2);  // and a flag it defined
     ResealHeader(b);
     auto d = DecodeShardHeader(b.data(), kUuid, kShard, "s");
     REQUIRE(d.ok());
@@ -260,6 +261,7 @@ TEST_CASE("index: header field checks behind the crc", "[index]") {
     CHECK(d.status().code() == Status::Code::kCorruption);
     CHECK(Contains(d.status().message(), "shard q"));
   };
+  expect_bad([](Block& b) { EncodeU32(b.data() + kHdrCrc + 4, 1); }, "flags");
   expect_bad([](Block& b) { EncodeU32(b.data() + kHdrAlgo, 0); }, "algo 0");
   expect_bad([](Block& b) { EncodeU32(b.data() + kHdrAlgo, 3); }, "algo 3");
   expect_bad([](Block& b) { b[kHdrDepth] = 41; }, "depth 41");

@@ -28,14 +28,22 @@ TEST_CASE("local locks: a blocked wait does not hold up the process's other lock
   REQUIRE(other->Acquire(kX, LockMode::kExclusive, false).ok());
   auto waiter = std::async(std::launch::async,
                            [&] { return here->Acquire(kX, LockMode::kExclusive, true); });
-  std::this_thread::sleep_for(200ms);  // in F_OFD_SETLKW now
+  // Once the waiter has registered, the id it waits for counts as taken by
+  // this process already (kInvalid; kLocked before that).
+  Status again;
+  for (int i = 0; i < 500; i++) {
+    again = here->Acquire(kX, LockMode::kExclusive, false);
+    if (again.code() != Status::Code::kLocked) break;
+    std::this_thread::sleep_for(10ms);
+  }
+  CHECK(again.code() == Status::Code::kInvalid);
+  std::this_thread::sleep_for(100ms);  // in F_OFD_SETLKW by now, most likely
   const auto t0 = std::chrono::steady_clock::now();
   CHECK(here->Acquire(kY, LockMode::kExclusive, false).ok());
   auto elsewhere = here->IsHeldElsewhere(kX);
   REQUIRE(elsewhere.ok());
   CHECK(*elsewhere);
   CHECK(here->Release(kY).ok());
-  // The id being waited for is taken (by this process) already.
   CHECK(here->Acquire(kX, LockMode::kExclusive, false).code() == Status::Code::kInvalid);
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   CHECK(s < 1.0);

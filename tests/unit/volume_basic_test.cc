@@ -1113,6 +1113,70 @@ TEST_CASE("journal: replay refuses an image that does not belong at its home", "
   }
 }
 
+// A newer dede's journal (a dead host of a newer version, during a rolling
+// upgrade): its next transaction was taken for the end of the log, so
+// replay skipped it and every later one, and the checkpoint after it
+// forgot them; a header slot it wrote last was passed over for our older
+// one, whose tail replays over home blocks it wrote since. Both refuse.
+TEST_CASE("journal: a transaction or header of a newer format stops replay, not ends the log",
+          "[volume]") {
+  MemDevice dev(64 << 20);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  Superblock sb;
+  {
+    OpenOptions oo;
+    oo.locks = TempLocks();
+    auto vol = Volume::Open(&dev, oo);
+    REQUIRE(vol.ok());
+    sb = vol.value()->superblock();
+  }
+  const uint64_t home = sb.inode_start + 5;
+  std::vector<uint8_t> image(kBlockSize, 0);
+  SealBlock(image.data(), BlockHeader{kMagicInode, kFormatMajor, kFormatMinor, 0, 7, home},
+            sb.uuid);
+  // Rewrites block `addr` as a newer major would (same fields, sound crc).
+  auto make_newer = [&](uint64_t addr) {
+    std::vector<uint8_t> b(kBlockSize);
+    REQUIRE(dev.Read(addr * kBlockSize, b.data(), kBlockSize).ok());
+    BlockHeader h = PeekHeader(b.data());
+    h.major = kFormatMajor + 1;
+    SealBlock(b.data(), h, sb.uuid);
+    REQUIRE(dev.Write(addr * kBlockSize, b.data(), kBlockSize).ok());
+  };
+  std::vector<uint8_t> before(kBlockSize), after(kBlockSize);
+  REQUIRE(dev.Read(home * kBlockSize, before.data(), kBlockSize).ok());
+  const uint64_t headers = sb.JournalStart(2);
+  SECTION("the next transaction") {
+    REQUIRE(Journal::Reset(&dev, sb, 2).ok());
+    {
+      auto j = Journal::Open(&dev, sb, 2);
+      REQUIRE(j.ok());
+      REQUIRE(j.value()->Append({home}, {image.data()}).ok());
+    }
+    make_newer(headers + kJournalHeaderSlots);  // ring position 0: its descriptor
+    auto j = Journal::Open(&dev, sb, 2);
+    REQUIRE(j.ok());
+    Result<uint64_t> replayed = j.value()->Replay();
+    INFO(replayed.status().ToString());
+    CHECK(replayed.status().code() == Status::Code::kUnsupported);
+  }
+  SECTION("the newest header slot") {
+    REQUIRE(Journal::Reset(&dev, sb, 2).ok());
+    std::vector<uint8_t> a(kBlockSize), b(kBlockSize);
+    REQUIRE(dev.Read(headers * kBlockSize, a.data(), kBlockSize).ok());
+    REQUIRE(dev.Read((headers + 1) * kBlockSize, b.data(), kBlockSize).ok());
+    const bool a_newest = PeekHeader(a.data()).seq > PeekHeader(b.data()).seq;
+    make_newer(headers + (a_newest ? 1 : 0));  // the older slot: ours still rules
+    CHECK(Journal::Open(&dev, sb, 2).ok());
+    make_newer(headers + (a_newest ? 0 : 1));
+    auto j = Journal::Open(&dev, sb, 2);
+    INFO(j.status().ToString());
+    CHECK(j.status().code() == Status::Code::kUnsupported);
+  }
+  REQUIRE(dev.Read(home * kBlockSize, after.data(), kBlockSize).ok());
+  CHECK(after == before);
+}
+
 // fsck took a block of a newer format version (kUnsupported) for damage:
 // --repair cleared the inode, or cut out the pointer block and freed the
 // data it mapped, destroying a file this version cannot read.
