@@ -2154,32 +2154,47 @@ Status VolumeImpl::SetFlag(OpenFileState* f, uint32_t flag, bool on) {
 
 // =============================================================== block map
 
+// A pointer block's checksum says it is the block written at its address,
+// not that it sits where the walk found it: its level must be the one its
+// parent implies, and a child pointer may carry no reserved bits, before
+// anything is read through it or dropped (docs/FORMAT.md, pointer blocks).
+Result<uint8_t*> VolumeImpl::LoadPointerBlock(uint64_t addr, uint32_t level, LockId owner) {
+  uint8_t* b;
+  RETURN_IF_ERROR(Load(addr, owner, kMagicPointerBlock, "pointer block", &b));
+  if (PeekHeader(b).flags != level) {
+    return Status::Corruption("pointer block at block " + std::to_string(addr) + " of inode " +
+                              std::to_string(owner.id) + " has level " +
+                              std::to_string(PeekHeader(b).flags) + ", expected " +
+                              std::to_string(level));
+  }
+  return b;
+}
+
+Result<uint64_t> VolumeImpl::ChildPointer(const uint8_t* b, uint64_t addr, uint32_t slot,
+                                          LockId owner) {
+  const uint64_t raw = dede::GetPtr(b, slot);
+  if (raw & kPtrReserved) {
+    return Status::Corruption("pointer block at block " + std::to_string(addr) + " of inode " +
+                              std::to_string(owner.id) + " slot " + std::to_string(slot) +
+                              ": reserved bits set in " + HexU64(raw));
+  }
+  return PtrAddr(raw);
+}
+
 Status VolumeImpl::FindLeaf(const Inode& in, uint64_t index, uint64_t* leaf, uint32_t* slot) {
   *leaf = 0;
   if (in.depth == 0 || index >= Capacity(in.depth)) return Status::Ok();
+  const LockId owner = InodeLock(in.ino);
   uint64_t addr = in.root;
   for (uint32_t level = in.depth; level >= 1; level--) {
-    uint8_t* b;
-    RETURN_IF_ERROR(Load(addr, InodeLock(in.ino), kMagicPointerBlock, "pointer block", &b));
-    if (PeekHeader(b).flags != level) {
-      return Status::Corruption("pointer block at block " + std::to_string(addr) + " of inode " +
-                                std::to_string(in.ino) + " has level " +
-                                std::to_string(PeekHeader(b).flags) + ", expected " +
-                                std::to_string(level));
-    }
+    ASSIGN_OR_RETURN(uint8_t * b, LoadPointerBlock(addr, level, owner));
     uint32_t s = static_cast<uint32_t>((index / Span(level)) % kPointersPerBlock);
     if (level == 1) {
       *leaf = addr;
       *slot = s;
       return Status::Ok();
     }
-    const uint64_t raw = dede::GetPtr(b, s);
-    if (raw & kPtrReserved) {
-      return Status::Corruption("pointer block at block " + std::to_string(addr) + " of inode " +
-                                std::to_string(in.ino) + " slot " + std::to_string(s) +
-                                ": reserved bits set in " + HexU64(raw));
-    }
-    uint64_t next = PtrAddr(raw);
+    ASSIGN_OR_RETURN(uint64_t next, ChildPointer(b, addr, s, owner));
     if (next == 0) return Status::Ok();
     addr = next;
   }
@@ -2218,12 +2233,12 @@ Status VolumeImpl::EnsureMapPath(Inode* in, uint64_t index) {
     in->root = a[0];
     in->depth = static_cast<uint8_t>(level);
   }
+  const LockId owner = InodeLock(in->ino);
   uint64_t addr = in->root;
   for (uint32_t level = in->depth; level > 1; level--) {
-    uint8_t* b;
-    RETURN_IF_ERROR(Load(addr, InodeLock(in->ino), kMagicPointerBlock, "pointer block", &b));
+    ASSIGN_OR_RETURN(uint8_t * b, LoadPointerBlock(addr, level, owner));
     uint32_t s = static_cast<uint32_t>((index / Span(level)) % kPointersPerBlock);
-    uint64_t next = PtrAddr(dede::GetPtr(b, s));
+    ASSIGN_OR_RETURN(uint64_t next, ChildPointer(b, addr, s, owner));
     if (next == 0) {
       std::vector<uint64_t> a;
       RETURN_IF_ERROR(Allocate(1, &a, /*meta=*/true));
@@ -2242,16 +2257,16 @@ Status VolumeImpl::SetPtr(Inode* in, uint64_t index, uint64_t value) {
   } else {
     RETURN_IF_ERROR(EnsureMapPath(in, index));
   }
+  const LockId owner = InodeLock(in->ino);
   uint64_t addr = in->root;
   for (uint32_t level = in->depth; level >= 1; level--) {
-    uint8_t* b;
-    RETURN_IF_ERROR(Load(addr, InodeLock(in->ino), kMagicPointerBlock, "pointer block", &b));
+    ASSIGN_OR_RETURN(uint8_t * b, LoadPointerBlock(addr, level, owner));
     uint32_t s = static_cast<uint32_t>((index / Span(level)) % kPointersPerBlock);
     if (level == 1) {
       dede::SetPtr(Dirty(addr), s, value);
       return Status::Ok();
     }
-    const uint64_t next = PtrAddr(dede::GetPtr(b, s));
+    ASSIGN_OR_RETURN(const uint64_t next, ChildPointer(b, addr, s, owner));
     if (next == 0) return Status::Ok();  // clearing a pointer in an absent subtree
     addr = next;
   }
@@ -2287,8 +2302,7 @@ Result<std::optional<uint64_t>> VolumeImpl::LastMappedBelow(const Inode& in, uin
 Result<std::optional<uint64_t>> VolumeImpl::LastMappedIn(uint64_t addr, uint32_t level,
                                                          uint64_t base, uint64_t limit,
                                                          LockId owner) {
-  uint8_t* b;
-  RETURN_IF_ERROR(Load(addr, owner, kMagicPointerBlock, "pointer block", &b));
+  RETURN_IF_ERROR(LoadPointerBlock(addr, level, owner).status());
   const uint64_t span = Span(level);
   for (uint64_t s = std::min<uint64_t>((limit - 1 - base) / span, kPointersPerBlock - 1) + 1;
        s-- > 0;) {
@@ -2297,9 +2311,11 @@ Result<std::optional<uint64_t>> VolumeImpl::LastMappedIn(uint64_t addr, uint32_t
     if (p == 0) continue;
     const uint64_t child_base = base + s * span;
     if (level == 1) return std::optional<uint64_t>(child_base);
+    ASSIGN_OR_RETURN(const uint64_t child, ChildPointer(cache_.at(addr).data.get(), addr,
+                                                        static_cast<uint32_t>(s), owner));
     ASSIGN_OR_RETURN(
         std::optional<uint64_t> found,
-        LastMappedIn(PtrAddr(p), level - 1, child_base, std::min(limit, child_base + span), owner));
+        LastMappedIn(child, level - 1, child_base, std::min(limit, child_base + span), owner));
     if (found) return found;
   }
   return std::optional<uint64_t>();
@@ -2307,8 +2323,7 @@ Result<std::optional<uint64_t>> VolumeImpl::LastMappedIn(uint64_t addr, uint32_t
 
 Status VolumeImpl::FreeSubtree(uint64_t addr, uint32_t level, uint64_t base, uint64_t keep_blocks,
                                LockId owner, bool* now_empty) {
-  uint8_t* b;
-  RETURN_IF_ERROR(Load(addr, owner, kMagicPointerBlock, "pointer block", &b));
+  RETURN_IF_ERROR(LoadPointerBlock(addr, level, owner).status());
   bool empty = true;
   for (uint32_t s = 0; s < kPointersPerBlock; s++) {
     uint64_t p = dede::GetPtr(cache_.at(addr).data.get(), s);
@@ -2324,15 +2339,16 @@ Status VolumeImpl::FreeSubtree(uint64_t addr, uint32_t level, uint64_t base, uin
       continue;
     }
     bool child_empty = false;
-    RETURN_IF_ERROR(FreeSubtree(PtrAddr(p), level - 1, child_base, keep_blocks, owner,
-                                &child_empty));
+    ASSIGN_OR_RETURN(const uint64_t child,
+                     ChildPointer(cache_.at(addr).data.get(), addr, s, owner));
+    RETURN_IF_ERROR(FreeSubtree(child, level - 1, child_base, keep_blocks, owner, &child_empty));
     if (child_empty) {
       RETURN_IF_ERROR(EnsureRoom(8));
-      RETURN_IF_ERROR(PrepareDrops({PtrAddr(p)}));
+      RETURN_IF_ERROR(PrepareDrops({child}));
       // The reference first: a DropRef that fails changes nothing, and a
       // slot cleared before it would commit at the next flush point with
       // the block's count never dropped (a leaked pointer block).
-      RETURN_IF_ERROR(DropRef(PtrAddr(p)));
+      RETURN_IF_ERROR(DropRef(child));
       dede::SetPtr(Dirty(addr), s, 0);
     } else {
       empty = false;
@@ -2746,8 +2762,21 @@ Status VolumeImpl::TrimData(OpenFileState* f, uint64_t offset, uint64_t len) {
 }
 
 Status VolumeImpl::PunchBlock(OpenFileState* f, uint64_t index) {
-  if (index == UINT64_MAX) return Status::Invalid("block index out of range");
-  return PunchLastMappedBelow(f, index, index + 1).status();
+  // One block: a lookup of its pointer (a walk down from it, as a trim
+  // does, would scan the holes below an unmapped block).
+  MutexLock l(&mu_);
+  RETURN_IF_ERROR(CheckWritable());
+  RETURN_IF_ERROR(EnsureRoom(16));
+  ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
+  if (index >= (in.size + kBlockSize - 1) / kBlockSize) {
+    return Status::Invalid("block " + std::to_string(index) + " is past the end of '" + in.name +
+                           "'");
+  }
+  ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, index));
+  if (p == 0) return Status::Ok();
+  RETURN_IF_ERROR(ReplaceBlock(&in, index, 0));
+  PutInode(in);
+  return Status::Ok();
 }
 
 Result<std::optional<uint64_t>> VolumeImpl::PunchLastMappedBelow(OpenFileState* f, uint64_t first,
@@ -2902,18 +2931,18 @@ Result<FileUsage> VolumeImpl::UsageOf(OpenFileState* f) {
   // lock meanwhile, so its VM could not start.
   std::unordered_map<uint64_t, BlockBuf> read_home;
   // Walk leaf by leaf rather than index by index: sparse files are cheap.
-  std::function<Status(uint64_t, uint32_t, uint64_t)> walk = [&](uint64_t addr, uint32_t level,
-                                                                uint64_t base)
-                                                                NO_THREAD_SAFETY_ANALYSIS -> Status {
-    uint8_t* b;
-    RETURN_IF_ERROR(Load(addr, InodeLock(in.ino), kMagicPointerBlock, "pointer block", &b));
+  std::function<Status(uint64_t, uint32_t, uint64_t)> walk =
+      [&](uint64_t addr, uint32_t level, uint64_t base) NO_THREAD_SAFETY_ANALYSIS -> Status {
+    RETURN_IF_ERROR(LoadPointerBlock(addr, level, InodeLock(in.ino)).status());
     u.metadata_blocks++;
     for (uint32_t s = 0; s < kPointersPerBlock; s++) {
       uint64_t p = dede::GetPtr(cache_.at(addr).data.get(), s);
       uint64_t idx = base + s * Span(level);
       if (p == 0 || idx >= nblocks) continue;
       if (level > 1) {
-        RETURN_IF_ERROR(walk(PtrAddr(p), level - 1, idx));
+        ASSIGN_OR_RETURN(const uint64_t child,
+                         ChildPointer(cache_.at(addr).data.get(), addr, s, InodeLock(in.ino)));
+        RETURN_IF_ERROR(walk(child, level - 1, idx));
         continue;
       }
       ASSIGN_OR_RETURN(uint32_t refs, PeekRef(PtrAddr(p), &read_home));
@@ -3499,6 +3528,11 @@ Result<VolumeStats> VolumeImpl::Stats() {
     if (!cached) {
       RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, pb.get(), kBlockSize));
       RETURN_IF_ERROR(CheckBlock(pb.get(), kMagicPointerBlock, addr, sb_.uuid, "pointer block"));
+    }
+    if (PeekHeader(pb.get()).flags != level) {
+      return Status::Corruption("pointer block at block " + std::to_string(addr) + " has level " +
+                                std::to_string(PeekHeader(pb.get()).flags) + ", expected " +
+                                std::to_string(level));
     }
     for (uint32_t s = 0; s < kPointersPerBlock; s++) {
       uint64_t p = dede::GetPtr(pb.get(), s);

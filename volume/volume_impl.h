@@ -237,6 +237,12 @@ class VolumeImpl : public Volume {
   // on failure; the caller stores it (PutInode) either way.
   Status EnsureMapPath(Inode* in, uint64_t index) REQUIRES(mu_);
   // Locates (leaf block address, slot) for index, or leaf 0 if unmapped.
+  // A pointer block of the map of `owner` (its inode lock), checked to be
+  // of `level`; kCorruption if not.
+  Result<uint8_t*> LoadPointerBlock(uint64_t addr, uint32_t level, LockId owner) REQUIRES(mu_);
+  // The child block address in `slot` of the pointer block `b` at `addr`;
+  // kCorruption if the pointer has reserved bits set.
+  Result<uint64_t> ChildPointer(const uint8_t* b, uint64_t addr, uint32_t slot, LockId owner);
   Status FindLeaf(const Inode& in, uint64_t index, uint64_t* leaf, uint32_t* slot)
       REQUIRES(mu_);
   // The largest mapped block index below `limit`, if any: walks the map,

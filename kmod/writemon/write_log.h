@@ -20,8 +20,9 @@
 // as a header. Torn appends therefore cost at most the torn frame.
 //
 // Whoever appends or consumes a log holds the log file's lock (File) for
-// the duration; dedupd opens the log per flush, so others can lock it in
-// between.
+// the duration. dedupd keeps a busy file's log open between appends and
+// closes it at its flush points once idle (LogFlusher), and lends it to
+// its own pass; another process finds it locked meanwhile and retries.
 #pragma once
 
 #include <cstddef>

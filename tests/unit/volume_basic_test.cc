@@ -598,6 +598,52 @@ TEST_CASE("volume: a trim of a huge thin range punches its mapped blocks only", 
   CHECK(rep->clean());
 }
 
+TEST_CASE("volume: every walk of a block map checks each pointer block's level", "[volume]") {
+  // Only lookups of one block checked that a pointer block has the level
+  // its parent implies; the walks of truncation, trims, usage and stats
+  // took whatever the checksum vouched for (a block sealed for its
+  // address, not for its place in this tree).
+  ThinVolume tv;
+  Volume* vol = tv.vol.get();
+  REQUIRE(vol->Create("thin", ThinVolume::kSize).ok());
+  const std::vector<uint8_t> d = Pattern(kBlockSize, 19);
+  uint64_t ino = 0;
+  {
+    auto f = vol->OpenFile("thin");
+    REQUIRE(f.ok());
+    ino = (*f)->id().ino;
+    for (uint64_t b : {uint64_t{0}, uint64_t{1} << 30}) {
+      REQUIRE((*f)->Write(b * kBlockSize, d.data(), d.size()).ok());
+    }
+  }
+  const Superblock sb = vol->superblock();
+  tv.vol.reset();
+  std::vector<uint8_t> blk(kBlockSize);
+  REQUIRE(tv.dev.Read((sb.inode_start + ino - 1) * kBlockSize, blk.data(), kBlockSize).ok());
+  auto in = DecodeInode(blk.data(), sb.uuid, sb.inode_start + ino - 1);
+  REQUIRE(in.ok());
+  REQUIRE(in->depth >= 2);
+  // The root, resealed one level lower.
+  REQUIRE(tv.dev.Read(in->root * kBlockSize, blk.data(), kBlockSize).ok());
+  BlockHeader h = PeekHeader(blk.data());
+  REQUIRE(h.flags == in->depth);
+  h.flags = in->depth - 1;
+  SealBlock(blk.data(), h, sb.uuid);
+  REQUIRE(tv.dev.Write(in->root * kBlockSize, blk.data(), kBlockSize).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  auto reopened = Volume::Open(&tv.dev, oo);
+  REQUIRE(reopened.ok());
+  auto f = (*reopened)->OpenFile("thin");
+  REQUIRE(f.ok());
+  auto usage = (*f)->Usage();
+  CHECK(usage.status().code() == Status::Code::kCorruption);
+  Status trim = (*f)->Trim(0, ThinVolume::kSize);
+  INFO("trim: " << trim.ToString());
+  CHECK(trim.code() == Status::Code::kCorruption);
+  CHECK((*reopened)->Stats().status().code() == Status::Code::kCorruption);
+}
+
 TEST_CASE("volume: a write whose new blocks scatter over many refcount blocks, on the "
           "smallest journal",
           "[volume]") {
