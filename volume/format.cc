@@ -509,8 +509,8 @@ Result<std::vector<uint64_t>> DecodeDropListBlock(const uint8_t* blk, const Supe
     out.push_back(a);
   }
   // A newer minor may use the bytes after the entries.
-  for (uint32_t i = kHeaderSize + 8 + n * 8;
-       i < kBlockSize && PeekHeader(blk).minor <= kFormatMinor; i++) {
+  const bool tail_is_ours = PeekHeader(blk).minor <= kFormatMinor;
+  for (uint32_t i = kHeaderSize + 8 + n * 8; tail_is_ours && i < kBlockSize; i++) {
     if (blk[i] != 0) {
       return Status::Corruption(where + ": nonzero bytes after entry " + std::to_string(n));
     }

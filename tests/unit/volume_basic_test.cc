@@ -1090,21 +1090,23 @@ TEST_CASE("volume: a data pointer that names metadata is refused, not read or wr
   }
 }
 
+// Formats `dev` with the defaults and returns the superblock an open reads.
+static Superblock FormattedSuperblock(MemDevice* dev) {
+  REQUIRE(FormatVolume(dev, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  auto vol = Volume::Open(dev, oo);
+  REQUIRE(vol.ok());
+  return vol.value()->superblock();
+}
+
 // Replay wrote every image of a valid transaction to its home without
 // looking at either: a forged or misdirected transaction (a buggy or
 // hostile host's journal) could overwrite a superblock copy, the lease
 // area or another host's journal.
 TEST_CASE("journal: replay refuses an image that does not belong at its home", "[volume]") {
   MemDevice dev(64 << 20);
-  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
-  Superblock sb;
-  {
-    OpenOptions oo;
-    oo.locks = TempLocks();
-    auto vol = Volume::Open(&dev, oo);
-    REQUIRE(vol.ok());
-    sb = vol.value()->superblock();
-  }
+  const Superblock sb = FormattedSuperblock(&dev);
   auto sealed = [&](uint32_t magic, uint64_t addr) {
     std::vector<uint8_t> b(kBlockSize, 0);
     SealBlock(b.data(), BlockHeader{magic, kFormatMajor, kFormatMinor, 0, 7, addr}, sb.uuid);
@@ -1167,15 +1169,7 @@ TEST_CASE("journal: replay refuses an image that does not belong at its home", "
 TEST_CASE("journal: a transaction or header of a newer format stops replay, not ends the log",
           "[volume]") {
   MemDevice dev(64 << 20);
-  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
-  Superblock sb;
-  {
-    OpenOptions oo;
-    oo.locks = TempLocks();
-    auto vol = Volume::Open(&dev, oo);
-    REQUIRE(vol.ok());
-    sb = vol.value()->superblock();
-  }
+  const Superblock sb = FormattedSuperblock(&dev);
   const uint64_t home = sb.inode_start + 5;
   std::vector<uint8_t> image(kBlockSize, 0);
   SealBlock(image.data(), BlockHeader{kMagicInode, kFormatMajor, kFormatMinor, 0, 7, home},
