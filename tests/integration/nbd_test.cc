@@ -518,6 +518,31 @@ TEST_CASE("qemu-io aligned and unaligned writes and write-zeroes and discards wi
   ProcessResult table = RunOk({BinaryPath("dede"), "ls", "-l", tv.vol});
   REQUIRE(table.out.find("LOGGED") != std::string::npos);
   REQUIRE(table.out.find(" " + std::to_string(log1.records.size()) + " ") != std::string::npos);
+  // A log describing more than --max-log-records blocks is not counted in
+  // full (bounded memory for the log of a big disk): '>N', JSON null.
+  REQUIRE(log1.records.size() > 2);
+  ProcessResult bounded =
+      RunOk({BinaryPath("dede"), "ls", "-l", "--json", "--max-log-records", "2", tv.vol});
+  int bounded_seen = 0;
+  for (const auto& f : nlohmann::json::parse(bounded.out)) {
+    INFO(f.dump());
+    if (f["name"] == "vm1") {
+      CHECK(f["log_records"].is_null());
+      CHECK(f["log_records_over"] == 2);
+      bounded_seen++;
+    }
+    if (f["name"] == "optout") CHECK(f["log_records"] == 0);
+  }
+  CHECK(bounded_seen == 1);
+  table = RunOk({BinaryPath("dede"), "ls", "-l", "--max-log-records", "2", tv.vol});
+  CHECK(table.out.find(" >2 ") != std::string::npos);
+  for (const char* bad : {"0", "-1", "x", "99999999999999999999"}) {
+    ProcessResult r =
+        RunProcess({BinaryPath("dede"), "ls", "-l", "--max-log-records", bad, tv.vol});
+    INFO(bad << ": " << r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("--max-log-records") != std::string::npos);
+  }
   ProcessResult all = RunOk({BinaryPath("dede"), "ls", "--all", tv.vol});
   REQUIRE(all.out.find(WriteLogName(log1.owner)) != std::string::npos);
   // rm takes the file's log with it.

@@ -1,16 +1,18 @@
 // File commands: create, ls, rm, set.
 #include <sys/stat.h>
+
 #include <algorithm>
 #include <iostream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
 
+#include "agent/control_server.h"
 #include "kmod/writemon/write_log.h"
 #include "merge/merge_request.h"
-#include "agent/control_server.h"
 #include "tools/dede/cli.h"
 #include "util/clock.h"
+#include "util/units.h"
 #include "volume/format.h"
 #include "volume/volume.h"
 
@@ -70,11 +72,19 @@ struct Listing {
   enum class LogState { kNone, kRead, kBusy } log = LogState::kNone;
   uint64_t log_records = 0;  // distinct blocks with a fingerprint
   bool log_saturated = false;  // at its size limit: the whole file counts as changed
+  bool log_over_limit = false;  // more than --max-log-records: not counted further
   WriteLogScanStats log_stats;
 };
 
-// Replays the write log of `info` (if any) into `l`.
-Status ReadPendingLog(Volume* vol, const FileInfo& info, Listing* l) {
+// `ls -l` reads each write log within this many records and ranges at once
+// (about 100 MiB): a one-off command should not need gigabytes for the log
+// of a big disk.
+constexpr uint64_t kLsMaxLogRecords = uint64_t{1} << 20;
+
+// Replays the write log of `info` (if any) into `l`, holding at most
+// `max_entries` of its records and ranges in memory (the log of a big disk
+// can describe hundreds of millions of blocks).
+Status ReadPendingLog(Volume* vol, const FileInfo& info, size_t max_entries, Listing* l) {
   auto log = OpenWriteLog(vol, info.id);
   if (!log.ok()) {
     if (log.status().code() == Status::Code::kNotFound) return Status::Ok();
@@ -85,10 +95,12 @@ Status ReadPendingLog(Volume* vol, const FileInfo& info, Listing* l) {
     return log.status();
   }
   const Superblock& sb = vol->superblock();
-  ASSIGN_OR_RETURN(WriteLogState state, ReplayWriteLog(log->get(), sb.hash_algo, sb.uuid, info.id));
+  ASSIGN_OR_RETURN(WriteLogState state,
+                   ReplayWriteLog(log->get(), sb.hash_algo, sb.uuid, info.id, max_entries));
   l->log = Listing::LogState::kRead;
   l->log_records = state.records.size();
   l->log_saturated = state.saturated;
+  l->log_over_limit = state.over_budget;
   l->log_stats = state.stats;
   return Status::Ok();
 }
@@ -122,7 +134,10 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
                    "per file: kind, size, allocated, saved, blocks (unique, shared), "
                    "dedup, pending write-log records")(
       "all,a", po::bool_switch(), "also list dede's internal files (write logs...)")(
-      "json", po::bool_switch(), "print a JSON array");
+      "max-log-records", po::value<std::string>()->value_name("N"),
+      "-l: hold at most N of a write log's records in memory, about 100 bytes each "
+      "(default 1048576); a log describing more shows '>N'")("json", po::bool_switch(),
+                                                             "print a JSON array");
   parser.SetDetails(
       "allocated: mapped blocks x 4 KiB. saved: what sharing saves, each shared\n"
       "block's 4 KiB split among its references (the dedup index's arena holds\n"
@@ -138,9 +153,19 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
       "next dedup pass (a running dedupd also buffers some in memory); '!' after\n"
       "it: records were dropped under load, the next pass verifies everything.\n"
       "'all!': the log reached its size limit (dedupd --write-log-limit); the\n"
-      "next pass reads and hashes the whole file.");
+      "next pass reads and hashes the whole file. '>N': the log describes more\n"
+      "than --max-log-records blocks (JSON: log_records null, log_records_over N).");
   if (auto rc = parser.Parse(args)) return *rc;
   const bool long_form = parser.flag("long");
+  uint64_t max_log_records = kLsMaxLogRecords;
+  if (auto v = parser.value("max-log-records")) {
+    std::optional<uint64_t> n = ParseUnsigned(*v);
+    if (!n || *n == 0 || *n > (uint64_t{1} << 40)) {
+      return UsageError(
+          cmd, "--max-log-records must be a whole number from 1 to 2^40, not '" + *v + "'");
+    }
+    max_log_records = *n;
+  }
 
   auto opened = OpenVolume(parser.positional(0), /*read_only=*/true);
   if (!opened.ok()) return Fail(cmd, opened.status());
@@ -156,7 +181,7 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
     Listing l;
     l.info = info;
     if (long_form && info.kind == FileKind::kRegular) {
-      Status st = ReadPendingLog(vol, info, &l);
+      Status st = ReadPendingLog(vol, info, static_cast<size_t>(max_log_records), &l);
       if (!st.ok()) return Fail(cmd, st.WithContext("write log of '" + info.name + "'"));
     }
     if (long_form) {
@@ -205,7 +230,10 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
           j["saved_bytes"] = nullptr;
           j["metadata_blocks"] = nullptr;
         }
-        if (l.log == Listing::LogState::kRead) {
+        if (l.log == Listing::LogState::kRead && l.log_over_limit) {
+          j["log_records"] = nullptr;
+          j["log_records_over"] = max_log_records;
+        } else if (l.log == Listing::LogState::kRead) {
           j["log_records"] = l.log_records;
           j["log_dropped_records"] = l.log_stats.dropped_records;
           j["log_corrupt_frames"] = l.log_stats.corrupt_frames;
@@ -246,9 +274,10 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
       case Listing::LogState::kNone: row.push_back(l.info.kind == FileKind::kRegular ? "0" : "-"); break;
       case Listing::LogState::kBusy: row.push_back("busy"); break;
       case Listing::LogState::kRead:
-        row.push_back(l.log_saturated ? std::string("all!")
-                                      : std::to_string(l.log_records) +
-                                            (l.log_stats.dropped_records ? "!" : ""));
+        row.push_back(l.log_saturated    ? std::string("all!")
+                      : l.log_over_limit ? ">" + std::to_string(max_log_records)
+                                         : std::to_string(l.log_records) +
+                                               (l.log_stats.dropped_records ? "!" : ""));
         break;
     }
     row.push_back(l.info.name + (l.in_use ? "  (in use)" : ""));
