@@ -994,7 +994,24 @@ TEST_CASE("clients waiting to open a disk held elsewhere hold up no other disk's
     RawClient::Put16(&d, 0);
     waiting.back()->SendOption(7, d);  // NBD_OPT_GO; the reply comes after the wait
   }
-  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  // All three are waiting (each logs its wait once) before the other disk
+  // is opened.
+  const std::string wait_line = "export 'busy' is held elsewhere: waiting up to 6 s";
+  auto waits_logged = [&] {
+    const std::string log = b.Log();
+    int n = 0;
+    for (size_t at = log.find(wait_line); at != std::string::npos;
+         at = log.find(wait_line, at + 1)) {
+      n++;
+    }
+    return n;
+  };
+  const auto logged_by = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (waits_logged() < 3 && std::chrono::steady_clock::now() < logged_by) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  INFO(b.Log());
+  REQUIRE(waits_logged() == 3);
   const auto t0 = std::chrono::steady_clock::now();
   RawClient c(sock2);
   REQUIRE(c.Hello());
