@@ -831,6 +831,27 @@ TEST_CASE("volume drops: a failed drop after a copy's pointer is published never
   CHECK(got == r.x);
 }
 
+namespace {
+
+// Forwards to a lock manager and notes when a try for `watched` finds it
+// held elsewhere (its holder is waiting for it).
+class NotesLockedTry : public test::ForwardingLocks {
+ public:
+  NotesLockedTry(std::shared_ptr<LockManager> base, LockId watched)
+      : ForwardingLocks(std::move(base)), watched_(watched) {}
+  Status Acquire(LockId id, LockMode mode, bool wait) override {
+    Status st = ForwardingLocks::Acquire(id, mode, wait);
+    if (id == watched_ && st.code() == Status::Code::kLocked) found_locked = true;
+    return st;
+  }
+  std::atomic<bool> found_locked{false};
+
+ private:
+  const LockId watched_;
+};
+
+}  // namespace
+
 TEST_CASE("volume: a dead slot's journal is not replayed once a new owner has taken the slot",
           "[volume][drops][crash]") {
   // Host 3's scan sees host 2's slot free with transactions and waits for
@@ -868,12 +889,18 @@ TEST_CASE("volume: a dead slot's journal is not replayed once a new owner has ta
   // "Host 2 coming back" holds kRecovery(2) while host 3 starts.
   REQUIRE(r.holder->Acquire(rec2, LockMode::kExclusive, false).ok());
   Status came_back;  // Catch's assertions are for the test's own thread
+  auto lm3 = std::make_shared<NotesLockedTry>(r.NewLocks(), rec2);
+  bool host3_waited = false;
   std::thread back([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    // Host 2 comes back only once host 3 waits for kRecovery(2).
+    const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(20);
+    while (!lm3->found_locked && std::chrono::steady_clock::now() < until) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+    }
+    host3_waited = lm3->found_locked;
     came_back = r.holder->Acquire(slot2, LockMode::kExclusive, false);
     if (came_back.ok()) came_back = r.holder->Release(rec2);
   });
-  std::shared_ptr<LockManager> lm3 = r.NewLocks();
   OpenOptions oo;
   oo.host_id = 3;
   oo.locks = lm3;
@@ -881,6 +908,7 @@ TEST_CASE("volume: a dead slot's journal is not replayed once a new owner has ta
   auto v3 = Volume::Open(&r.base, oo);
   Status created = v3.ok() ? v3.value()->Create("c", 1 << 20).status() : v3.status();
   back.join();
+  REQUIRE(host3_waited);
   INFO("host 2 coming back: " << came_back.ToString());
   REQUIRE(came_back.ok());
   INFO("host 3 opening and creating a file (so that its scan ran): " << created.ToString());
