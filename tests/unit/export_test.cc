@@ -533,8 +533,15 @@ TEST_CASE("export: a close waiting for its write log holds up no other export's 
   std::unique_ptr<Volume> other = t.OpenAs(2);
   auto held = OpenWriteLog(other.get(), id);
   REQUIRE(held.ok());
+  const uint64_t deferred_before = t.flusher->stats().deferred;
   std::thread closer([&] { t.table->Release(ex); });
-  std::this_thread::sleep_for(200ms);  // the close is waiting for the log
+  // The close is waiting for the log once its flush has been put back.
+  const auto until = std::chrono::steady_clock::now() + 10s;
+  while (t.flusher->stats().deferred == deferred_before &&
+         std::chrono::steady_clock::now() < until) {
+    std::this_thread::sleep_for(5ms);
+  }
+  CHECK(t.flusher->stats().deferred > deferred_before);  // (REQUIRE would leave closer joinable)
   const auto t0 = std::chrono::steady_clock::now();
   auto e2 = t.table->Acquire("vm2");
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
