@@ -474,6 +474,18 @@ Status VolumeImpl::Start(uint32_t host_id) {
       st = LoadDropList();
     }
     (void)locks_->Release(rec);
+    if (st.code() == Status::Code::kCorruption && journal_) {
+      // A host that adopted drops from this slot (AdoptDropsOf, step one)
+      // and died writing the list's home block left it torn, its good
+      // image committed in that host's journal: replay dead hosts'
+      // journals, then read the list again. (Not with kRecovery(host_)
+      // held: two hosts starting at once would each wait for the other's.)
+      const Status first = st;
+      RETURN_IF_ERROR(RecoverDeadHosts().WithContext(first.message()));
+      RETURN_IF_ERROR(TakeRecoveryLock(rec, LockMode::kExclusive));
+      st = LoadDropList();
+      (void)locks_->Release(rec);
+    }
     RETURN_IF_ERROR(st);
   }
   RETURN_IF_ERROR(RecoverDeadHosts());

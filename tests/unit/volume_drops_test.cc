@@ -1477,3 +1477,38 @@ TEST_CASE(
   INFO("fsck:" << problems);
   CHECK(problems.empty());
 }
+
+TEST_CASE("volume: a slot's drop list torn by a dead adopter is read after its journal's replay",
+          "[volume][drops][crash]") {
+  // Host 2 adopted drops from host 3's free slot (AdoptDropsOf, step one:
+  // host 3's shortened list committed in host 2's journal) and died while
+  // writing the list's home block. Host 3's open read its list before
+  // replaying dead hosts' journals and failed on the torn block, every
+  // time, until some other host replayed host 2's journal.
+  Rig r;
+  const Superblock sb = r.v1->superblock();
+  REQUIRE(sb.drop_blocks > 0);
+  const uint64_t home = sb.DropListStart(3);
+  std::vector<uint8_t> image(kBlockSize);
+  EncodeDropListBlock({}, 3, 9, sb.uuid, home, image.data());
+  {
+    auto j = Journal::Open(&r.base, sb, 2);
+    REQUIRE(j.ok());
+    REQUIRE(j.value()->Append({home}, {image.data()}).ok());
+  }
+  std::vector<uint8_t> torn(kBlockSize);
+  REQUIRE(r.base.Read(home * kBlockSize, torn.data(), kBlockSize).ok());
+  for (size_t i = 0; i < kBlockSize / 2; i++) torn[i] = static_cast<uint8_t>(0xA5 ^ i);
+  REQUIRE(r.base.Write(home * kBlockSize, torn.data(), kBlockSize).ok());
+  r.v1.reset();
+
+  auto v3 = r.TryOpen(&r.base, 3, r.NewLocks());
+  INFO(v3.status().ToString());
+  REQUIRE(v3.ok());
+  std::vector<uint8_t> now(kBlockSize);
+  REQUIRE(r.base.Read(home * kBlockSize, now.data(), kBlockSize).ok());
+  CHECK(now == image);
+  std::string problems = test::FsckProblems(v3.value().get());
+  INFO("fsck:" << problems);
+  CHECK(problems.empty());
+}
