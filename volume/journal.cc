@@ -187,6 +187,7 @@ Result<uint64_t> Journal::Replay() {
     RETURN_IF_ERROR(dev_->Flush());
     RETURN_IF_ERROR(Checkpoint());
     RETURN_IF_ERROR(dev_->Flush());
+    RETURN_IF_ERROR(MirrorHeader());
   }
   return count;
 }
@@ -270,6 +271,10 @@ Status Journal::Checkpoint() {
   tail_seq_ = head_seq_;
   tail_pos_ = head_pos_;
   used_ = 0;
+  return WriteHeader();
+}
+
+Status Journal::MirrorHeader() {
   return WriteHeader();
 }
 

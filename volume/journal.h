@@ -52,6 +52,14 @@ class Journal {
   // the tail to the head (writes a header slot; the caller flushes).
   Status Checkpoint();
 
+  // After the flush that made Checkpoint's header durable: writes the same
+  // tail to the other header slot too (the next seq), so that damage to
+  // either slot alone cannot send a replay back to the older tail, over
+  // home blocks other hosts have changed since. Not flushed (durable with
+  // the device's next flush, which comes before the next header write); a
+  // torn mirror leaves the header it copies intact.
+  Status MirrorHeader();
+
   uint64_t ring_blocks() const { return ring_; }
   uint64_t used_blocks() const { return used_; }
   uint64_t free_blocks() const { return ring_ - used_; }

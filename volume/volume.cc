@@ -900,6 +900,7 @@ Status VolumeImpl::Checkpoint() {
   RETURN_IF_ERROR(Poison(dev_->Flush()));
   RETURN_IF_ERROR(Poison(journal_->Checkpoint()));
   RETURN_IF_ERROR(Poison(dev_->Flush()));
+  RETURN_IF_ERROR(Poison(journal_->MirrorHeader()));
   dirty_.clear();
   if (!pending_free_.empty()) {  // freed blocks are usable now
     full_groups_.clear();
