@@ -748,10 +748,25 @@ class SanlockImpl : public SanlockLockManager {
   Result<bool> HolderLive(const LockRecord& r) {
     if (r.generation == kDeadProcessGeneration) return false;
     ASSIGN_OR_RETURN(sanlk_host h, HostInfo(r.host));
-    uint32_t state = h.flags & SANLK_HOST_MASK;
-    if (state == SANLK_HOST_FREE || state == SANLK_HOST_DEAD) return false;
-    if (h.generation > r.generation) return false;
-    return true;  // LIVE, FAIL (may still be writing), UNKNOWN (not watched long enough)
+    LeaseHostState state = LeaseHostState::kUnknown;
+    switch (h.flags & SANLK_HOST_MASK) {
+      case SANLK_HOST_FREE:
+        state = LeaseHostState::kFree;
+        break;
+      case SANLK_HOST_LIVE:
+        state = LeaseHostState::kLive;
+        break;
+      case SANLK_HOST_FAIL:
+        state = LeaseHostState::kFail;
+        break;
+      case SANLK_HOST_DEAD:
+        state = LeaseHostState::kDead;
+        break;
+      default:
+        state = LeaseHostState::kUnknown;
+        break;
+    }
+    return RecordHolderLive(r.generation, state, h.generation);
   }
 
   // kLocked unless this process is the only one, on any host, that has
@@ -1074,6 +1089,12 @@ class SanlockImpl : public SanlockLockManager {
 };
 
 }  // namespace
+
+bool RecordHolderLive(uint64_t record_generation, LeaseHostState state, uint64_t host_generation) {
+  if (host_generation > record_generation) return false;
+  if (record_generation > host_generation) return true;
+  return state != LeaseHostState::kFree && state != LeaseHostState::kDead;
+}
 
 std::string SanlockLockspaceName(const Uuid& uuid) {
   static const char* kHex = "0123456789abcdef";

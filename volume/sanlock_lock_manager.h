@@ -69,6 +69,22 @@ inline constexpr uint32_t kMaxLeaseIoTimeoutS = 300;
 
 std::string SanlockLockspaceName(const Uuid& uuid);
 
+// What this host's sanlock daemon last knew of another host (sanlock's
+// SANLK_HOST_* states, and the generation it last read in its delta lease).
+enum class LeaseHostState { kLive, kFail, kUnknown, kFree, kDead };
+
+// Whether the holder of a lock-table record (written by that host while it
+// had joined with `record_generation`) may still hold it, given our
+// daemon's view of its host. A newer generation in our view: the host has
+// re-joined since, the record is stale. A newer generation in the record:
+// the host joined after our daemon last read its lease (it reads them at
+// its renewals, 2 io_timeouts and more apart), so a FREE or DEAD there is
+// out of date, and the record live (taken as stale, a just-started host's
+// slot could be taken by another process, its drop list adopted while it
+// holds it). Otherwise FREE or DEAD: stale; LIVE, FAIL (may still be
+// writing) or UNKNOWN (not watched long enough): live.
+bool RecordHolderLive(uint64_t record_generation, LeaseHostState state, uint64_t host_generation);
+
 // The host ids whose sanlock delta lease in `sb`'s lockspace (read through
 // `dev`) is renewed while we watch: the leases are read, `sleep` is called
 // for the longest a healthy renewal may take of the slowest member (4

@@ -178,3 +178,29 @@ TEST_CASE("lock table: a torn block is read again, a lasting one is reported", "
     CHECK(dev.reads == 3);  // torn, whole, whole again
   }
 }
+
+// The staleness rule for another host's lock record (LOCKING.md, Acquire).
+// A host that has just joined (or re-joined) looks FREE or DEAD to the
+// other hosts' daemons until their next renewal reads its lease (up to
+// about 2 io_timeouts later): its fresh records, which carry the new
+// generation, were taken as stale, so another process could take its host
+// slot or adopt the drop list it holds.
+TEST_CASE("sanlock: a record newer than our daemon's view of its host is live", "[sanlock]") {
+  using S = LeaseHostState;
+  // Our view is current (same generation): the state decides.
+  CHECK(RecordHolderLive(5, S::kLive, 5));
+  CHECK(RecordHolderLive(5, S::kFail, 5));
+  CHECK(RecordHolderLive(5, S::kUnknown, 5));
+  CHECK_FALSE(RecordHolderLive(5, S::kFree, 5));
+  CHECK_FALSE(RecordHolderLive(5, S::kDead, 5));
+  // The host re-joined since the record was written: stale, whatever state.
+  for (S s : {S::kLive, S::kFail, S::kUnknown, S::kFree, S::kDead}) {
+    CHECK_FALSE(RecordHolderLive(4, s, 5));
+  }
+  // The record is newer than our view (the host joined after our daemon
+  // last read its lease; never read: generation 0): live, whatever state.
+  for (S s : {S::kLive, S::kFail, S::kUnknown, S::kFree, S::kDead}) {
+    CHECK(RecordHolderLive(6, s, 5));
+    CHECK(RecordHolderLive(1, s, 0));
+  }
+}
