@@ -238,6 +238,7 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
   cache_.clear();  // everything is at home now; read the device afresh
 
   std::vector<LockId> inode_locks;
+  std::vector<LockId> recovery_locks;  // other slots' kRecovery (below)
   auto release_inodes = [&]() NO_THREAD_SAFETY_ANALYSIS {
     // Checkpoint before release (LOCKING.md rule 1), also when fsck stops
     // early (a newer block, a read error) after repairs began: they may be
@@ -255,6 +256,9 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
       DropCache(id);
       (void)locks_->Release(id);
     }
+    for (const LockId& id : recovery_locks) (void)locks_->Release(id);
+    inode_locks.clear();
+    recovery_locks.clear();
   };
   struct InodeLocksGuard {
     std::function<void()> f;
@@ -335,6 +339,19 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     }
   }
 
+  // ---- every other slot's kRecovery, held from here until the counts
+  // are compared: a live host adopting a free slot's drops
+  // (AdoptDropsOf) needs no group lock, only that one, and between its two
+  // steps the entries are in no list on disk (step one home, step two in
+  // its journal only): read then, and with its journal read as empty just
+  // before, the counts would be lowered under its later drains.
+  for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
+    if (h == host_) continue;
+    const LockId rec{LockKind::kRecovery, h};
+    RETURN_IF_ERROR(TakeRecoveryLock(rec, LockMode::kExclusive));
+    recovery_locks.push_back(rec);
+  }
+
   // ---- journals: after recovery and our checkpoint, all must be empty.
   // Hosts whose journal is not: alive (the dead ones' were replayed at
   // open), their newest drop list maybe only there.
@@ -344,20 +361,16 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     if (!j.ok()) {
       bool fixed = false;
       std::string said = j.status().message();
-      if (repair) {
-        // Only a free slot's, under its kRecovery (Journal::Reset): a live
+      if (repair && h == host_) {
+        said += "; not repaired: it is this process's own journal";
+      } else if (repair) {
+        // Only a free slot's, under its kRecovery (held, above): a live
         // owner's ring holds transactions not yet home.
-        const LockId rec{LockKind::kRecovery, h};
-        Status got = locks_->Acquire(rec, LockMode::kExclusive, false);
-        Result<bool> live =
-            got.ok() ? locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}) : Result<bool>(got);
+        Result<bool> live = locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h});
         if (live.ok() && !*live) {
-          Status reset = Poison(Journal::Reset(dev_, sb_, h));
-          (void)locks_->Release(rec);
-          RETURN_IF_ERROR(reset);
+          RETURN_IF_ERROR(Poison(Journal::Reset(dev_, sb_, h)));
           fixed = true;
         } else {
-          if (got.ok()) (void)locks_->Release(rec);
           said += "; not repaired: the slot is in use (" +
                   (live.ok() ? std::string("its host is alive") : live.status().message()) + ")";
         }
@@ -372,6 +385,16 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
               "holds transactions that were not replayed (is that host alive?)");
       unreplayed_hosts.push_back(h);
     }
+  }
+
+  // Why a count found too high by what is on disk may be right after all
+  // (empty: none): lowered, a live host's later drops would take it below
+  // the references, freeing a block still mapped. Left as stored (too
+  // high at worst: a leak), for a later fsck to repair.
+  std::string keep_reason;
+  if (!unreplayed_hosts.empty()) {
+    keep_reason = "host " + std::to_string(unreplayed_hosts.front()) +
+                  "'s journal holds transactions, and its pending drops may be there";
   }
 
   // ---- inodes and block maps: recount references.
@@ -568,13 +591,21 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
         // Cleared, its entries are lost: the recount below then finds
         // their blocks' counts too high, and repair lowers them.
         bool fixed = false;
-        if (repair && h != host_) {
-          ASSIGN_OR_RETURN(bool alive, locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}));
-          if (!alive) {
-            EncodeDropListBlock({}, h, PeekHeader(buf.get()).seq + 1, sb_.uuid, addr, buf.get());
-            RETURN_IF_ERROR(Poison(dev_->Write(addr * kBlockSize, buf.get(), kBlockSize)));
-            fixed = true;
+        ASSIGN_OR_RETURN(bool alive, h == host_
+                                         ? Result<bool>(true)
+                                         : locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}));
+        if (alive) {
+          // Its entries are in its memory (its list blocks stay cached):
+          // it drains them later, counts lowered now would go too low.
+          if (keep_reason.empty()) {
+            keep_reason = "host " + std::to_string(h) +
+                          " is alive and its drop list could not be read; its pending drops are "
+                          "in its memory";
           }
+        } else if (repair) {
+          EncodeDropListBlock({}, h, PeekHeader(buf.get()).seq + 1, sb_.uuid, addr, buf.get());
+          RETURN_IF_ERROR(Poison(dev_->Write(addr * kBlockSize, buf.get(), kBlockSize)));
+          fixed = true;
         }
         problem("drop list of host " + std::to_string(h) + " block " + std::to_string(addr),
                 e.status().message() + (fixed ? " (cleared)" : ""), fixed);
@@ -599,9 +630,14 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
       bool rewrite = false;
       std::vector<bool> kept(kRefsPerBlock, false);  // slots left as stored
       if (!st.ok()) {
+        // Rebuilt from the recount, its counts would be what is on disk,
+        // too low by the pending drops keep_reason names.
+        const bool hold = !keep_reason.empty();
         problem("refcount block " + std::to_string(rb) + " of group " + std::to_string(g),
-                st.message() + " (rebuilt from the block maps)", repair);
-        rewrite = true;
+                st.message() + (hold ? " (not rebuilt: " + keep_reason + ")"
+                                     : " (rebuilt from the block maps)"),
+                repair && !hold);
+        rewrite = !hold;
       }
       uint64_t n = std::min<uint64_t>(kRefsPerBlock, count - uint64_t{r} * kRefsPerBlock);
       for (uint32_t s = 0; s < n && st.ok(); s++) {
@@ -617,10 +653,9 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
           // later drops would take the count to zero under a mapped block.
           // Left as stored (too high at worst: a leak); a later fsck, once
           // that host has checkpointed (or stopped), repairs it.
-          const bool keep = stored > found && !unreplayed_hosts.empty();
+          const bool keep = stored > found && !keep_reason.empty();
           if (keep) {
-            what += " (not lowered: host " + std::to_string(unreplayed_hosts.front()) +
-                    "'s journal holds transactions, and its pending drops may be there)";
+            what += " (not lowered: " + keep_reason + ")";
             kept[s] = true;
           }
           if (found == 0) {

@@ -648,6 +648,9 @@ Status VolumeImpl::AdoptOrphanDrops() {
     size_t entries = 0;
     for (const auto& blk : look.value()) entries += blk.size();
     if (entries == 0) continue;
+    // fsck (--repair) opens past damaged journals to reset them; adopting
+    // would replay this one first, and fail the open.
+    if (pass_damaged_journals_ && DamagedJournal(h)) continue;
     // Busy means the slot's owner is starting or someone else is replaying
     // or adopting it: try again at a later flush point.
     const LockId rec{LockKind::kRecovery, h};

@@ -1512,3 +1512,208 @@ TEST_CASE("volume: a slot's drop list torn by a dead adopter is read after its j
   INFO("fsck:" << problems);
   CHECK(problems.empty());
 }
+
+TEST_CASE("volume drops: fsck --repair does not lower counts for a live host's unreadable list",
+          "[volume][drops][fsck]") {
+  // Host 2 is alive with pending drops, its journal checkpointed, and one
+  // of its list blocks damaged on disk. fsck skipped the block's entries,
+  // found nothing in any journal, and lowered the counts; host 2 (its list
+  // in memory) later drained them below the blocks' references.
+  Rig r;
+  r.HoldGroupZero();
+  auto v2 = r.OpenAs(&r.base, 2, r.lm2);
+  r.CowBreakOn(v2.get());
+  REQUIRE(Pending(v2.get()) == kShared);
+  // Host 2 hands back what it cached (checkpointing its journal first).
+  const Superblock sb = v2->superblock();
+  for (uint64_t g = 0; g < sb.group_count; g++) {
+    REQUIRE(r.holder->Acquire(WantedGroup(g), LockMode::kShared, false).ok());
+  }
+  REQUIRE(v2->Sync().ok());
+  for (uint64_t g = 0; g < sb.group_count; g++) {
+    REQUIRE(r.holder->Release(WantedGroup(g)).ok());
+  }
+  r.LetGo();
+  std::vector<uint8_t> blk(kBlockSize);
+  const uint64_t list = sb.DropListStart(2);
+  REQUIRE(r.base.Read(list * kBlockSize, blk.data(), kBlockSize).ok());
+  blk[100] ^= 0x01;
+  REQUIRE(r.base.Write(list * kBlockSize, blk.data(), kBlockSize).ok());
+
+  Result<FsckReport> rep = CheckVolume(r.v1.get(), /*repair=*/true);
+  REQUIRE(rep.ok());
+  bool list_reported = false;
+  for (const FsckProblem& p : rep->problems) {
+    INFO(p.where << ": " << p.what);
+    if (p.what.find("references found") != std::string::npos) CHECK_FALSE(p.repaired);
+    list_reported = list_reported || p.where.find("drop list of host 2") != std::string::npos;
+  }
+  CHECK(list_reported);
+  for (int round = 0; round < 4 && Pending(v2.get()) > 0; round++) {
+    r.clock.Advance(61'000'000'000);
+    REQUIRE(v2->Sync().ok());
+  }
+  CHECK(Pending(v2.get()) == 0);
+  v2.reset();  // fsck wants the volume to itself
+  RequireOnlyLeaks(r.v1.get());
+}
+
+TEST_CASE(
+    "volume drops: fsck --repair does not rebuild a damaged refcount block while drops "
+    "may be pending in a journal",
+    "[volume][drops][fsck]") {
+  // As "fsck --repair does not lower counts while a live host's journal
+  // holds transactions", with group 0's refcount block damaged: the
+  // rebuild set every count to what the disk showed, below the drops host
+  // 3 had adopted into its journal, which it then applied.
+  Rig r;
+  r.HoldGroupZero();
+  FaultDevice d2(&r.base);
+  auto v2 = r.OpenAs(&d2, 2, r.lm2);
+  r.CowBreakOn(v2.get());
+  r.KillHost2(&d2, &v2);
+  r.LetGo();
+  auto v3 = r.OpenAs(&r.base, 3, r.NewLocks());  // adopts host 2's drops, then idles
+  REQUIRE(v3->drop_counters().adopted == kShared);
+  const Superblock sb = v3->superblock();
+  r.v1.reset();
+  std::vector<uint8_t> blk(kBlockSize);
+  const uint64_t rb = sb.GroupStart(0);
+  REQUIRE(r.base.Read(rb * kBlockSize, blk.data(), kBlockSize).ok());
+  std::vector<uint8_t> good = blk;
+  blk[300] ^= 0x10;
+  REQUIRE(r.base.Write(rb * kBlockSize, blk.data(), kBlockSize).ok());
+  {
+    auto v4 = r.OpenAs(&r.base, 4, r.NewLocks());
+    Result<FsckReport> rep = CheckVolume(v4.get(), /*repair=*/true);
+    REQUIRE(rep.ok());
+    bool reported = false;
+    for (const FsckProblem& p : rep->problems) {
+      INFO(p.where << ": " << p.what);
+      if (p.where.find("refcount block") != std::string::npos) {
+        reported = true;
+        CHECK_FALSE(p.repaired);
+      }
+    }
+    CHECK(reported);
+  }
+  // Left as it was (damaged); put back as it was before the damage, as a
+  // later repair would once host 3 has checkpointed.
+  std::vector<uint8_t> now(kBlockSize);
+  REQUIRE(r.base.Read(rb * kBlockSize, now.data(), kBlockSize).ok());
+  CHECK(now == blk);
+  REQUIRE(r.base.Write(rb * kBlockSize, good.data(), kBlockSize).ok());
+  for (int round = 0; round < 4 && Pending(v3.get()) > 0; round++) {
+    r.clock.Advance(61'000'000'000);
+    REQUIRE(v3->Sync().ok());
+  }
+  CHECK(Pending(v3.get()) == 0);
+  r.CheckContentsAndFsck(v3.get());
+}
+
+TEST_CASE(
+    "volume drops: fsck --repair opens a volume whose free slot has a damaged journal and "
+    "pending drops",
+    "[volume][drops][fsck]") {
+  // The open adopted the free slot's drops, which replays its journal
+  // first: the damaged journal failed the open, and so the repair meant
+  // to reset that journal.
+  Rig r;
+  r.HoldGroupZero();
+  auto v2 = r.OpenAs(&r.base, 2, r.lm2);
+  r.CowBreakOn(v2.get());
+  const Superblock sb = v2->superblock();
+  v2.reset();  // a clean close: the drops stay in slot 2's list (group 0 held)
+  r.lm2.reset();
+  std::vector<uint8_t> junk(2 * kBlockSize, 0x5a);
+  REQUIRE(r.base.Write(sb.JournalStart(2) * kBlockSize, junk.data(), junk.size()).ok());
+  r.LetGo();
+  r.v1.reset();
+  OpenOptions oo;
+  oo.pass_damaged_journals = true;
+  auto v = r.TryOpen(&r.base, 0, r.NewLocks(), oo);
+  INFO(v.status().ToString());
+  REQUIRE(v.ok());
+  Result<FsckReport> rep = CheckVolume(v.value().get(), /*repair=*/true);
+  REQUIRE(rep.ok());
+  bool reset = false;
+  for (const FsckProblem& p : rep->problems) {
+    INFO(p.where << ": " << p.what);
+    if (p.where == "journal of host 2") reset = p.repaired;
+  }
+  CHECK(reset);
+}
+
+namespace {
+
+// Runs `hook` once, before the first read that starts at block `addr`.
+class ReadHookDevice : public test::ForwardingDevice {
+ public:
+  explicit ReadHookDevice(BlockDevice* base) : ForwardingDevice(base, "read-hook") {}
+  void Arm(uint64_t addr, std::function<void()> hook) {
+    addr_ = addr;
+    hook_ = std::move(hook);
+  }
+  bool fired() const { return fired_; }
+  Status Read(uint64_t offset, void* buf, size_t len) override {
+    if (hook_ && offset == addr_ * kB) {
+      auto h = std::move(hook_);
+      hook_ = nullptr;
+      fired_ = true;
+      h();
+    }
+    return base()->Read(offset, buf, len);
+  }
+
+ private:
+  uint64_t addr_ = 0;
+  std::function<void()> hook_;
+  bool fired_ = false;
+};
+
+}  // namespace
+
+TEST_CASE("volume drops: fsck's recount is not raced by a live host adopting drops",
+          "[volume][drops][fsck]") {
+  // fsck read the journals (host 3's empty), then the lists. Host 3, live
+  // and needing no group lock to adopt, moved slot 2's entries in between:
+  // step one put slot 2's shortened list home, step two put them in host
+  // 3's journal only. fsck saw them in no list, lowered the counts, and
+  // host 3 later applied them below the blocks' references.
+  Rig r;
+  r.HoldGroupZero();
+  auto v2 = r.OpenAs(&r.base, 2, r.lm2);
+  // Hosts 3 and 4 start while slot 2 is live: nothing to adopt yet.
+  auto v3 = r.OpenAs(&r.base, 3, r.NewLocks());
+  ReadHookDevice hook(&r.base);
+  auto v4 = r.OpenAs(&hook, 4, r.NewLocks());
+  r.CowBreakOn(v2.get());
+  const Superblock sb = v2->superblock();
+  v2.reset();  // a clean close: the drops stay in slot 2's list (group 0 held)
+  r.lm2.reset();
+  r.LetGo();
+  r.v1.reset();
+  Status adopted_during_fsck;
+  hook.Arm(sb.DropListStart(2), [&] {
+    r.clock.Advance(61'000'000'000);  // host 3's adoption is due
+    adopted_during_fsck = v3->Sync();
+  });
+  Result<FsckReport> rep = CheckVolume(v4.get(), /*repair=*/true);
+  REQUIRE(rep.ok());
+  REQUIRE(hook.fired());
+  INFO("host 3's flush point during fsck: " << adopted_during_fsck.ToString());
+  for (const FsckProblem& p : rep->problems) {
+    INFO(p.where << ": " << p.what);
+    if (p.what.find("references found") != std::string::npos) CHECK_FALSE(p.repaired);
+  }
+  v4.reset();
+  // Host 3 adopts (now, or at its next due flush point) and applies.
+  for (int round = 0; round < 6 && (v3->drop_counters().adopted == 0 || Pending(v3.get()) > 0);
+       round++) {
+    r.clock.Advance(61'000'000'000);
+    REQUIRE(v3->Sync().ok());
+  }
+  CHECK(v3->drop_counters().adopted == kShared);
+  CHECK(Pending(v3.get()) == 0);
+  r.CheckContentsAndFsck(v3.get());
+}
