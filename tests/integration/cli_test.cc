@@ -308,6 +308,20 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
   const std::string out = dir.file("vm1.out");
   DedeOk({"export", vol, "vm1", out});
   REQUIRE(ReadWholeFile(out) == ReadWholeFile(img));
+  // To standard output, a pipe or a file it was redirected to: the image
+  // alone (the summary goes to stderr; it used to land in the image).
+  {
+    ProcessResult piped = DedeOk({"export", vol, "vm1", "/dev/stdout"});
+    CHECK(piped.out == ReadWholeFile(img));
+    CHECK(piped.err.find("exported 20.0 MiB from 'vm1'") != std::string::npos);
+    const std::string redirected = dir.file("vm1.stdout");
+    ProcessResult sh =
+        RunProcess({"/bin/sh", "-c", "exec \"$0\" export \"$1\" vm1 /dev/stdout > \"$2\"",
+                    BinaryPath("dede"), vol, redirected});
+    INFO(sh.err);
+    REQUIRE(sh.exit_code == 0);
+    CHECK(ReadWholeFile(redirected) == ReadWholeFile(img));
+  }
 
   DedeOk({"create", vol, "empty", "--size", "10M"});
 

@@ -296,6 +296,12 @@ int RunExport(const Command& cmd, const std::vector<std::string>& args) {
   }
   const bool regular = S_ISREG(st_dst.st_mode);
   const bool block_dev = S_ISBLK(st_dst.st_mode);
+  // RAWFILE may be our own standard output (/dev/stdout, /proc/self/fd/1):
+  // the summary then goes to stderr, or it would land in the image (a pipe
+  // gets it appended; a file, reopened at offset 0, over its first bytes).
+  struct stat st_out {};
+  const bool to_stdout = ::fstat(STDOUT_FILENO, &st_out) == 0 && st_out.st_dev == st_dst.st_dev &&
+                         st_out.st_ino == st_dst.st_ino;
   if ((regular || block_dev) && HoldsVolume(spec, dst_path, st_dst, opened->volume->superblock())) {
     return Fail(cmd, dst_path + " holds this volume (uuid " +
                          UuidToString(opened->volume->superblock().uuid) +
@@ -349,14 +355,16 @@ int RunExport(const Command& cmd, const std::vector<std::string>& args) {
   if (st.ok()) st = dst.Close(dst_path);
   progress.Finish();
   if (!st.ok()) {
-    return Fail(cmd, "exporting " + Quoted(name) + " to " + dst_path + ": " + st.message());
+    return Fail(cmd, "exporting " + Quoted(name) + " to " + dst_path + ": " + st.message() +
+                         (regular || block_dev ? " (" + dst_path + " is incomplete)" : ""));
   }
 
   const double secs = progress.elapsed_seconds();
-  std::cout << "exported " << HumanSize(size) << " from " << Quoted(name) << " to " << dst_path
-            << " in " << HumanDuration(secs) << " (" << HumanRate(size, secs) << ")";
-  if (regular) std::cout << ", " << HumanSize(zero_bytes) << " of zero blocks left as holes";
-  std::cout << std::endl;
+  std::ostream& summary = to_stdout ? std::cerr : std::cout;
+  summary << "exported " << HumanSize(size) << " from " << Quoted(name) << " to " << dst_path
+          << " in " << HumanDuration(secs) << " (" << HumanRate(size, secs) << ")";
+  if (regular) summary << ", " << HumanSize(zero_bytes) << " of zero blocks left as holes";
+  summary << std::endl;
   return kExitOk;
 }
 
