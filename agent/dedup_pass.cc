@@ -697,10 +697,16 @@ class Pass {
       const uint64_t first = fi.id == rescan_from_.id ? std::min(rescan_from_.block, whole) : 0;
       Progress("rescanning '" + fi.name + "'");
       uint64_t b = first;
-      bool full = false;
+      bool full = false, stopping = false;
       while (b < whole) {
         if (read_any && records_.size() >= opts_.max_records) {
           full = true;
+          break;
+        }
+        // A big disk takes minutes to read: a stop (Ctrl-C, the window's
+        // end) is seen between runs, not only between files.
+        if (StopAsked()) {
+          stopping = true;
           break;
         }
         const uint64_t n = std::min<uint64_t>(whole - b, 256);
@@ -714,7 +720,7 @@ class Pass {
         Coalesce(&pf->touched);
       }
       RETURN_IF_ERROR(FlushZeroBlocks());
-      if (full) {
+      if (full || stopping) {
         rescan_next_ = RescanCursor{fi.id, b};
         return Status::Ok();
       }
