@@ -451,7 +451,7 @@ Result<json> ControlRequest(const std::string& path, const json& request,
       continue;
     }
     if (err == ENOENT || err == ECONNREFUSED || err == ENOTDIR || err == ENOTSOCK) {
-      return Status::Unavailable("no dedupd at " + path + " (" + std::strerror(err) + ")");
+      return Status::NotFound("no dedupd at " + path + " (" + std::strerror(err) + ")");
     }
     return Status::IoError("cannot connect to dedupd at " + path + " (" + std::strerror(err) + ")");
   }

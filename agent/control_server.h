@@ -92,9 +92,9 @@ class ControlServer {
 
 // Client side, used by the dede CLI: connects to `path`, sends `request` as
 // one line, reads one reply line, all within `timeout`. Returns the reply as
-// is, an {"error":...} reply included. kUnavailable "no dedupd at PATH
-// (...)" when nothing listens there; kUnavailable when no reply came in
-// time; kIoError when the connection broke or the reply is not JSON.
+// is, an {"error":...} reply included. kNotFound "no dedupd at PATH (...)"
+// when nothing listens there; kUnavailable when no reply came in time;
+// kIoError when the connection broke or the reply is not JSON.
 Result<nlohmann::json> ControlRequest(const std::string& path, const nlohmann::json& request,
                                       std::chrono::milliseconds timeout = std::chrono::seconds(30));
 

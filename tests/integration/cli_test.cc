@@ -736,9 +736,27 @@ TEST_CASE("dede rm leaves dede's own files alone unless forced", "[cli]") {
   DedeOk({"policy", vol, "set", "rate=10"});
   ProcessResult r = DedeFails({"rm", vol, ".dede-policy"});
   CHECK(r.err.find("dede's own files") != std::string::npos);
+  // Nor does set (it flipped the policy file's flag and gave it a log).
+  DedeUsageError({"set", vol, ".dede-policy", "dedup=off"});
+  CHECK(Dede({"ls", vol, "--all"}).out.find(".dede-wlog-") == std::string::npos);
   CHECK(DedeJson({"policy", vol, "show", "--json"}).dump().find("10") != std::string::npos);
   DedeOk({"rm", vol, ".dede-policy", "--force"});
   DedeFails({"rm", vol, ".dede-policy"});  // gone now: not found
+}
+
+TEST_CASE("dede dedup --now with a --control nobody answers fails instead of running here",
+          "[cli]") {
+  // It ran the pass itself without a word, skipping as busy every disk the
+  // dedupd it meant to ask serves.
+  TempDir dir;
+  const std::string vol = dir.file("vol.img");
+  CreateSparseFile(vol, 64 * kMiB);
+  DedeOk({"format", vol});
+  ProcessResult r = DedeFails({"dedup", vol, "--now", "--control", dir.file("none.ctl")});
+  CHECK(r.err.find("no dedupd at " + dir.file("none.ctl")) != std::string::npos);
+  CHECK(r.out.empty());
+  // Without --control and no dedupd at the default socket, the pass runs here.
+  DedeOk({"dedup", vol, "--now", "--json"});
 }
 
 TEST_CASE("dede rm/set/export of a file held open elsewhere fail cleanly", "[cli]") {

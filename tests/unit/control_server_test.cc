@@ -419,7 +419,7 @@ TEST_CASE("control: Listen refuses a live server's socket and replaces a stale o
     REQUIRE(::bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
     ::close(fd);
     Result<json> nobody = ControlRequest(path, json{{"cmd", "status"}});
-    CHECK(nobody.status().code() == Status::Code::kUnavailable);
+    CHECK(nobody.status().code() == Status::Code::kNotFound);
 
     EchoServer s(&loop, path);
     Result<json> r = ControlRequest(path, json{{"cmd", "status"}});
@@ -441,11 +441,11 @@ TEST_CASE("control: Listen refuses a live server's socket and replaces a stale o
   }
 }
 
-TEST_CASE("control: ControlRequest to nothing is kUnavailable", "[control]") {
+TEST_CASE("control: ControlRequest to nothing is kNotFound", "[control]") {
   TempDir dir;
   Result<json> r = ControlRequest(dir / "nothing.ctl", json{{"cmd", "status"}});
   REQUIRE(!r.ok());
-  CHECK(r.status().code() == Status::Code::kUnavailable);
+  CHECK(r.status().code() == Status::Code::kNotFound);
   CHECK(r.status().message().rfind("no dedupd at " + (dir / "nothing.ctl") + " (", 0) == 0);
 }
 
@@ -502,7 +502,7 @@ TEST_CASE("control: Stop closes connections and unlinks the socket file", "[cont
   release = true;
   CHECK(waiting.WaitClosed());
   CHECK(Eventually([&] { return server.connections() == 0; }));
-  CHECK(ControlRequest(path, json{{"cmd", "echo"}}).status().code() == Status::Code::kUnavailable);
+  CHECK(ControlRequest(path, json{{"cmd", "echo"}}).status().code() == Status::Code::kNotFound);
   server.Stop();  // idempotent
 }
 

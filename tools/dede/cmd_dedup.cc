@@ -134,9 +134,25 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   if (now) {
     // The files a VM uses here are held by the local dedupd: it runs the
     // pass (it can reach them); this command only asks.
-    const std::string control = parser.value("control").value_or(kDefaultControlPath);
+    const std::optional<std::string> control_given = parser.value("control");
+    const std::string control = control_given.value_or(kDefaultControlPath);
     Result<json> status = ControlRequest(control, {{"cmd", "status"}}, std::chrono::seconds(10));
-    if (status.ok() && status->value("volume_uuid", "") == UuidToString(vol->superblock().uuid)) {
+    const std::string uuid = UuidToString(vol->superblock().uuid);
+    const bool served = status.ok() && status->value("volume_uuid", "") == uuid;
+    // Not served there: the pass runs here, unless dedupd was named and is
+    // not what was meant, or one is there but does not answer (the pass
+    // here would then find the disks it serves busy).
+    if (!served && control_given) {
+      if (!status.ok()) return Fail(cmd, status.status().message());
+      return Fail(cmd, "the dedupd at " + control + " serves another volume (" +
+                           status->value("volume_uuid", std::string("?")) + "), not " + uuid);
+    }
+    if (!served && !status.ok() && status.status().code() != Status::Code::kNotFound) {
+      return Fail(cmd, status.status().message() +
+                           "; a pass here would find the disks it serves busy: try again, or "
+                           "stop it to run the pass here");
+    }
+    if (served) {
       // dedupd runs its own pass with its own settings: an option given
       // here would be dropped without a word (a --rescan that never ran).
       for (const char* opt : {"rescan", "force", "fraction", "split-after", "verify"}) {

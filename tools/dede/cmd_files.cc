@@ -360,6 +360,9 @@ int RunSet(const Command& cmd, const std::vector<std::string>& args) {
   if (auto rc = parser.Parse(args)) return *rc;
   const std::string& name = parser.positional(1);
   const std::string& assignment = parser.positional(2);
+  // dede's own files (the policy, write logs, shards) are not VM disks:
+  // setting dedup on one only gave it a write log of its own.
+  if (auto why = ReservedName(name)) return UsageError(cmd, *why);
 
   const size_t eq = assignment.find('=');
   if (eq == std::string::npos) {
