@@ -301,7 +301,7 @@ Status ControlServer::Listen() {
   }
   struct stat st {};
   if (::lstat(path_.c_str(), &st) == 0) {
-    if (!S_ISSOCK(st.st_mode)) return Status::Exists(path_ + " exists and is not a socket");
+    if (!S_ISSOCK(st.st_mode)) return Status::Invalid(path_ + " exists and is not a socket");
     if (UnixSocketLive(path_)) return Status::Exists("another dedupd is using " + path_);
     // The socket of a dedupd that died without cleaning up.
     if (::unlink(path_.c_str()) != 0 && errno != ENOENT) {

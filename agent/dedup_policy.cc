@@ -446,6 +446,13 @@ std::string FormatWindow(const DedupWindow& w) {
   return FormatDays(w.days) + " " + FormatClock(w.start_min) + "-" + FormatClock(w.end_min);
 }
 
+std::string PolicyRateText(uint64_t bytes_per_s) {
+  if (bytes_per_s == 0) return "unlimited";
+  char b[48];
+  std::snprintf(b, sizeof b, "%.6g MB/s", double(bytes_per_s) / 1e6);
+  return b;
+}
+
 const char* PriorityName(DedupPriority p) {
   switch (p) {
     case DedupPriority::kIdle:

@@ -105,6 +105,10 @@ std::string FormatWindow(const DedupWindow& w);
 Status ValidateWindow(const DedupWindow& w);
 
 const char* PriorityName(DedupPriority p);  // "idle", "low", "normal"
+
+// A rate cap as `dede policy set rate=` takes it: "unlimited", "50 MB/s",
+// "0.5 MB/s" (decimal megabytes, as rates are quoted).
+std::string PolicyRateText(uint64_t bytes_per_s);
 std::optional<DedupPriority> ParsePriority(const std::string& s);
 
 // ---------------------------------------------------------------- time

@@ -5,6 +5,7 @@
 // answers `dede status` on a control socket, records its passes for
 // `dede report` and serves Prometheus metrics on loopback.
 #include <signal.h>
+#include <sys/un.h>
 #include <sys/resource.h>
 #include <unistd.h>
 
@@ -169,7 +170,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("host-id", po::value(&host_id)->value_name("N"), "this host's slot on the volume (1..max-hosts)")
       ("lease-path", po::value(&cfg->lease_path)->value_name("PATH"), "sanlock volumes: the LUN as a path for sanlock (block device; in tests the file backing the LUN); default VOL when VOL is a path")
       ("lease-io-timeout", po::value(&lease_io_timeout)->value_name("SEC"), "sanlock volumes: io_timeout of this host's lockspace membership when it joins (default: the daemon's, 10); once joined, the membership keeps the io_timeout of the process that joined first, and dedupd uses that one")
-      ("fence-after", po::value(&cfg->fence_after)->value_name("SEC"), "sanlock volumes: stop (exit) when this host's lease was last seen renewed SEC seconds ago (default 8 x io_timeout + 30, before other hosts may call this one dead at 8 x io_timeout + 60; at least 4 x io_timeout + 4)")
+      ("fence-after", po::value(&cfg->fence_after)->value_name("SEC"), "sanlock volumes: stop (exit) when this host's lease was last seen renewed SEC seconds ago (default 8 x io_timeout + 30, before other hosts may call this one dead at 8 x io_timeout + 60; at least 4 x io_timeout + 4; 0: that default)")
       ("socket", po::value(&cfg->socket)->value_name("PATH"), "Unix socket to serve NBD on")
       ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port), to the local users the Unix socket admits (root, its owner, members of its group)")
       ("config", po::value(&config_file)->value_name("FILE"), "read options from FILE (lines: name = value)")
@@ -188,12 +189,12 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("dedup-interval", po::value(&cfg->dedup_interval)->value_name("SEC"), "run a dedup pass every SEC seconds (default 0: only when sent SIGUSR1)")
       ("dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"), "rewrite an index shard when its new records exceed F times its entries (default 0.05)")
       ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
-      ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that)")
-      ("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"), "on SIGTERM, a client that takes none of its replies for SEC seconds loses them and is disconnected, so that a stuck client cannot keep the other disks' locks (default 10)")
+      ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that; 0: no wait)")
+      ("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"), "on SIGTERM, a client that takes none of its replies for SEC seconds loses them and is disconnected, so that a stuck client cannot keep the other disks' locks (default 10; 0: at once, after 0.1 s)")
       ("handshake-timeout", po::value(&cfg->handshake_timeout)->value_name("SEC"), "an NBD client that has not entered an export and sends nothing for SEC seconds is disconnected, so idle connections cannot hold every --max-connections slot (default 30; 0: never)")
       ("max-connections", po::value(&max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs; TCP connections waiting for their user check count for TCP)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
-      ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600)")
+      ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600; 0: passes back to back, each as soon as the one before ends)")
       ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30)")
       ("control", po::value(&cfg->control)->value_name("PATH"), "control socket for `dede status`, `dede set` on running exports and `dede dedup --now` (default /run/dede/dedupd.ctl; 'off': none)")
       ("history", po::value(&cfg->history)->value_name("PATH"), "SQLite database of this host's passes, for `dede report` (default /var/lib/dede/history.db; 'off': none)")
@@ -311,6 +312,15 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   cfg->metrics_given = vm.count("metrics-port") > 0;
   if (cfg->control == "off") cfg->control.clear();
   if (cfg->history == "off") cfg->history.clear();
+  // Checked here, before the volume open (with sanlock, many seconds),
+  // and as the configuration errors they are (exit 2: not restarted).
+  for (const auto& [name, path] : {std::pair<const char*, const std::string&>{"socket", cfg->socket},
+                                   {"control", cfg->control}}) {
+    if (path.size() >= sizeof(sockaddr_un::sun_path)) {
+      return UsageError(std::string("--") + name + ": socket path too long (max " +
+                        std::to_string(sizeof(sockaddr_un::sun_path) - 1) + " bytes): " + path);
+    }
+  }
   if (metrics_port == "off") {
     cfg->metrics_port = -1;
   } else if (!metrics_port.empty()) {
@@ -527,8 +537,7 @@ int Run(const Config& cfg) {
       for (const DedupWindow& w : p->windows) windows += (windows.empty() ? "" : "; ") + FormatWindow(w);
       LOG(kInfo) << "dedup policy generation " << p->generation << ": windows "
                  << (windows.empty() ? "always" : windows) << ", rate "
-                 << (p->rate_bytes_per_s ? std::to_string(p->rate_bytes_per_s / 1000000) + " MB/s"
-                                         : std::string("unlimited"))
+                 << PolicyRateText(p->rate_bytes_per_s)
                  << ", priority " << PriorityName(p->priority) << ", stable after "
                  << p->stable_after_s << " s";
     }
@@ -542,8 +551,9 @@ int Run(const Config& cfg) {
     if (h.ok()) {
       history = std::move(*h);
     } else if (cfg.history_given) {
+      // A path that cannot hold the history: the configuration's to fix.
       LOG(kError) << "pass history: " << h.status().ToString();
-      return kExitError;
+      return kExitUsage;
     } else {
       LOG(kWarning) << "no pass history (" << h.status().ToString()
                     << "); give --history PATH to keep one";
@@ -1044,7 +1054,7 @@ int Run(const Config& cfg) {
     if (Status st = control->Listen(); !st.ok()) {
       if (cfg.control_given) {
         LOG(kError) << "control socket: " << st.ToString();
-        return kExitError;
+        return st.code() == Status::Code::kInvalid ? kExitUsage : kExitError;
       }
       LOG(kWarning) << "no control socket (" << st.ToString()
                     << "); give --control PATH for `dede status`";
@@ -1195,7 +1205,9 @@ int Run(const Config& cfg) {
   // the metrics endpoint are up too.
   if (Status st = server.Listen(); !st.ok()) {
     LOG(kError) << st.ToString();
-    return kExitError;
+    // Not a socket: a configuration error (exit 2, not restarted); another
+    // server on it may go away (exit 1).
+    return st.code() == Status::Code::kInvalid ? kExitUsage : kExitError;
   }
 
   int exit_code = kExitOk;

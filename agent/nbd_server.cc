@@ -609,7 +609,7 @@ Status NbdServer::Listen() {
     }
     struct stat st;
     if (::stat(path.c_str(), &st) == 0) {
-      if (!S_ISSOCK(st.st_mode)) return Status::Exists(path + " exists and is not a socket");
+      if (!S_ISSOCK(st.st_mode)) return Status::Invalid(path + " exists and is not a socket");
       if (UnixSocketLive(path)) return Status::Exists("another server is listening on " + path);
       ::unlink(path.c_str());  // stale socket of a dead dedupd
     }

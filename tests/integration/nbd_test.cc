@@ -1629,6 +1629,31 @@ TEST_CASE("dedupd command line with usage errors and bad volumes and taken host 
   INFO(r.err);
   CHECK(r.exit_code == 2);
   CHECK(r.err.find("out of range 1..8") != std::string::npos);
+  // Socket paths that can never work: configuration errors too (exit 1
+  // had systemd restart dedupd every 5 s for ever).
+  args[4] = "1";
+  const std::string long_path = tv.dir.file(std::string(120, 's') + ".sock");
+  for (const char* opt : {"--socket", "--control"}) {
+    std::vector<std::string> a = {dedupd,    "--volume",       tv.vol, "--host-id",
+                                  "1",       "--history",      "off",  opt,
+                                  long_path, "--metrics-port", "off"};
+    if (std::string(opt) != "--socket") a.insert(a.end(), {"--socket", tv.sock});
+    r = RunProcess(a, 20);
+    INFO(opt << ": " << r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find(std::string(opt) + ": socket path too long") != std::string::npos);
+  }
+  const std::string not_socket = tv.dir.file("plain-file");
+  std::ofstream(not_socket) << "x";
+  {
+    std::vector<std::string> a = {dedupd, "--volume", tv.vol,    "--host-id",
+                                  "1",    "--socket", not_socket};
+    a.insert(a.end(), off.begin(), off.end());
+    r = RunProcess(a, 20);
+    INFO(r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("exists and is not a socket") != std::string::npos);
+  }
 
   r = RunProcess({dedupd, "--volume", tv.dir.file("missing.img"), "--host-id", "1", "--socket",
                   tv.sock});

@@ -410,11 +410,11 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
   localtime_r(&now, &local);
   static const char* kDays[] = {"sun", "mon", "tue", "wed", "thu", "fri", "sat"};
   const std::string other_day = kDays[(local.tm_wday + 3) % 7];
-  Dede({"policy", vol, "set", "windows=" + other_day + " 00:00-00:01", "rate=20",
+  Dede({"policy", vol, "set", "windows=" + other_day + " 00:00-00:01", "rate=20.5",
         "priority=idle"});
   json pol = json::parse(Dede({"policy", vol, "show", "--json"}));
   REQUIRE(pol["windows"].size() == 1);
-  CHECK(pol["rate_bytes_per_s"] == 20'000'000);
+  CHECK(pol["rate_bytes_per_s"] == 20'500'000);
   CHECK(pol["in_window_now"] == false);
 
   DedupdProcess d(vol, 1, dir.file("nbd.sock"), {"--dedup-interval", "1"});
@@ -440,9 +440,13 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
     INFO(text);
     CHECK(text.find("nbd         0 connections open (") != std::string::npos);
     CHECK(text.find(", 2.0 MiB written, 0 B read") != std::string::npos);
+    // The rate as the policy was given, here and in dedupd's log (which
+    // said "20 MB/s", an integer division; status said "19.6 MiB/s").
+    CHECK(text.find("rate 20.5 MB/s") != std::string::npos);
+    CHECK(d.Log().find("rate 20.5 MB/s") != std::string::npos);
   }
   CHECK(s["policy"]["in_window"] == false);
-  CHECK(s["policy"]["rate_bytes_per_s"] == 20'000'000);
+  CHECK(s["policy"]["rate_bytes_per_s"] == 20'500'000);
   CHECK(s["passes"]["completed"] == 0);
   CHECK(s["pass"]["running"] == false);
   ProcessResult refused = RunProcess({BinaryPath("dede"), "dedup", vol, "--control", dir.file("none.ctl")});
@@ -483,7 +487,8 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
   CHECK(body.find("HTTP/1.") == 0);
   CHECK(body.find("text/plain; version=0.0.4") != std::string::npos);
   CHECK(body.find("# TYPE dede_passes_total counter") != std::string::npos);
-  CHECK(body.find("dede_dedup_rate_cap_bytes_per_second{host=\"1\"} 20000000") != std::string::npos);
+  CHECK(body.find("dede_dedup_rate_cap_bytes_per_second{host=\"1\"} 20500000") !=
+        std::string::npos);
   CHECK(body.find("dede_in_window{host=\"1\"} 0") != std::string::npos);
   CHECK(body.find("# TYPE dede_nbd_connections_refused_total counter") != std::string::npos);
   CHECK(body.find("dede_nbd_connections{host=\"1\"} 0") != std::string::npos);

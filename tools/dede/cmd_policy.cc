@@ -35,14 +35,6 @@ struct DurationUnit {
 };
 constexpr DurationUnit kDurationUnits[] = {{'d', 86400}, {'h', 3600}, {'m', 60}, {'s', 1}};
 
-// "unlimited" or "50 MB/s", "12.5 MB/s".
-std::string RateText(uint64_t bytes_per_s) {
-  if (bytes_per_s == 0) return "unlimited";
-  char b[48];
-  std::snprintf(b, sizeof b, "%.6g MB/s", double(bytes_per_s) / double(kBytesPerMB));
-  return b;
-}
-
 // "off" or the largest unit that divides it: "1h", "90m", "45s".
 std::string StableAfterText(uint64_t seconds) {
   if (seconds == 0) return "off";
@@ -160,7 +152,7 @@ void PrintPolicy(const DedupPolicy& p, bool as_json) {
       std::cout << (i == 0 ? "" : kIndent) << FormatWindow(p.windows[i]) << '\n';
     }
   }
-  std::cout << "rate cap:       " << RateText(p.rate_bytes_per_s) << '\n'
+  std::cout << "rate cap:       " << PolicyRateText(p.rate_bytes_per_s) << '\n'
             << "priority:       " << PriorityName(p.priority) << '\n'
             << "stable after:   " << StableAfterText(p.stable_after_s) << '\n'
             << "generation:     " << p.generation << '\n';

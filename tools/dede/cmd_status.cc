@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "agent/control_server.h"
+#include "agent/dedup_policy.h"
 #include "tools/dede/cli.h"
 
 namespace po = boost::program_options;
@@ -322,7 +323,7 @@ void PrintPolicy(const json& r) {
   }
   std::vector<std::string> parts;
   if (auto rate = Uint(*p, "rate_bytes_per_s")) {
-    parts.push_back(*rate == 0 ? "rate unlimited" : "rate " + HumanSize(*rate) + "/s");
+    parts.push_back("rate " + PolicyRateText(*rate));
   }
   if (auto v = Str(*p, "priority")) parts.push_back("priority " + *v);
   if (auto v = Uint(*p, "stable_after_s")) {
@@ -428,7 +429,7 @@ void PrintRest(const json& r) {
   if (const json* t = Object(r, "throttle")) {
     std::vector<std::string> parts;
     if (auto rate = Uint(*t, "rate_bytes_per_s")) {
-      parts.push_back(*rate == 0 ? "no rate cap" : "cap " + HumanSize(*rate) + "/s");
+      parts.push_back(*rate == 0 ? "no rate cap" : "cap " + PolicyRateText(*rate));
     }
     if (auto v = Uint(*t, "io_bytes")) parts.push_back(HumanSize(*v) + " of dedup I/O");
     if (auto v = Num(*t, "waited_s"); v && *v >= 0) parts.push_back("waited " + HumanDuration(*v));
