@@ -410,7 +410,50 @@ std::string EscapeHelp(const std::string& s) {
   return out;
 }
 
-std::string EscapeLabelValue(const std::string& s) {
+// Length of the valid UTF-8 sequence at s[i], 0 if there is none (a stray
+// or missing continuation byte, an overlong form, a surrogate, past U+10FFFF).
+size_t Utf8SequenceAt(const std::string& s, size_t i) {
+  const auto b = [&](size_t k) { return static_cast<unsigned char>(s[k]); };
+  const unsigned char c = b(i);
+  if (c < 0x80) return 1;
+  size_t n;
+  uint32_t cp;
+  if ((c & 0xE0) == 0xC0) {
+    n = 2;
+    cp = c & 0x1F;
+  } else if ((c & 0xF0) == 0xE0) {
+    n = 3;
+    cp = c & 0x0F;
+  } else if ((c & 0xF8) == 0xF0) {
+    n = 4;
+    cp = c & 0x07;
+  } else {
+    return 0;
+  }
+  if (i + n > s.size()) return 0;
+  for (size_t k = 1; k < n; k++) {
+    if ((b(i + k) & 0xC0) != 0x80) return 0;
+    cp = (cp << 6) | (b(i + k) & 0x3F);
+  }
+  static constexpr uint32_t kMin[] = {0, 0, 0x80, 0x800, 0x10000};
+  if (cp < kMin[n] || cp > 0x10FFFF || (cp >= 0xD800 && cp <= 0xDFFF)) return 0;
+  return n;
+}
+
+std::string EscapeLabelValue(const std::string& raw) {
+  // File names are arbitrary bytes; a label value must be UTF-8, or
+  // Prometheus refuses the whole scrape: invalid bytes become U+FFFD.
+  std::string s;
+  for (size_t i = 0; i < raw.size();) {
+    const size_t n = Utf8SequenceAt(raw, i);
+    if (n == 0) {
+      s += "\xEF\xBF\xBD";
+      i++;
+    } else {
+      s.append(raw, i, n);
+      i += n;
+    }
+  }
   std::string out;
   for (char c : s) {
     if (c == '\\') {

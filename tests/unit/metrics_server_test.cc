@@ -511,6 +511,24 @@ TEST_CASE("metrics: MetricsText escapes labels and help and keeps names valid", 
   REQUIRE(CheckSample(line, &labels) == "dede_file_bytes");
   CHECK(labels["file"] == "a \"quoted\" \\ name\nwith a newline");
 
+  // A file name is any bytes; a label value must be UTF-8 (Prometheus
+  // refuses the whole scrape otherwise): invalid bytes become U+FFFD,
+  // valid multi-byte characters stay.
+  MetricsText u;
+  u.Gauge("dede_x", "h", 1, {{"export", "caf\xe9"}});
+  u.Gauge("dede_x", "h", 2, {{"export", "caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x92\xbe"}});
+  u.Gauge("dede_x", "h", 3, {{"export", "\xc0\xaf \xed\xa0\x80 \xf4\x90\x80\x80 \xe2\x82"}});
+  const std::string ut = u.str();
+  CHECK(CheckExposition(ut) == "");
+  CHECK(ut.find("dede_x{export=\"caf\xef\xbf\xbd\"} 1\n") != std::string::npos);
+  CHECK(ut.find("dede_x{export=\"caf\xc3\xa9 \xe2\x82\xac \xf0\x9f\x92\xbe\"} 2\n") !=
+        std::string::npos);
+  // An overlong '/', a surrogate, past U+10FFFF, a cut sequence.
+  CHECK(
+      ut.find("dede_x{export=\"\xef\xbf\xbd\xef\xbf\xbd \xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd "
+              "\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd\xef\xbf\xbd \xef\xbf\xbd\xef\xbf\xbd\"} 3\n") !=
+      std::string::npos);
+
   // The checker itself rejects what it should.
   CHECK(CheckExposition("a 1\n") != "");                             // no TYPE
   CHECK(CheckExposition("# TYPE a gauge\na{x=\"1} 1\n") != "");      // unterminated
