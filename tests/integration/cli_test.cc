@@ -783,6 +783,8 @@ TEST_CASE("dede rm/set/export of a file held open elsewhere fail cleanly", "[cli
     ProcessResult r = DedeFails(args);
     INFO(Describe(args, r));
     CHECK(r.err.find("in use") != std::string::npos);
+    // Said once, not "'held' is in use ... (file 'held' is in use ...)".
+    CHECK(r.err.find("in use") == r.err.rfind("in use"));
   }
   CHECK_FALSE(std::filesystem::exists(dir.file("held.out")));
   {

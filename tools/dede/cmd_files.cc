@@ -27,6 +27,7 @@ constexpr const char* kVolHelp = "volume: a path (file or block device) or iscsi
 // A file someone else holds open cannot be opened here (the open *is* the
 // lock); say so plainly instead of echoing the lock backend's wording only.
 Status InUse(const std::string& name, const Status& st) {
+  if (st.message().find("in use by another process or host") != std::string::npos) return st;
   return Status::Locked("'" + name + "' is in use by another process or host (" + st.message() +
                         ")");
 }

@@ -281,6 +281,9 @@ int RunExport(const Command& cmd, const std::vector<std::string>& args) {
   auto file = opened->volume->OpenFile(name);
   if (!file.ok()) {
     if (file.status().code() == Status::Code::kLocked) {
+      if (file.status().message().find("in use by another process or host") != std::string::npos) {
+        return Fail(cmd, file.status());
+      }
       return Fail(cmd, Quoted(name) + " is in use by another process or host (" +
                            file.status().message() + ")");
     }
