@@ -1379,6 +1379,16 @@ Result<uint32_t> VolumeImpl::PeekRef(uint64_t addr,
   return GetRef(addr);
 }
 
+Result<bool> VolumeImpl::RefSaturated(uint64_t addr) {
+  uint32_t g, slot;
+  uint64_t rb;
+  RETURN_IF_ERROR(LocateRef(addr, &g, &rb, &slot));
+  RETURN_IF_ERROR(AcquireGroupOf(addr));
+  uint8_t* b;
+  RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
+  return dede::GetRef(b, slot) == UINT32_MAX;
+}
+
 Status VolumeImpl::AddRef(uint64_t addr, int delta) {
   uint32_t g, slot;
   uint64_t rb;
@@ -3437,6 +3447,21 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
         if (!mapped) continue;
         // Group locks before any change: not getting one changes nothing.
         if (op.kind != Kind::kPunchIfZero) RETURN_IF_ERROR(AcquireGroupOf(PtrAddr(sp)));
+      }
+      // A source block with as many references as a count holds (2^32 - 1:
+      // 16 TiB of one 4 KiB pattern) cannot take one more: this operation
+      // fails alone, before any change (it poisoned the volume, at every
+      // pass that planned the share again).
+      if (op.kind != Kind::kPunchIfZero) {
+        ASSIGN_OR_RETURN(const bool saturated, RefSaturated(PtrAddr(sp)));
+        if (saturated) {
+          op.result = Status::Mismatch("block " + std::to_string(PtrAddr(sp)) +
+                                       " has the most references a count holds");
+          op.changed = false;
+          if (p.src != nullptr) held_back.insert(p.src);
+          held_back.insert(p.dst);
+          continue;
+        }
       }
       // (The destination's old block is only dropped: never waited for.)
       RETURN_IF_ERROR(PrepareDrop(PtrAddr(dp)));

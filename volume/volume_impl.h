@@ -272,6 +272,8 @@ class VolumeImpl : public Volume {
                            std::unordered_map<uint64_t, BlockBuf>* read_home = nullptr)
       REQUIRES(mu_);
   Status AddRef(uint64_t addr, int delta) REQUIRES(mu_);
+  // Whether `addr`'s count is at its most (UINT32_MAX): AddRef(+1) fails.
+  Result<bool> RefSaturated(uint64_t addr) REQUIRES(mu_);
 
   // Deferred drops (docs/LOCKING.md "Deferred drops"). Before an operation
   // changes anything, PrepareDrops tries (never waits) to take the groups

@@ -1319,3 +1319,58 @@ TEST_CASE("block ops: batches through one read buffer", "[volume][blockops]") {
   A.reset();
   t.Fsck();
 }
+
+// A block with as many references as its count holds (2^32 - 1, 16 TiB of
+// one 4 KiB pattern) cannot be shared once more. The failing increment
+// poisoned the volume, every write failing until a restart, and the next
+// pass planned the same share again.
+TEST_CASE("block ops: a share from a block with a saturated count fails alone",
+          "[volume][blockops]") {
+  TestVol t;
+  uint64_t addr = 0;
+  {
+    auto a = t.NewFile("a", 4 * kB);
+    auto b = t.NewFile("b", 4 * kB);
+    Put(a.get(), 0, 1);
+    Put(b.get(), 0, 2);
+    REQUIRE(t.vol->Sync().ok());
+  }
+  const Superblock sb = t.vol->superblock();
+  t.vol.reset();
+  // Find a's block (content 1) and saturate its count on the device.
+  const std::vector<uint8_t> want = Content(1);
+  for (uint64_t blk = sb.group_start; blk < sb.total_blocks && addr == 0; blk++) {
+    uint32_t g, slot;
+    uint64_t rb;
+    if (!sb.LocateData(blk, &g, &rb, &slot)) continue;
+    if (std::memcmp(t.base.bytes().data() + blk * kB, want.data(), kB) == 0) addr = blk;
+  }
+  REQUIRE(addr != 0);
+  {
+    uint32_t g, slot;
+    uint64_t rb;
+    REQUIRE(sb.LocateData(addr, &g, &rb, &slot));
+    uint8_t* blk = t.base.bytes().data() + rb * kB;
+    REQUIRE(GetRef(blk, slot) == 1);
+    SetRef(blk, slot, UINT32_MAX);
+    SealBlock(blk, PeekHeader(blk), sb.uuid);
+  }
+  t.Open();
+  auto a = t.OpenF("a");
+  auto b = t.OpenF("b");
+  Put(b.get(), 0, 1);
+  // The share fails alone, changing nothing; the volume goes on working.
+  std::vector<Op> ops{Share(a.get(), 0, b.get(), 0)};
+  Apply(t.vol.get(), &ops, VerifyMode::kByteCompare);
+  INFO(ops[0].result.ToString());
+  CHECK(ops[0].result.code() == Code::kMismatch);
+  CHECK_FALSE(ops[0].changed);
+  CHECK(Refs(a.get(), 0) == UINT32_MAX);
+  CHECK(Refs(b.get(), 0) == 1);
+  Put(a.get(), 1, 7);
+  Put(b.get(), 1, 8);
+  REQUIRE(t.vol->Sync().ok());
+  CHECK(Get(a.get(), 0) == want);
+  CHECK(Get(b.get(), 0) == want);
+  CHECK(Get(a.get(), 1) == Content(7));
+}
