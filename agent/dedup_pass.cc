@@ -1322,6 +1322,7 @@ class Pass {
         if (r.Contains(KeyPrefix(pr.fp))) park.push_back(pr);
       }
       const bool revisit = !park.empty();
+      const size_t busy_records = park.size();  // the rest: files given back
       for (const PendingRecord& pr : parked_later_) {
         if (r.Contains(KeyPrefix(pr.fp))) park.push_back(pr);
       }
@@ -1339,9 +1340,14 @@ class Pass {
       }
       RETURN_IF_ERROR(AppendPendingFrame(pf->get(), park, algo_, uuid_));
       stats_.pending_records_written += park.size();
-      stats_.records_parked_busy += park.size();
-      if (opts_.busy_parked_shards != nullptr) opts_.busy_parked_shards->insert(r.lo);
-      if (revisit) busy_parked_here_.insert(r.lo);
+      // Records of files given back to a client waiting to open them are
+      // not held back by a busy group: neither counted so nor a reason to
+      // rewrite the shard at the next pass.
+      stats_.records_parked_busy += busy_records;
+      if (revisit) {
+        if (opts_.busy_parked_shards != nullptr) opts_.busy_parked_shards->insert(r.lo);
+        busy_parked_here_.insert(r.lo);
+      }
     }
     parked_busy_.clear();
     parked_later_.clear();

@@ -535,7 +535,28 @@ class Checker {
   }
 
   Status RepairRange(uint64_t lo, const std::vector<Action*>& acts) {
-    ASSIGN_OR_RETURN(const ShardMap now, LoadShardMap(vol_));
+    // The map under the range's lock, as a pass loads it (LoadShardMap's
+    // `locked`): a version a reader holds open is not taken as complete
+    // where that decides what is stale here. Taken so, a dead split's
+    // upper half held by a reader (a pass's map load, `dede stats`) made
+    // the split look finished, and the repair removed the live parent.
+    // The widest range the actions name at lo (a split's parent).
+    ShardRange locked{64, lo};
+    for (const Action* a : acts) {
+      ShardRange r;
+      uint64_t version;
+      if ((ParseShardFileName(a->name, &r, &version) || ParsePendingFileName(a->name, &r)) &&
+          r.lo == lo && r.depth < locked.depth) {
+        locked = r;
+      }
+    }
+    if (locked.depth == 64) locked.depth = 0;  // only arenas: assume the widest
+    Result<ShardMap> loaded = LoadShardMap(vol_, &locked);
+    if (loaded.status().code() == Status::Code::kLocked) {
+      for (Action* a : acts) MarkRepaired(a, false, loaded.status().message());
+      return Status::Ok();
+    }
+    ASSIGN_OR_RETURN(const ShardMap now, std::move(loaded));
     bool removed_version = false;
     // Stale files first, so removing a damaged version cannot bring an
     // older (superseded) one back to life.

@@ -3453,8 +3453,14 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
       // fails alone, before any change (it poisoned the volume, at every
       // pass that planned the share again).
       if (op.kind != Kind::kPunchIfZero) {
-        ASSIGN_OR_RETURN(const bool saturated, RefSaturated(PtrAddr(sp)));
-        if (saturated) {
+        // A failed read here, after earlier operations of the batch changed
+        // blocks, poisons as the increment's own read did.
+        Result<bool> saturated = RefSaturated(PtrAddr(sp));
+        if (!saturated.ok()) {
+          return Poison(
+              saturated.status().WithContext("applying block operation " + std::to_string(k)));
+        }
+        if (*saturated) {
           op.result = Status::Mismatch("block " + std::to_string(PtrAddr(sp)) +
                                        " has the most references a count holds");
           op.changed = false;

@@ -889,6 +889,60 @@ TEST_CASE(
   CHECK(rep->clean());
 }
 
+// The same dead split, met by `dede fsck --repair` (CheckIndex) while a
+// reader holds the upper half: the repair loaded the map without the
+// range's lock semantics, took the held half as complete, and removed the
+// live parent version as stale, with its entries.
+TEST_CASE(
+    "index repair: a dead split's upper half held open by a reader does not make the live "
+    "parent stale",
+    "[dedup][crash]") {
+  TwinFiles t;
+  Volume* vol = t.vol.get();
+  REQUIRE(t.Pass().ok());
+  auto m = LoadShardMap(vol);
+  REQUIRE(m.ok());
+  REQUIRE(m->live.size() == 1);
+  const ShardSlot parent = m->live[0];
+  auto entries = [&] {
+    uint64_t n = 0;
+    test::ForEachLiveShard(vol,
+                           [&](const ShardSlot&, ShardReader* r) { n += r->header().entry_count; });
+    return n;
+  };
+  const uint64_t before = entries();
+  REQUIRE(before >= 8);
+  const ShardRange lower = parent.range.Lower(), upper = parent.range.Upper();
+  {
+    const std::string name = ShardFileName(lower, parent.version + 1);
+    REQUIRE(vol->Create(name, 0, FileKind::kIndexShard).ok());
+    auto f = vol->OpenFile(name);
+    REQUIRE(f.ok());
+    ShardHeader proto;
+    proto.range = lower;
+    proto.version = parent.version + 1;
+    proto.algo = vol->superblock().hash_algo;
+    ShardWriter w(vol, f->get(), proto);
+    REQUIRE(w.Finish(0, 0).ok());
+  }
+  const std::string upper_name = ShardFileName(upper, parent.version + 1);
+  REQUIRE(vol->Create(upper_name, 2 * kB, FileKind::kIndexShard).ok());
+  auto reader = vol->OpenFile(upper_name);
+  REQUIRE(reader.ok());
+  std::thread release([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    reader->reset();
+  });
+  Result<IndexCheckReport> rep = CheckIndex(vol, /*repair=*/true);
+  release.join();
+  REQUIRE(rep.ok());
+  auto after = LoadShardMap(vol);
+  REQUIRE(after.ok());
+  REQUIRE(after->live.size() == 1);
+  CHECK(after->live[0].name == parent.name);
+  CHECK(entries() == before);
+}
+
 // A pass that defers a shard appends its records to the shard's pending
 // file. After a torn frame (a crash between the file's extension and the
 // frame's write), readers stop at it, and passes went on appending behind

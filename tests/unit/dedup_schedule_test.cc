@@ -843,6 +843,7 @@ TEST_CASE("a pass gives a borrowed file back to a waiting opener and skips what 
   struct Run {
     uint64_t looks_at_b = 0;
     Result<DedupStats> st = Status::Ok();
+    std::set<uint64_t> busy_parked_shards;
   };
   auto run = [&](TestClock* clock, Scene* scene, uint64_t give_back_at) {
     for (const char* name : {"a", "b", "c"}) {
@@ -856,6 +857,7 @@ TEST_CASE("a pass gives a borrowed file back to a waiting opener and skips what 
     o.settle_io = [&](const std::function<void()>& between) { throttle.Settle(between); };
     o.batch_ops = IoThrottle::BatchOpsFor(kRate, o.batch_ops);
     Run r;
+    o.busy_parked_shards = &r.busy_parked_shards;
     r.st = scene->Pass(o, [&](const std::string& name) {
       return name == "b" && ++r.looks_at_b == give_back_at;
     });
@@ -881,6 +883,10 @@ TEST_CASE("a pass gives a borrowed file back to a waiting opener and skips what 
     CHECK(r.st->files_given_back == 1);
     CHECK_FALSE(scene.Has("b"));
     CHECK(r.looks_at_b == at);  // never looked at again
+    // What was parked for b is no busy group's: not counted so, and no
+    // reason to rewrite a shard at the next pass whatever the fraction.
+    CHECK(r.st->records_parked_busy == 0);
+    CHECK(r.busy_parked_shards.empty());
     // a and c are shared all the same; b where the pass got to before it
     // went back, or through merge requests for what its entries named.
     scene.Reopen("b");
