@@ -9,7 +9,10 @@ Status Status::FromErrno(const std::string& what, int err) {
   if (err == ENOSPC) return NoSpace(m);
   if (err == ENOENT) return NotFound(m);
   if (err == EINVAL) return Invalid(m);
-  if (err == EAGAIN || err == EBUSY || err == EACCES) return Locked(m);
+  // Not EACCES: "cannot open /dev/sdb: Permission denied" read as "in use"
+  // (a refused fcntl lock, which may also be EACCES, is told apart where
+  // locks are taken).
+  if (err == EAGAIN || err == EBUSY) return Locked(m);
   return IoError(m);
 }
 

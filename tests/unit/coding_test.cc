@@ -4,10 +4,13 @@
 
 #include <array>
 #include <catch2/catch.hpp>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <vector>
+
+#include "util/status.h"
 
 using namespace dede;
 
@@ -126,4 +129,21 @@ TEST_CASE("coding: random sequences round trip", "[coding]") {
     }
     REQUIRE(d.remaining() == 0);
   }
+}
+
+// errno values as Status codes: a refused permission is not "in use"
+// (kLocked made `dede` and dedupd say a device they may not open was in
+// use elsewhere).
+TEST_CASE("Status::FromErrno maps errno values to codes", "[util]") {
+  using dede::Status;
+  CHECK(Status::FromErrno("x", ENOSPC).code() == Status::Code::kNoSpace);
+  CHECK(Status::FromErrno("x", ENOENT).code() == Status::Code::kNotFound);
+  CHECK(Status::FromErrno("x", EINVAL).code() == Status::Code::kInvalid);
+  CHECK(Status::FromErrno("x", EAGAIN).code() == Status::Code::kLocked);
+  CHECK(Status::FromErrno("x", EBUSY).code() == Status::Code::kLocked);
+  CHECK(Status::FromErrno("x", EACCES).code() == Status::Code::kIoError);
+  CHECK(Status::FromErrno("x", EPERM).code() == Status::Code::kIoError);
+  CHECK(Status::FromErrno("x", EIO).code() == Status::Code::kIoError);
+  CHECK(Status::FromErrno("cannot open /dev/sdb", EACCES).message() ==
+        "cannot open /dev/sdb: Permission denied");
 }
