@@ -39,6 +39,7 @@
 #include "util/log.h"
 #include "util/mutex.h"
 #include "volume/block_device.h"
+#include "volume/scsi_retry.h"
 
 namespace dede {
 namespace {
@@ -385,6 +386,17 @@ using TaskFactory = std::function<scsi_task*(iscsi_context*, iscsi_command_cb, v
 bool IsTransientStatus(int status) {
   return status == SCSI_STATUS_BUSY || status == SCSI_STATUS_TASK_SET_FULL ||
          status == SCSI_STATUS_TASK_ABORTED;
+}
+
+// The same, with a CHECK CONDITION's sense data (scsi_retry.h): NOT READY
+// on the way to ready, ABORTED COMMAND. A WRITE that failed so went to
+// IoError, which poisons the volume: every disk of the host failed until
+// a restart, for a condition the target clears by itself.
+bool IsTransient(const scsi_task& t) {
+  if (IsTransientStatus(t.status)) return true;
+  return t.status == SCSI_STATUS_CHECK_CONDITION &&
+         IsTransientCheckCondition(static_cast<uint8_t>(t.sense.key),
+                                   static_cast<uint16_t>(t.sense.ascq));
 }
 
 // Shared by the sessions of one device (IscsiSessionPool): a command that
@@ -903,7 +915,7 @@ class IscsiDevice final : public BlockDevice {
       // TASK ABORTED: another initiator's task management (such as the LU
       // reset of a host fencing its own lost command) ended this one
       // before it finished; sending it again is what the initiator is for.
-      if (IsTransientStatus(t.status) && ++busy <= kMaxBusyRetries) {
+      if (IsTransient(t) && ++busy <= kMaxBusyRetries) {
         std::this_thread::sleep_for(std::chrono::milliseconds(10 * busy));
         continue;
       }
@@ -1080,7 +1092,7 @@ class IscsiDevice final : public BlockDevice {
       const scsi_task& t = *task.value();
       if (t.status == SCSI_STATUS_GOOD) return Status::Ok();
       if (SenseIs(t, SCSI_SENSE_UNIT_ATTENTION) && attempt < kMaxUnitAttentions) continue;
-      if (IsTransientStatus(t.status) && attempt < kMaxBusyRetries) {
+      if (IsTransient(t) && attempt < kMaxBusyRetries) {
         std::this_thread::sleep_for(std::chrono::milliseconds(10 * (attempt + 1)));
         continue;
       }

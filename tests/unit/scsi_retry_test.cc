@@ -1,0 +1,29 @@
+// Which CHECK CONDITIONs the iSCSI device sends again (volume/scsi_retry.h).
+// tgtd cannot be made to answer NOT READY or ABORTED COMMAND, so the rule
+// is tested here; the retry loop around it is the one BUSY, TASK SET FULL
+// and TASK ABORTED take (iscsi_device_test.cc drives it with a real target).
+#include "volume/scsi_retry.h"
+
+#include <catch2/catch.hpp>
+#include <cstdint>
+
+using namespace dede;
+
+TEST_CASE("iSCSI: NOT READY on the way to ready and ABORTED COMMAND are sent again", "[iscsi]") {
+  for (uint16_t ascq : {0x0401, 0x0405, 0x0406, 0x0407, 0x0408, 0x0409, 0x040a}) {
+    INFO(std::hex << ascq);
+    CHECK(IsTransientCheckCondition(kSenseNotReady, ascq));
+  }
+  CHECK(IsTransientCheckCondition(kSenseAbortedCommand, 0x0000));
+  CHECK(IsTransientCheckCondition(kSenseAbortedCommand, 0x4700));  // a transport CRC error
+  // For an administrator: an initializing command required, manual
+  // intervention, no medium; and the other sense keys.
+  for (uint16_t ascq : {0x0400, 0x0402, 0x0403, 0x3a00, 0x3a01}) {
+    INFO(std::hex << ascq);
+    CHECK_FALSE(IsTransientCheckCondition(kSenseNotReady, ascq));
+  }
+  CHECK_FALSE(IsTransientCheckCondition(0x03, 0x1100));  // MEDIUM ERROR, unrecovered read
+  CHECK_FALSE(IsTransientCheckCondition(0x05, 0x2100));  // ILLEGAL REQUEST, LBA out of range
+  CHECK_FALSE(IsTransientCheckCondition(0x07, 0x2700));  // DATA PROTECT, write protected
+  CHECK_FALSE(IsTransientCheckCondition(0x06, 0x2900));  // UNIT ATTENTION: handled apart
+}
