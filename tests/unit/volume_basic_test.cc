@@ -1352,3 +1352,70 @@ TEST_CASE("journal: damage to the newest header slot does not replay old transac
   REQUIRE(b.value()->Read(0, got.data(), kBlockSize).ok());
   CHECK(got == data);
 }
+
+// fsck's check that a block with more than one reference is reached only
+// through pointers with the copy-on-write bit (a write through one without
+// it would change the block under its other users); and its repair.
+TEST_CASE("fsck: finds and repairs a shared block's pointer without the COW bit",
+          "[volume][fsck]") {
+  MemDevice dev(64 << 20);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  const std::vector<uint8_t> data = Pattern(4 * kBlockSize, 41);
+  uint64_t ino = 0;
+  Superblock sb;
+  {
+    auto vol = Volume::Open(&dev, oo);
+    REQUIRE(vol.ok());
+    sb = (*vol)->superblock();
+    REQUIRE((*vol)->Create("a", 1 << 20).ok());
+    REQUIRE((*vol)->Create("b", 1 << 20).ok());
+    auto a = (*vol)->OpenFile("a");
+    auto b = (*vol)->OpenFile("b");
+    REQUIRE(a.ok());
+    REQUIRE(b.ok());
+    REQUIRE((*a)->Write(0, data.data(), data.size()).ok());
+    REQUIRE((*vol)->CloneBlock(a->get(), 2, b->get(), 0).ok());
+    ino = (*b)->id().ino;
+  }
+  // Clear the COW bit of b's pointer to the shared block, on the device.
+  std::vector<uint8_t> blk(kBlockSize);
+  REQUIRE(dev.Read(sb.InodeBlock(ino) * kBlockSize, blk.data(), kBlockSize).ok());
+  auto in = DecodeInode(blk.data(), sb.uuid, sb.InodeBlock(ino));
+  REQUIRE(in.ok());
+  REQUIRE(in->depth == 1);
+  REQUIRE(dev.Read(in->root * kBlockSize, blk.data(), kBlockSize).ok());
+  const uint64_t p = GetPtr(blk.data(), 0);
+  REQUIRE((p & kPtrCow) != 0);
+  SetPtr(blk.data(), 0, p & ~kPtrCow);
+  SealBlock(blk.data(), PeekHeader(blk.data()), sb.uuid);
+  REQUIRE(dev.Write(in->root * kBlockSize, blk.data(), kBlockSize).ok());
+
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  auto rep = CheckVolume(vol->get(), /*repair=*/false);
+  REQUIRE(rep.ok());
+  REQUIRE(rep->problems.size() == 1);
+  CHECK(rep->problems[0].where == "inode " + std::to_string(ino) + " block 0");
+  CHECK(rep->problems[0].what.find("unshared (non-COW) pointer to block " +
+                                   std::to_string(PtrAddr(p)) + ", which has 2 references") !=
+        std::string::npos);
+  rep = CheckVolume(vol->get(), /*repair=*/true);
+  REQUIRE(rep.ok());
+  REQUIRE(rep->problems.size() == 1);
+  CHECK(rep->problems[0].repaired);
+  rep = CheckVolume(vol->get(), /*repair=*/false);
+  REQUIRE(rep.ok());
+  CHECK(rep->clean());
+  // A write through b now copies; a keeps its data.
+  auto b = (*vol)->OpenFile("b");
+  REQUIRE(b.ok());
+  const std::vector<uint8_t> other = Pattern(kBlockSize, 42);
+  REQUIRE((*b)->Write(0, other.data(), kBlockSize).ok());
+  auto a = (*vol)->OpenFile("a");
+  REQUIRE(a.ok());
+  std::vector<uint8_t> got(data.size());
+  REQUIRE((*a)->Read(0, got.data(), got.size()).ok());
+  CHECK(got == data);
+}
