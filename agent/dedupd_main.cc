@@ -550,6 +550,12 @@ int Run(const Config& cfg) {
     Result<std::unique_ptr<PassHistory>> h = PassHistory::Open(cfg.history, true);
     if (h.ok()) {
       history = std::move(*h);
+    } else if (h.status().code() == Status::Code::kCorruption ||
+               h.status().code() == Status::Code::kUnsupported) {
+      // A damaged history, or one a newer dede wrote (a downgrade): only
+      // `dede report` loses by it; the host's VMs must not lose their disks.
+      LOG(kError) << "pass history: " << h.status().ToString()
+                  << "; serving without one (move the file aside to start a new history)";
     } else if (cfg.history_given) {
       // A path that cannot hold the history: the configuration's to fix.
       LOG(kError) << "pass history: " << h.status().ToString();

@@ -22,13 +22,18 @@ void IoThrottle::Charge(uint64_t bytes) {
 void IoThrottle::Settle(const std::function<void()>& between) {
   uint64_t debt = debt_.exchange(0, std::memory_order_relaxed);
   if (cancelled_.load()) return;
-  const uint64_t rate = limiter_.rate();
-  const uint64_t slice = between && rate > 0 ? std::max<uint64_t>(rate / 4, 1) : debt;
+  // Paid in slices of a quarter second at the cap, read afresh for each:
+  // a rate changed meanwhile (dede policy set, SIGHUP) applies from the
+  // next slice. Paid in one, a big debt (a volume summary, merges) was
+  // slept out at the old rate whatever the new one (a minute at 1 MB/s
+  // for 60 MB, after the cap was lifted).
   while (debt > 0) {
-    const uint64_t n = std::min(debt, slice);
+    const uint64_t rate = limiter_.rate();
+    if (rate == 0) return;  // no cap (any more): nothing to wait for
+    const uint64_t n = std::min(debt, std::max<uint64_t>(rate / 4, 1));
     if (!limiter_.Acquire(n, &cancelled_)) return;  // Cancel: the rest is dropped
     debt -= n;
-    if (debt > 0) between();
+    if (debt > 0 && between) between();
   }
 }
 

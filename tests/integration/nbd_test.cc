@@ -1568,6 +1568,22 @@ TEST_CASE("racing writers on one export: the log's latest record is the block's 
 namespace dede {
 namespace {
 
+TEST_CASE("dedupd serves with a damaged pass history, which only the report needs", "[nbd]") {
+  // Any history that did not open stopped dedupd (exit 2, which systemd
+  // does not restart): the host's VMs lost their disks over a report.
+  TestVolume tv({{"vm", 1 * kMiB}});
+  const std::string history = tv.dir.file("history.db");
+  std::ofstream(history) << std::string(4096, 'x');
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--history", history});
+  const std::string qemu_io = RequireProgram("qemu-io");
+  RunOk(
+      {qemu_io, "-f", "raw", "-c", "write -P 0x3c 0 64k", "-c", "read -P 0x3c 0 64k", d.Uri("vm")});
+  INFO(d.Log());
+  CHECK(d.Log().find("pass history: " + history) != std::string::npos);
+  CHECK(d.Log().find("serving without one") != std::string::npos);
+  REQUIRE(d.Stop() == 0);
+}
+
 TEST_CASE("dedupd command line with usage errors and bad volumes and taken host ids and config files",
           "[nbd]") {
   TestVolume tv({{"vm", 1 * kMiB}});
