@@ -731,6 +731,10 @@ int Run(const Config& cfg) {
     // report` reads as not measured).
     if (cancel_pass) {
       LOG(kInfo) << "volume figures after the pass: skipped (shutting down)";
+    } else if (row.outcome == "stopped") {
+      // Stopped at its window's end: reading 0.1% of the volume then would
+      // be dedup I/O outside the window.
+      LOG(kInfo) << "volume figures after the pass: skipped (its window has ended)";
     } else {
       Result<SpaceSummary> space = [&] {
         ScopedDedupPriority priority(policy.priority);
