@@ -242,6 +242,40 @@ TEST_CASE("dede report --since and --last select passes", "[report]") {
   CHECK(ReportJson({"--history", recent_path, "--since", "1h"}).at("passes").empty());
 }
 
+TEST_CASE("dede report shows one volume of a history that holds several", "[report]") {
+  // Two dedupd instances on one history file (dedupd@ instances left on
+  // the default), or a volume formatted again: the savings over time
+  // alternated between the volumes' figures.
+  TempDir dir;
+  const std::string path = dir.file("history.db");
+  std::vector<PassRow> mixed = TwoDays();
+  const std::string other = "11111111-2222-4333-8444-555555555555";
+  mixed[0].volume_uuid = other;
+  mixed[2].volume_uuid = other;
+  SetVolume(&mixed[0], 100 * kGiB, 1 * kGiB);
+  mixed = WriteHistory(path, mixed);
+  auto ids = [](const json& j) {
+    std::vector<int64_t> out;
+    for (const json& p : j.at("passes")) out.push_back(p.at("id").get<int64_t>());
+    return out;
+  };
+  // By default the volume of the most recent pass.
+  const json latest = ReportJson({"--history", path});
+  CHECK(latest.at("volume_uuid") == mixed[3].volume_uuid);
+  CHECK(latest.at("other_volumes") == json::array({other}));
+  CHECK(ids(latest) == std::vector<int64_t>{mixed[1].id, mixed[3].id});
+  CHECK(latest.at("totals").at("passes") == 2);
+  CHECK(latest.at("savings_after_first_pass").at("volume_logical_bytes") == 4 * kGiB);
+  const json picked = ReportJson({"--history", path, "--volume", other});
+  CHECK(ids(picked) == std::vector<int64_t>{mixed[0].id, mixed[2].id});
+  CHECK(ReportJson({"--history", path, "--volume", other, "--last", "1"}).at("passes").size() == 1);
+  const ProcessResult r = Dede({"report", "--history", path});
+  REQUIRE(r.exit_code == 0);
+  const std::string& text = r.out;
+  CHECK(text.find("2 passes of volume " + mixed[3].volume_uuid) != std::string::npos);
+  CHECK(text.find("--volume UUID") != std::string::npos);
+}
+
 TEST_CASE("dede report prints the passes totals and savings for people", "[report]") {
   TempDir dir;
   const std::string path = dir.file("history.db");

@@ -12,6 +12,7 @@
 #include <map>
 #include <nlohmann/json.hpp>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -369,6 +370,8 @@ int RunReport(const Command& cmd, const std::vector<std::string>& args) {
       "only passes started since a local date or time (2026-11-20, 2026-11-20T13:00) or for "
       "a duration back from now (90s, 30m, 12h, 7d, 2w)")(
       "last", po::value<std::string>()->value_name("N"), "only the N most recent of those passes")(
+      "volume", po::value<std::string>()->value_name("UUID"),
+      "only the passes of this volume (default: the volume of the most recent pass)")(
       "json", po::bool_switch(), "print the passes, totals and savings as JSON");
   parser.SetDetails(
       "Reads the local pass history that dedupd writes when each dedup pass ends\n"
@@ -376,7 +379,9 @@ int RunReport(const Command& cmd, const std::vector<std::string>& args) {
       "totals and the volume's savings over time: saved bytes and the saved\n"
       "fraction of logical data after the first and the last pass shown, and after\n"
       "the last pass of each local day. Passes that did not measure the volume\n"
-      "(one that failed early) are left out of the savings. Times are local.");
+      "(one that failed early) are left out of the savings. Times are local.\n"
+      "A history that holds passes of several volumes (dedupd instances sharing\n"
+      "one file, a volume formatted again) is shown for one volume at a time.");
   if (auto rc = parser.Parse(args)) return *rc;
 
   const std::string path = parser.value("history").value_or(kDefaultHistoryPath);
@@ -409,14 +414,33 @@ int RunReport(const Command& cmd, const std::vector<std::string>& args) {
     }
     return Fail(cmd, history.status());
   }
-  Result<std::vector<PassRow>> passes = (*history)->List(since_ns, last);
+  Result<std::vector<PassRow>> passes = (*history)->List(since_ns, 0);
   if (!passes.ok()) return Fail(cmd, passes.status());
+  // One volume at a time: its savings over time mixed with another's
+  // alternated between their figures.
+  std::string volume = parser.value("volume").value_or("");
+  if (volume.empty() && !passes->empty()) volume = passes->back().volume_uuid;
+  std::set<std::string> other_volumes;
+  std::vector<PassRow> kept;
+  for (PassRow& r : *passes) {
+    if (r.volume_uuid == volume) {
+      kept.push_back(std::move(r));
+    } else {
+      other_volumes.insert(r.volume_uuid);
+    }
+  }
+  if (last > 0 && kept.size() > last)
+    kept.erase(kept.begin(), kept.end() - static_cast<ptrdiff_t>(last));
+  *passes = std::move(kept);
   const Totals totals = Sum(*passes);
   const Savings savings = SavingsOverTime(*passes);
 
   if (parser.flag("json")) {
     json j;
     j["history"] = path;
+    j["volume_uuid"] = volume;
+    j["other_volumes"] = json::array();
+    for (const std::string& v : other_volumes) j["other_volumes"].push_back(v);
     j["passes"] = json::array();
     for (const PassRow& r : *passes) j["passes"].push_back(PassRowToJson(r));
     j["totals"] = TotalsJson(totals);
@@ -434,7 +458,14 @@ int RunReport(const Command& cmd, const std::vector<std::string>& args) {
     return kExitOk;
   }
   std::cout << path << ": " << passes->size() << (passes->size() == 1 ? " pass" : " passes")
-            << (since_ns != 0 ? " since " + LocalDateTime(since_ns) : std::string()) << "\n\n";
+            << (since_ns != 0 ? " since " + LocalDateTime(since_ns) : std::string())
+            << (other_volumes.empty() ? "" : " of volume " + volume) << '\n';
+  if (!other_volumes.empty()) {
+    std::string others;
+    for (const std::string& v : other_volumes) others += (others.empty() ? "" : ", ") + v;
+    std::cout << "(it also holds passes of " << others << ": --volume UUID shows them)\n";
+  }
+  std::cout << '\n';
   PrintPasses(*passes);
   PrintSummary(*passes, totals, savings);
   return kExitOk;
