@@ -550,9 +550,9 @@ void VolumeImpl::ForgetTaken(const std::vector<LockId>& taken) {
   for (const LockId& id : taken) (void)ForgetCachedLock(id, /*unclean=*/true);
 }
 
-Status VolumeImpl::ScanDeadHosts() {
+Status VolumeImpl::ScanDeadHosts(uint32_t skip) {
   for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
-    if (h == host_) continue;
+    if (h == host_ || h == skip) continue;
     ASSIGN_OR_RETURN(bool alive, locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}));
     LockId rec{LockKind::kRecovery, h};
     if (!alive) {
@@ -673,8 +673,16 @@ Status VolumeImpl::AdoptDropsOf(uint32_t h) {
   // list until we release kRecovery(h).
   ASSIGN_OR_RETURN(bool alive, locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}));
   if (alive) return Status::Ok();
-  // A dead owner's newest list may still be in its journal.
+  // A dead owner's newest list may still be in its journal; and so may a
+  // dead adopter's step one, which shortened this list (it took the slot's
+  // kRecovery too, and died before its checkpoint put the list home):
+  // read from home without that replay, the list still held the entries
+  // that adopter took, and its journal, replayed later, put its shorter
+  // list back over ours, bringing back entries we had taken as well (a
+  // drop applied twice: a count below its references). Every dead host's
+  // journal first, as any use of a lock taken from a dead holder does.
   RETURN_IF_ERROR(ReplayJournalOf(h));
+  RETURN_IF_ERROR(ScanDeadHosts(/*skip=*/h));
   Result<std::vector<std::vector<uint64_t>>> lists = ReadDropList(h, nullptr);
   if (!lists.ok()) return Status::Ok();  // fsck reports it; repair clears it
   std::vector<uint64_t> taken;
@@ -1741,8 +1749,22 @@ Status VolumeImpl::AllocateRunAt(uint32_t g, uint64_t idx, size_t n, bool reserv
 
 Status VolumeImpl::Allocate(size_t n, std::vector<uint64_t>* out, bool meta, AllocHint hint,
                             bool reserve) {
-  out->clear();
   reserve = reserve && !meta;
+  Status st = AllocateOrFail(n, out, meta, hint, reserve);
+  if (!st.ok() && !out->empty()) {
+    // A failure after part of the run was taken (a wait for the next group
+    // that timed out, a read error): give that part back. Kept, the caller
+    // (which only returns the error) never cancelled it: reserved, the
+    // blocks pinned their group for good (never handed over, other hosts'
+    // waits for it timing out) and leaked at the next materialization.
+    (void)UndoAllocate(out, reserve);
+  }
+  return st;
+}
+
+Status VolumeImpl::AllocateOrFail(size_t n, std::vector<uint64_t>* out, bool meta, AllocHint hint,
+                                  bool reserve) {
+  out->clear();
   if (!meta && hint.goal != 0) {
     uint32_t g, slot;
     uint64_t rb;

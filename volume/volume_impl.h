@@ -218,7 +218,8 @@ class VolumeImpl : public Volume {
   // it (TryTakeGroup). A failed announcement is only a lost hint.
   void AnnounceWant(uint32_t g) REQUIRES(mu_);
   Status RecoverDeadHosts() REQUIRES(mu_);
-  Status ScanDeadHosts() REQUIRES(mu_);
+  // `skip`: a slot whose kRecovery the caller holds (0: none).
+  Status ScanDeadHosts(uint32_t skip = 0) REQUIRES(mu_);
   void DropCache(LockId owner) REQUIRES(mu_);
 
   // Inodes and block maps (mu_ held; caller holds the inode's lock).
@@ -360,6 +361,8 @@ class VolumeImpl : public Volume {
   Status Allocate(size_t n, std::vector<uint64_t>* out, bool meta = false,
                   AllocHint hint = AllocHint{0, 0}, bool reserve = false)
       REQUIRES(mu_);
+  Status AllocateOrFail(size_t n, std::vector<uint64_t>* out, bool meta, AllocHint hint,
+                        bool reserve) REQUIRES(mu_);
   // Takes the free blocks at data index idx, idx+1, ... of group g (held)
   // until n are taken, one is not free or the group ends; moves the
   // group's data cursor past them.
