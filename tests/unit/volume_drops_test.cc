@@ -1779,3 +1779,93 @@ TEST_CASE("volume: an allocation that fails after part of its run gives that par
   INFO("fsck:" << problems);
   CHECK(problems.empty());
 }
+
+TEST_CASE("volume drops: an adoption at a flush point replays a dead earlier adopter first",
+          "[volume][drops][crash]") {
+  // Host 3 adopted part of free slot 2's list (its own list had room for
+  // 37 of 60): step one, slot 2's shortened list, was committed in host
+  // 3's journal, and host 3 died before its checkpoint put it home. Host
+  // 4, open all along, adopted at a flush point from slot 2's home list
+  // (all 60), without replaying host 3's journal first; that replay,
+  // later, wrote the shortened list (23) back, and those 23 were adopted
+  // and applied a second time: counts below their references.
+  Rig r(0, /*drop_blocks=*/1);
+  constexpr uint64_t kOwn = 470;   // host 3's own pending drops (a write keeps 32 free)
+  constexpr uint64_t kSlot2 = 60;  // slot 2's
+  constexpr uint64_t kBlocks = kOwn + kSlot2;
+  {
+    REQUIRE(r.v1->Create("c", kBlocks * kB).ok());
+    REQUIRE(r.v1->Create("d", kBlocks * kB).ok());
+    auto c = r.v1->OpenFile("c");
+    auto d = r.v1->OpenFile("d");
+    REQUIRE(c.ok());
+    REQUIRE(d.ok());
+    const std::vector<uint8_t> data = Pattern(0x21, kBlocks);
+    REQUIRE((*c)->Write(0, data.data(), data.size()).ok());
+    for (uint64_t i = 0; i < kBlocks; i++) {
+      REQUIRE(r.v1->CloneBlock(c->get(), i, d->get(), i).ok());
+    }
+    REQUIRE(r.v1->Sync().ok());
+  }
+  r.HoldGroupZero();
+  auto cow_break = [](Volume* v, uint64_t first, uint64_t n) {
+    auto d = v->OpenFile("d");
+    REQUIRE(d.ok());
+    const std::vector<uint8_t> y = Pattern(0x77, n);
+    for (uint64_t i = 0; i < n; i += 16) {
+      const uint64_t k = std::min<uint64_t>(16, n - i);
+      Status w = (*d)->Write((first + i) * kB, y.data() + i * kB, k * kB);
+      INFO("blocks " << first + i << ".." << first + i + k - 1 << ": " << w.ToString());
+      REQUIRE(w.ok());
+    }
+    REQUIRE((*d)->Flush().ok());
+  };
+  auto lm3 = r.NewLocks();
+  auto v3 = r.OpenAs(&r.base, 3, lm3);
+  cow_break(v3.get(), 0, kOwn);
+  REQUIRE(Pending(v3.get()) == kOwn);
+  FaultDevice d2(&r.base);
+  auto v2 = r.OpenAs(&d2, 2, r.lm2);
+  cow_break(v2.get(), kOwn, kSlot2);
+  auto v4 = r.OpenAs(&r.base, 4, r.NewLocks());  // slots 2 and 3 are live: nothing to adopt
+  v3.reset();  // a clean close: its drops stay in slot 3's list (group 0 held)
+  lm3.reset();
+  r.KillHost2(&d2, &v2);
+  REQUIRE(r.v1->Sync().ok());  // host 1 replays host 2's journal
+
+  // Host 3 comes back, adopts 4 of slot 2's 17 at open (its list has room
+  // for 4), commits step one, and dies at the checkpoint's first home write.
+  FaultDevice d3(&r.base);
+  d3.FailWritesAfter(1, EIO);
+  lm3 = r.NewLocks();
+  {
+    OpenOptions oo;
+    oo.host_id = 3;
+    oo.locks = lm3;
+    oo.clock = &r.clock;
+    auto again = Volume::Open(&d3, oo);
+    INFO(again.status().ToString());
+    REQUIRE_FALSE(again.ok());
+  }
+  lm3.reset();
+  std::mt19937_64 rng(5);
+  d3.Crash(rng, 1.0);
+
+  // Host 4's adoption is due at its next flush point; then everything is
+  // applied (the group is let go) and nothing may be applied twice.
+  r.clock.Advance(61'000'000'000);
+  REQUIRE(v4->Sync().ok());
+  r.LetGo();
+  for (int round = 0; round < 8; round++) {
+    r.clock.Advance(61'000'000'000);
+    REQUIRE(r.v1->Sync().ok());
+    REQUIRE(v4->Sync().ok());
+  }
+  r.v1.reset();
+  RequireOnlyLeaks(v4.get());
+  auto c = v4->OpenFile("c");
+  REQUIRE(c.ok());
+  std::vector<uint8_t> got(kBlocks * kB);
+  REQUIRE((*c)->Read(0, got.data(), got.size()).ok());
+  CHECK(got == Pattern(0x21, kBlocks));
+}
