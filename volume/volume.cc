@@ -1292,8 +1292,12 @@ Status VolumeImpl::AcquireGroupsFor(const std::vector<uint64_t>& addrs) {
     // waiters get it at our next flush point.
     Status st = locks_->Acquire(GroupLock(g), LockMode::kExclusive, false);
     if (st.code() == Status::Code::kLocked) {
-      // Wait in group order holding no other cached lock.
-      taken.clear();  // ReleaseCached gives them back
+      // Wait in group order holding no other cached lock. Those just taken
+      // go back uncleanly, not scanned yet (ForgetTaken: a clean release,
+      // as ReleaseCached makes, would erase a replaced dead holder's
+      // record, and its next taker would skip the dead-host scan).
+      ForgetTaken(taken);
+      taken.clear();
       RETURN_IF_ERROR(ReleaseCached());
       for (uint64_t a : addrs) {
         uint32_t gg;
