@@ -1972,6 +1972,10 @@ Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKi
     uint64_t free_ino = 0;
     for (uint64_t ino : free_inos) {
       if (opening_.count(ino)) continue;  // an open's lock (it will find no file)
+      // Held here: a file this process removes (RemoveOpen) until it is
+      // closed. Asked for again, a lock this process holds is not kLocked
+      // but an error, which failed the create.
+      if (open_.count(ino) || cached_locks_.count(InodeLock(ino))) continue;
       Status st = locks_->Acquire(InodeLock(ino), LockMode::kExclusive, false);
       if (st.ok()) {
         free_ino = ino;
