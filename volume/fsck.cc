@@ -623,7 +623,7 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
   // The pointers without the COW bit to blocks with more than one
   // reference: found by walking the maps again (from home, as the first
   // walk read them; what it reported or cut out is skipped), only when
-  // there are any (the check used to read every leaf again: 35 s for 2 GiB).
+  // there are any (the check used to read every leaf again: 30 s for 2 GiB).
   std::vector<Unshared> unshared;
   if (const std::unordered_set<uint64_t> bad = refs.SharedNonCow(); !bad.empty()) {
     BlockBuf pbuf = NewBlockBuf();
