@@ -1391,23 +1391,26 @@ Result<uint32_t> VolumeImpl::PeekRef(uint64_t addr,
   return GetRef(addr);
 }
 
-Result<bool> VolumeImpl::RefSaturated(uint64_t addr) {
-  uint32_t g, slot;
-  uint64_t rb;
-  RETURN_IF_ERROR(LocateRef(addr, &g, &rb, &slot));
+Status VolumeImpl::LoadRefOf(uint64_t addr, uint8_t** b, uint64_t* rb, uint32_t* slot) {
+  uint32_t g;
+  RETURN_IF_ERROR(LocateRef(addr, &g, rb, slot));
   RETURN_IF_ERROR(AcquireGroupOf(addr));
+  return Load(*rb, GroupLock(g), kMagicRefcountBlock, "refcount block", b);
+}
+
+Result<bool> VolumeImpl::RefSaturated(uint64_t addr) {
   uint8_t* b;
-  RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
+  uint64_t rb;
+  uint32_t slot;
+  RETURN_IF_ERROR(LoadRefOf(addr, &b, &rb, &slot));
   return dede::GetRef(b, slot) == UINT32_MAX;
 }
 
 Status VolumeImpl::AddRef(uint64_t addr, int delta) {
-  uint32_t g, slot;
-  uint64_t rb;
-  RETURN_IF_ERROR(LocateRef(addr, &g, &rb, &slot));
-  RETURN_IF_ERROR(AcquireGroupOf(addr));
   uint8_t* b;
-  RETURN_IF_ERROR(Load(rb, GroupLock(g), kMagicRefcountBlock, "refcount block", &b));
+  uint64_t rb;
+  uint32_t slot;
+  RETURN_IF_ERROR(LoadRefOf(addr, &b, &rb, &slot));
   uint32_t r = dede::GetRef(b, slot);
   if (delta < 0 && r == 0) {
     return Status::Corruption("refcount of block " + std::to_string(addr) + " would go negative");

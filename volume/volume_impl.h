@@ -273,6 +273,9 @@ class VolumeImpl : public Volume {
                            std::unordered_map<uint64_t, BlockBuf>* read_home = nullptr)
       REQUIRES(mu_);
   Status AddRef(uint64_t addr, int delta) REQUIRES(mu_);
+  // The refcount block holding `addr`'s count (its group taken, the block
+  // cached), its address and `addr`'s slot in it.
+  Status LoadRefOf(uint64_t addr, uint8_t** b, uint64_t* rb, uint32_t* slot) REQUIRES(mu_);
   // Whether `addr`'s count is at its most (UINT32_MAX): AddRef(+1) fails.
   Result<bool> RefSaturated(uint64_t addr) REQUIRES(mu_);
 

@@ -812,6 +812,26 @@ TEST_CASE(
   CHECK(rep->clean());
 }
 
+// A split of `parent` that died: its lower half complete (no entries),
+// its upper half without a header (an update that died before it). The
+// upper half's name.
+static std::string MakeDeadSplit(Volume* vol, const ShardSlot& parent) {
+  const ShardRange lower = parent.range.Lower(), upper = parent.range.Upper();
+  const std::string name = ShardFileName(lower, parent.version + 1);
+  REQUIRE(vol->Create(name, 0, FileKind::kIndexShard).ok());
+  auto f = vol->OpenFile(name);
+  REQUIRE(f.ok());
+  ShardHeader proto;
+  proto.range = lower;
+  proto.version = parent.version + 1;
+  proto.algo = vol->superblock().hash_algo;
+  ShardWriter w(vol, f->get(), proto);
+  REQUIRE(w.Finish(0, 0).ok());
+  const std::string upper_name = ShardFileName(upper, parent.version + 1);
+  REQUIRE(vol->Create(upper_name, 2 * kB, FileKind::kIndexShard).ok());
+  return upper_name;
+}
+
 // A split that died: its lower half complete, its upper half without a
 // header, the parent still live. The upper half is under its own lock
 // (ShardLockId(lo)), not the parent's, which is the lower half's. A
@@ -841,20 +861,7 @@ TEST_CASE(
   const ShardRange lower = parent.range.Lower(), upper = parent.range.Upper();
   REQUIRE(ShardLockId(lower) == ShardLockId(parent.range));
   REQUIRE(ShardLockId(upper) != ShardLockId(parent.range));
-  {
-    const std::string name = ShardFileName(lower, parent.version + 1);
-    REQUIRE(vol->Create(name, 0, FileKind::kIndexShard).ok());
-    auto f = vol->OpenFile(name);
-    REQUIRE(f.ok());
-    ShardHeader proto;
-    proto.range = lower;
-    proto.version = parent.version + 1;
-    proto.algo = vol->superblock().hash_algo;
-    ShardWriter w(vol, f->get(), proto);
-    REQUIRE(w.Finish(0, 0).ok());
-  }
-  const std::string upper_name = ShardFileName(upper, parent.version + 1);
-  REQUIRE(vol->Create(upper_name, 2 * kB, FileKind::kIndexShard).ok());
+  const std::string upper_name = MakeDeadSplit(vol, parent);
   {
     auto half = LoadShardMap(vol);
     REQUIRE(half.ok());
@@ -912,21 +919,7 @@ TEST_CASE(
   };
   const uint64_t before = entries();
   REQUIRE(before >= 8);
-  const ShardRange lower = parent.range.Lower(), upper = parent.range.Upper();
-  {
-    const std::string name = ShardFileName(lower, parent.version + 1);
-    REQUIRE(vol->Create(name, 0, FileKind::kIndexShard).ok());
-    auto f = vol->OpenFile(name);
-    REQUIRE(f.ok());
-    ShardHeader proto;
-    proto.range = lower;
-    proto.version = parent.version + 1;
-    proto.algo = vol->superblock().hash_algo;
-    ShardWriter w(vol, f->get(), proto);
-    REQUIRE(w.Finish(0, 0).ok());
-  }
-  const std::string upper_name = ShardFileName(upper, parent.version + 1);
-  REQUIRE(vol->Create(upper_name, 2 * kB, FileKind::kIndexShard).ok());
+  const std::string upper_name = MakeDeadSplit(vol, parent);
   auto reader = vol->OpenFile(upper_name);
   REQUIRE(reader.ok());
   std::thread release([&] {
