@@ -550,16 +550,17 @@ int Run(const Config& cfg) {
     Result<std::unique_ptr<PassHistory>> h = PassHistory::Open(cfg.history, true);
     if (h.ok()) {
       history = std::move(*h);
-    } else if (h.status().code() == Status::Code::kCorruption ||
-               h.status().code() == Status::Code::kUnsupported) {
-      // A damaged history, or one a newer dede wrote (a downgrade): only
-      // `dede report` loses by it; the host's VMs must not lose their disks.
-      LOG(kError) << "pass history: " << h.status().ToString()
-                  << "; serving without one (move the file aside to start a new history)";
-    } else if (cfg.history_given) {
-      // A path that cannot hold the history: the configuration's to fix.
+    } else if (cfg.history_given && h.status().code() == Status::Code::kInvalid) {
+      // A path that cannot name a history: the configuration's to fix.
       LOG(kError) << "pass history: " << h.status().ToString();
       return kExitUsage;
+    } else if (cfg.history_given) {
+      // A damaged history, one a newer dede wrote (a downgrade), one busy
+      // or unwritable for now: only `dede report` loses by it; the host's
+      // VMs must not lose their disks (exit 2 is not restarted).
+      LOG(kError) << "pass history: " << h.status().ToString()
+                  << "; serving without one (for a damaged file: move it aside to start a new "
+                     "history)";
     } else {
       LOG(kWarning) << "no pass history (" << h.status().ToString()
                     << "); give --history PATH to keep one";

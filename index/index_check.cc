@@ -1,6 +1,7 @@
 #include "index/index_check.h"
 
 #include <algorithm>
+#include <bit>
 #include <map>
 #include <memory>
 #include <optional>
@@ -540,17 +541,19 @@ class Checker {
     // where that decides what is stale here. Taken so, a dead split's
     // upper half held by a reader (a pass's map load, `dede stats`) made
     // the split look finished, and the repair removed the live parent.
-    // The widest range the actions name at lo (a split's parent).
-    ShardRange locked{64, lo};
+    // The widest range the actions name at lo (a split's parent); with
+    // only arenas named, the widest range that can start at lo.
+    std::optional<ShardRange> named;
     for (const Action* a : acts) {
       ShardRange r;
       uint64_t version;
       if ((ParseShardFileName(a->name, &r, &version) || ParsePendingFileName(a->name, &r)) &&
-          r.lo == lo && r.depth < locked.depth) {
-        locked = r;
+          r.lo == lo && (!named || r.depth < named->depth)) {
+        named = r;
       }
     }
-    if (locked.depth == 64) locked.depth = 0;  // only arenas: assume the widest
+    const ShardRange locked = named.value_or(
+        ShardRange{lo == 0 ? 0u : static_cast<uint32_t>(64 - std::countr_zero(lo)), lo});
     Result<ShardMap> loaded = LoadShardMap(vol_, &locked);
     if (loaded.status().code() == Status::Code::kLocked) {
       for (Action* a : acts) MarkRepaired(a, false, loaded.status().message());

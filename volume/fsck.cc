@@ -398,13 +398,16 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     }
   }
 
-  // ---- every other slot's kRecovery, held from here until the counts
-  // are compared: a live host adopting a free slot's drops
+  // ---- with --repair, every other slot's kRecovery, held from here until
+  // the counts are compared: a live host adopting a free slot's drops
   // (AdoptDropsOf) needs no group lock, only that one, and between its two
   // steps the entries are in no list on disk (step one home, step two in
   // its journal only): read then, and with its journal read as empty just
-  // before, the counts would be lowered under its later drains.
-  for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
+  // before, the counts would be lowered under its later drains. (A check
+  // alone changes nothing: it does not keep hosts from starting meanwhile,
+  // which take their slot's kRecovery first; such a race can only show a
+  // count too high, reported.)
+  for (uint32_t h = 1; repair && h <= sb_.max_hosts; h++) {
     if (h == host_) continue;
     const LockId rec{LockKind::kRecovery, h};
     RETURN_IF_ERROR(TakeRecoveryLock(rec, LockMode::kExclusive));

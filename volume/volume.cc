@@ -455,7 +455,8 @@ Status VolumeImpl::Start(uint32_t host_id) {
       }
       if (host_ == 0) {
         return Status::Locked("all " + std::to_string(sb_.max_hosts) +
-                              " host slots of the volume are in use");
+                              " host slots of the volume are in use (or being recovered: a "
+                              "replay, or a dede fsck --repair, holds their recovery locks)");
       }
     }
     slot_locked_ = true;
@@ -550,7 +551,16 @@ void VolumeImpl::ForgetTaken(const std::vector<LockId>& taken) {
   for (const LockId& id : taken) (void)ForgetCachedLock(id, /*unclean=*/true);
 }
 
-Status VolumeImpl::ScanDeadHosts(uint32_t skip) {
+Status VolumeImpl::ScanDeadHosts(uint32_t skip, bool may_wait) {
+  // Without waiting: a kRecovery held elsewhere is kLocked at once.
+  auto take = [&](LockId rec, LockMode mode) REQUIRES(mu_) -> Status {
+    if (may_wait) return TakeRecoveryLock(rec, mode);
+    Status st = locks_->Acquire(rec, mode, false);
+    if (st.code() == Status::Code::kLocked) {
+      return Status::Locked(rec.ToString() + " is held elsewhere (a replay under way)");
+    }
+    return st;
+  };
   for (uint32_t h = 1; h <= sb_.max_hosts; h++) {
     if (h == host_ || h == skip) continue;
     ASSIGN_OR_RETURN(bool alive, locks_->IsHeldElsewhere(LockId{LockKind::kHostSlot, h}));
@@ -570,12 +580,12 @@ Status VolumeImpl::ScanDeadHosts(uint32_t skip) {
       // A live owner may be replaying its own journal right now: wait for it.
       ASSIGN_OR_RETURN(bool replaying, locks_->IsHeldElsewhere(rec));
       if (replaying) {
-        RETURN_IF_ERROR(TakeRecoveryLock(rec, LockMode::kShared));
+        RETURN_IF_ERROR(take(rec, LockMode::kShared));
         (void)locks_->Release(rec);
       }
       continue;
     }
-    RETURN_IF_ERROR(TakeRecoveryLock(rec, LockMode::kExclusive));
+    RETURN_IF_ERROR(take(rec, LockMode::kExclusive));
     // A new owner may have taken the slot while we waited for kRecovery
     // (it replays its own journal under it, then commits to it): its
     // journal is live now, not ours to replay.
@@ -608,9 +618,9 @@ Status VolumeImpl::TakeRecoveryLock(LockId rec, LockMode mode) {
   if (st.code() == Status::Code::kLocked) {
     return Status::Locked(rec.ToString() + " is still held after " +
                           std::to_string(lock_wait_.count()) +
-                          " s: another process or host is replaying that slot's journal, or one "
-                          "that died doing so left its lock record (its host's next dede "
-                          "command or dedupd marks it dead)");
+                          " s: another process or host is replaying that slot's journal (or "
+                          "a dede fsck --repair is running), or one that died doing so left its "
+                          "lock record (its host's next dede command or dedupd marks it dead)");
   }
   return st;
 }
@@ -682,7 +692,12 @@ Status VolumeImpl::AdoptDropsOf(uint32_t h) {
   // drop applied twice: a count below its references). Every dead host's
   // journal first, as any use of a lock taken from a dead holder does.
   RETURN_IF_ERROR(ReplayJournalOf(h));
-  RETURN_IF_ERROR(ScanDeadHosts(/*skip=*/h));
+  // Never waiting (an adoption holds kRecovery(h), and fsck takes every
+  // slot's in turn: a wait here could meet one there): a replay under way
+  // elsewhere puts the adoption off to a later flush point.
+  Status scanned = ScanDeadHosts(/*skip=*/h, /*may_wait=*/false);
+  if (scanned.code() == Status::Code::kLocked) return Status::Ok();
+  RETURN_IF_ERROR(scanned);
   Result<std::vector<std::vector<uint64_t>>> lists = ReadDropList(h, nullptr);
   if (!lists.ok()) return Status::Ok();  // fsck reports it; repair clears it
   std::vector<uint64_t> taken;
@@ -1404,6 +1419,13 @@ Result<bool> VolumeImpl::RefSaturated(uint64_t addr) {
   uint32_t slot;
   RETURN_IF_ERROR(LoadRefOf(addr, &b, &rb, &slot));
   return dede::GetRef(b, slot) == UINT32_MAX;
+}
+
+Status VolumeImpl::RefusedIfSaturated(uint64_t addr, const char* what) {
+  ASSIGN_OR_RETURN(const bool saturated, RefSaturated(addr));
+  if (!saturated) return Status::Ok();
+  return Status::Mismatch(std::string(what) + ": block " + std::to_string(addr) +
+                          " has the most references a count holds");
 }
 
 Status VolumeImpl::AddRef(uint64_t addr, int delta) {
@@ -3081,6 +3103,7 @@ Status VolumeImpl::CompareAndShare(File* src, uint64_t src_index, File* dst, uin
   // The group locks first: failing to get one (another host holds it)
   // changes nothing.
   RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
+  RETURN_IF_ERROR(RefusedIfSaturated(PtrAddr(sp), "compare_and_share"));
   RETURN_IF_ERROR(PrepareDrops({PtrAddr(dp)}));
   auto apply = [&]() REQUIRES(mu_) -> Status {
     ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
@@ -3136,7 +3159,10 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
         ASSIGN_OR_RETURN(sin, GetInode(s->id.ino));
       }
     }
-    if (sp != 0) RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
+    if (sp != 0) {
+      RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
+      RETURN_IF_ERROR(RefusedIfSaturated(PtrAddr(sp), "clone_block"));
+    }
     RETURN_IF_ERROR(PrepareDrops({PtrAddr(dp)}));
   }
   // A failure past this point would leave the clone half-done: poison.
@@ -3494,7 +3520,7 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
               saturated.status().WithContext("applying block operation " + std::to_string(k)));
         }
         if (*saturated) {
-          op.result = Status::Mismatch("block " + std::to_string(PtrAddr(sp)) +
+          op.result = Status::Mismatch("block op: block " + std::to_string(PtrAddr(sp)) +
                                        " has the most references a count holds");
           op.changed = false;
           if (p.src != nullptr) held_back.insert(p.src);

@@ -218,8 +218,9 @@ class VolumeImpl : public Volume {
   // it (TryTakeGroup). A failed announcement is only a lost hint.
   void AnnounceWant(uint32_t g) REQUIRES(mu_);
   Status RecoverDeadHosts() REQUIRES(mu_);
-  // `skip`: a slot whose kRecovery the caller holds (0: none).
-  Status ScanDeadHosts(uint32_t skip = 0) REQUIRES(mu_);
+  // `skip`: a slot whose kRecovery the caller holds (0: none). Without
+  // `may_wait`, a kRecovery held elsewhere is kLocked at once.
+  Status ScanDeadHosts(uint32_t skip = 0, bool may_wait = true) REQUIRES(mu_);
   void DropCache(LockId owner) REQUIRES(mu_);
 
   // Inodes and block maps (mu_ held; caller holds the inode's lock).
@@ -278,6 +279,9 @@ class VolumeImpl : public Volume {
   Status LoadRefOf(uint64_t addr, uint8_t** b, uint64_t* rb, uint32_t* slot) REQUIRES(mu_);
   // Whether `addr`'s count is at its most (UINT32_MAX): AddRef(+1) fails.
   Result<bool> RefSaturated(uint64_t addr) REQUIRES(mu_);
+  // kMismatch (naming `what`) if `addr`'s count is at its most: a share or
+  // clone from it fails alone, before any change, instead of poisoning.
+  Status RefusedIfSaturated(uint64_t addr, const char* what) REQUIRES(mu_);
 
   // Deferred drops (docs/LOCKING.md "Deferred drops"). Before an operation
   // changes anything, PrepareDrops tries (never waits) to take the groups

@@ -1367,6 +1367,15 @@ TEST_CASE("block ops: a share from a block with a saturated count fails alone",
   CHECK_FALSE(ops[0].changed);
   CHECK(Refs(a.get(), 0) == UINT32_MAX);
   CHECK(Refs(b.get(), 0) == 1);
+  // The same through CloneBlock (merge requests, arena moves) and
+  // CompareAndShare.
+  Status clone = t.vol->CloneBlock(a.get(), 0, b.get(), 0);
+  INFO(clone.ToString());
+  CHECK(clone.code() == Code::kMismatch);
+  Status share = t.vol->CompareAndShare(a.get(), 0, b.get(), 0, VerifyMode::kByteCompare);
+  INFO(share.ToString());
+  CHECK(share.code() == Code::kMismatch);
+  CHECK(Refs(a.get(), 0) == UINT32_MAX);
   Put(a.get(), 1, 7);
   Put(b.get(), 1, 8);
   REQUIRE(t.vol->Sync().ok());

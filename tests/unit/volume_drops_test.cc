@@ -1869,3 +1869,36 @@ TEST_CASE("volume drops: an adoption at a flush point replays a dead earlier ado
   REQUIRE((*c)->Read(0, got.data(), got.size()).ok());
   CHECK(got == Pattern(0x21, kBlocks));
 }
+
+TEST_CASE("volume drops: an adoption at a flush point never waits for a replay elsewhere",
+          "[volume][drops]") {
+  // The adoption's scan of dead hosts' journals (holding kRecovery(h),
+  // under the volume mutex) waited up to lock_wait for a live slot's
+  // replay: every file of the process stalled, and a fsck --repair taking
+  // every slot's kRecovery in turn could wait on it while it waited on
+  // fsck. It puts the adoption off instead.
+  Rig r;
+  r.HoldGroupZero();
+  auto v2 = r.OpenAs(&r.base, 2, r.lm2);
+  r.CowBreakOn(v2.get());
+  v2.reset();  // a clean close: the drops stay in slot 2's list (group 0 held)
+  r.lm2.reset();
+  // Slot 5 is live and replaying its journal (its owner holds kRecovery).
+  REQUIRE(r.holder->Acquire(LockId{LockKind::kRecovery, 5}, LockMode::kExclusive, false).ok());
+  REQUIRE(r.holder->Acquire(LockId{LockKind::kHostSlot, 5}, LockMode::kExclusive, false).ok());
+  r.clock.Advance(61'000'000'000);  // host 1's adoption is due
+  const auto t0 = std::chrono::steady_clock::now();
+  REQUIRE(r.v1->Sync().ok());
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(took < 5.0);
+  CHECK(r.v1->drop_counters().adopted == 0);
+  // The replay ends; a later flush point adopts.
+  REQUIRE(r.holder->Release(LockId{LockKind::kRecovery, 5}).ok());
+  REQUIRE(r.holder->Release(LockId{LockKind::kHostSlot, 5}).ok());
+  r.clock.Advance(61'000'000'000);
+  REQUIRE(r.v1->Sync().ok());
+  CHECK(r.v1->drop_counters().adopted == kShared);
+  r.LetGo();
+  DrainAll(r, r.v1.get());
+  r.CheckContentsAndFsck(r.v1.get());
+}
