@@ -747,6 +747,14 @@ TEST_CASE("index repair acts only on the file it checked, not on a new one of th
   CHECK(vol->Lookup(next).status().code() == Status::Code::kNotFound);
 }
 
+// Entries of every live shard version.
+static uint64_t LiveShardEntries(Volume* vol) {
+  uint64_t n = 0;
+  test::ForEachLiveShard(vol,
+                         [&](const ShardSlot&, ShardReader* r) { n += r->header().entry_count; });
+  return n;
+}
+
 // The holder of a range's lock deletes what its map calls stale. The map
 // took a version file held open elsewhere as complete without reading its
 // header; but inside a locked range the only other openers are readers
@@ -766,12 +774,7 @@ TEST_CASE(
   REQUIRE(m.ok());
   REQUIRE(m->live.size() == 1);
   const ShardSlot v1 = m->live[0];
-  auto entries = [&] {  // entries of every live shard version
-    uint64_t n = 0;
-    test::ForEachLiveShard(vol,
-                           [&](const ShardSlot&, ShardReader* r) { n += r->header().entry_count; });
-    return n;
-  };
+  auto entries = [vol] { return LiveShardEntries(vol); };
   const uint64_t before = entries();
   REQUIRE(before >= 8);
   // A rewrite that died before its header: entries written, block 0 not.
@@ -850,12 +853,7 @@ TEST_CASE(
   REQUIRE(m->live.size() == 1);
   const ShardSlot parent = m->live[0];
   REQUIRE(parent.range.depth == 0);
-  auto entries = [&] {  // entries of every live shard version
-    uint64_t n = 0;
-    test::ForEachLiveShard(vol,
-                           [&](const ShardSlot&, ShardReader* r) { n += r->header().entry_count; });
-    return n;
-  };
+  auto entries = [vol] { return LiveShardEntries(vol); };
   const uint64_t before = entries();
   REQUIRE(before >= 8);
   const ShardRange lower = parent.range.Lower(), upper = parent.range.Upper();
@@ -911,12 +909,7 @@ TEST_CASE(
   REQUIRE(m.ok());
   REQUIRE(m->live.size() == 1);
   const ShardSlot parent = m->live[0];
-  auto entries = [&] {
-    uint64_t n = 0;
-    test::ForEachLiveShard(vol,
-                           [&](const ShardSlot&, ShardReader* r) { n += r->header().entry_count; });
-    return n;
-  };
+  auto entries = [vol] { return LiveShardEntries(vol); };
   const uint64_t before = entries();
   REQUIRE(before >= 8);
   const std::string upper_name = MakeDeadSplit(vol, parent);

@@ -179,6 +179,21 @@ struct Rig : LocalHosts {
     CHECK(got == y);
   }
 
+  // Host 2 breaks b's sharing while group 0 is held elsewhere and dies
+  // (its drops pending, in its journal); once the group is let go, host 3
+  // opens, adopts them into its own journal (step two), and idles.
+  std::unique_ptr<Volume> AdoptedOnHost3() {
+    HoldGroupZero();
+    FaultDevice d2(&base);
+    auto v2 = OpenAs(&d2, 2, lm2);
+    CowBreakOn(v2.get());
+    KillHost2(&d2, &v2);
+    LetGo();
+    auto v3 = OpenAs(&base, 3, NewLocks());
+    REQUIRE(v3->drop_counters().adopted == kShared);
+    return v3;
+  }
+
   // Both files as they should be, and nothing for fsck to find.
   void CheckContentsAndFsck(Volume* v) {
     CheckContents(v);
@@ -413,15 +428,7 @@ TEST_CASE(
     "transactions",
     "[volume][drops][crash]") {
   Rig r;
-  r.HoldGroupZero();
-  FaultDevice d2(&r.base);
-  auto v2 = r.OpenAs(&d2, 2, r.lm2);
-  r.CowBreakOn(v2.get());
-  r.KillHost2(&d2, &v2);
-  r.LetGo();
-  auto lm3 = r.NewLocks();
-  auto v3 = r.OpenAs(&r.base, 3, lm3);  // adopts host 2's drops, then idles
-  REQUIRE(v3->drop_counters().adopted == kShared);
+  auto v3 = r.AdoptedOnHost3();
   r.v1.reset();
   {
     auto v4 = r.OpenAs(&r.base, 4, r.NewLocks());
@@ -1567,14 +1574,7 @@ TEST_CASE(
   // rebuild set every count to what the disk showed, below the drops host
   // 3 had adopted into its journal, which it then applied.
   Rig r;
-  r.HoldGroupZero();
-  FaultDevice d2(&r.base);
-  auto v2 = r.OpenAs(&d2, 2, r.lm2);
-  r.CowBreakOn(v2.get());
-  r.KillHost2(&d2, &v2);
-  r.LetGo();
-  auto v3 = r.OpenAs(&r.base, 3, r.NewLocks());  // adopts host 2's drops, then idles
-  REQUIRE(v3->drop_counters().adopted == kShared);
+  auto v3 = r.AdoptedOnHost3();
   const Superblock sb = v3->superblock();
   r.v1.reset();
   std::vector<uint8_t> blk(kBlockSize);
