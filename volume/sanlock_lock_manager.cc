@@ -313,7 +313,7 @@ class SanlockImpl : public SanlockLockManager {
     if (id.kind == LockKind::kVolume) {
       ResourceBuf r;
       sanlk_resource* rp = VolumeLease(&r, mode);
-      int rv = ReleaseLease(rp);
+      int rv = ReleaseLease(rp, "the volume lease");
       Status ls = local_->Release(id);
       if (rv < 0) return Status::IoError("releasing the volume lease: " + SanlockError(rv));
       return ls;
@@ -927,20 +927,34 @@ class SanlockImpl : public SanlockLockManager {
     return ReadPartitionBlocks(dev_, layout_, sb_.uuid, p, seqs);
   }
 
-  // A release fails only if the daemon cannot reach the lease (its I/O
-  // timed out); the lease stays ours then, so try again before giving up:
-  // a lease left held would block every host until this one dies.
-  int ReleaseLease(sanlk_resource* rp) {
-    int rv = 0;
-    for (int attempt = 0; attempt < 3; attempt++) {
-      {
-        MutexLock c(&g_command_mu);
-        rv = sanlock_release(reg_fd_, -1, 0, 1, &rp);
-      }
-      if (rv == 0 || rv == -ENOENT) return rv;
-      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  // A lease left held on disk would keep every other host out until this
+  // one takes it again: ReleaseSanlockLease takes it back and releases it
+  // when sanlock could not write it free.
+  int ReleaseLease(sanlk_resource* rp, const std::string& what) {
+    auto release = [&] {
+      MutexLock c(&g_command_mu);
+      return sanlock_release(reg_fd_, -1, 0, 1, &rp);
+    };
+    auto acquire = [&] {
+      MutexLock c(&g_command_mu);
+      return sanlock_acquire(reg_fd_, -1, 0, 1, &rp, nullptr);
+    };
+    auto pause = [] { std::this_thread::sleep_for(std::chrono::milliseconds(100)); };
+    LeaseReleaseResult r = ReleaseSanlockLease(release, acquire, pause);
+    if (r.rv < 0) {
+      LOG(kError) << "sanlock: releasing " << what << " failed: " << SanlockError(r.rv);
+    } else if (r.left_to_daemon) {
+      LOG(kWarning) << "sanlock: releasing " << what
+                    << " timed out; the daemon finishes the release";
+    } else if (r.retakes > 0) {
+      LOG(kWarning) << "sanlock: released " << what << " after taking it back " << r.retakes
+                    << " time(s)";
     }
-    return rv;
+    if (r.rv < 0 || r.left_to_daemon || r.retakes > 0) {
+      MutexLock l(&mu_);
+      counters_.release_retries++;
+    }
+    return r.rv;
   }
 
   // Retries while another holder has the lease: a partition lease is held
@@ -1039,11 +1053,13 @@ class SanlockImpl : public SanlockLockManager {
         return st;
       }
     }
-    int rv = ReleaseLease(rp);
-    if (st.ok() && rv < 0) {
-      st = Status::IoError("releasing lock-table lease " + PartitionLeaseName(p) + ": " +
-                           SanlockError(rv));
-    }
+    // fn's changes are durable whatever the release answers: a lock taken
+    // or released stays so. Failing here would have a caller of Acquire
+    // report a lock it holds in the table as not taken (kept from every
+    // host until this process ends). ReleaseLease logged the failure; the
+    // lease stays ours on disk until our next use of the partition takes
+    // it back ("already local").
+    (void)ReleaseLease(rp, "lock-table lease " + PartitionLeaseName(p));
     return st;
   }
 
@@ -1089,6 +1105,37 @@ class SanlockImpl : public SanlockLockManager {
 };
 
 }  // namespace
+
+LeaseReleaseResult ReleaseSanlockLease(const std::function<int()>& release,
+                                       const std::function<int()>& acquire,
+                                       const std::function<void()>& pause, int attempts) {
+  LeaseReleaseResult r;
+  auto done = [&r](int rv) {
+    if (rv == SANLK_AIO_TIMEOUT) {
+      r.left_to_daemon = true;
+      rv = 0;
+    }
+    r.rv = rv;
+    return rv == 0;
+  };
+  const int first = release();
+  if (done(first) || first == -1) return r;
+  for (int round = 0; round < attempts; round++) {
+    pause();
+    const int arv = acquire();
+    if (IsBusy(arv)) {
+      r.rv = 0;
+      return r;
+    }
+    if (arv < 0) {
+      r.rv = arv;
+      continue;
+    }
+    r.retakes++;
+    if (done(release())) return r;
+  }
+  return r;
+}
 
 bool RecordHolderLive(uint64_t record_generation, LeaseHostState state, uint64_t host_generation) {
   if (host_generation > record_generation) return false;

@@ -85,6 +85,30 @@ enum class LeaseHostState { kLive, kFail, kUnknown, kFree, kDead };
 // writing) or UNKNOWN (not watched long enough): live.
 bool RecordHolderLive(uint64_t record_generation, LeaseHostState state, uint64_t host_generation);
 
+// Releases one sanlock lease through `release` (sanlock_release).
+// sanlock drops the lease from this process before it writes it free on
+// disk, so a release that failed cannot be tried again by releasing (the
+// retry answers -1, "no resource"). What a failed release's answer means:
+//  - SANLK_AIO_TIMEOUT: the daemon goes on writing the lease free in a
+//    thread of its own (an acquire meanwhile answers EAGAIN, i.e. busy):
+//    released as far as this process can tell (`left_to_daemon`).
+//  - -1 at the first release: this process did not hold it (rv -1).
+//  - anything else (an I/O error): the leader on disk may still name this
+//    host, keeping every other host out until this one takes the lease
+//    again. `acquire` takes it back (sanlock sees its own leader: "already
+//    local"; or a normal acquire if the write did land) and `release`
+//    writes it free, up to `attempts` rounds with `pause` before each. An
+//    acquire answering busy means another host holds it now, or the daemon
+//    is releasing it: no longer ours, released.
+struct LeaseReleaseResult {
+  int rv = 0;  // 0: released; else the last sanlock error
+  int retakes = 0;
+  bool left_to_daemon = false;
+};
+LeaseReleaseResult ReleaseSanlockLease(const std::function<int()>& release,
+                                       const std::function<int()>& acquire,
+                                       const std::function<void()>& pause, int attempts = 3);
+
 // The host ids whose sanlock delta lease in `sb`'s lockspace (read through
 // `dev`) is renewed while we watch: the leases are read, `sleep` is called
 // for the longest a healthy renewal may take of the slowest member (4
@@ -164,6 +188,7 @@ class SanlockLockManager : public LockManager {
     uint64_t acquires = 0;
     uint64_t acquire_ns = 0;
     uint64_t lease_retries = 0;  // busy volume or lock-table leases
+    uint64_t release_retries = 0;  // releases sanlock could not finish at once
     uint64_t stale_taken_over = 0;
   };
   virtual Counters counters() const = 0;

@@ -2,10 +2,14 @@
 // (ReadLockTablePartition): a read that overlaps a leased update must not
 // miss a record. A host slot's record missed this way makes another host
 // take a live host for dead and replay its journal.
+#include <sanlock_rv.h>
+
 #include <catch2/catch.hpp>
+#include <cerrno>
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "volume/format.h"
@@ -202,5 +206,89 @@ TEST_CASE("sanlock: a record newer than our daemon's view of its host is live", 
   for (S s : {S::kLive, S::kFail, S::kUnknown, S::kFree, S::kDead}) {
     CHECK(RecordHolderLive(6, s, 5));
     CHECK(RecordHolderLive(1, s, 0));
+  }
+}
+
+// sanlock drops a lease from the process before writing it free on disk,
+// so a release that failed cannot be retried by releasing again: the retry
+// answered -1 ("no resource"), which was reported as the failure of a
+// lock operation whose table update had landed (a VM's open failed with
+// "releasing lock-table lease lt-1: Unknown error (-1)" on a loaded host).
+namespace {
+struct ScriptedSanlock {
+  std::vector<int> releases;  // answers, in order
+  std::vector<int> acquires;
+  std::string calls;  // "R" per release, "A" per acquire, "." per pause
+  size_t r = 0, a = 0;
+  LeaseReleaseResult Run(int attempts = 3) {
+    return ReleaseSanlockLease(
+        [&] {
+          calls += 'R';
+          REQUIRE(r < releases.size());
+          return releases[r++];
+        },
+        [&] {
+          calls += 'A';
+          REQUIRE(a < acquires.size());
+          return acquires[a++];
+        },
+        [&] { calls += '.'; }, attempts);
+  }
+};
+}  // namespace
+
+TEST_CASE("sanlock: a failed lease release is never retried by releasing again", "[sanlock]") {
+  SECTION("released at once") {
+    ScriptedSanlock s{{0}, {}};
+    LeaseReleaseResult r = s.Run();
+    CHECK(r.rv == 0);
+    CHECK(s.calls == "R");
+  }
+  SECTION("a timed-out release is finished by the daemon: released, no retry") {
+    ScriptedSanlock s{{SANLK_AIO_TIMEOUT}, {}};
+    LeaseReleaseResult r = s.Run();
+    CHECK(r.rv == 0);
+    CHECK(r.left_to_daemon);
+    CHECK(s.calls == "R");
+  }
+  SECTION("an I/O error: the lease is taken back, then released") {
+    ScriptedSanlock s{{-EIO, 0}, {0}};
+    LeaseReleaseResult r = s.Run();
+    CHECK(r.rv == 0);
+    CHECK(r.retakes == 1);
+    CHECK(s.calls == "R.AR");
+  }
+  SECTION("taking it back finds it busy: another host or the daemon has it, not ours") {
+    ScriptedSanlock s{{-EIO}, {-EAGAIN}};
+    LeaseReleaseResult r = s.Run();
+    CHECK(r.rv == 0);
+    CHECK(r.retakes == 0);
+    CHECK(s.calls == "R.A");
+  }
+  SECTION("the release after taking it back times out: the daemon finishes it") {
+    ScriptedSanlock s{{-EIO, SANLK_AIO_TIMEOUT}, {0}};
+    LeaseReleaseResult r = s.Run();
+    CHECK(r.rv == 0);
+    CHECK(r.left_to_daemon);
+    CHECK(s.calls == "R.AR");
+  }
+  SECTION("a failing take-back is tried again") {
+    ScriptedSanlock s{{-EIO, 0}, {-EIO, 0}};
+    LeaseReleaseResult r = s.Run();
+    CHECK(r.rv == 0);
+    CHECK(s.calls == "R.A.AR");
+  }
+  SECTION("storage that keeps failing: the last error, after `attempts` rounds") {
+    ScriptedSanlock s{{-EIO, -EIO, -EIO}, {0, 0}};
+    LeaseReleaseResult r = s.Run(2);
+    CHECK(r.rv == -EIO);
+    CHECK(r.retakes == 2);
+    CHECK(s.calls == "R.AR.AR");
+  }
+  SECTION("-1 at the first release: this process did not hold it; reported, nothing taken") {
+    ScriptedSanlock s{{-1}, {}};
+    LeaseReleaseResult r = s.Run();
+    CHECK(r.rv == -1);
+    CHECK(s.calls == "R");
   }
 }
