@@ -352,7 +352,14 @@ void ExportTable::OpenWait::Abandon() {
 
 Result<std::shared_ptr<Export>> ExportTable::OpenWait::Step() {
   Volume* vol = table_->vol_;
-  Result<std::shared_ptr<Export>> e = table_->TryAcquire(name_);
+  bool busy_here = false;
+  Result<std::shared_ptr<Export>> e = table_->TryAcquire(name_, &busy_here);
+  if (busy_here) {
+    // Opened or closed by this process this moment: not a refusal (no
+    // deadline, nothing announced); the next Step enters or opens it.
+    retry_ = true;
+    return e;
+  }
   retry_ = !e.ok() && e.status().code() == Status::Code::kLocked &&
            std::chrono::steady_clock::now() < deadline_;
   if (retry_) {
@@ -378,19 +385,21 @@ Result<std::shared_ptr<Export>> ExportTable::OpenWait::Step() {
   return e;
 }
 
-// The condition variable needs the native mutex (see BlockRangeLock).
-Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name)
-    NO_THREAD_SAFETY_ANALYSIS {
+Result<std::shared_ptr<Export>> ExportTable::TryAcquire(const std::string& name, bool* busy_here) {
   {
     // An export of this name still closing holds its file open, and one
-    // being opened will be in the table in a moment: wait for either
-    // (a close takes seconds at most; an open, the time its file's lock
-    // takes), then enter it or open it anew. Opens of other names go on
-    // meanwhile: with sanlock an open can wait for a dead host's lease.
-    std::unique_lock<std::mutex> l(mu_.native());
-    closed_cv_.wait(l, [&]() NO_THREAD_SAFETY_ANALYSIS {
-      return closing_names_.count(name) == 0 && opening_names_.count(name) == 0;
-    });
+    // being opened will be in the table in a moment: the caller tries
+    // again (a close takes seconds at most; an open, the time its file's
+    // lock takes), then enters it or opens it anew. Not waited for here:
+    // with sanlock an open can wait minutes for a dead host's lease, and
+    // a few clients of that one disk (a VM's retries, a probe) blocked in
+    // here held every thread of the NBD open pool, every other disk's
+    // open queued behind them.
+    MutexLock l(&mu_);
+    if (closing_names_.count(name) != 0 || opening_names_.count(name) != 0) {
+      *busy_here = true;
+      return Status::Locked("export '" + name + "' is being opened or closed here");
+    }
     auto it = exports_.find(name);
     if (it != exports_.end()) {
       it->second->clients_++;

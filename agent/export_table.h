@@ -206,7 +206,10 @@ class ExportTable {
   // I/O). Each Step() is one attempt; kLocked with retry() true means
   // "not yet": call Step() again after about kRetryInterval (not sooner).
   // The first refusal announces the wait (Volume::AnnounceOpenWait); the
-  // final Step withdraws it. Not thread-safe: one caller at a time.
+  // final Step withdraws it. An open or close of the same name under way
+  // in this process is retried too, with no deadline and no announcement
+  // (it ends by itself); no Step blocks on it. Not thread-safe: one
+  // caller at a time.
   class OpenWait {
    public:
     static constexpr std::chrono::milliseconds kRetryInterval{200};
@@ -257,7 +260,11 @@ class ExportTable {
   std::shared_ptr<Export> AcquireIfOpen(const std::string& name) EXCLUDES(mu_);
 
  private:
-  Result<std::shared_ptr<Export>> TryAcquire(const std::string& name) EXCLUDES(mu_);
+  // One attempt to enter or open `name`. Never waits for this process's
+  // own open or close of the same name: sets *busy_here and returns
+  // kLocked (the caller tries again; see OpenWait::Step).
+  Result<std::shared_ptr<Export>> TryAcquire(const std::string& name, bool* busy_here)
+      EXCLUDES(mu_);
   // Opens the file of an export no client has (TryAcquire's second half,
   // with `name` in opening_names_).
   Result<std::shared_ptr<Export>> OpenExport(const std::string& name) EXCLUDES(mu_);

@@ -262,8 +262,39 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       DescribeExport();
       return;
     }
+    WatchForHangup();
     TryOpen(std::make_shared<ExportTable::OpenWait>(server_->table_, session_.export_name(),
                                                     server_->opts_.open_wait_s));
+  }
+
+  // While an open is under way no read is issued (the client waits for
+  // GO's reply), so a client that left then went unseen until the open
+  // ended: its disk was opened, its lock taken, for no one (a VM started
+  // elsewhere meanwhile found it "in use"), and another host's pass had
+  // been asked to give the disk back for nothing. Watch the socket for
+  // the hangup; bytes sent meanwhile (a pipelining client) end the watch.
+  void WatchForHangup() {
+    if (watching_ || finished_ || stop_reading_) return;
+    watching_ = true;
+    sock_.async_wait(
+        Socket::wait_read,
+        asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+          self->watching_ = false;
+          if (ec || self->finished_ || self->stop_reading_ || !self->waiting_backend_) return;
+          uint8_t b;
+          const ssize_t n = ::recv(self->sock_.native_handle(), &b, 1, MSG_PEEK | MSG_DONTWAIT);
+          if (n > 0) return;
+          if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+            self->WatchForHangup();
+            return;
+          }
+          // End of file or a socket error: gone. A waiting open stops at
+          // its next retry (AbandonOpenIfGone); one running finishes, and
+          // MaybeFinish gives the export back.
+          self->client_gone_ = true;
+          self->stop_reading_ = true;
+          self->MaybeFinish();
+        }));
   }
 
   // What GO and INFO tell a client about an export.
@@ -360,6 +391,9 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   // dedupd stops).
   bool AbandonOpenIfGone(const std::shared_ptr<ExportTable::OpenWait>& wait) {
     if (!stop_reading_) return false;
+    LOG(kInfo) << "nbd connection " << id_ << ": "
+               << (client_gone_ ? "the client left" : "stopping") << " while export '"
+               << session_.export_name() << "' waited to open: not opening it";
     server_->RunOpen([self = shared_from_this(), wait] {
       wait->Abandon();
       asio::post(self->strand_, [self] {
@@ -550,6 +584,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   size_t rstart_ = 0, rend_ = 0;
   bool read_pending_ = false;
   bool waiting_backend_ = false;
+  bool watching_ = false;  // WatchForHangup's wait is pending
   bool recheck_session_ = false;
   bool stop_reading_ = false;
   bool client_gone_ = false;

@@ -971,6 +971,55 @@ TEST_CASE("a client waits --open-wait for a file that another dedupd holds for a
   RequireFsckClean(tv.vol);
 }
 
+TEST_CASE("a client that leaves while its open waits is not given the disk afterwards", "[nbd]") {
+  // No read is issued while an open is under way (the client waits for
+  // GO's reply), so a client that left then went unseen until the open
+  // ended: its disk was opened, its lock taken, for no one, and a VM
+  // started elsewhere meanwhile found it in use. dedupd watches the socket
+  // for the hangup and stops the waiting open at its next retry.
+  TestVolume tv({{"vm", 4 * kMiB}});
+  const std::string sock2 = tv.dir.file("nbd2.sock");
+  DedupdProcess a(tv.vol, 1, tv.sock);
+  DedupdProcess b(tv.vol, 2, sock2, {"--open-wait", "60"});
+  auto holder = std::make_unique<RawClient>(tv.sock);
+  REQUIRE(holder->Hello());
+  REQUIRE(holder->Go("vm") == int64_t(4 * kMiB));
+  auto waiter = std::make_unique<RawClient>(sock2);
+  REQUIRE(waiter->Hello());
+  std::vector<uint8_t> d;
+  const std::string name = "vm";
+  RawClient::Put32(&d, static_cast<uint32_t>(name.size()));
+  d.insert(d.end(), name.begin(), name.end());
+  RawClient::Put16(&d, 0);
+  waiter->SendOption(7, d);  // NBD_OPT_GO
+  auto wait_for = [](DedupdProcess& p, const std::string& what, double limit_s) {
+    const auto t0 = std::chrono::steady_clock::now();
+    while (p.Log().find(what) == std::string::npos &&
+           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < limit_s) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    return p.Log().find(what) != std::string::npos;
+  };
+  REQUIRE(wait_for(b, "export 'vm' is held elsewhere: waiting up to 60 s", 30));
+  waiter.reset();  // the client leaves (qemu gave up, Ctrl-C)
+  const bool abandoned = wait_for(b, "the client left while export 'vm' waited to open", 10);
+  holder.reset();  // a lets go of the disk
+  REQUIRE(wait_for(a, "export 'vm' closed", 30));
+  // A retry of b's open (every 200 ms) would take it now.
+  std::this_thread::sleep_for(std::chrono::seconds(1));
+  const std::string log = b.Log();
+  INFO("b's log:\n" << log);
+  CHECK(abandoned);
+  CHECK(log.find("export 'vm': opened after") == std::string::npos);
+  CHECK(log.find("export 'vm' opened") == std::string::npos);
+  // The disk is free for whoever asks next.
+  RawClient next(sock2);
+  REQUIRE(next.Hello());
+  CHECK(next.Go("vm") == int64_t(4 * kMiB));
+  REQUIRE(b.Stop() == 0);
+  REQUIRE(a.Stop() == 0);
+}
+
 TEST_CASE("clients waiting to open a disk held elsewhere hold up no other disk's I/O", "[nbd]") {
   // Each waiting open used to sleep on an NBD worker for up to --open-wait;
   // with as many waiting as there are workers (2 here), every other

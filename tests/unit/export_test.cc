@@ -734,3 +734,53 @@ TEST_CASE("export: an open waiting for its file's lock holds up no other export'
   table.Release(*other);
   CHECK(table.StatusOfOpen().empty());
 }
+
+TEST_CASE("export: clients of a disk whose open is under way hold no thread while they wait",
+          "[export]") {
+  // A client asking for a disk that this process was opening waited inside
+  // the table for that open to end: with sanlock an open can wait minutes
+  // for a dead host's lease, and four clients of that disk (a VM's
+  // retries, a probe) held every thread of the NBD open pool, every other
+  // disk's open queued behind them. A Step for a name being opened here
+  // returns at once, to be tried again, whatever the wait allowed for
+  // refusals (0 here), and enters the export once the open ends.
+  MemDevice mem(64 << 20);
+  REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
+  auto locks = std::make_shared<LatchLocks>(TempLocks());
+  OpenOptions oo;
+  oo.locks = locks;
+  auto vol = Volume::Open(&mem, oo);
+  REQUIRE(vol.ok());
+  REQUIRE((*vol)->Create("slow", kFileBytes).ok());
+  auto slow = (*vol)->Lookup("slow");
+  REQUIRE(slow.ok());
+  ExportTable table(vol->get(), nullptr, nullptr);
+  locks->Arm(slow->id.ino);
+  Result<std::shared_ptr<Export>> first = Status::Unavailable("not run");
+  std::thread opener([&] { first = table.Acquire("slow"); });
+  REQUIRE(locks->WaitHeld(5s));
+  std::thread letgo([&] {
+    std::this_thread::sleep_for(3s);
+    locks->Open();
+  });
+  ExportTable::OpenWait w(&table, "slow", 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  Result<std::shared_ptr<Export>> e = w.Step();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  CHECK(s < 1.0);
+  CHECK(w.retry());
+  CHECK(e.status().code() == Status::Code::kLocked);
+  for (int i = 0; i < 100 && w.retry(); i++) {
+    std::this_thread::sleep_for(ExportTable::OpenWait::kRetryInterval);
+    e = w.Step();
+  }
+  letgo.join();
+  opener.join();
+  REQUIRE(first.ok());
+  REQUIRE(e.ok());
+  CHECK(first->get() == e->get());
+  CHECK(table.StatusOfOpen().size() == 1);
+  table.Release(*first);
+  table.Release(*e);
+  CHECK(table.StatusOfOpen().empty());
+}
