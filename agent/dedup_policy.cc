@@ -339,17 +339,29 @@ Result<DedupPolicy> ChoosePolicy(const PolicyFileContent& content) {
 }
 
 constexpr auto kLockedRetryFor = std::chrono::seconds(10);
+// An open that finds no file whose create then finds one means another
+// host created (or removed) it in between: one more round settles that.
+// Rounds beyond this are a file that comes and goes, or a volume whose
+// lookup and create disagree: retrying would spin without end.
+constexpr int kMaxCreateRounds = 8;
 
 // Opens (creating if missing) the policy file, waiting while another
 // process holds it.
 Result<std::unique_ptr<File>> OpenPolicyFileForUpdate(Volume* vol) {
   const auto deadline = std::chrono::steady_clock::now() + kLockedRetryFor;
   auto backoff = std::chrono::milliseconds(10);
+  int create_rounds = 0;
   while (true) {
     Result<std::unique_ptr<File>> opened = vol->OpenFile(kPolicyFileName);
     if (opened.ok()) return opened;
     const Status& st = opened.status();
     if (st.code() == Status::Code::kNotFound) {
+      if (++create_rounds > kMaxCreateRounds) {
+        return st.WithContext(std::string("opening ") + kPolicyFileName + ": gave up after " +
+                              std::to_string(kMaxCreateRounds) +
+                              " rounds of finding it missing and creating it (another host may "
+                              "be removing it, or the volume's lookup and create disagree)");
+      }
       Result<FileId> created =
           vol->Create(kPolicyFileName, uint64_t(kPolicySlots) * kBlockSize, FileKind::kSystem);
       // kExists: another host created it first; use theirs.

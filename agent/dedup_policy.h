@@ -164,8 +164,9 @@ Result<DedupPolicy> ReadPolicy(Volume* vol);
 // generation = the highest on disk + 1, updated_ns = `clock`'s wall time
 // (nullptr: Clock::Real()) and updated_by_host = vol->host_id(), into the
 // slot that does not hold the newest policy, and flushes. Creates the file
-// when missing. Waits (up to about 10 s) while another process holds the
-// file, then returns kLocked. Returns the policy as written.
+// when missing; one that is missing again after each of 8 creates gives
+// kNotFound naming it. Waits (up to about 10 s) while another process
+// holds the file, then returns kLocked. Returns the policy as written.
 Result<DedupPolicy> UpdatePolicy(Volume* vol, const std::function<Status(DedupPolicy*)>& change,
                                  Clock* clock = nullptr);
 // UpdatePolicy that replaces the policy with `p` (its generation, time and

@@ -750,3 +750,80 @@ TEST_CASE("policy file of the wrong kind is not taken for the policy", "[policy]
   CHECK(p.status().message().find("not the dedup policy") != std::string::npos);
   CHECK(WritePolicy(tv.vol.get(), SamplePolicy()).code() == Status::Code::kCorruption);
 }
+
+namespace {
+
+// A volume on which the policy file is never there to open, and always
+// there to create: what two hosts racing to remove and create it look
+// like to a third, every round. Everything else goes to `inner`.
+class VanishingPolicyVolume : public Volume {
+ public:
+  // Rounds after which Create stops the loop itself, so that a caller
+  // without a bound of its own fails this test instead of hanging it.
+  static constexpr int kTestGivesUpAfter = 1000;
+  explicit VanishingPolicyVolume(Volume* inner) : inner_(inner) {}
+  int creates() const { return creates_; }
+
+  const Superblock& superblock() const override { return inner_->superblock(); }
+  uint32_t host_id() const override { return inner_->host_id(); }
+  LockManager* lock_manager() const override { return inner_->lock_manager(); }
+  Result<FileId> Create(const std::string& name, uint64_t size, FileKind kind,
+                        uint64_t owner_ino) override {
+    if (name != kPolicyFileName) return inner_->Create(name, size, kind, owner_ino);
+    if (++creates_ > kTestGivesUpAfter) return Status::Invalid("the test stopped the loop");
+    return Status::Exists("file '" + name + "' exists");
+  }
+  Result<FileInfo> Lookup(const std::string& name) override { return inner_->Lookup(name); }
+  Result<std::vector<FileInfo>> List() override { return inner_->List(); }
+  Status Remove(const std::string& name) override { return inner_->Remove(name); }
+  Status RemoveOpen(std::unique_ptr<File> f) override { return inner_->RemoveOpen(std::move(f)); }
+  Result<std::unique_ptr<File>> OpenFile(const std::string& name) override {
+    if (name == kPolicyFileName) return Status::NotFound("no file named '" + name + "'");
+    return inner_->OpenFile(name);
+  }
+  Result<std::unique_ptr<File>> OpenFileById(FileId id) override {
+    return inner_->OpenFileById(id);
+  }
+  Status AnnounceOpenWait(FileId id, bool on) override { return inner_->AnnounceOpenWait(id, on); }
+  bool IsOpenHere(const std::string& name) override { return inner_->IsOpenHere(name); }
+  Status CompareAndShare(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
+                         VerifyMode mode, const Fingerprint* witness) override {
+    return inner_->CompareAndShare(src, src_index, dst, dst_index, mode, witness);
+  }
+  Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) override {
+    return inner_->CloneBlock(src, src_index, dst, dst_index);
+  }
+  using Volume::ApplyBlockOps;
+  Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, ReadBuffer* buffer,
+                       const BlockOpsOptions& options) override {
+    return inner_->ApplyBlockOps(ops, mode, buffer, options);
+  }
+  Status Sync() override { return inner_->Sync(); }
+  Result<VolumeStats> Stats() override { return inner_->Stats(); }
+  DropCounters drop_counters() override { return inner_->drop_counters(); }
+  WaitCounters wait_counters() override { return inner_->wait_counters(); }
+  ReservationCounters reservation_counters() override { return inner_->reservation_counters(); }
+
+ private:
+  Volume* const inner_;
+  int creates_ = 0;
+};
+
+}  // namespace
+
+// An update that found the file missing, then found it created by
+// another host, looped on that with no bound: a file that keeps coming
+// and going held `dede policy set` forever.
+TEST_CASE("policy update gives up on a policy file that keeps vanishing", "[policy]") {
+  TestVolume tv;
+  VanishingPolicyVolume vanishing(tv.vol.get());
+  const auto start = std::chrono::steady_clock::now();
+  Status st = WritePolicy(&vanishing, SamplePolicy());
+  const auto took = std::chrono::steady_clock::now() - start;
+  INFO(st.ToString() << " after " << vanishing.creates() << " creates");
+  CHECK(st.code() == Status::Code::kNotFound);
+  CHECK(st.message().find(kPolicyFileName) != std::string::npos);
+  CHECK(st.message().find("gave up") != std::string::npos);
+  CHECK(vanishing.creates() < VanishingPolicyVolume::kTestGivesUpAfter);
+  CHECK(took < std::chrono::seconds(5));
+}
