@@ -195,7 +195,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("max-connections", po::value(&max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs; TCP connections waiting for their user check count for TCP)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600; 0: passes back to back, each as soon as the one before ends)")
-      ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30)")
+      ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30); a re-read that finds it locked is retried every second, up to 5 times")
       ("control", po::value(&cfg->control)->value_name("PATH"), "control socket for `dede status`, `dede set` on running exports and `dede dedup --now` (default /run/dede/dedupd.ctl; 'off': none)")
       ("history", po::value(&cfg->history)->value_name("PATH"), "SQLite database of this host's passes, for `dede report` (default /var/lib/dede/history.db; 'off': none)")
       ("metrics-port", po::value(&metrics_port)->value_name("PORT"), "serve Prometheus metrics on 127.0.0.1:PORT/metrics (default 9187; 0: any free port; 'off': none)")
@@ -507,10 +507,33 @@ int Run(const Config& cfg) {
     std::lock_guard<std::mutex> l(policy_error_mu);
     return policy_error;
   };
-  auto refresh_policy = [&] {
+  // A re-read that finds the policy file locked (`dede policy set`, or
+  // another host reading it, for one read or write) tries again this soon,
+  // a few times, rather than only at the next --policy-refresh: a SIGHUP
+  // sent right after `dede policy set` must not be lost for 30 s.
+  constexpr auto kPolicyLockedRetryIn = std::chrono::seconds(1);
+  constexpr int kPolicyLockedRetries = 5;
+  asio::steady_timer policy_retry(io);
+  bool policy_retry_stopped = false;  // the io thread's: shutdown began
+  int policy_locked_retries = 0;      // under policy_mu: retries since the last good read
+  std::function<void(const std::string&)> refresh_policy;
+  // From a worker: arms the retry on the io thread.
+  auto retry_policy_soon = [&] {
+    asio::post(io, [&] {
+      if (policy_retry_stopped) return;
+      policy_retry.expires_after(kPolicyLockedRetryIn);
+      policy_retry.async_wait([&](boost::system::error_code ec) {
+        if (ec || policy_retry_stopped) return;
+        server.RunBlocking([&] { refresh_policy("retry"); });
+      });
+    });
+  };
+  // `why`: what asked for the read, for the log.
+  refresh_policy = [&](const std::string& why) {
     std::lock_guard<std::mutex> one_at_a_time(policy_mu);
     Result<DedupPolicy> p = ReadPolicy(vol);
     if (!p.ok()) {
+      const bool locked = p.status().code() == Status::Code::kLocked;
       if (!scheduler.has_policy()) {
         // Fail closed: without its windows and rate cap, passes and merge
         // requests would run at any time, uncapped.
@@ -522,13 +545,30 @@ int Run(const Config& cfg) {
                     << "; no dedup passes or merge requests run until it can be read (trying "
                        "again every "
                     << cfg.policy_refresh << " s, or at SIGHUP; `dede policy VOL show`)";
-      } else if (p.status().code() != Status::Code::kLocked) {
-        // kLocked: `dede policy set` or another host is reading it; next time.
+      } else if (!locked) {
         LOG(kWarning) << "reading the dedup policy: " << p.status().ToString()
                       << " (keeping the previous one)";
       }
+      if (!locked) {
+        policy_locked_retries = 0;
+      } else if (policy_locked_retries < kPolicyLockedRetries) {
+        policy_locked_retries++;
+        LOG(kInfo) << "re-reading the dedup policy (" << why
+                   << ") deferred: " << p.status().ToString() << "; trying again in "
+                   << kPolicyLockedRetryIn.count() << " s (retry " << policy_locked_retries
+                   << " of " << kPolicyLockedRetries << ")";
+        retry_policy_soon();
+      } else {
+        policy_locked_retries = 0;
+        LOG(kWarning) << "re-reading the dedup policy (" << why
+                      << ") deferred: " << p.status().ToString() << "; still locked after "
+                      << kPolicyLockedRetries
+                      << " retries: keeping the previous policy until the next re-read in "
+                      << cfg.policy_refresh << " s (--policy-refresh) or SIGHUP";
+      }
       return;
     }
+    policy_locked_retries = 0;
     scheduler.SetPolicy(*p);
     throttle.SetRate(p->rate_bytes_per_s);
     if (p->generation != policy_generation) {
@@ -542,7 +582,7 @@ int Run(const Config& cfg) {
                  << p->stable_after_s << " s";
     }
   };
-  refresh_policy();
+  refresh_policy("start");
 
   // ------------------------------------------------------------ history
   std::unique_ptr<PassHistory> history;
@@ -810,7 +850,7 @@ int Run(const Config& cfg) {
     server.RunBlocking([&run_pass, t = *due] { run_pass(t); });
   };
   PeriodicJob schedule_job(io, &server, 1.0, start_due_pass);
-  PeriodicJob policy_job(io, &server, cfg.policy_refresh, refresh_policy);
+  PeriodicJob policy_job(io, &server, cfg.policy_refresh, [&] { refresh_policy("periodic"); });
   // SIGUSR1 and SIGHUP were ignored since main() started (the volume open
   // may take ~20 s): from here they are handled.
   asio::signal_set usr1(io, SIGUSR1);
@@ -832,7 +872,7 @@ int Run(const Config& cfg) {
                                                                    int) {
     if (ec) return;
     LOG(kInfo) << "SIGHUP: re-reading the dedup policy";
-    server.RunBlocking([&] { refresh_policy(); });
+    server.RunBlocking([&] { refresh_policy("SIGHUP"); });
     hup.async_wait(on_hup);
   };
   hup.async_wait(on_hup);
@@ -1231,6 +1271,8 @@ int Run(const Config& cfg) {
     flush_job.Stop();
     schedule_job.Stop();
     policy_job.Stop();
+    policy_retry_stopped = true;
+    policy_retry.cancel();
     merge_job.Stop();
     usr1.cancel();
     hup.cancel();

@@ -1915,5 +1915,42 @@ TEST_CASE("dedupd runs no dedup pass until it has read the volume's policy", "[n
   REQUIRE(d.Stop() == 0);
 }
 
+// A SIGHUP (or periodic) re-read of the policy that found the policy file
+// locked (`dede policy set`, another host reading it) was dropped without
+// a word: the new policy waited for the next --policy-refresh (30 s by
+// default, here never). It is logged as deferred and retried shortly.
+TEST_CASE("dedupd logs and retries a policy re-read that found the policy file locked", "[nbd]") {
+  TestVolume tv({{"vm", 1 * kMiB}});
+  // The longest refresh taken: only SIGHUP and its retries re-read it.
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--policy-refresh", "2592000"});
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto wait_for_log = [&](const std::string& line) {
+    while (CountOf(d.Log(), line) == 0) {
+      INFO("waiting for '" << line << "'; dedupd log:\n" << d.Log());
+      REQUIRE(d.Running());
+      REQUIRE(std::chrono::steady_clock::now() < deadline);
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+  };
+  wait_for_log("dedup policy generation 0");
+  Dede({"policy", tv.vol, "set", "rate=1"});
+  {
+    // A reader holds the policy file (shared) while dedupd re-reads it.
+    OpenOptions oo;
+    oo.read_only = true;
+    auto ov = OpenVolumeSpec(tv.vol, oo);
+    REQUIRE(ov.ok());
+    auto held = ov->volume->OpenFile(kPolicyFileName);
+    REQUIRE(held.ok());
+    ::kill(d.pid(), SIGHUP);
+    wait_for_log("re-reading the dedup policy (SIGHUP) deferred");
+  }
+  // Let go: a retry reads the new policy, long before any refresh would.
+  wait_for_log("dedup policy generation 1");
+  INFO("dedupd log:\n" << d.Log());
+  CHECK(CountOf(d.Log(), "trying again in 1 s (retry 1 of 5)") == 1);
+  REQUIRE(d.Stop() == 0);
+}
+
 }  // namespace
 }  // namespace dede
