@@ -194,7 +194,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("handshake-timeout", po::value(&cfg->handshake_timeout)->value_name("SEC"), "an NBD client that has not entered an export and sends nothing for SEC seconds is disconnected, so idle connections cannot hold every --max-connections slot (default 30; 0: never)")
       ("max-connections", po::value(&max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs; TCP connections waiting for their user check count for TCP)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
-      ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600; 0: passes back to back, each as soon as the one before ends)")
+      ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600; 0: passes back to back, each as soon as the one before ends); after a failed pass, scheduled passes wait at least 2 s, doubling with each failure in a row up to 300 s")
       ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30); a re-read that finds it locked is retried every second, up to 5 times")
       ("control", po::value(&cfg->control)->value_name("PATH"), "control socket for `dede status`, `dede set` on running exports and `dede dedup --now` (default /run/dede/dedupd.ctl; 'off': none)")
       ("history", po::value(&cfg->history)->value_name("PATH"), "SQLite database of this host's passes, for `dede report` (default /var/lib/dede/history.db; 'off': none)")
@@ -808,7 +808,22 @@ int Run(const Config& cfg) {
       pass_state.merge_applied_total += row.merge_requests_applied;
       pass_state.progress.clear();
     }
-    scheduler.PassEnded();
+    const bool failed = row.outcome == "failed";
+    const uint32_t failed_before = scheduler.failures_in_a_row();
+    scheduler.PassEnded(failed ? PassScheduler::Outcome::kFailed
+                               : PassScheduler::Outcome::kSucceeded);
+    if (failed) {
+      // A pass that fails at once, back to back (--window-interval 0),
+      // would otherwise fill the log and keep the volume busy for nothing.
+      LOG(kWarning) << "dedup pass " << passes << " failed (" << scheduler.failures_in_a_row()
+                    << " in a row): backing off, the next scheduled pass starts no sooner than "
+                    << scheduler.failure_backoff_s()
+                    << " s from now (doubling with each failure, up to "
+                    << so_sched.max_failure_backoff_s << " s; `dede dedup --now` runs one at once)";
+    } else if (failed_before > 0) {
+      LOG(kInfo) << "dedup pass " << passes << " succeeded after " << failed_before
+                 << " failed in a row: backoff over, passes are scheduled as usual";
+    }
     if (sanlock_locks) {
       // Other threads (NBD opens, the collector) count here too.
       const SanlockLockManager::Counters c = sanlock_locks->counters();
@@ -1019,7 +1034,9 @@ int Run(const Config& cfg) {
                      {"blocks_shared", pass_state.shared_total},
                      {"bytes_reclaimed", pass_state.reclaimed_total},
                      {"merge_requests_applied", pass_state.merge_applied_total},
-                     {"io_bytes", pass_state.io_bytes_total}};
+                     {"io_bytes", pass_state.io_bytes_total},
+                     {"failed_in_a_row", scheduler.failures_in_a_row()},
+                     {"failure_backoff_s", scheduler.failure_backoff_s()}};
     }
     const ExportTable::Totals totals = table.totals();
     j["cow_copies"] = totals.cow_copies;

@@ -1,5 +1,7 @@
 #include "agent/pass_scheduler.h"
 
+#include <algorithm>
+
 namespace dede {
 
 const char* PassTriggerName(PassTrigger t) {
@@ -78,9 +80,14 @@ std::optional<PassTrigger> PassScheduler::Due() {
   auto elapsed = [since_last](double seconds) {
     return since_last >= static_cast<uint64_t>(seconds * 1e9);
   };
+  // Checked where a pass would be due, not before: the window bookkeeping
+  // below must follow the clock while the backoff lasts.
+  const bool backing_off = failures_ > 0 && !elapsed(FailureBackoffLocked());
   if (policy_.windows.empty()) {
     was_in_window_ = false;
-    if (opts_.interval_s > 0 && elapsed(opts_.interval_s)) return PassTrigger::kInterval;
+    if (opts_.interval_s > 0 && elapsed(opts_.interval_s) && !backing_off) {
+      return PassTrigger::kInterval;
+    }
     return std::nullopt;
   }
   if (!InWindowLocked(clock_->NowNanos())) {
@@ -92,7 +99,9 @@ std::optional<PassTrigger> PassScheduler::Due() {
     was_in_window_ = true;
     window_pass_done_ = false;
   }
-  if (!window_pass_done_ || elapsed(opts_.window_interval_s)) return PassTrigger::kWindow;
+  if ((!window_pass_done_ || elapsed(opts_.window_interval_s)) && !backing_off) {
+    return PassTrigger::kWindow;
+  }
   return std::nullopt;
 }
 
@@ -102,10 +111,32 @@ void PassScheduler::PassStarted(PassTrigger t) {
   if (t == PassTrigger::kWindow) window_pass_done_ = true;
 }
 
-void PassScheduler::PassEnded() {
+void PassScheduler::PassEnded(Outcome outcome) {
   MutexLock l(&mu_);
   running_.reset();
   last_end_mono_ = clock_->MonotonicNanos();
+  if (outcome == Outcome::kFailed) {
+    failures_++;
+  } else {
+    failures_ = 0;
+  }
+}
+
+uint32_t PassScheduler::failures_in_a_row() const {
+  MutexLock l(&mu_);
+  return failures_;
+}
+
+double PassScheduler::failure_backoff_s() const {
+  MutexLock l(&mu_);
+  return FailureBackoffLocked();
+}
+
+double PassScheduler::FailureBackoffLocked() const {
+  if (failures_ == 0) return 0;
+  double backoff = opts_.failure_backoff_s;
+  for (uint32_t i = 1; i < failures_ && backoff < opts_.max_failure_backoff_s; i++) backoff *= 2;
+  return std::min(backoff, opts_.max_failure_backoff_s);
 }
 
 bool PassScheduler::ShouldStop() {

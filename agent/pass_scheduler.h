@@ -13,6 +13,13 @@
 //    ends; the first pass of the next window resumes from there.
 //  * A requested pass runs whatever the time and is not stopped by a
 //    window's end (the administrator asked for it).
+//  * A failed pass delays the next scheduled one (window or interval) by a
+//    backoff that doubles with every failure in a row, from
+//    `failure_backoff_s` up to `max_failure_backoff_s`, if that is longer
+//    than the interval; a pass that does not fail ends it. Without it, a
+//    pass that fails at once (a damaged shard, a lost path) with
+//    --window-interval 0 was retried at every tick, for as long as the
+//    window lasted. Requested passes are not delayed.
 //  * Until the first SetPolicy (dedupd could not read the volume's policy
 //    yet: both slots damaged, a newer format), nothing runs: no scheduled
 //    pass, no merge requests (InWindow is false), and requests are
@@ -45,6 +52,12 @@ class PassScheduler {
   struct Options {
     double interval_s = 0;           // no windows: seconds between passes; 0 = only on request
     double window_interval_s = 600;  // inside a window: seconds from a pass's end to the next
+    double failure_backoff_s = 2;    // after one failed pass; doubles with each one more
+    double max_failure_backoff_s = 300;  // the backoff stops doubling here
+  };
+  enum class Outcome {
+    kSucceeded,  // completed or stopped (at a window's end, a shutdown)
+    kFailed,
   };
   PassScheduler(Clock* clock, Options opts);
 
@@ -68,7 +81,12 @@ class PassScheduler {
   std::optional<PassTrigger> Due() EXCLUDES(mu_);
   void PassStarted(PassTrigger t) EXCLUDES(mu_);
   // The running pass ended (however: completed, stopped, cancelled, failed).
-  void PassEnded() EXCLUDES(mu_);
+  void PassEnded(Outcome outcome = Outcome::kSucceeded) EXCLUDES(mu_);
+  // Passes that failed in a row, up to the last one that ended.
+  uint32_t failures_in_a_row() const EXCLUDES(mu_);
+  // How long after the last pass ended the next scheduled one waits at
+  // least because of those failures; 0 when the last pass did not fail.
+  double failure_backoff_s() const EXCLUDES(mu_);
   // Called on every tick while a pass runs: true when it must stop now
   // (its window closed).
   bool ShouldStop() EXCLUDES(mu_);
@@ -77,6 +95,7 @@ class PassScheduler {
 
  private:
   bool InWindowLocked(uint64_t now) const REQUIRES(mu_);
+  double FailureBackoffLocked() const REQUIRES(mu_);
   Clock* const clock_;
   const Options opts_;
   mutable Mutex mu_;
@@ -88,6 +107,7 @@ class PassScheduler {
   uint64_t last_end_mono_ GUARDED_BY(mu_) = 0;
   bool was_in_window_ GUARDED_BY(mu_) = false;
   bool window_pass_done_ GUARDED_BY(mu_) = false;  // this window already had a pass
+  uint32_t failures_ GUARDED_BY(mu_) = 0;          // passes failed in a row
 };
 
 }  // namespace dede

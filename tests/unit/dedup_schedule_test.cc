@@ -945,3 +945,71 @@ TEST_CASE("a rescan sees a stop between runs of blocks, not only between files",
   CHECK(st->blocks_rehashed >= 256);
   CHECK(scene.ReadAll("big", kDisk) == disk);
 }
+
+// With --window-interval 0, a pass that failed at once was started again
+// at the next one-second tick, for as long as the window lasted: a hot
+// failure loop. Failed passes back off, doubling, capped; a pass that does
+// not fail ends the backoff; a requested pass is never held back.
+TEST_CASE("failed passes back off, doubling up to a cap, until one succeeds", "[schedule]") {
+  TestClock clock(LocalTime(2026, 11, 24, 12, 0));  // Tuesday noon
+  PassScheduler::Options so;
+  so.window_interval_s = 0;
+  so.failure_backoff_s = 2;
+  so.max_failure_backoff_s = 16;
+  PassScheduler sched(&clock, so);
+  sched.SetPolicy(WindowPolicy("daily 00:00-24:00"));
+  constexpr uint64_t kSec = 1'000'000'000ull;
+  REQUIRE(sched.Due() == PassTrigger::kWindow);
+  // Fails: due again only after 2, 4, 8, 16, 16 s.
+  for (double backoff : {2.0, 4.0, 8.0, 16.0, 16.0}) {
+    sched.PassStarted(PassTrigger::kWindow);
+    sched.PassEnded(PassScheduler::Outcome::kFailed);
+    CHECK(sched.failure_backoff_s() == backoff);
+    INFO("backoff " << backoff << " s after " << sched.failures_in_a_row() << " failures");
+    for (int tick = 1; tick < backoff; tick++) {
+      clock.Advance(kSec);
+      CHECK_FALSE(sched.Due().has_value());
+    }
+    clock.Advance(kSec);
+    REQUIRE(sched.Due() == PassTrigger::kWindow);
+  }
+  CHECK(sched.failures_in_a_row() == 5);
+  // An administrator's pass is not held back by the backoff.
+  sched.PassStarted(PassTrigger::kWindow);
+  sched.PassEnded(PassScheduler::Outcome::kFailed);
+  CHECK_FALSE(sched.Due().has_value());
+  REQUIRE(sched.Request(PassTrigger::kNow));
+  REQUIRE(sched.Due() == PassTrigger::kNow);
+  sched.PassStarted(PassTrigger::kNow);
+  // It succeeds: back to back again, at the next tick.
+  sched.PassEnded(PassScheduler::Outcome::kSucceeded);
+  CHECK(sched.failures_in_a_row() == 0);
+  CHECK(sched.failure_backoff_s() == 0);
+  CHECK(sched.Due() == PassTrigger::kWindow);
+
+  // Without windows, the backoff stretches --dedup-interval only when it
+  // is the longer wait.
+  PassScheduler::Options every;
+  every.interval_s = 5;
+  every.failure_backoff_s = 2;
+  every.max_failure_backoff_s = 300;
+  PassScheduler periodic(&clock, every);
+  periodic.SetPolicy(DedupPolicy{});
+  clock.Advance(5 * kSec);
+  REQUIRE(periodic.Due() == PassTrigger::kInterval);
+  periodic.PassStarted(PassTrigger::kInterval);
+  periodic.PassEnded(PassScheduler::Outcome::kFailed);  // 2 s: the interval rules
+  clock.Advance(4 * kSec);
+  CHECK_FALSE(periodic.Due().has_value());
+  clock.Advance(kSec);
+  REQUIRE(periodic.Due() == PassTrigger::kInterval);
+  for (int i = 0; i < 2; i++) {  // 4 s, then 8 s
+    periodic.PassStarted(PassTrigger::kInterval);
+    periodic.PassEnded(PassScheduler::Outcome::kFailed);
+  }
+  CHECK(periodic.failure_backoff_s() == 8);
+  clock.Advance(7 * kSec);
+  CHECK_FALSE(periodic.Due().has_value());
+  clock.Advance(kSec);
+  CHECK(periodic.Due() == PassTrigger::kInterval);
+}
