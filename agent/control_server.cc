@@ -6,6 +6,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <boost/asio/local/stream_protocol.hpp>
 #include <cctype>
@@ -31,6 +32,7 @@ struct ControlServer::Shared {
   Mutex mu;
   std::map<uint64_t, std::weak_ptr<ControlConnection>> conns GUARDED_BY(mu);
   uint64_t next_id GUARDED_BY(mu) = 0;
+  uint64_t refused GUARDED_BY(mu) = 0;
   bool stopped GUARDED_BY(mu) = false;
   // Handlers posted to run_blocking and not yet returned: dedupd's
   // shutdown waits for them (WaitForHandlers) before it closes the
@@ -280,8 +282,12 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
 // -------------------------------------------------------------------- server
 
 ControlServer::ControlServer(asio::io_context& io, std::string path,
-                             std::function<void(std::function<void()>)> run_blocking)
-    : io_(io), path_(std::move(path)), shared_(std::make_shared<Shared>()) {
+                             std::function<void(std::function<void()>)> run_blocking,
+                             size_t max_connections)
+    : io_(io),
+      path_(std::move(path)),
+      max_connections_(std::max<size_t>(max_connections, 1)),
+      shared_(std::make_shared<Shared>()) {
   shared_->run_blocking = std::move(run_blocking);
 }
 
@@ -347,11 +353,15 @@ void ControlServer::Accept() {
   acceptor_->async_accept([this, shared = shared_](boost::system::error_code ec, UnixSocket sock) {
     if (ec == asio::error::operation_aborted) return;
     std::shared_ptr<ControlConnection> conn;
+    size_t full = 0;  // connections open, when that is the limit
     {
       MutexLock l(&shared->mu);
       // Stopped (maybe destroyed): `this` must not be touched.
       if (shared->stopped) return;
-      if (!ec) {
+      if (!ec && shared->conns.size() >= max_connections_) {
+        full = shared->conns.size();
+        shared->refused++;
+      } else if (!ec) {
         uint64_t id = ++shared->next_id;
         conn = std::make_shared<ControlConnection>(shared, std::move(sock), id);
         shared->conns[id] = conn;
@@ -359,11 +369,38 @@ void ControlServer::Accept() {
     }
     if (conn) {
       conn->Start();
+    } else if (full > 0) {
+      Refuse(std::move(sock), full);
     } else {
       LOG(kWarning) << "control socket " << path_ << ": accept: " << ec.message();
     }
     Accept();
   });
+}
+
+void ControlServer::Refuse(UnixSocket sock, size_t open) {
+  // Written without waiting, and the request left unread: a refused
+  // client must cost no more than this (the line fits in an empty socket
+  // buffer; ControlRequest reads it even when its own send failed).
+  boost::system::error_code ec;
+  sock.non_blocking(true, ec);
+  const std::string line = ErrorLine(
+      "too many control connections: dedupd serves at most " + std::to_string(max_connections_) +
+      " at once (--control-max-connections); try again when one has closed");
+  if (!ec) sock.write_some(asio::buffer(line), ec);
+  sock.shutdown(asio::socket_base::shutdown_both, ec);
+  sock.close(ec);
+  // One line per burst, not per refusal: a client retrying in a loop must
+  // not flood the log.
+  refused_unlogged_++;
+  const auto now = std::chrono::steady_clock::now();
+  if (!refusal_logged_ || now - *refusal_logged_ >= std::chrono::seconds(10)) {
+    LOG(kWarning) << "control socket " << path_ << ": refused " << refused_unlogged_
+                  << " connection(s): " << open << " open, the most allowed"
+                  << " (--control-max-connections); " << refused() << " refused since start";
+    refused_unlogged_ = 0;
+    refusal_logged_ = now;
+  }
 }
 
 void ControlServer::Stop() {
@@ -397,6 +434,11 @@ void ControlServer::WaitForHandlers() NO_THREAD_SAFETY_ANALYSIS {
 size_t ControlServer::connections() const {
   MutexLock l(&shared_->mu);
   return shared_->conns.size();
+}
+
+uint64_t ControlServer::refused() const {
+  MutexLock l(&shared_->mu);
+  return shared_->refused;
 }
 
 // -------------------------------------------------------------------- client
@@ -458,6 +500,9 @@ Result<json> ControlRequest(const std::string& path, const json& request,
 
   const std::string out = request.dump(-1, ' ', false, json::error_handler_t::replace) + '\n';
   size_t sent = 0;
+  // A server that refuses the connection (too many open) answers and
+  // closes without reading: its answer, not the broken pipe, says why.
+  Status send_failed;
   while (sent < out.size()) {
     ssize_t n = ::send(fd, out.data() + sent, out.size() - sent, MSG_NOSIGNAL);
     if (n > 0) {
@@ -472,7 +517,10 @@ Result<json> ControlRequest(const std::string& path, const json& request,
       }
       continue;
     }
-    return Status::FromErrno("sending to dedupd at " + path, errno);
+    const int err = errno;
+    send_failed = Status::FromErrno("sending to dedupd at " + path, err);
+    if (err == EPIPE || err == ECONNRESET) break;
+    return send_failed;
   }
 
   std::string in;
@@ -492,8 +540,10 @@ Result<json> ControlRequest(const std::string& path, const json& request,
       in.append(buf, static_cast<size_t>(n));
       continue;
     }
-    if (n == 0)
+    if (n == 0) {
+      if (!send_failed.ok()) return send_failed;
       return Status::IoError("dedupd at " + path + " closed the connection without answering");
+    }
     if (errno == EINTR) continue;
     if (errno == EAGAIN) {
       if (!WaitFor(fd, POLLIN, deadline)) {
@@ -502,6 +552,7 @@ Result<json> ControlRequest(const std::string& path, const json& request,
       }
       continue;
     }
+    if (!send_failed.ok()) return send_failed;
     return Status::FromErrno("reading from dedupd at " + path, errno);
   }
   json reply = json::parse(in, nullptr, /*allow_exceptions=*/false);

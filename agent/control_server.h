@@ -9,6 +9,12 @@
 // gets an {"error":...} and the connection is closed; a client that
 // vanishes mid-line is dropped. A client that sends its requests and then
 // shuts down its sending side still gets every reply (`socat` does that).
+// At most `max_connections` are open at once: one more is answered
+// {"error":"too many control connections ..."} at once, unread, and closed,
+// and counted (refused()); a warning is logged at most every 10 s. Each
+// connection is a descriptor and a strand, and the socket is open to a
+// whole group: without a cap, a looping script could take every descriptor
+// dedupd has, and its VMs' disks with them.
 //
 // Threads: sockets live on the io_context (one strand per connection);
 // handlers may block (volume I/O), so they run through `run_blocking`, never
@@ -21,6 +27,7 @@
 #include <map>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <string>
 
 #include "util/status.h"
@@ -32,6 +39,9 @@ class ControlConnection;
 inline constexpr const char* kDefaultControlPath = "/run/dede/dedupd.ctl";
 // Longest request line the server reads (without its newline).
 inline constexpr size_t kControlMaxLine = 64 * 1024;
+// Control connections open at once, unless dedupd is told otherwise
+// (--control-max-connections). `dede status` takes one for a moment.
+inline constexpr size_t kDefaultControlMaxConnections = 64;
 
 class ControlServer {
  public:
@@ -40,8 +50,10 @@ class ControlServer {
   using Handler = std::function<Result<nlohmann::json>(const nlohmann::json& request)>;
 
   // dedupd passes NbdServer::RunBlocking as `run_blocking`.
+  // `max_connections` >= 1.
   ControlServer(boost::asio::io_context& io, std::string path,
-                std::function<void(std::function<void()>)> run_blocking);
+                std::function<void(std::function<void()>)> run_blocking,
+                size_t max_connections = kDefaultControlMaxConnections);
   ~ControlServer();
   ControlServer(const ControlServer&) = delete;
   ControlServer& operator=(const ControlServer&) = delete;
@@ -71,12 +83,20 @@ class ControlServer {
 
   // Connections currently open (tests, status).
   size_t connections() const;
+  size_t max_connections() const { return max_connections_; }
+  // Connections refused since Start because max_connections were open.
+  uint64_t refused() const;
 
  private:
   friend class ControlConnection;
   struct Shared;
   boost::asio::io_context& io_;
   const std::string path_;
+  const size_t max_connections_;
+  // Refusals not logged yet, and when the last were (the io thread's:
+  // only the accept handler touches them).
+  uint64_t refused_unlogged_ = 0;
+  std::optional<std::chrono::steady_clock::time_point> refusal_logged_;
   // Handlers, run_blocking and the connection registry: connections hold
   // it too, so a reply computed after Stop (or after this object is gone)
   // finds it still there.
@@ -88,6 +108,8 @@ class ControlServer {
   uint64_t bound_dev_ = 0, bound_ino_ = 0;
 
   void Accept();
+  // Answers `sock` with an error line and closes it (max_connections open).
+  void Refuse(boost::asio::local::stream_protocol::socket sock, size_t open);
 };
 
 // Client side, used by the dede CLI: connects to `path`, sends `request` as

@@ -115,6 +115,7 @@ struct Config {
   double policy_refresh = 30;    // re-read the volume's policy every SEC
   std::string control = kDefaultControlPath;
   bool control_given = false;
+  size_t control_max_connections = kDefaultControlMaxConnections;
   std::string history = kDefaultHistoryPath;
   bool history_given = false;
   int metrics_port = 9187;       // -1: off
@@ -160,7 +161,8 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       read_ahead_memory, write_log_min;
   // Whole numbers are read as text (ParseWhole): Boost reads "-1" into an
   // unsigned option as 2^32 - 1.
-  std::string host_id, lease_io_timeout, threads, iscsi_sessions, write_log_limit, max_connections;
+  std::string host_id, lease_io_timeout, threads, iscsi_sessions, write_log_limit, max_connections,
+      control_max_connections;
   bool no_write_monitor = false;
   po::options_description opts("options");
   opts.add_options()
@@ -197,6 +199,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600; 0: passes back to back, each as soon as the one before ends); after a failed pass, scheduled passes wait at least 2 s, doubling with each failure in a row up to 300 s")
       ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30); a re-read that finds it locked is retried every second, up to 5 times")
       ("control", po::value(&cfg->control)->value_name("PATH"), "control socket for `dede status`, `dede set` on running exports and `dede dedup --now` (default /run/dede/dedupd.ctl; 'off': none)")
+      ("control-max-connections", po::value(&control_max_connections)->value_name("N"), "control connections open at once; one more is answered with a 'too many control connections' error and closed, and counted (default 64)")
       ("history", po::value(&cfg->history)->value_name("PATH"), "SQLite database of this host's passes, for `dede report` (default /var/lib/dede/history.db; 'off': none)")
       ("metrics-port", po::value(&metrics_port)->value_name("PORT"), "serve Prometheus metrics on 127.0.0.1:PORT/metrics (default 9187; 0: any free port; 'off': none)")
       ("log-level", po::value(&log_level)->value_name("LEVEL"), "debug, info, warning or error (default info)");
@@ -305,6 +308,10 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   if (!max_connections.empty() &&
       !ParseWhole(max_connections, 1, uint64_t{1} << 32, &cfg->max_connections)) {
     return UsageError("--max-connections: a whole number from 1, not '" + max_connections + "'");
+  }
+  if (!control_max_connections.empty() &&
+      !ParseWhole(control_max_connections, 1, 65536, &cfg->control_max_connections)) {
+    return UsageError("--control-max-connections: 1..65536, not '" + control_max_connections + "'");
   }
   cfg->control_given = vm.count("control") > 0;
   cfg->max_connections_given = vm.count("max-connections") > 0;
@@ -935,6 +942,8 @@ int Run(const Config& cfg) {
 
   // ------------------------------------------------------------ status
   std::atomic<int> metrics_port{-1};  // set once the endpoint listens
+  // Set below, before anything serves (the status reply reads its counts).
+  std::unique_ptr<ControlServer> control;
   auto status_json = [&]() -> nlohmann::json {
     nlohmann::json j;
     j["host_id"] = vol->host_id();
@@ -1073,15 +1082,21 @@ int Run(const Config& cfg) {
                      {"waited_s", double(throttle.waited_ns()) / 1e9}};
     j["history"] = history ? cfg.history : "";
     j["control"] = cfg.control;
+    if (control) {
+      j["control_connections"] = {{"open", control->connections()},
+                                  {"max", control->max_connections()},
+                                  {"refused", control->refused()}};
+    } else {
+      j["control_connections"] = nullptr;
+    }
     j["metrics_port"] = metrics_port.load();
     return j;
   };
 
-  std::unique_ptr<ControlServer> control;
   if (!cfg.control.empty()) {
-    control = std::make_unique<ControlServer>(io, cfg.control, [&server](std::function<void()> f) {
-      server.RunBlocking(std::move(f));
-    });
+    control = std::make_unique<ControlServer>(
+        io, cfg.control, [&server](std::function<void()> f) { server.RunBlocking(std::move(f)); },
+        cfg.control_max_connections);
     control->Handle("status", [&](const nlohmann::json&) -> Result<nlohmann::json> {
       return status_json();
     });
@@ -1209,6 +1224,11 @@ int Run(const Config& cfg) {
               j["nbd"]["bytes_read"].get<double>(), host);
     m.Counter("dede_nbd_written_bytes_total", "Bytes of NBD WRITEs answered without error",
               j["nbd"]["bytes_written"].get<double>(), host);
+    if (!j["control_connections"].is_null()) {
+      m.Counter("dede_control_connections_refused_total",
+                "Control socket connections refused: --control-max-connections were open",
+                j["control_connections"]["refused"].get<double>(), host);
+    }
     m.Gauge("dede_leases_held", "Locks and leases this dedupd holds", double(j["leases"].size()), host);
     m.Gauge("dede_in_window", "1 inside a dedup window (or when the policy has none)",
             j["policy"]["in_window"].get<bool>() ? 1 : 0, host);

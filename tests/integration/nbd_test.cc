@@ -1952,5 +1952,39 @@ TEST_CASE("dedupd logs and retries a policy re-read that found the policy file l
   REQUIRE(d.Stop() == 0);
 }
 
+// The control socket took any number of connections at once, each a
+// descriptor dedupd's NBD clients need too. Beyond the limit a client gets
+// an error that `dede status` shows, and the refusal is counted and logged.
+TEST_CASE("dedupd refuses control connections beyond --control-max-connections", "[nbd]") {
+  TestVolume tv({{"vm", 1 * kMiB}});
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--control-max-connections", "1"});
+  const std::vector<std::string> status = {BinaryPath("dede"), "status", "--control", d.control(),
+                                           "--json"};
+  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  REQUIRE(fd >= 0);
+  sockaddr_un a{};
+  a.sun_family = AF_UNIX;
+  std::strncpy(a.sun_path, d.control().c_str(), sizeof(a.sun_path) - 1);
+  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  // Accepted in the order they came: the idle one above takes the place.
+  ProcessResult r = RunProcess(status);
+  ::close(fd);
+  INFO(Describe(status, r) << "\ndedupd log:\n" << d.Log());
+  CHECK(r.exit_code == 1);
+  CHECK(r.err.find("too many control connections") != std::string::npos);
+  // The idle client gone, `dede status` is served again (its close is seen
+  // a moment later).
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  while ((r = RunProcess(status)).exit_code != 0) {
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  const nlohmann::json j = nlohmann::json::parse(r.out);
+  CHECK(j["control_connections"]["max"] == 1);
+  CHECK(j["control_connections"]["refused"].get<uint64_t>() >= 1);
+  CHECK(CountOf(d.Log(), "(--control-max-connections)") >= 1);
+  REQUIRE(d.Stop() == 0);
+}
+
 }  // namespace
 }  // namespace dede

@@ -566,3 +566,52 @@ TEST_CASE("control: WaitForHandlers returns once the handlers started before Sto
   auto again = std::async(std::launch::async, [&] { server.WaitForHandlers(); });
   CHECK(again.wait_for(2s) == std::future_status::ready);
 }
+
+// Any number of clients could hold a connection open at once: a script
+// looping on the socket could take every descriptor dedupd has. Beyond the
+// limit, a connection gets an error line at once and is closed, and is
+// counted; once one closes, clients are served again.
+TEST_CASE("control: connections beyond the limit are refused with an error, and counted",
+          "[control]") {
+  TempDir dir;
+  Loop loop;
+  ControlServer server(loop.io(), dir / "ctl", loop.run_blocking(), /*max_connections=*/2);
+  server.Handle("echo", [](const json& request) -> Result<json> {
+    return json{{"echo", request}};
+  });
+  REQUIRE(server.Listen().ok());
+  loop.RunOnIo([&] { server.Start(); });
+  CHECK(server.max_connections() == 2);
+
+  // Two idle clients take both places.
+  Client a(dir / "ctl");
+  Client b(dir / "ctl");
+  REQUIRE(Eventually([&] { return server.connections() == 2; }));
+  // A third one is answered with an error, without being read, and closed.
+  Client c(dir / "ctl");
+  std::optional<std::string> refusal = c.ReadLine();
+  REQUIRE(refusal);
+  const json refused = json::parse(*refusal);
+  INFO(refused.dump());
+  REQUIRE(refused.contains("error"));
+  CHECK(refused["error"].get<std::string>().find("too many control connections") !=
+        std::string::npos);
+  CHECK(refused["error"].get<std::string>().find("at most 2") != std::string::npos);
+  CHECK(c.WaitClosed());
+  // ControlRequest, as `dede status` uses it, passes the error on.
+  Result<json> r = ControlRequest(dir / "ctl", json{{"cmd", "echo"}});
+  REQUIRE(r.ok());
+  CHECK(r.value().contains("error"));
+  CHECK(server.refused() == 2);
+  CHECK(server.connections() == 2);
+  // The two served clients still are.
+  CHECK(a.Request(json{{"cmd", "echo"}, {"x", 1}})["echo"]["x"] == 1);
+  // One leaves: a new client is served.
+  b.Close();
+  REQUIRE(Eventually([&] { return server.connections() == 1; }));
+  r = ControlRequest(dir / "ctl", json{{"cmd", "echo"}, {"x", 2}});
+  REQUIRE(r.ok());
+  CHECK(r.value()["echo"]["x"] == 2);
+  CHECK(server.refused() == 2);
+  loop.RunOnIo([&] { server.Stop(); });
+}
