@@ -2304,32 +2304,88 @@ Result<uint64_t> VolumeImpl::GetPtr(const Inode& in, uint64_t index) {
 }
 
 Status VolumeImpl::EnsureMapPath(Inode* in, uint64_t index) {
+  const LockId owner = InodeLock(in->ino);
+  // Every pointer block the path lacks is allocated in one call before the
+  // map changes. An allocation that reaches its last resort checkpoints the
+  // running transaction before it waits (ReleaseCached): allocated one at
+  // a time, a later one's wait made durable a root grown only in `*in`,
+  // which the caller had not stored yet (a crash there leaked it).
+  uint32_t depth = in->depth;
+  while (index >= Capacity(depth)) depth++;
+  size_t need = depth - in->depth;
+  if (need > 0) {
+    // Index is past what the old tree covers: below the new top, whose
+    // slot for it is not slot 0 (the old tree), the whole path is new.
+    need += depth - 1;
+  } else {
+    uint64_t addr = in->root;
+    for (uint32_t level = depth; level > 1; level--) {
+      ASSIGN_OR_RETURN(uint8_t * b, LoadPointerBlock(addr, level, owner));
+      uint32_t s = static_cast<uint32_t>((index / Span(level)) % kPointersPerBlock);
+      ASSIGN_OR_RETURN(uint64_t next, ChildPointer(b, addr, s, owner));
+      if (next == 0) {
+        need = level - 1;
+        break;
+      }
+      addr = next;
+    }
+  }
+  if (need == 0) return Status::Ok();
+  std::vector<uint64_t> a;
+  RETURN_IF_ERROR(Allocate(need, &a, /*meta=*/true));
+  size_t used = 0;
+  auto take = [&]() -> Result<uint64_t> {
+    if (used < a.size()) return a[used++];
+    return Status::Corruption("internal error: the block-map path to block " +
+                              std::to_string(index) + " of inode " + std::to_string(in->ino) +
+                              " needs more than the " + std::to_string(a.size()) +
+                              " pointer blocks counted");
+  };
   // Grow the tree until it covers index.
   while (index >= Capacity(in->depth)) {
-    std::vector<uint64_t> a;
-    RETURN_IF_ERROR(Allocate(1, &a, /*meta=*/true));
+    ASSIGN_OR_RETURN(const uint64_t top, take());
     uint32_t level = in->depth + 1;
-    uint8_t* b = Fresh(a[0], InodeLock(in->ino), kMagicPointerBlock, level);
+    uint8_t* b = Fresh(top, owner, kMagicPointerBlock, level);
     if (in->root != 0) dede::SetPtr(b, 0, in->root);
-    in->root = a[0];
+    in->root = top;
     in->depth = static_cast<uint8_t>(level);
   }
-  const LockId owner = InodeLock(in->ino);
   uint64_t addr = in->root;
   for (uint32_t level = in->depth; level > 1; level--) {
     ASSIGN_OR_RETURN(uint8_t * b, LoadPointerBlock(addr, level, owner));
     uint32_t s = static_cast<uint32_t>((index / Span(level)) % kPointersPerBlock);
     ASSIGN_OR_RETURN(uint64_t next, ChildPointer(b, addr, s, owner));
     if (next == 0) {
-      std::vector<uint64_t> a;
-      RETURN_IF_ERROR(Allocate(1, &a, /*meta=*/true));
-      Fresh(a[0], InodeLock(in->ino), kMagicPointerBlock, level - 1);
-      dede::SetPtr(Dirty(addr), s, a[0]);
-      next = a[0];
+      ASSIGN_OR_RETURN(next, take());
+      Fresh(next, owner, kMagicPointerBlock, level - 1);
+      dede::SetPtr(Dirty(addr), s, next);
     }
     addr = next;
   }
+  if (used < a.size()) {
+    // A miscount (an internal error) costs nothing but the log line: the
+    // blocks left over were never linked, and go back in this transaction.
+    LOG(kWarning) << "volume: the block-map path to block " << index << " of inode " << in->ino
+                  << " used " << used << " of the " << a.size()
+                  << " pointer blocks counted (internal error; the rest given back)";
+    std::vector<uint64_t> rest(a.begin() + static_cast<std::ptrdiff_t>(used), a.end());
+    RETURN_IF_ERROR(UndoAllocate(&rest, /*reserve=*/false));
+  }
   return Status::Ok();
+}
+
+Status VolumeImpl::BuildMapPaths(Inode* in, uint64_t first, const std::vector<bool>& fresh) {
+  Status st;
+  uint64_t leaf = UINT64_MAX;  // indexes of one leaf share its path
+  for (size_t k = 0; k < fresh.size() && st.ok(); k++) {
+    if (!fresh[k] || (first + k) / kPointersPerBlock == leaf) continue;
+    leaf = (first + k) / kPointersPerBlock;
+    st = EnsureMapPath(in, first + k);
+    // Stored after each path (a grown map too, when it failed part-way):
+    // the next one's allocation may checkpoint.
+    PutInode(*in);
+  }
+  return st;
 }
 
 Status VolumeImpl::SetPtr(Inode* in, uint64_t index, uint64_t value) {
@@ -2683,6 +2739,14 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
         }
       }
       PutInode(in);
+      // The new blocks' map paths now, each a complete step stored with
+      // the inode, before their blocks are reserved: an allocation's last
+      // resort checkpoints before it waits. In phase 3 it met a half-
+      // published round (counts and pointers without the inode's root
+      // and mapped count: a crash there leaked blocks and left the count
+      // wrong); here it meets only finished steps, and no reservation of
+      // ours that its wait would have to count early (materialize).
+      RETURN_IF_ERROR(BuildMapPaths(&in, r0, fresh));
       if (need > 0) {
         size_t k0 = 0;
         while (!fresh[k0]) k0++;
@@ -2778,6 +2842,11 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
     }
     const uint64_t root_before = in.root;
     const uint8_t depth_before = in.depth;
+    // Phase 1 built the paths and nothing of ours changes this file's map
+    // meanwhile (f->rw): this walk allocates nothing. Were a pointer block
+    // missing, it would still be allocated here, before the round's first
+    // change, never between two of its steps.
+    if (st.ok()) st = BuildMapPaths(&in, r0, fresh);
     size_t published = 0;  // blocks [0, published) are in the map
     for (; published < nblk && st.ok(); published++) {
       if (!fresh[published]) continue;

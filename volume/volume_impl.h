@@ -235,9 +235,16 @@ class VolumeImpl : public Volume {
   // valid map, so an operation that will map `index` does this first, as
   // a step of its own: a pointer block that cannot be allocated (a full
   // volume) then fails the operation before its first change, instead of
-  // half-way (which poisons the volume). Updates `in` (root/depth), also
-  // on failure; the caller stores it (PutInode) either way.
+  // half-way (which poisons the volume). The blocks the path lacks are
+  // allocated in one call before the map changes, so an allocation that
+  // checkpoints before waiting meets none of this path's changes. Updates
+  // `in` (root/depth), also on failure; the caller stores it (PutInode)
+  // either way.
   Status EnsureMapPath(Inode* in, uint64_t index) REQUIRES(mu_);
+  // EnsureMapPath for each block k of a write round (file blocks `first`
+  // + k) with fresh[k], once per leaf, storing `in` after each (also on
+  // failure): what a later path's allocation checkpoints is consistent.
+  Status BuildMapPaths(Inode* in, uint64_t first, const std::vector<bool>& fresh) REQUIRES(mu_);
   // Locates (leaf block address, slot) for index, or leaf 0 if unmapped.
   // A pointer block of the map of `owner` (its inode lock), checked to be
   // of `level`; kCorruption if not.
