@@ -1072,7 +1072,8 @@ int Run(const Config& cfg) {
                   {"groups_yielded", drops.yielded}};
     const Volume::ReservationCounters reservations = vol->reservation_counters();
     j["write_reservations"] = {{"in_flight", reservations.reserved_now},
-                               {"materialized", reservations.materialized}};
+                               {"materialized", reservations.materialized},
+                               {"leaked", reservations.leaked}};
     const Volume::WaitCounters waits = vol->wait_counters();
     j["lock_waits"] = {{"waits", waits.waits},
                        {"wait_s", double(waits.wait_ns) / 1e9},

@@ -1269,7 +1269,7 @@ Status VolumeImpl::CancelReservation(uint64_t addr) {
   if (it == reserved_.end()) return Status::Ok();
   const bool materialized = it->second;
   reserved_.erase(it);
-  if (materialized) return DropRef(addr);
+  if (materialized) return DropUnpublished(addr);
   uint32_t g;
   if (GroupOf(addr, &g)) {
     UnpinGroup(g);
@@ -1589,6 +1589,27 @@ Status VolumeImpl::DropRef(uint64_t addr) {
   // EnsureRoom keeps room for every drop an operation makes.
   return Poison(Status::NoSpace("the drop list of host " + std::to_string(host_) +
                                 " is full (internal error)"));
+}
+
+Status VolumeImpl::DropUnpublished(uint64_t addr) {
+  uint32_t g;
+  if (sb_.drop_blocks != 0 && GroupOf(addr, &g) && !cached_locks_.count(GroupLock(g))) {
+    // Never waits: a failed write's error path must not start a wait of
+    // its own (it often comes from one that timed out).
+    (void)PrepareDrop(addr);
+    if (!cached_locks_.count(GroupLock(g)) && DropRoom() == 0) {
+      // DropRef would overflow the list, which poisons the volume (every
+      // later write of the host fails) for want of one block's space.
+      // Left counted with no reference, the block is a leak: fsck
+      // --repair frees it.
+      blocks_leaked_++;
+      LOG(kWarning) << "volume: block " << addr << " of a failed write could not be given back"
+                    << " (its group held elsewhere, the drop list of host " << host_
+                    << " full); left allocated until fsck --repair frees it";
+      return Status::Ok();
+    }
+  }
+  return DropRef(addr);
 }
 
 Status VolumeImpl::DrainDrops(Drain how) {
@@ -2860,7 +2881,7 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
         if (reserved_.count(target[u])) {
           (void)CancelReservation(target[u]);
         } else {
-          (void)DropRef(target[u]);  // claimed, its pointer not published
+          (void)DropUnpublished(target[u]);  // claimed, its pointer not published
         }
       }
       // A map that grew before an allocation failed is stored too (an

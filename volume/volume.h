@@ -398,10 +398,14 @@ class Volume {
   // them), and how many reservations a wait that had to give back their
   // group turned into ordinary allocations first (a crash between that
   // and the publication leaks those; fsck --repair frees them). Since
-  // open; never blocks on another host.
+  // open; never blocks on another host. `leaked`: blocks a failed write
+  // could not give back (their group held elsewhere and the drop list
+  // full), left allocated with no reference rather than overflowing the
+  // list, which would poison the volume; fsck --repair frees them.
   struct ReservationCounters {
     uint64_t reserved_now = 0;
     uint64_t materialized = 0;
+    uint64_t leaked = 0;
   };
   virtual ReservationCounters reservation_counters() = 0;
 };

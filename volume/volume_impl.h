@@ -87,7 +87,7 @@ class VolumeImpl : public Volume {
   }
   ReservationCounters reservation_counters() EXCLUDES(mu_) override {
     MutexLock l(&mu_);
-    return ReservationCounters{reserved_.size(), reservations_materialized_};
+    return ReservationCounters{reserved_.size(), reservations_materialized_, blocks_leaked_};
   }
   WaitCounters wait_counters() override {
     return WaitCounters{lock_waits_.load(), lock_wait_ns_.load(), lock_wait_timeouts_.load()};
@@ -300,6 +300,12 @@ class VolumeImpl : public Volume {
   // PrepareDrops({addr}), with the same fast path as AcquireGroupOf.
   Status PrepareDrop(uint64_t addr) REQUIRES(mu_);
   Status DropRef(uint64_t addr) REQUIRES(mu_);
+  // DropRef for a block a failed write counted but never published (a
+  // reservation a wait materialized, or one claimed before its pointer
+  // failed). Its group is taken if it is free; when it is held elsewhere
+  // and the drop list is full, the block is left counted (a leak for fsck
+  // --repair, counted in blocks_leaked_) instead of overflowing the list.
+  Status DropUnpublished(uint64_t addr) REQUIRES(mu_);
   // Applies the drop list's entries whose groups this process holds or can
   // take without waiting. Groups still held elsewhere are announced with
   // kWanted so their holder hands them back at its next flush point.
@@ -451,6 +457,9 @@ class VolumeImpl : public Volume {
   std::unordered_map<uint64_t, bool> reserved_ GUARDED_BY(mu_);
   std::map<uint32_t, size_t> pins_ GUARDED_BY(mu_);  // group -> reservations not materialized
   uint64_t reservations_materialized_ GUARDED_BY(mu_) = 0;  // since open (diagnostics)
+  // Blocks failed writes left counted with no reference (DropUnpublished),
+  // since open: fsck --repair frees them.
+  uint64_t blocks_leaked_ GUARDED_BY(mu_) = 0;
   std::set<LockId> cached_locks_ GUARDED_BY(mu_);  // namespace and groups
   // Times the namespace lock left cached_locks_. Any thread's flush point
   // may hand it to another host while Create scans the inode table without

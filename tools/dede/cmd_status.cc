@@ -404,11 +404,19 @@ void PrintRest(const json& r) {
     if (!parts.empty()) Line("drops", Join(parts, ", "));
   }
   if (const json* res = Object(r, "write_reservations")) {
-    // Shown only when a wait had to count in-flight writes' blocks early:
-    // a crash right after can leave such blocks leaked (fsck --repair).
+    // Shown only when a wait had to count in-flight writes' blocks early
+    // (a crash right after can leave such blocks leaked: fsck --repair)
+    // or a failed write left blocks leaked.
+    std::vector<std::string> parts;
     if (auto v = Uint(*res, "materialized"); v && *v > 0) {
-      Line("writes", std::to_string(*v) + " in-flight blocks counted early for a lock wait");
+      parts.push_back(std::to_string(*v) + " in-flight blocks counted early for a lock wait");
     }
+    // Failed writes' blocks that neither their group nor the full drop
+    // list could take back: allocated until fsck --repair frees them.
+    if (auto v = Uint(*res, "leaked"); v && *v > 0) {
+      parts.push_back(std::to_string(*v) + " blocks of failed writes leaked (fsck --repair)");
+    }
+    if (!parts.empty()) Line("writes", Join(parts, "; "));
   }
   if (auto v = Uint(r, "cow_copies")) {
     Line("cow", std::to_string(*v) + (*v == 1 ? " copy" : " copies") + " of shared blocks");
