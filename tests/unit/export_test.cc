@@ -685,6 +685,29 @@ class LatchLocks : public test::ForwardingLocks {
   std::atomic<uint64_t> ino_{0};
 };
 
+// A volume in memory whose files' locks go through LatchLocks, with
+// "slow" (whose next open the latch holds once armed) and `others`.
+struct LatchedVolume {
+  MemDevice mem{64 << 20};
+  std::shared_ptr<LatchLocks> locks;
+  std::unique_ptr<Volume> vol;
+  uint64_t slow_ino = 0;
+  explicit LatchedVolume(const std::vector<std::string>& others = {}) {
+    REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
+    locks = std::make_shared<LatchLocks>(TempLocks());
+    OpenOptions oo;
+    oo.locks = locks;
+    auto opened = Volume::Open(&mem, oo);
+    REQUIRE(opened.ok());
+    vol = std::move(opened.value());
+    REQUIRE(vol->Create("slow", kFileBytes).ok());
+    for (const std::string& n : others) REQUIRE(vol->Create(n, kFileBytes).ok());
+    auto slow = vol->Lookup("slow");
+    REQUIRE(slow.ok());
+    slow_ino = slow->id.ino;
+  }
+};
+
 }  // namespace
 
 TEST_CASE("export: an open waiting for its file's lock holds up no other export's open",
@@ -693,19 +716,10 @@ TEST_CASE("export: an open waiting for its file's lock holds up no other export'
   // the file: with sanlock, an open that waits for a dead host's lease
   // (8 io_timeouts + 60 s) made every other disk's open wait as long. Two
   // clients of the disk being opened still get one export.
-  MemDevice mem(64 << 20);
-  REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
-  auto locks = std::make_shared<LatchLocks>(TempLocks());
-  OpenOptions oo;
-  oo.locks = locks;
-  auto vol = Volume::Open(&mem, oo);
-  REQUIRE(vol.ok());
-  REQUIRE((*vol)->Create("slow", kFileBytes).ok());
-  REQUIRE((*vol)->Create("vm2", kFileBytes).ok());
-  auto slow = (*vol)->Lookup("slow");
-  REQUIRE(slow.ok());
-  ExportTable table(vol->get(), nullptr, nullptr);
-  locks->Arm(slow->id.ino);
+  LatchedVolume lv({"vm2"});
+  auto& locks = lv.locks;
+  ExportTable table(lv.vol.get(), nullptr, nullptr);
+  locks->Arm(lv.slow_ino);
   Result<std::shared_ptr<Export>> first = Status::Unavailable("not run"),
                                   second = Status::Unavailable("not run");
   std::thread opener([&] { first = table.Acquire("slow"); });
@@ -744,18 +758,10 @@ TEST_CASE("export: clients of a disk whose open is under way hold no thread whil
   // disk's open queued behind them. A Step for a name being opened here
   // returns at once, to be tried again, whatever the wait allowed for
   // refusals (0 here), and enters the export once the open ends.
-  MemDevice mem(64 << 20);
-  REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
-  auto locks = std::make_shared<LatchLocks>(TempLocks());
-  OpenOptions oo;
-  oo.locks = locks;
-  auto vol = Volume::Open(&mem, oo);
-  REQUIRE(vol.ok());
-  REQUIRE((*vol)->Create("slow", kFileBytes).ok());
-  auto slow = (*vol)->Lookup("slow");
-  REQUIRE(slow.ok());
-  ExportTable table(vol->get(), nullptr, nullptr);
-  locks->Arm(slow->id.ino);
+  LatchedVolume lv;
+  auto& locks = lv.locks;
+  ExportTable table(lv.vol.get(), nullptr, nullptr);
+  locks->Arm(lv.slow_ino);
   Result<std::shared_ptr<Export>> first = Status::Unavailable("not run");
   std::thread opener([&] { first = table.Acquire("slow"); });
   REQUIRE(locks->WaitHeld(5s));
