@@ -1696,7 +1696,7 @@ TEST_CASE("volume: a write whose drop-list wait times out gives its blocks back 
   OpenOptions o1;
   o1.locks = hosts[0];
   o1.host_id = 1;
-  o1.lock_wait_s = 1;
+  o1.lock_wait_s = 3;  // the other host takes group 1 during this wait: room for a slow machine
   GateDevice gate(&base, 0x08);
   auto v = Volume::Open(&gate, o1);
   REQUIRE(v.ok());
@@ -1749,7 +1749,7 @@ TEST_CASE("volume: a write whose drop-list wait times out gives its blocks back 
     next += k;
   }
   REQUIRE(room() == 12);
-  // The publication waits for group 0 (1 s), having given back the group
+  // The publication waits for group 0 (3 s), having given back the group
   // of its blocks; the other host takes that one meanwhile.
   gate.Open();
   bool waiting = false;
