@@ -109,6 +109,7 @@ struct Config {
   double drain_timeout = 10;  // shutdown: how long a client may take to read its last replies
   double handshake_timeout = 30;  // a client idle in the NBD handshake is closed after this
   uint64_t max_connections = 1024;  // NBD connections open at once
+  uint64_t nbd_memory = uint64_t{1} << 30;  // READ/WRITE data of all NBD connections
   bool max_connections_given = false;
   double split_after = 30;     // split a shard whose last update took longer (seconds)
   double window_interval = 600;  // inside a policy window: seconds between passes
@@ -158,7 +159,7 @@ bool ParseWhole(const std::string& text, uint64_t lo, uint64_t hi, T* out) {
 // Returns an exit code, or -1 to go on.
 int ParseArgs(int argc, char** argv, Config* cfg) {
   std::string tcp_port, flush_bytes, memory, log_level, config_file, metrics_port, read_ahead,
-      read_ahead_memory, write_log_min;
+      read_ahead_memory, write_log_min, nbd_memory;
   // Whole numbers are read as text (ParseWhole): Boost reads "-1" into an
   // unsigned option as 2^32 - 1.
   std::string host_id, lease_io_timeout, threads, iscsi_sessions, write_log_limit, max_connections,
@@ -195,6 +196,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"), "on SIGTERM, a client that takes none of its replies for SEC seconds loses them and is disconnected, so that a stuck client cannot keep the other disks' locks (default 10; 0: at once, after 0.1 s)")
       ("handshake-timeout", po::value(&cfg->handshake_timeout)->value_name("SEC"), "an NBD client that has not entered an export and sends nothing for SEC seconds is disconnected, so idle connections cannot hold every --max-connections slot (default 30; 0: never)")
       ("max-connections", po::value(&max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs; TCP connections waiting for their user check count for TCP)")
+      ("nbd-memory", po::value(&nbd_memory)->value_name("SIZE"), "memory the data of NBD READs and WRITEs (replies not yet sent, payloads, partly received ones too) may take across all connections; a request that does not fit waits, its connection reading nothing, until others finish, in arrival order; one larger than SIZE runs alone (default 1G; each connection is also held to 64M)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600; 0: passes back to back, each as soon as the one before ends); after a failed pass, scheduled passes wait at least 2 s, doubling with each failure in a row up to 300 s")
       ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30); a re-read that finds it locked is retried every second, up to 5 times")
@@ -257,6 +259,11 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
     auto v = ParseSize(read_ahead);
     if (!v || *v > (uint64_t{64} << 20)) return UsageError("--read-ahead: need a size of at most 64M (0: off)");
     cfg->read_ahead = *v;
+  }
+  if (!nbd_memory.empty()) {
+    auto v = ParseSize(nbd_memory);
+    if (!v || *v < (1 << 20)) return UsageError("--nbd-memory: need a size of at least 1M");
+    cfg->nbd_memory = *v;
   }
   if (!read_ahead_memory.empty()) {
     auto v = ParseSize(read_ahead_memory);
@@ -479,6 +486,7 @@ int Run(const Config& cfg) {
   so.drain_timeout_s = cfg.drain_timeout;
   so.handshake_timeout_s = cfg.handshake_timeout;
   so.max_connections = MaxConnectionsWithin(cfg.max_connections, cfg.max_connections_given);
+  so.memory_budget = cfg.nbd_memory;
   NbdServer server(io, &table, so);
 
   PeriodicJob sync_job(io, &server, cfg.sync_interval, [&] {
@@ -1059,7 +1067,12 @@ int Run(const Config& cfg) {
                 {"requests", nbd_stats.requests},
                 {"request_errors", nbd_stats.request_errors},
                 {"bytes_read", nbd_stats.bytes_read},
-                {"bytes_written", nbd_stats.bytes_written}};
+                {"bytes_written", nbd_stats.bytes_written},
+                {"memory_limit", nbd_stats.memory.limit},
+                {"memory_in_use", nbd_stats.memory.in_use},
+                {"memory_peak", nbd_stats.memory.peak},
+                {"memory_waiting", nbd_stats.memory.waiting},
+                {"memory_waits", nbd_stats.memory.waits}};
     j["writes_answered_early"] = totals.writes_answered_early;
     j["read_ahead"] = ReadAheadJson(totals.read_ahead);
     j["read_ahead"]["memory_used"] = table.read_ahead_budget().used();
@@ -1225,6 +1238,15 @@ int Run(const Config& cfg) {
               j["nbd"]["bytes_read"].get<double>(), host);
     m.Counter("dede_nbd_written_bytes_total", "Bytes of NBD WRITEs answered without error",
               j["nbd"]["bytes_written"].get<double>(), host);
+    m.Gauge("dede_nbd_memory_limit_bytes", "Memory NBD READ and WRITE data may take (--nbd-memory)",
+            j["nbd"]["memory_limit"].get<double>(), host);
+    m.Gauge("dede_nbd_memory_bytes", "Memory reserved for NBD READ and WRITE data now",
+            j["nbd"]["memory_in_use"].get<double>(), host);
+    m.Gauge("dede_nbd_memory_waiting_connections",
+            "NBD connections waiting for room in --nbd-memory, reading nothing meanwhile",
+            j["nbd"]["memory_waiting"].get<double>(), host);
+    m.Counter("dede_nbd_memory_waits_total", "NBD requests that waited for room in --nbd-memory",
+              j["nbd"]["memory_waits"].get<double>(), host);
     if (!j["control_connections"].is_null()) {
       m.Counter("dede_control_connections_refused_total",
                 "Control socket connections refused: --control-max-connections were open",

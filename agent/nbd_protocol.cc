@@ -179,6 +179,8 @@ Action NbdSession::Run(const uint8_t* data, size_t len, size_t* pos) {
         return Action::kListExports;
       case Phase::kWaitExport:
         return Action::kOpenExport;
+      case Phase::kAdmitWait:
+        return Action::kAdmit;
 
       case Phase::kClientFlags: {
         if (!Gather(4, data, len, pos)) return Action::kNeedInput;
@@ -391,9 +393,14 @@ Action NbdSession::ParseRequestHeader() {
     payload_error_ = CheckRequest(r);
     payload_left_ = r.length;
     payload_have_ = 0;
-    if (payload_error_ == 0) r.payload.resize(std::min<uint32_t>(r.length, kPayloadReserve));
     pending_ = std::move(r);
+    if (payload_error_ == 0 && opts_.admit_requests) {
+      // Nothing allocated before the driver has made room for it.
+      phase_ = Phase::kAdmitWait;
+      return Action::kAdmit;
+    }
     phase_ = Phase::kRequestPayload;
+    if (payload_error_ == 0) StartAdmitted();
     return Action::kNeedInput;
   }
 
@@ -403,8 +410,33 @@ Action NbdSession::ParseRequestHeader() {
     return Action::kNeedInput;
   }
   pending_ = std::move(r);
+  if (pending_.type == kCmdRead && opts_.admit_requests) {
+    phase_ = Phase::kAdmitWait;
+    return Action::kAdmit;
+  }
   request_ready_ = true;
   return Action::kRequest;
+}
+
+uint32_t NbdSession::admit_bytes() const {
+  return phase_ == Phase::kAdmitWait ? pending_.length : 0;
+}
+
+void NbdSession::Admit() {
+  if (phase_ != Phase::kAdmitWait) return;
+  StartAdmitted();
+}
+
+// pending_ (a valid READ or WRITE) goes on: a WRITE's payload is received,
+// a READ is yielded.
+void NbdSession::StartAdmitted() {
+  if (pending_.type == kCmdWrite) {
+    pending_.payload.resize(std::min<uint32_t>(pending_.length, kPayloadReserve));
+    phase_ = Phase::kRequestPayload;
+  } else {
+    phase_ = Phase::kTransmission;
+    request_ready_ = true;
+  }
 }
 
 // The largest READ / WRITE payload accepted: the one advertised in

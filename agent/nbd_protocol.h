@@ -110,6 +110,11 @@ struct SessionOptions {
   uint32_t max_option_bytes = 64 * 1024;  // longer option data: connection closed
   uint32_t max_payload = 32u << 20;       // WRITE larger: connection closed; READ larger: EINVAL
   uint32_t max_options = 1000;            // more options in one handshake: connection closed
+  // True: a valid READ or WRITE is held at Action::kAdmit until Admit(),
+  // before any of its payload is taken or it is yielded, so the driver can
+  // reserve its bytes (the host-wide NBD memory budget) before they are
+  // allocated. False: admitted at once (the fuzz target, most tests).
+  bool admit_requests = false;
 };
 
 // What the driver must do after Feed() returns.
@@ -118,6 +123,7 @@ enum class Action {
   kListExports,   // client sent NBD_OPT_LIST: call ReplyList()
   kOpenExport,    // GO / INFO / EXPORT_NAME for export_name(): call ReplyExport()
   kRequest,       // a valid request: TakeRequest(), execute, reply (EncodeSimpleReplyHeader)
+  kAdmit,         // (admit_requests only) a READ / WRITE of admit_bytes(): Admit() when it fits
   kDisconnect,    // NBD_CMD_DISC or NBD_OPT_ABORT: finish in-flight requests, flush output, close
   kClose,         // protocol violation: flush output, close now; close_reason() says why
 };
@@ -139,8 +145,8 @@ class NbdSession {
   // do, so *consumed may be less than len: feed the rest afterwards.
   // kNeedInput always means *consumed == len. An action that waits for
   // the driver is returned again, consuming nothing, until it is served:
-  // kListExports / kOpenExport until the matching Reply*() call, kRequest
-  // until TakeRequest(); after kDisconnect / kClose nothing more is ever
+  // kListExports / kOpenExport until the matching Reply*() call, kAdmit
+  // until Admit(), kRequest until TakeRequest(); after kDisconnect / kClose nothing more is ever
   // consumed and Feed keeps returning that action.
   Action Feed(const uint8_t* data, size_t len, size_t* consumed);
 
@@ -163,6 +169,12 @@ class NbdSession {
   void ReplyExport(const ExportInfo& info);
   void ReplyExportError(uint32_t rep_err, const std::string& message);
 
+  // After kAdmit: the bytes the request will hold in memory (its READ
+  // reply or WRITE payload), else 0. Admit() lets it go on: a WRITE's
+  // payload is then received, a READ yielded as kRequest.
+  uint32_t admit_bytes() const;
+  void Admit();
+
   // After kRequest: the request (payload moved out). Without a pending
   // request: a default Request.
   Request TakeRequest();
@@ -180,7 +192,8 @@ class NbdSession {
   bool has_output() const { return !out_.empty(); }
 
   bool in_transmission() const {
-    return phase_ == Phase::kTransmission || phase_ == Phase::kRequestPayload;
+    return phase_ == Phase::kTransmission || phase_ == Phase::kAdmitWait ||
+           phase_ == Phase::kRequestPayload;
   }
   const std::string& close_reason() const { return close_reason_; }
   const ExportInfo& export_info() const { return export_; }
@@ -191,7 +204,7 @@ class NbdSession {
  private:
   enum class Phase {
     kClientFlags, kOptionHeader, kOptionData, kWaitList, kWaitExport,
-    kTransmission, kRequestPayload, kDone,
+    kTransmission, kAdmitWait, kRequestPayload, kDone,
   };
   Action Run(const uint8_t* data, size_t len, size_t* pos);
   bool Gather(size_t need, const uint8_t* data, size_t len, size_t* pos);
@@ -205,6 +218,7 @@ class NbdSession {
   void QueueInfo(uint16_t info, const void* data, size_t len);
   void QueueSimpleReply(uint64_t cookie, uint32_t error);
   void GrowPayload(size_t need);
+  void StartAdmitted();
   void Reject(uint64_t cookie, uint32_t error);
 
   SessionOptions opts_;

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <boost/asio/local/stream_protocol.hpp>
 #include <cerrno>
 #include <cstring>
@@ -28,11 +29,19 @@ constexpr size_t kHashOnArrivalMax = 256 * 1024;
 constexpr size_t kDirectPayloadMin = 16 * 1024;
 
 // Bytes queued for the client: a header (greeting, option reply, simple
-// reply header) and, for a READ, its data in a separate aligned buffer.
+// reply header) and, for a READ, its data in a separate aligned buffer
+// with its reservation in the host-wide budget.
 struct OutMessage {
   std::vector<uint8_t> head;
   IoBytes data;
+  NbdMemoryCharge charge;
 };
+
+// Every READ and WRITE waits for room in the host-wide budget.
+nbd::SessionOptions Admitting(nbd::SessionOptions opts) {
+  opts.admit_requests = true;
+  return opts;
+}
 
 // One client connection. Every member below is touched only on strand_
 // (handlers are bound to it), except what the worker lambdas capture by
@@ -43,7 +52,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       : server_(server),
         sock_(std::move(sock)),
         strand_(asio::make_strand(server->io_)),
-        session_(server->opts_.session),
+        session_(Admitting(server->opts_.session)),
         id_(id) {
     rbuf_.resize(256 * 1024);
   }
@@ -146,7 +155,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     // even when nothing is buffered. The same after a payload was read
     // straight into the request. The flag stays set until a Feed happens
     // (back-pressure may postpone it to the next completion).
-    while (!finished_ && !stop_reading_ && !waiting_backend_ && !Backpressured() &&
+    while (!finished_ && !stop_reading_ && !waiting_backend_ && !budget_wait_ && !Backpressured() &&
            (rstart_ < rend_ || recheck_session_)) {
       recheck_session_ = false;
       size_t consumed = 0;
@@ -161,6 +170,9 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
           break;
         case nbd::Action::kOpenExport:
           OpenExport();
+          break;
+        case nbd::Action::kAdmit:
+          ReserveForRequest();  // or wait (budget_wait_), reading nothing
           break;
         case nbd::Action::kRequest:
           Execute(session_.TakeRequest());
@@ -184,7 +196,10 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   }
 
   void ReadMore() {
-    if (read_pending_ || stop_reading_ || waiting_backend_ || Backpressured() || finished_) return;
+    if (read_pending_ || stop_reading_ || waiting_backend_ || budget_wait_ || Backpressured() ||
+        finished_) {
+      return;
+    }
     if (rstart_ > 0) {
       std::memmove(rbuf_.data(), rbuf_.data() + rstart_, rend_ - rstart_);
       rend_ -= rstart_;
@@ -231,6 +246,41 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     stop_reading_ = true;
     MaybeFinish();
     return false;
+  }
+
+  // The session holds a READ or WRITE header: reserve the bytes it will
+  // hold before its payload is read or it runs. If they do not fit, the
+  // connection reads nothing until the budget wakes it (BudgetReady).
+  void ReserveForRequest() {
+    const uint64_t n = session_.admit_bytes();
+    std::weak_ptr<NbdConnection> weak = weak_from_this();
+    auto wake = [weak] {
+      if (auto self = weak.lock()) asio::post(self->strand_, [self] { self->BudgetReady(); });
+    };
+    if (!server_->budget_.TryReserve(this, n, std::move(wake))) {
+      budget_wait_ = true;
+      return;
+    }
+    budget_wait_ = false;
+    admitted_ = NbdMemoryCharge(&server_->budget_, n);
+    session_.Admit();
+    recheck_session_ = true;  // a READ is yielded with no more input
+  }
+
+  void BudgetReady() {
+    if (!budget_wait_) return;
+    if (stop_reading_ || finished_) {
+      // Closing: its place in line goes to the next.
+      server_->budget_.Withdraw(this);
+      budget_wait_ = false;
+      MaybeFinish();
+      return;
+    }
+    // Straight away, not through Pump: per-connection back-pressure may
+    // hold Pump back, and the first in line that does not ask holds up
+    // every connection behind it.
+    ReserveForRequest();
+    if (!budget_wait_) Pump();
   }
 
   void ListExports() {
@@ -429,8 +479,11 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
         export_->fingerprints_writes()) {
       fps = export_->FingerprintWrite(req.offset, req.payload.data(), req.payload.size());
     }
+    // The request's reservation (none for FLUSH, TRIM, WRITE_ZEROES) goes
+    // with it: a WRITE's until its payload is freed, a READ's until its
+    // reply is written.
     server_->RunBlocking([self = shared_from_this(), e = export_, req = std::move(req), held_bytes,
-                          fps = std::move(fps)]() mutable {
+                          fps = std::move(fps), charge = std::move(admitted_)]() mutable {
       IoBytes data;  // READ reply data, aligned so O_DIRECT needs no bounce
       bool replied = false;
       // Posts the reply to the connection's strand (once).
@@ -443,7 +496,9 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
                         << req.offset << "+" << req.length << ": " << st.ToString();
           data = IoBytes();
         }
-        OutMessage out{nbd::EncodeSimpleReplyHeader(req.cookie, err), std::move(data)};
+        OutMessage out{
+            nbd::EncodeSimpleReplyHeader(req.cookie, err), std::move(data),
+            req.type == nbd::kCmdRead && err == 0 ? std::move(charge) : NbdMemoryCharge()};
         asio::post(self->strand_, [self, out = std::move(out), len = req.length, type = req.type,
                                    held_bytes, err]() mutable {
           self->inflight_--;
@@ -482,6 +537,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       reply(st);
       // The payload buffer goes back to the pool here, on the worker.
       req.payload = IoBytes();
+      charge.Reset();
       // While the reply crosses the socket, a sequential reader's next
       // request may be read ahead on this worker (read_ahead.h).
       if (req.type == nbd::kCmdRead && st.ok()) e->ReadAheadAfter(req.offset, req.length);
@@ -552,6 +608,10 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   // reply has been written.
   void MaybeFinish() {
     if (finished_ || !stop_reading_) return;
+    if (budget_wait_) {
+      server_->budget_.Withdraw(this);
+      budget_wait_ = false;
+    }
     if (read_pending_) {
       // We stopped reading (DISC, protocol error, drain): end the pending
       // read with end-of-file; its handler comes back here.
@@ -562,6 +622,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     if (inflight_ > 0 || waiting_backend_) return;
     if (writing_ && !client_gone_) return;
     finished_ = true;
+    admitted_.Reset();  // a WRITE payload that will not be completed
     boost::system::error_code ec;
     drain_timer_.cancel();
     handshake_timer_.cancel();
@@ -586,6 +647,10 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   bool waiting_backend_ = false;
   bool watching_ = false;  // WatchForHangup's wait is pending
   bool recheck_session_ = false;
+  bool budget_wait_ = false;  // in line for the host-wide memory budget
+  // The budget's reservation for the READ or WRITE the session holds
+  // (admitted, its payload arriving or it about to be yielded).
+  NbdMemoryCharge admitted_;
   bool stop_reading_ = false;
   bool client_gone_ = false;
   bool writing_ = false;
@@ -603,6 +668,76 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   size_t inflight_bytes_ = 0;
 };
 
+// -------------------------------------------------------------------- budget
+
+bool NbdMemoryBudget::TryReserve(const void* who, uint64_t bytes, std::function<void()> wake) {
+  std::function<void()> next;
+  {
+    MutexLock l(&mu_);
+    const bool first = !waiters_.empty() && waiters_.front().who == who;
+    if ((waiters_.empty() || first) && Fits(bytes)) {
+      used_ += bytes;
+      peak_ = std::max(peak_, used_);
+      if (first) {
+        waiters_.pop_front();
+        // One release may make room for several: the next in line asks too.
+        next = WakeHead();
+      }
+    } else {
+      auto it = std::find_if(waiters_.begin(), waiters_.end(),
+                             [who](const Waiter& w) { return w.who == who; });
+      if (it == waiters_.end()) {
+        waits_++;
+        waiters_.push_back(Waiter{who, bytes, std::move(wake), false});
+      } else {
+        it->bytes = bytes;
+        it->wake = std::move(wake);
+        it->woken = false;
+      }
+      return false;
+    }
+  }
+  if (next) next();
+  return true;
+}
+
+void NbdMemoryBudget::Release(uint64_t bytes) {
+  std::function<void()> wake;
+  {
+    MutexLock l(&mu_);
+    used_ -= std::min(used_, bytes);
+    wake = WakeHead();
+  }
+  if (wake) wake();
+}
+
+void NbdMemoryBudget::Withdraw(const void* who) {
+  std::function<void()> wake;
+  {
+    MutexLock l(&mu_);
+    auto it = std::find_if(waiters_.begin(), waiters_.end(),
+                           [who](const Waiter& w) { return w.who == who; });
+    if (it == waiters_.end()) return;
+    waiters_.erase(it);
+    // The one behind may fit where the one withdrawn did not.
+    wake = WakeHead();
+  }
+  if (wake) wake();
+}
+
+std::function<void()> NbdMemoryBudget::WakeHead() {
+  if (waiters_.empty()) return nullptr;
+  Waiter& w = waiters_.front();
+  if (w.woken || !Fits(w.bytes)) return nullptr;
+  w.woken = true;
+  return w.wake;
+}
+
+NbdMemoryBudget::Stats NbdMemoryBudget::stats() {
+  MutexLock l(&mu_);
+  return Stats{limit_, used_, peak_, waiters_.size(), waits_};
+}
+
 // -------------------------------------------------------------------- server
 
 NbdServer::NbdServer(asio::io_context& io, ExportTable* table, const NbdServerOptions& opts)
@@ -611,7 +746,8 @@ NbdServer::NbdServer(asio::io_context& io, ExportTable* table, const NbdServerOp
       opts_(opts),
       pool_(std::max<size_t>(1, opts.worker_threads)),
       unix_retry_(io),
-      tcp_retry_(io) {}
+      tcp_retry_(io),
+      budget_(opts.memory_budget) {}
 
 NbdServer::~NbdServer() {
   pool_.join();
@@ -897,6 +1033,7 @@ NbdServerStats NbdServer::stats() {
   s.connections_denied = c_denied_;
   s.bytes_read = c_bytes_read_;
   s.bytes_written = c_bytes_written_;
+  s.memory = budget_.stats();
   return s;
 }
 

@@ -8,17 +8,22 @@
 // Per connection, at most max_inflight_requests requests (and
 // max_inflight_bytes of payload and reply data) are executing or waiting
 // to be written; past that, the connection stops reading from its socket
-// until replies go out (back-pressure).
+// until replies go out (back-pressure). Host-wide, READ replies and WRITE
+// payloads (partly received ones included) share memory_budget bytes: a
+// READ or WRITE that does not fit waits, its connection not reading, until
+// others' bytes are freed (NbdMemoryBudget).
 #pragma once
 
 #include <atomic>
 #include <boost/asio.hpp>
 #include <chrono>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <memory>
 #include <set>
 #include <string>
+#include <utility>
 
 #include "agent/export_table.h"
 #include "agent/nbd_protocol.h"
@@ -26,6 +31,93 @@
 #include "util/status.h"
 
 namespace dede {
+
+// The bytes of request data (READ replies, WRITE payloads) all NBD
+// connections may hold at once. Without it each connection was bounded
+// alone (max_inflight_bytes, plus a WRITE payload being received), so
+// max_connections clients could pin ~100 GiB of dedupd's memory.
+//
+// Reserve-then-admit: a request's whole length is reserved before any of
+// it is allocated, so an admitted request never needs more to finish
+// (counting a WRITE payload as its bytes arrive deadlocked: connections
+// stopped mid-payload, each waiting for the others). One that does not
+// fit waits in FIFO order (a big request is not passed over for ever by
+// small ones); one bigger than the whole budget runs when nothing else is
+// reserved. Thread-safe; the wake callbacks run outside the lock.
+class NbdMemoryBudget {
+ public:
+  explicit NbdMemoryBudget(uint64_t limit) : limit_(limit) {}
+
+  // Reserves `bytes` for `who`, if no one is waiting ahead of it and they
+  // fit. Else `who` waits in line (once, however often it asks) and
+  // `wake` runs once, on the releasing thread, when it is first in line
+  // and its bytes fit: it must then ask again, or Withdraw.
+  bool TryReserve(const void* who, uint64_t bytes, std::function<void()> wake) EXCLUDES(mu_);
+  void Release(uint64_t bytes) EXCLUDES(mu_);
+  // `who` no longer waits (its connection closes).
+  void Withdraw(const void* who) EXCLUDES(mu_);
+
+  struct Stats {
+    uint64_t limit = 0;
+    uint64_t in_use = 0;
+    uint64_t peak = 0;     // the most ever reserved at once
+    uint64_t waiting = 0;  // connections waiting for room
+    uint64_t waits = 0;    // requests that had to wait, ever
+  };
+  Stats stats() EXCLUDES(mu_);
+
+ private:
+  struct Waiter {
+    const void* who;
+    uint64_t bytes;
+    std::function<void()> wake;
+    bool woken;
+  };
+  bool Fits(uint64_t bytes) const REQUIRES(mu_) {
+    return used_ == 0 || (used_ <= limit_ && bytes <= limit_ - used_);
+  }
+  // The first waiter's wake, if its bytes fit now and it was not yet woken.
+  std::function<void()> WakeHead() REQUIRES(mu_);
+
+  const uint64_t limit_;
+  Mutex mu_;
+  uint64_t used_ GUARDED_BY(mu_) = 0;
+  uint64_t peak_ GUARDED_BY(mu_) = 0;
+  uint64_t waits_ GUARDED_BY(mu_) = 0;
+  std::deque<Waiter> waiters_ GUARDED_BY(mu_);
+};
+
+// Bytes reserved in an NbdMemoryBudget, given back when this is destroyed
+// or reset: it travels with the memory it stands for (a request's payload,
+// its READ reply until written), so no path that frees the memory can
+// forget the reservation.
+class NbdMemoryCharge {
+ public:
+  NbdMemoryCharge() = default;
+  NbdMemoryCharge(NbdMemoryBudget* budget, uint64_t bytes) : budget_(budget), bytes_(bytes) {}
+  NbdMemoryCharge(NbdMemoryCharge&& o) noexcept
+      : budget_(std::exchange(o.budget_, nullptr)), bytes_(std::exchange(o.bytes_, 0)) {}
+  NbdMemoryCharge& operator=(NbdMemoryCharge&& o) noexcept {
+    if (this != &o) {
+      Reset();
+      budget_ = std::exchange(o.budget_, nullptr);
+      bytes_ = std::exchange(o.bytes_, 0);
+    }
+    return *this;
+  }
+  NbdMemoryCharge(const NbdMemoryCharge&) = delete;
+  NbdMemoryCharge& operator=(const NbdMemoryCharge&) = delete;
+  ~NbdMemoryCharge() { Reset(); }
+  void Reset() {
+    if (budget_ != nullptr && bytes_ > 0) budget_->Release(bytes_);
+    budget_ = nullptr;
+    bytes_ = 0;
+  }
+
+ private:
+  NbdMemoryBudget* budget_ = nullptr;
+  uint64_t bytes_ = 0;
+};
 
 struct NbdServerOptions {
   std::string unix_socket;  // "" = no Unix socket
@@ -40,6 +132,12 @@ struct NbdServerOptions {
   // holds at most this much of dedupd's memory.
   size_t max_inflight_requests = 64;
   size_t max_inflight_bytes = size_t{64} << 20;
+  // All connections together: READ and WRITE data (NbdMemoryBudget).
+  // 1 GiB: sixteen connections at their own limit above, far more than
+  // qemu guests keep in flight in practice (a few MiB each), and a fixed
+  // figure rather than a share of RAM, which says little about what a
+  // cgroup or the VMs beside dedupd leave it.
+  uint64_t memory_budget = uint64_t{1} << 30;
   // Shutdown: how long a connection may go without taking any of its
   // replies before they are given up and it is closed (a client that
   // stopped reading must not keep the daemon, and every other disk's
@@ -68,6 +166,7 @@ struct NbdServerStats {
   uint64_t connections_denied = 0;   // TCP clients the Unix socket would not admit
   uint64_t bytes_read = 0;           // payload of READs answered without error
   uint64_t bytes_written = 0;        // payload of WRITEs answered without error
+  NbdMemoryBudget::Stats memory;     // the host-wide budget of request data
 };
 
 class NbdConnection;
@@ -152,6 +251,8 @@ class NbdServer {
   boost::asio::steady_timer unix_retry_;
   boost::asio::steady_timer tcp_retry_;
   uint16_t tcp_port_ = 0;
+  // Declared before the connections, whose charges it outlives.
+  NbdMemoryBudget budget_;
   // Who the Unix socket admits besides root (its file's owner and group,
   // or dedupd's effective user and group when there is none): the TCP
   // port admits the same users. Written by Listen, before Start; read-only

@@ -77,6 +77,10 @@ struct Config {
     if (b & 0x20) min_block = 512;
     read_only = (b & 0x40) != 0;
     opens_fail = (b & 0x80) != 0;
+    // Every bit is taken: half the configurations, by parity, hold READs
+    // and WRITEs for admission (the driver admits at once, so the
+    // transcript is the same either way).
+    opts.admit_requests = __builtin_parity(b) != 0;
   }
 };
 
@@ -219,6 +223,18 @@ Transcript Drive(const Bytes& stream, const Config& cfg, Chunker next_chunk) {
           CheckOptionReplies(reply);
         }
         t.output.insert(t.output.end(), reply.begin(), reply.end());
+        break;
+      }
+      case Action::kAdmit: {
+        NBD_CHECK(cfg.opts.admit_requests, "admission not asked for");
+        NBD_CHECK(s.in_transmission(), "admission outside transmission");
+        const uint32_t n = s.admit_bytes();
+        NBD_CHECK(n > 0 && n <= cfg.opts.max_payload,
+                  "admission of " + std::to_string(n) + " bytes");
+        size_t none = ~size_t{0};
+        NBD_CHECK(s.Feed(nullptr, 0, &none) == Action::kAdmit && none == 0,
+                  "admission not waited for");
+        s.Admit();
         break;
       }
       case Action::kRequest: {

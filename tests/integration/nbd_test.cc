@@ -1338,6 +1338,46 @@ TEST_CASE("a client that never reads its replies holds bounded memory and cannot
   REQUIRE(c2.Go("vm") > 0);
 }
 
+TEST_CASE("--nbd-memory bounds what all clients not reading their replies hold together", "[nbd]") {
+  // Per connection alone, four clients sending 4 MiB READs and never
+  // reading held 64 MiB each. With --nbd-memory 8M they hold 8 MiB between
+  // them, dedupd says so in `dede status --json`, and once they leave a
+  // client queued behind them is served.
+  TestVolume tv({{"vm", 64 * kMiB}});
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--nbd-memory", "8M"});
+  const uint64_t before = RssBytes(d.pid());
+  std::vector<std::unique_ptr<RawClient>> stuck;
+  for (int i = 0; i < 4; i++) {
+    stuck.push_back(std::make_unique<RawClient>(tv.sock));
+    REQUIRE(stuck.back()->Hello());
+    REQUIRE(stuck.back()->Go("vm") > 0);
+    for (uint64_t r = 0; r < 16; r++) stuck.back()->SendRequest(0, r, r * 4 * kMiB, 4 * kMiB);
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(2));
+  nlohmann::json n = NbdCountersOf(d);
+  INFO(n.dump());
+  CHECK(n["memory_limit"] == 8 * kMiB);
+  CHECK(n["memory_peak"].get<uint64_t>() <= 8 * kMiB);
+  CHECK(n["memory_in_use"].get<uint64_t>() <= 8 * kMiB);
+  CHECK(n["memory_waiting"].get<uint64_t>() >= 1);
+  const uint64_t after = RssBytes(d.pid());
+  INFO("dedupd RSS before " << before / kMiB << " MiB, after " << after / kMiB << " MiB");
+  CHECK(after < before + 64 * kMiB);
+
+  RawClient late(tv.sock);
+  REQUIRE(late.Hello());
+  REQUIRE(late.Go("vm") > 0);
+  late.SendRequest(0, 99, 0, 4096);
+  stuck.clear();
+  uint32_t err = 1;
+  uint64_t cookie = 0;
+  REQUIRE(late.RecvReply(&err, &cookie));
+  CHECK(err == 0);
+  CHECK(cookie == 99);
+  late.Close();
+  REQUIRE(d.Stop() == 0);
+}
+
 TEST_CASE("a huge WRITE_ZEROES or TRIM does not hold up the requests behind it", "[nbd]") {
   // A connection stops reading requests while 64 MiB of payloads and
   // replies are in memory. TRIM and WRITE_ZEROES carry none, but their

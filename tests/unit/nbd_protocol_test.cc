@@ -806,6 +806,50 @@ TEST_CASE("nbd: a WRITE payload can be received straight into the request buffer
   CHECK(space == 0);
 }
 
+TEST_CASE("nbd: with admit_requests a READ or WRITE waits for Admit before its payload is taken",
+          "[nbd]") {
+  // The server reserves a request's bytes in its host-wide budget before
+  // they are allocated; a WRITE payload's buffer used to be allocated (up
+  // to 8 MiB at once, growing to 32 MiB) as soon as its header was read.
+  SessionOptions opts;
+  opts.admit_requests = true;
+  NbdSession s = Opened(Export(64 << 20), opts);
+  const Bytes data = Pattern(3 * 4096, 3);
+  const Bytes write = Cat(Req(kCmdWrite, 5, 4096, 3 * 4096), data);
+  size_t consumed = 0;
+  REQUIRE(s.Feed(write.data(), write.size(), &consumed) == Action::kAdmit);
+  CHECK(consumed == 28);  // the header only
+  CHECK(s.admit_bytes() == 3 * 4096);
+  size_t space = 1;
+  CHECK(s.PayloadSpace(&space) == nullptr);  // nothing allocated to read into
+  CHECK(space == 0);
+  size_t again = 1;
+  CHECK(s.Feed(write.data() + consumed, write.size() - consumed, &again) == Action::kAdmit);
+  CHECK(again == 0);
+  s.Admit();
+  CHECK(s.admit_bytes() == 0);
+  REQUIRE(s.Feed(write.data() + consumed, write.size() - consumed, &again) == Action::kRequest);
+  CHECK(again == write.size() - consumed);
+  const Request w = s.TakeRequest();
+  CHECK(w.cookie == 5);
+  CHECK(AsBytes(w.payload) == data);
+
+  const Bytes read = Req(kCmdRead, 6, 0, 1 << 20);
+  REQUIRE(s.Feed(read.data(), read.size(), &consumed) == Action::kAdmit);
+  CHECK(s.admit_bytes() == 1 << 20);
+  s.Admit();
+  REQUIRE(s.Feed(nullptr, 0, &consumed) == Action::kRequest);
+  CHECK(s.TakeRequest().cookie == 6);
+
+  // Requests that hold no data, and rejected ones, are not held.
+  CHECK(Accepted(&s, Req(kCmdFlush, 7, 0, 0)).cookie == 7);
+  CHECK(Accepted(&s, Req(kCmdTrim, 8, 0, 1 << 20)).cookie == 8);
+  CHECK(Rejected(&s, Req(kCmdRead, 9, 64 << 20, 4096), 9) == kEInval);
+  const Bytes bad = Cat(Req(kCmdWrite, 10, 64 << 20, 4096), Pattern(4096, 1));
+  REQUIRE(s.Feed(bad.data(), bad.size(), &consumed) == Action::kNeedInput);
+  CHECK(consumed == bad.size());
+}
+
 TEST_CASE("nbd: EncodeSimpleReplyHeader is magic, error, cookie, big-endian", "[nbd]") {
   const Bytes h = EncodeSimpleReplyHeader(0x1122334455667788ull, kENoSpc);
   CHECK(h ==
@@ -879,6 +923,12 @@ Transcript Drive(const Bytes& stream, const std::function<size_t()>& next_chunk,
         t.output.insert(t.output.end(), h.begin(), h.end());
         break;
       }
+      case Action::kAdmit:
+        // Admitted at once: the transcript is the one without admission.
+        REQUIRE(opts.admit_requests);
+        REQUIRE(s.admit_bytes() > 0);
+        s.Admit();
+        break;
       case Action::kDisconnect:
         t.events.push_back("disconnect");
         return t;
@@ -976,5 +1026,11 @@ TEST_CASE("nbd: byte-at-a-time and chunked feeding match one big feed", "[nbd]")
     REQUIRE(bytes.output == whole.output);
     REQUIRE(chunks.events == whole.events);
     REQUIRE(chunks.output == whole.output);
+    SessionOptions admitting = opts;
+    admitting.admit_requests = true;
+    const Transcript admitted = Drive(
+        stream, [] { return size_t{7}; }, admitting);
+    REQUIRE(admitted.events == whole.events);
+    REQUIRE(admitted.output == whole.output);
   }
 }

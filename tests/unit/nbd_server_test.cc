@@ -1,0 +1,352 @@
+// NbdServer's host-wide memory budget (--nbd-memory): the class alone, and
+// a real server on a Unix socket over an in-memory volume, driven by raw
+// NBD clients that send READs and WRITEs and never read their replies.
+#include "agent/nbd_server.h"
+
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <boost/asio.hpp>
+#include <boost/endian/conversion.hpp>
+#include <catch2/catch.hpp>
+#include <chrono>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "agent/export_table.h"
+#include "tests/temp_locks.h"
+#include "volume/format.h"
+#include "volume/mem_device.h"
+#include "volume/volume.h"
+
+using namespace dede;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr uint64_t kMiB = 1 << 20;
+
+// ------------------------------------------------------------------ budget
+
+TEST_CASE("nbd budget: reserves what fits, queues the rest in order, wakes the first in line",
+          "[nbd]") {
+  NbdMemoryBudget b(10);
+  int a = 0, c = 0, d = 0;  // connections (only their addresses matter)
+  int woke_a = 0, woke_c = 0, woke_d = 0;
+  CHECK(b.TryReserve(&a, 6, [&] { woke_a++; }));
+  CHECK_FALSE(b.TryReserve(&c, 6, [&] { woke_c++; }));  // 12 > 10
+  // A small one does not pass the one waiting ahead of it (or a big
+  // request would wait for ever behind a stream of small ones).
+  CHECK_FALSE(b.TryReserve(&d, 1, [&] { woke_d++; }));
+  CHECK(b.stats().waiting == 2);
+  CHECK(b.stats().in_use == 6);
+
+  b.Release(6);
+  CHECK(woke_c == 1);  // first in line, and its 6 fit now
+  CHECK(woke_d == 0);
+  b.Release(0);
+  CHECK(woke_c == 1);  // woken once, until it asks again
+  CHECK(b.TryReserve(&c, 6, [&] { woke_c++; }));
+  CHECK(woke_d == 1);  // the next in line fits too: asked at once
+  CHECK(b.TryReserve(&d, 1, [&] { woke_d++; }));
+  CHECK(b.stats().in_use == 7);
+  CHECK(b.stats().peak == 7);
+  CHECK(b.stats().waiting == 0);
+  CHECK(b.stats().waits == 2);
+  b.Release(7);
+  CHECK(b.stats().in_use == 0);
+}
+
+TEST_CASE(
+    "nbd budget: a request larger than the budget runs alone, and a withdrawn waiter frees its "
+    "place",
+    "[nbd]") {
+  NbdMemoryBudget b(10);
+  int a = 0, big = 0, small = 0;
+  int woke_big = 0, woke_small = 0;
+  CHECK(b.TryReserve(&a, 1, nullptr));
+  CHECK_FALSE(b.TryReserve(&big, 32, [&] { woke_big++; }));
+  CHECK_FALSE(b.TryReserve(&small, 1, [&] { woke_small++; }));
+  b.Release(1);  // nothing reserved: the big one may run, alone
+  CHECK(woke_big == 1);
+  // It leaves instead (its connection closes): the next one is asked.
+  b.Withdraw(&big);
+  CHECK(woke_small == 1);
+  CHECK(b.TryReserve(&small, 1, nullptr));
+  CHECK_FALSE(b.TryReserve(&big, 32, [&] { woke_big++; }));
+  b.Release(1);
+  CHECK(woke_big == 2);
+  CHECK(b.TryReserve(&big, 32, nullptr));
+  CHECK(b.stats().peak == 32);
+  {
+    NbdMemoryCharge charge(&b, 32);  // given back when it goes
+    NbdMemoryCharge moved = std::move(charge);
+  }
+  CHECK(b.stats().in_use == 0);
+}
+
+// ------------------------------------------------------------------ server
+
+class TempDir {
+ public:
+  TempDir() {
+    char tmpl[] = "/tmp/dede-nbd-server-XXXXXX";
+    REQUIRE(::mkdtemp(tmpl) != nullptr);
+    path_ = tmpl;
+  }
+  ~TempDir() {
+    std::error_code ec;
+    std::filesystem::remove_all(path_, ec);
+  }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
+
+ private:
+  std::string path_;
+};
+
+// A minimal NBD client: the handshake, requests, simple replies.
+class Client {
+ public:
+  explicit Client(const std::string& path) {
+    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    REQUIRE(fd_ >= 0);
+    sockaddr_un a{};
+    a.sun_family = AF_UNIX;
+    std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
+    REQUIRE(::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+    timeval tv{20, 0};
+    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  }
+  ~Client() { Close(); }
+  void Close() {
+    if (fd_ >= 0) ::close(fd_);
+    fd_ = -1;
+  }
+  // Ends a send blocked in another thread.
+  void Shutdown() { ::shutdown(fd_, SHUT_RDWR); }
+
+  bool Send(const void* data, size_t n) {
+    const auto* p = static_cast<const uint8_t*>(data);
+    while (n > 0) {
+      const ssize_t w = ::send(fd_, p, n, MSG_NOSIGNAL);
+      if (w <= 0) return false;
+      p += w;
+      n -= static_cast<size_t>(w);
+    }
+    return true;
+  }
+  bool Recv(void* data, size_t n) {
+    auto* p = static_cast<uint8_t*>(data);
+    while (n > 0) {
+      const ssize_t r = ::recv(fd_, p, n, 0);
+      if (r <= 0) return false;
+      p += r;
+      n -= static_cast<size_t>(r);
+    }
+    return true;
+  }
+
+  // Fixed newstyle, NBD_OPT_GO for `name`; true when the export is entered.
+  bool Go(const std::string& name) {
+    uint8_t greeting[18];
+    if (!Recv(greeting, sizeof greeting)) return false;
+    std::vector<uint8_t> v;
+    Put32(&v, 3);  // FIXED_NEWSTYLE | NO_ZEROES
+    Put64(&v, 0x49484156454F5054ull);
+    Put32(&v, 7);  // GO
+    Put32(&v, static_cast<uint32_t>(4 + name.size() + 2));
+    Put32(&v, static_cast<uint32_t>(name.size()));
+    v.insert(v.end(), name.begin(), name.end());
+    Put16(&v, 0);
+    if (!Send(v.data(), v.size())) return false;
+    for (;;) {
+      uint8_t h[20];
+      if (!Recv(h, sizeof h)) return false;
+      const uint32_t type = boost::endian::load_big_u32(h + 12);
+      std::vector<uint8_t> data(boost::endian::load_big_u32(h + 16));
+      if (!data.empty() && !Recv(data.data(), data.size())) return false;
+      if (type == 1) return true;  // ACK
+      if (type & 0x80000000u) return false;
+    }
+  }
+  bool Request(uint16_t type, uint64_t cookie, uint64_t offset, uint32_t length,
+               const uint8_t* payload = nullptr) {
+    std::vector<uint8_t> v;
+    Put32(&v, 0x25609513);
+    Put16(&v, 0);
+    Put16(&v, type);
+    Put64(&v, cookie);
+    Put64(&v, offset);
+    Put32(&v, length);
+    if (!Send(v.data(), v.size())) return false;
+    return payload == nullptr || Send(payload, length);
+  }
+  // A simple reply's error, or -1 if none came.
+  int64_t Reply(uint64_t cookie) {
+    uint8_t h[16];
+    if (!Recv(h, sizeof h) || boost::endian::load_big_u32(h) != 0x67446698 ||
+        boost::endian::load_big_u64(h + 8) != cookie) {
+      return -1;
+    }
+    return boost::endian::load_big_u32(h + 4);
+  }
+
+ private:
+  static void Put16(std::vector<uint8_t>* v, uint16_t x) {
+    uint8_t b[2];
+    boost::endian::store_big_u16(b, x);
+    v->insert(v->end(), b, b + 2);
+  }
+  static void Put32(std::vector<uint8_t>* v, uint32_t x) {
+    uint8_t b[4];
+    boost::endian::store_big_u32(b, x);
+    v->insert(v->end(), b, b + 4);
+  }
+  static void Put64(std::vector<uint8_t>* v, uint64_t x) {
+    uint8_t b[8];
+    boost::endian::store_big_u64(b, x);
+    v->insert(v->end(), b, b + 8);
+  }
+  int fd_ = -1;
+};
+
+// An NbdServer over an in-memory volume with one 64 MiB file "vm", its
+// io_context on a thread of its own, as in dedupd.
+struct ServerRig {
+  explicit ServerRig(uint64_t budget) : mem(256 * kMiB) {
+    REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
+    OpenOptions oo;
+    oo.locks = test::TempLocks();
+    auto v = Volume::Open(&mem, oo);
+    REQUIRE(v.ok());
+    vol = std::move(v.value());
+    REQUIRE(vol->Create("vm", 64 * kMiB).ok());
+    REQUIRE(vol->Sync().ok());
+    table = std::make_unique<ExportTable>(vol.get(), nullptr, nullptr);
+    NbdServerOptions so;
+    so.unix_socket = dir.file("nbd.sock");
+    so.worker_threads = 4;
+    so.memory_budget = budget;
+    server = std::make_unique<NbdServer>(io, table.get(), so);
+    REQUIRE(server->Listen().ok());
+    server->Start();
+    thread = std::thread([this] { io.run(); });
+  }
+  ~ServerRig() {
+    boost::asio::post(io, [this] { server->Shutdown([this] { work.reset(); }); });
+    thread.join();
+    server->JoinWorkers();
+    server.reset();
+    table.reset();
+    (void)vol->Sync();
+  }
+  std::string socket() const { return dir.file("nbd.sock"); }
+  // Polls the budget until `done` holds (false after 20 s).
+  template <typename F>
+  bool WaitFor(F done) {
+    for (auto until = std::chrono::steady_clock::now() + 20s;
+         std::chrono::steady_clock::now() < until; std::this_thread::sleep_for(5ms)) {
+      if (done(server->stats().memory)) return true;
+    }
+    return false;
+  }
+
+  TempDir dir;
+  MemDevice mem;
+  std::unique_ptr<Volume> vol;
+  std::unique_ptr<ExportTable> table;
+  boost::asio::io_context io{1};
+  boost::asio::executor_work_guard<boost::asio::io_context::executor_type> work{io.get_executor()};
+  std::unique_ptr<NbdServer> server;
+  std::thread thread;
+};
+
+}  // namespace
+
+TEST_CASE("nbd server: clients that never read their READ replies hold no more than --nbd-memory",
+          "[nbd]") {
+  // Each connection alone stops at 64 MiB of replies waiting; four such
+  // clients held 256 MiB here (and 1024 of them, with partly received
+  // WRITE payloads, ~97 GiB). With an 8 MiB budget they hold 8 MiB between
+  // them, the others waiting; once they go, a client waiting behind them
+  // is served.
+  ServerRig rig(8 * kMiB);
+  std::vector<std::unique_ptr<Client>> pinners;
+  for (int i = 0; i < 4; i++) {
+    pinners.push_back(std::make_unique<Client>(rig.socket()));
+    REQUIRE(pinners.back()->Go("vm"));
+    for (uint64_t r = 0; r < 8; r++) REQUIRE(pinners.back()->Request(0, r, r * 4 * kMiB, 4 * kMiB));
+  }
+  CHECK(rig.WaitFor([](const NbdMemoryBudget::Stats& m) {
+    return (m.in_use == 8 * kMiB && m.waiting >= 1) || m.in_use > 8 * kMiB;
+  }));
+  std::this_thread::sleep_for(300ms);  // whatever else would be taken
+  NbdMemoryBudget::Stats m = rig.server->stats().memory;
+  INFO("in use " << m.in_use << ", peak " << m.peak << ", waiting " << m.waiting);
+  CHECK(m.limit == 8 * kMiB);
+  CHECK(m.waiting >= 1);
+  CHECK(m.peak <= 8 * kMiB);
+  CHECK(m.in_use <= 8 * kMiB);
+
+  Client patient(rig.socket());
+  REQUIRE(patient.Go("vm"));
+  REQUIRE(patient.Request(0, 77, 0, 4096));
+  pinners.clear();  // their connections go, and their bytes with them
+  CHECK(patient.Reply(77) == 0);
+  std::vector<uint8_t> data(4096);
+  CHECK(patient.Recv(data.data(), data.size()));
+  CHECK(rig.WaitFor([](const NbdMemoryBudget::Stats& s) { return s.in_use == 0; }));
+  CHECK(rig.server->stats().memory.peak <= 8 * kMiB);
+}
+
+TEST_CASE(
+    "nbd server: WRITE floods stay within --nbd-memory, partly received payloads included, "
+    "and a well-behaved client gets its I/O done",
+    "[nbd]") {
+  ServerRig rig(8 * kMiB);
+  std::vector<uint8_t> payload(4 * kMiB, 0x5a);
+  std::vector<std::unique_ptr<Client>> writers;
+  std::vector<std::thread> threads;
+  std::atomic<int> sent{0};
+  for (int i = 0; i < 4; i++) {
+    writers.push_back(std::make_unique<Client>(rig.socket()));
+    REQUIRE(writers.back()->Go("vm"));
+  }
+  for (int i = 0; i < 4; i++) {
+    threads.emplace_back([&, c = writers[i].get(), i] {
+      for (uint64_t r = 0; r < 12; r++) {
+        if (!c->Request(1, r, (i * 12 + r) % 15 * 4 * kMiB, 4 * kMiB, payload.data())) return;
+        sent++;
+      }
+    });
+  }
+  Client good(rig.socket());
+  REQUIRE(good.Go("vm"));
+  std::vector<uint8_t> mine(kMiB);
+  for (size_t i = 0; i < mine.size(); i++) mine[i] = static_cast<uint8_t>(i * 13 + 1);
+  for (uint64_t round = 0; round < 8; round++) {
+    REQUIRE(good.Request(1, 2 * round, 64 * kMiB - kMiB, kMiB, mine.data()));
+    REQUIRE(good.Reply(2 * round) == 0);
+    REQUIRE(good.Request(0, 2 * round + 1, 64 * kMiB - kMiB, kMiB));
+    REQUIRE(good.Reply(2 * round + 1) == 0);
+    std::vector<uint8_t> back(kMiB);
+    REQUIRE(good.Recv(back.data(), back.size()));
+    REQUIRE(back == mine);
+  }
+  for (auto& t : threads) t.join();
+  CHECK(sent == 48);  // every WRITE was taken (their replies are not read)
+  NbdMemoryBudget::Stats m = rig.server->stats().memory;
+  INFO("peak " << m.peak << ", waits " << m.waits);
+  CHECK(m.peak <= 8 * kMiB);
+  CHECK(m.waits > 0);
+  writers.clear();
+  CHECK(rig.WaitFor([](const NbdMemoryBudget::Stats& s) { return s.in_use == 0; }));
+}
