@@ -250,13 +250,13 @@ class Pass {
     RETURN_IF_ERROR(RevisitBusyShards());
     // Everything the logs held is now in durable shard versions or pending
     // files (ShardWriter::Finish syncs; pending appends sync here), except
-    // the records too young to use, which go back into their logs. (A crash
-    // between the truncation and the next flush point may lose those: they
-    // are hints, and only a dedup opportunity is lost.)
+    // the records too young to use and the ranges left to rehash, which go
+    // back into their logs. A failure there (ENOSPC, EIO) leaves the old
+    // log, or one holding them (ReplaceOpenWriteLog): emptying the log and
+    // then appending them lost them, with no mark, when the append failed.
     RETURN_IF_ERROR(vol_->Sync());
     for (ConsumedLog& log : logs_) {
-      RETURN_IF_ERROR(log.file->Truncate(0));
-      RETURN_IF_ERROR(AppendToOpenWriteLog(vol_, log.file.get(), log.deferred));
+      RETURN_IF_ERROR(ReplaceOpenWriteLog(vol_, log.file.get(), log.deferred));
       stats_.logs_consumed++;
     }
     logs_.clear();

@@ -650,6 +650,28 @@ Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch,
   return Status::Ok();
 }
 
+// Three steps, each leaving a log that holds the batch if the next fails:
+// the batch appended after the old frames; the batch written again over
+// the log's front (frames already consumed); the log cut after that copy.
+Status ReplaceOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch) {
+  if (batch.empty()) return log->Truncate(0);
+  const Superblock& sb = vol->superblock();
+  ASSIGN_OR_RETURN(FileInfo info, log->Info());
+  const uint64_t old_end = RoundUpToBlock(info.size);
+  // A failed append cuts what it wrote: the old log is left as it was.
+  RETURN_IF_ERROR(AppendToOpenWriteLog(vol, log, batch));
+  // Frames carry their offset, so the front copy is encoded for offset 0.
+  std::vector<uint8_t> front;
+  EncodeWriteLogFrames(batch, vol->host_id(), sb.hash_algo, sb.uuid, 0, &front);
+  // It must not reach the copy just appended, the one that makes a torn
+  // front harmless. Rarely bigger than the whole old log (the batch came
+  // from it): then the old frames stay, to be consumed again.
+  if (front.size() > old_end) return Status::Ok();
+  const std::string ctx = "rewriting write log " + WriteLogName(batch.file);
+  RETURN_IF_ERROR(log->Write(0, front.data(), front.size()).WithContext(ctx));
+  return log->Truncate(front.size()).WithContext(ctx);
+}
+
 MonitorBatch OptOutMarkerBatch(FileId file, uint64_t size_bytes, uint64_t now_ns) {
   const uint64_t blocks = (size_bytes + kBlockSize - 1) / kBlockSize;
   MonitorBatch batch;

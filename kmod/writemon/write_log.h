@@ -204,6 +204,17 @@ MonitorBatch OptOutMarkerBatch(FileId file, uint64_t size_bytes, uint64_t now_ns
 Status AppendToOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch,
                             uint64_t max_log_bytes = 0, LogAppendOutcome* outcome = nullptr);
 
+// Replaces the content of a log the caller holds open (a dedup pass that
+// consumed it) with `batch` (the records it deferred; empty: the log is
+// emptied). Failure-safe: whatever step fails, the log still describes
+// every block of `batch` (the old frames, which it was taken from, or the
+// new ones), so its blocks reach a later pass; at worst that pass consumes
+// frames again that this one consumed (as after a crash before the
+// truncation). Emptying the log first and appending the batch after, a
+// failed append (ENOSPC, EIO) lost the batch with nothing to say so.
+// Does not Sync.
+Status ReplaceOpenWriteLog(Volume* vol, File* log, const MonitorBatch& batch);
+
 // Opens the log of `owner` for appending, creating it if there is none
 // (another host creating it first is fine: theirs is used). kLocked if
 // someone else holds it; kCorruption as for AppendToWriteLog.

@@ -473,6 +473,131 @@ TEST_CASE("stable-after keeps young records in their logs until they are old eno
   CHECK(scene.ReadAll("b", kDisk) == disk);
 }
 
+namespace {
+
+// A write log whose writes fail for want of space (the volume filled up
+// while the pass ran): handed to the pass through DedupOptions::borrow_log.
+class NoSpaceLog : public File {
+ public:
+  explicit NoSpaceLog(std::unique_ptr<File> base) : base_(std::move(base)) {}
+  FileId id() const override { return base_->id(); }
+  Result<FileInfo> Info() override { return base_->Info(); }
+  uint64_t size() override { return base_->size(); }
+  Status Read(uint64_t offset, void* buf, size_t len) override {
+    return base_->Read(offset, buf, len);
+  }
+  Status Write(uint64_t, const void*, size_t) override {
+    return Status::NoSpace("injected: no space for the write log");
+  }
+  Result<std::unique_ptr<InPlaceWrite>> PrepareInPlaceWrite(uint64_t, size_t) override {
+    return std::unique_ptr<InPlaceWrite>();
+  }
+  Status Trim(uint64_t offset, uint64_t len) override { return base_->Trim(offset, len); }
+  Status Truncate(uint64_t size) override { return base_->Truncate(size); }
+  Status SetDedup(bool on) override { return base_->SetDedup(on); }
+  Status Flush() override { return base_->Flush(); }
+  uint64_t cow_copies() override { return base_->cow_copies(); }
+  Result<uint32_t> BlockRefCount(uint64_t index) override { return base_->BlockRefCount(index); }
+  Result<uint32_t> TryBlockRefCount(uint64_t index) override {
+    return base_->TryBlockRefCount(index);
+  }
+  Status TakeBlockGroup(uint64_t index) override { return base_->TakeBlockGroup(index); }
+  Status Punch(uint64_t index) override { return base_->Punch(index); }
+  Result<FileUsage> Usage() override { return base_->Usage(); }
+  Result<bool> WantedElsewhere() override { return base_->WantedElsewhere(); }
+
+ private:
+  std::unique_ptr<File> base_;
+};
+
+size_t LoggedRecords(Volume* vol, FileId owner) {
+  auto log = OpenWriteLog(vol, owner);
+  REQUIRE(log.ok());
+  auto st = ReplayWriteLog(log->get(), vol->superblock().hash_algo, vol->superblock().uuid, owner);
+  REQUIRE(st.ok());
+  CHECK(st->stats.corrupt_frames == 0);
+  return st->records.size();
+}
+
+}  // namespace
+
+TEST_CASE("young records survive a failed write-back into their log and reach the next pass",
+          "[schedule]") {
+  // At its end a pass put the records too young to use back into each log
+  // it consumed: it emptied the log, then appended them. When the append
+  // failed (ENOSPC, EIO) they were gone, and nothing marked the log as
+  // having dropped records: those blocks were never deduplicated.
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  constexpr uint64_t kDisk = 64;
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 17);
+  scene.Create("a", kDisk);
+  scene.Create("b", kDisk);
+  scene.Write("a", 0, disk);
+  scene.Write("b", 0, disk);
+  scene.FlushLogs();
+  const FileId a = scene.file("a")->id(), b = scene.file("b")->id();
+
+  DedupOptions o;
+  o.stable_after_ns = kHour;
+  o.borrow_log = [&](FileId owner) -> std::unique_ptr<File> {
+    auto log = OpenWriteLog(scene.vol(), owner);
+    REQUIRE(log.ok());
+    return std::make_unique<NoSpaceLog>(std::move(*log));
+  };
+  clock.Advance(10 * kMinute);
+  auto failed = scene.Pass(o);
+  REQUIRE_FALSE(failed.ok());
+  CHECK(failed.status().code() == Status::Code::kNoSpace);
+  REQUIRE(scene.vol()->Sync().ok());  // dedupd's next flush point
+  CHECK(LoggedRecords(scene.vol(), a) == kDisk);
+  CHECK(LoggedRecords(scene.vol(), b) == kDisk);
+
+  // 10:05: the records are stable, and found.
+  clock.Set(LocalTime(2026, 11, 24, 10, 5));
+  o.borrow_log = nullptr;
+  auto later = scene.Pass(o);
+  REQUIRE(later.ok());
+  CHECK(later->young_records_deferred == 0);
+  CHECK(scene.SharedBlocks("b") == kDisk);
+  CHECK(scene.ReadAll("a", kDisk) == disk);
+  CHECK(scene.ReadAll("b", kDisk) == disk);
+}
+
+TEST_CASE("a log rewritten after a pass holds exactly the deferred records", "[schedule]") {
+  // The failure-safe rewrite appends the deferred records, copies them over
+  // the log's front and cuts the log after the copy: on success the log is
+  // as small as before (the copy at the end is cut away).
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  constexpr uint64_t kDisk = 64;
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 19);
+  scene.Create("a", kDisk);
+  scene.Write("a", 0, disk);
+  scene.FlushLogs();
+  clock.Advance(30 * kMinute);
+  std::vector<uint8_t> quarter(disk.begin(), disk.begin() + long(kDisk / 4 * kB));
+  scene.Write("a", 0, quarter);  // young at 10:05
+  scene.FlushLogs();
+  const FileId a = scene.file("a")->id();
+  auto before = scene.vol()->OpenFile(WriteLogName(a));
+  REQUIRE(before.ok());
+  const uint64_t size_before = (*before)->size();
+  before->reset();
+
+  DedupOptions o;
+  o.stable_after_ns = kHour;
+  clock.Set(LocalTime(2026, 11, 24, 10, 5));
+  auto pass = scene.Pass(o);
+  REQUIRE(pass.ok());
+  CHECK(pass->young_records_deferred == kDisk / 4);
+  CHECK(LoggedRecords(scene.vol(), a) == kDisk / 4);
+  auto after = scene.vol()->OpenFile(WriteLogName(a));
+  REQUIRE(after.ok());
+  CHECK((*after)->size() > 0);
+  CHECK((*after)->size() < size_before);
+}
+
 TEST_CASE("saturated logs are rehashed over several passes when the rehash limit is reached",
           "[schedule]") {
   TestClock clock(LocalTime(2026, 11, 24, 9, 0));
