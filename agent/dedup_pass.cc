@@ -225,7 +225,8 @@ class Pass {
         uuid_(vol->superblock().uuid),
         algo_(vol->superblock().hash_algo) {
     std::vector<uint8_t> zero(kBlockSize, 0);
-    zero_key_ = KeyOf(ComputeFingerprint(algo_, zero.data(), zero.size()));
+    zero_fp_ = ComputeFingerprint(algo_, zero.data(), zero.size());
+    zero_key_ = KeyOf(zero_fp_);
   }
 
   // After Run with opts.rescan: whether every file was rescanned, and if
@@ -516,6 +517,9 @@ class Pass {
       logs_.push_back(ConsumedLog{std::move(*log), MonitorBatch{}});
       MonitorBatch& deferred = logs_.back().deferred;
       deferred.file = owner_info.id;
+      // Punches held back from here on are this log's blocks (RelogHeldBackZeros).
+      relog_zeros_ = true;
+      zero_held_.clear();
       SettleIo();
       for (const InvalidRange& r : st.invalidated) {
         if (r.count > 0) pf->touched.emplace_back(r.first, r.first + r.count - 1);
@@ -627,6 +631,9 @@ class Pass {
           b = stop + 1;
         }
       }
+      // (Before the batch's times: held-back punches add records.)
+      RETURN_IF_ERROR(FlushZeroBlocks());
+      RelogHeldBackZeros(&deferred);
       for (const BlockRecord& r : deferred.records) {
         deferred.first_ns = deferred.first_ns ? std::min(deferred.first_ns, r.time_ns) : r.time_ns;
         deferred.last_ns = std::max(deferred.last_ns, r.time_ns);
@@ -635,9 +642,9 @@ class Pass {
         deferred.first_ns = deferred.first_ns ? std::min(deferred.first_ns, r.time_ns) : r.time_ns;
         deferred.last_ns = std::max(deferred.last_ns, r.time_ns);
       }
-      RETURN_IF_ERROR(FlushZeroBlocks());
       Coalesce(&pf->touched);
     }
+    relog_zeros_ = false;
     return Status::Ok();
   }
 
@@ -767,19 +774,59 @@ class Pass {
 
   Status FlushZeroBlocks() {
     if (zero_ops_.empty()) return Status::Ok();
-    RETURN_IF_ERROR(vol_->ApplyBlockOps(&zero_ops_, opts_.verify, &read_buf_));
+    // Never wait for another host (issue 5). A punch drops its block's
+    // reference and asks for room in the drop list first: with the list
+    // full of drops in groups held elsewhere, a waiting ApplyBlockOps
+    // drained it waiting for those groups (up to the lock wait, 60 s)
+    // holding the volume mutex, which every write of every VM on this
+    // host needs, and then failed the pass. Held back (kLocked), a punch
+    // changed nothing: the block is logged again for a later pass.
+    Volume::BlockOpsOptions no_wait;
+    no_wait.no_wait = true;
+    RETURN_IF_ERROR(vol_->ApplyBlockOps(&zero_ops_, opts_.verify, &read_buf_, no_wait));
     SettleIo();
     for (const Volume::BlockOp& op : zero_ops_) {
       if (op.result.ok()) {
         stats_.zero_blocks_freed += op.changed;
       } else if (op.result.code() == Status::Code::kMismatch) {
         stats_.stale_records++;
+      } else if (op.result.code() == Status::Code::kLocked) {
+        stats_.zero_blocks_busy++;
+        if (relog_zeros_) zero_held_.push_back(op.dst_index);
       } else {
         return op.result;
       }
     }
     zero_ops_.clear();
     return Status::Ok();
+  }
+
+  // The held-back punches of the log being gathered go back into it as
+  // zero records (the volume checks the block is zeros when it punches),
+  // so the next pass punches them; as of young_after_ns_, which the pass
+  // took them for (not young). Their blocks are neither young records nor
+  // in the ranges left for later (those were not read), but the log's
+  // order rules are kept whatever: records sorted and unique, none inside
+  // a range. A punch held back in a --rescan is only counted: the next
+  // rescan finds the block again.
+  void RelogHeldBackZeros(MonitorBatch* deferred) {
+    if (zero_held_.empty()) return;
+    auto in_range = [&](uint64_t b) {
+      for (const InvalidRange& r : deferred->invalidated) {
+        if (b >= r.first && b - r.first < r.count) return true;
+      }
+      return false;
+    };
+    for (uint64_t b : zero_held_) {
+      if (!in_range(b)) deferred->records.push_back(BlockRecord{b, young_after_ns_, zero_fp_});
+    }
+    zero_held_.clear();
+    std::sort(deferred->records.begin(), deferred->records.end(),
+              [](const BlockRecord& a, const BlockRecord& b) { return a.block < b.block; });
+    deferred->records.erase(
+        std::unique(deferred->records.begin(), deferred->records.end(),
+                    [](const BlockRecord& a, const BlockRecord& b) { return a.block == b.block; }),
+        deferred->records.end());
   }
 
   // ------------------------------------------------------------ shards
@@ -1987,8 +2034,12 @@ class Pass {
   uint64_t next_give_back_ns_ = 0;  // GiveBackWantedFiles looks again from then
   const Uuid uuid_;
   const HashAlgo algo_;
+  Fingerprint zero_fp_;
   FpKey zero_key_{};
   std::vector<Volume::BlockOp> zero_ops_;  // punches of zero blocks, batched
+  // While a log is gathered: its blocks whose punches were held back.
+  bool relog_zeros_ = false;
+  std::vector<uint64_t> zero_held_;
   // Every batch of the pass reads into this (Volume::ReadBuffer: pages
   // touched before are much cheaper to read into and compare).
   Volume::ReadBuffer read_buf_;
@@ -2083,6 +2134,7 @@ constexpr DedupCounter kDedupCounters[] = {
     {"blocks_rehashed", &DedupStats::blocks_rehashed},
     {"files_rescanned", &DedupStats::files_rescanned},
     {"zero_blocks_freed", &DedupStats::zero_blocks_freed},
+    {"zero_blocks_busy", &DedupStats::zero_blocks_busy},
     {"unique_added", &DedupStats::unique_added},
     {"shared_new", &DedupStats::shared_new},
     {"shared_hits", &DedupStats::shared_hits},

@@ -159,6 +159,10 @@ struct DedupStats {
   uint64_t logs_left_over = 0;  // of the last round: not read (0 once all were)
   // Transitions.
   uint64_t zero_blocks_freed = 0;
+  // Zero-block punches held back (the drop list full of drops in groups
+  // held elsewhere: never waited for, docs/LOCKING.md "Increments without
+  // waiting"); a block from a write log is logged again for a later pass.
+  uint64_t zero_blocks_busy = 0;
   uint64_t unique_added = 0;         // absent -> unique
   uint64_t shared_new = 0;           // unique -> shared
   uint64_t shared_hits = 0;          // shared -> shared

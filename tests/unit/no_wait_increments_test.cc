@@ -100,9 +100,11 @@ struct Hosts {
   std::shared_ptr<LockManager> lm1, lm2, observer;
   std::unique_ptr<Volume> v1, v2;
 
-  Hosts() {
+  // `drop_blocks`: FormatOptions' (-1: automatic).
+  explicit Hosts(int64_t drop_blocks = -1) {
     FormatOptions fo;
     fo.group_refblocks = 1;
+    fo.drop_blocks = drop_blocks;
     REQUIRE(FormatVolume(&dev, fo, false).ok());
     lock_path = "/tmp/dede-nowait-" + std::to_string(getpid()) + "-" + std::to_string(rand());
     lm1 = NewLocks();
@@ -738,4 +740,113 @@ TEST_CASE("a shard split whose arena blocks are in a group another host holds is
   hf.reset();
   h.v2.reset();
   RequireFsckClean(h.v1.get());
+}
+
+TEST_CASE("a dedup pass holds back a zero-block punch instead of waiting to drain a full drop list",
+          "[dedup][nowait][drops]") {
+  // A punch drops its block's reference, so it needs room in the drop
+  // list. With the list (nearly) full of drops in a group another host
+  // holds, a punch applied without no_wait drained it waiting (up to the
+  // lock wait, 60 s here) under the volume mutex every write of this host
+  // needs, and then failed the pass. The pass holds the punch back and
+  // logs the block again; a later pass punches it.
+  Hosts h(/*drop_blocks=*/1);  // one block: kDropsPerBlock (507) drops
+  WriteMonitorOptions mo;
+  mo.algo = h.v1->superblock().hash_algo;
+  WriteMonitor monitor(mo);
+  Volume* v1 = h.v1.get();
+  // "z": block 1 all zeros, logged (a zero record: the pass punches it).
+  {
+    auto id = v1->Create("z", 2 * kB);
+    REQUIRE(id.ok());
+    auto z = OpenOn(v1, "z");
+    monitor.AddFile(*id, true);
+    const std::vector<uint8_t> c = Content(5);
+    const std::vector<uint8_t> zeros(kB, 0);
+    REQUIRE(z->Write(0, c.data(), kB).ok());
+    monitor.OnWrite(*id, 0, c.data(), kB);
+    REQUIRE(z->Write(kB, zeros.data(), kB).ok());
+    monitor.OnWrite(*id, kB, zeros.data(), kB);
+    REQUIRE(z->Flush().ok());
+    REQUIRE(AppendToWriteLog(v1, monitor.Take(*id)).ok());
+  }
+  // "d" shares every block of "c" (group 0, where host 1 allocates first).
+  constexpr uint64_t kFill = kDropsPerBlock - 22;  // leaves less room than a punch asks (32)
+  std::vector<uint64_t> contents;
+  for (uint64_t b = 0; b < kFill; b++) contents.push_back(100 + b);
+  Hosts::Make(v1, "c", contents);
+  REQUIRE(v1->Create("d", kFill * kB).ok());
+  {
+    auto c = OpenOn(v1, "c");
+    auto d = OpenOn(v1, "d");
+    for (uint64_t b = 0; b < kFill; b++) REQUIRE(v1->CloneBlock(c.get(), b, d.get(), b).ok());
+  }
+  REQUIRE(v1->Sync().ok());
+  // Another host takes group 0 (host 1 hands it over at its flush point).
+  const uint64_t groups = v1->superblock().group_count;
+  for (uint64_t g = 0; g < groups; g++) {
+    REQUIRE(h.observer->Acquire(WantedGroup(g), LockMode::kShared, false).ok());
+  }
+  REQUIRE(v1->Sync().ok());
+  for (uint64_t g = 0; g < groups; g++) REQUIRE(h.observer->Release(WantedGroup(g)).ok());
+  const LockId group0{LockKind::kGroup, 0};
+  REQUIRE(h.observer->Acquire(group0, LockMode::kExclusive, false).ok());
+  // Breaking "d"'s sharing block by block defers a drop of each of "c"'s
+  // blocks (group 0 is held elsewhere): the list fills to kFill.
+  {
+    auto d = OpenOn(v1, "d");
+    for (uint64_t b = 0; b < kFill; b++) {
+      const std::vector<uint8_t> y = Content(5000 + b);
+      Status w = d->Write(b * kB, y.data(), kB);
+      INFO("block " << b << ": " << w.ToString());
+      REQUIRE(w.ok());
+    }
+    REQUIRE(d->Flush().ok());
+  }
+  {
+    auto st = v1->Stats();
+    REQUIRE(st.ok());
+    REQUIRE(st->pending_drops == kFill);
+  }
+  auto z_mapped = [&]() {
+    auto z = OpenOn(v1, "z");
+    auto info = z->Info();
+    REQUIRE(info.ok());
+    return info->mapped_blocks;
+  };
+  REQUIRE(z_mapped() == 2);
+
+  DedupOptions opts;
+  opts.busy_revisits = 0;
+  double took = 0;
+  {
+    Result<DedupStats> pass = TimedPass(v1, opts, &took);
+    INFO("pass: " << pass.status().ToString() << " in " << took << " s");
+    REQUIRE(pass.ok());
+    CHECK(took < 5.0);
+    CHECK(pass->zero_blocks_freed == 0);
+    CHECK(pass->zero_blocks_busy == 1);
+    CHECK(pass->logs_consumed == 1);
+  }
+  CHECK(z_mapped() == 2);
+
+  // Once the holder lets group 0 go, host 1's flush point applies the
+  // drops, and the next pass finds the block logged again and punches it.
+  REQUIRE(h.observer->Release(group0).ok());
+  PastBusyMemo();
+  REQUIRE(v1->Sync().ok());
+  {
+    Result<DedupStats> pass = TimedPass(v1, opts, &took);
+    INFO("pass: " << pass.status().ToString() << " in " << took << " s");
+    REQUIRE(pass.ok());
+    CHECK(pass->zero_blocks_freed == 1);
+    CHECK(pass->zero_blocks_busy == 0);
+  }
+  CHECK(z_mapped() == 1);
+  {
+    auto z = OpenOn(v1, "z");
+    CHECK(ReadBlock(z.get(), 1) == std::vector<uint8_t>(kB, 0));
+    CHECK(ReadBlock(z.get(), 0) == Content(5));
+  }
+  RequireFsckClean(v1);
 }
