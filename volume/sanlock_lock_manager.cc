@@ -1123,6 +1123,18 @@ LeaseReleaseResult ReleaseSanlockLease(const std::function<int()>& release,
   for (int round = 0; round < attempts; round++) {
     pause();
     const int arv = acquire();
+    if (arv == -EEXIST) {
+      // Held on this host: by this process still (a release that failed
+      // before the daemon dropped it: a transport error) or by another
+      // process here that took it since. Releasing tells which: 0, it
+      // was ours and is free now; -1, it is not ours.
+      const int again = release();
+      if (again == -1 || done(again)) {
+        r.rv = 0;
+        return r;
+      }
+      continue;
+    }
     if (IsBusy(arv)) {
       r.rv = 0;
       return r;

@@ -99,7 +99,10 @@ bool RecordHolderLive(uint64_t record_generation, LeaseHostState state, uint64_t
 //    local"; or a normal acquire if the write did land) and `release`
 //    writes it free, up to `attempts` rounds with `pause` before each. An
 //    acquire answering busy means another host holds it now, or the daemon
-//    is releasing it: no longer ours, released.
+//    is releasing it: no longer ours, released. -EEXIST (held on this
+//    host: still by us, if the failed release never reached the daemon,
+//    or by another process here) is settled by releasing again: 0, or -1
+//    (not ours), is released.
 struct LeaseReleaseResult {
   int rv = 0;  // 0: released; else the last sanlock error
   int retakes = 0;

@@ -1338,7 +1338,8 @@ TEST_CASE("a client that never reads its replies holds bounded memory and cannot
   REQUIRE(c2.Go("vm") > 0);
 }
 
-TEST_CASE("--nbd-memory bounds what all clients not reading their replies hold together", "[nbd]") {
+TEST_CASE("dedupd's --nbd-memory bounds what all clients not reading their replies hold together",
+          "[nbd]") {
   // Per connection alone, four clients sending 4 MiB READs and never
   // reading held 64 MiB each. With --nbd-memory 8M they hold 8 MiB between
   // them, dedupd says so in `dede status --json`, and once they leave a

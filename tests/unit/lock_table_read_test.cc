@@ -272,6 +272,18 @@ TEST_CASE("sanlock: a failed lease release is never retried by releasing again",
     CHECK(r.left_to_daemon);
     CHECK(s.calls == "R.AR");
   }
+  SECTION("a release that never reached the daemon: still ours (-EEXIST), released again") {
+    ScriptedSanlock s{{-ENOTCONN, 0}, {-EEXIST}};
+    LeaseReleaseResult r = s.Run();
+    CHECK(r.rv == 0);
+    CHECK(s.calls == "R.AR");
+  }
+  SECTION("-EEXIST from another process of this host: the release answers -1, not ours") {
+    ScriptedSanlock s{{-EIO, -1}, {-EEXIST}};
+    LeaseReleaseResult r = s.Run();
+    CHECK(r.rv == 0);
+    CHECK(s.calls == "R.AR");
+  }
   SECTION("a failing take-back is tried again") {
     ScriptedSanlock s{{-EIO, 0}, {-EIO, 0}};
     LeaseReleaseResult r = s.Run();
