@@ -1284,12 +1284,19 @@ class Pass {
     } else {
       outs = {slot.range};
     }
+    arena_punch_held_ = false;
     Status st = RewriteSlot(slot, cur.get(), std::move(reader), std::move(recs), outs,
                             new_version, t0);
     if (st.ok()) {
       if (split) stats_.shards_split++;
       stats_.shards_rewritten++;
       st = RetireAndPark(slot, &cur, &pending_file, outs);
+    }
+    // An arena punch held back: the shard's next rewrite sweeps the block;
+    // dedupd's next pass rewrites the shard for it, whatever the batching
+    // fraction says. (After RetireAndPark, which takes the shard out.)
+    if (st.ok() && arena_punch_held_ && opts_.busy_parked_shards != nullptr) {
+      opts_.busy_parked_shards->insert(slot.range.lo);
     }
     if (split) UnlockShard(ShardLockId(outs[1]));
     RETURN_IF_ERROR(st);
@@ -1453,10 +1460,27 @@ class Pass {
       const size_t w = outs.size() == 2 && outs[1].Contains(KeyPrefix(en.fp)) ? 1 : 0;
       if (en.kind == EntryKind::kShared) mark_used(en.arena);
       if (en.kind == EntryKind::kShared && w == 1) {
-        // The upper half gets its own arena: move the reference.
+        // The upper half gets its own arena: move the reference. Never
+        // waits for another host under the volume mutex: SplitGroupsReady
+        // took the block's group, but a flush point of ours may have
+        // handed it over since (someone announced a want). Held back
+        // (kLocked, nothing changed), the entry is dropped: the files
+        // keep sharing the block, only the index forgets it (a later
+        // record of that content starts a new entry; a --rescan joins
+        // the two), and the lower arena's reference goes with the
+        // punches below.
         ASSIGN_OR_RETURN(uint64_t idx, arenas[1].Allocate());
-        RETURN_IF_ERROR(vol_->CloneBlock(arenas[0].f.get(), en.arena, arenas[1].f.get(), idx));
+        Volume::BlockOpsOptions no_wait;
+        no_wait.no_wait = true;
+        Status moved =
+            vol_->CloneBlock(arenas[0].f.get(), en.arena, arenas[1].f.get(), idx, no_wait);
         arenas[0].to_punch.push_back(en.arena);
+        if (moved.code() == Status::Code::kLocked) {
+          arenas[1].Unallocate(idx);
+          stats_.split_clones_busy++;
+          return Status::Ok();
+        }
+        RETURN_IF_ERROR(moved);
         en.arena = idx;
       }
       stats_.entries_written++;
@@ -1615,9 +1639,22 @@ class Pass {
       stats_.index_bytes_written += writers[w]->bytes_written();
     }
     // The new versions are durable: drop the arena references they no
-    // longer name.
+    // longer name. Never waiting for another host under the volume mutex
+    // (a punch needs drop-list room, and a full list would be drained
+    // waiting for groups held elsewhere): a punch held back leaves a
+    // block no entry names, which the shard's next rewrite finds (its
+    // arena maps more blocks than it accounts for) and sweeps; dedupd's
+    // next pass rewrites the shard for it (busy_parked_shards).
     for (ArenaFile& a : arenas) {
-      for (uint64_t idx : a.to_punch) RETURN_IF_ERROR(a.f->Punch(idx));
+      for (uint64_t idx : a.to_punch) {
+        Status st = a.f->TryPunch(idx);
+        if (st.code() == Status::Code::kLocked) {
+          stats_.arena_punches_busy++;
+          arena_punch_held_ = true;
+          continue;
+        }
+        RETURN_IF_ERROR(st);
+      }
     }
     return Status::Ok();
   }
@@ -1650,6 +1687,17 @@ class Pass {
         // Still held: the opportunity is lost, not data (the entry is
         // Shared; G:c keeps its own copy until a --rescan pass).
         stats_.merge_posts_busy++;
+        if (!outcome.file_busy) {
+          // A clone held back (its source block's allocation group held
+          // elsewhere: posts never wait for it under the volume mutex).
+          // The requests not posted go into the shard's pending file as
+          // records of their own, so a later pass that can open G (its
+          // holder's, rewriting this shard) shares G:c with the entry.
+          for (size_t i = outcome.posted; i < post.requests.size(); i++) {
+            const MergeRequest& r = post.requests[i];
+            parked_later_.push_back(PendingRecord{KeyOf(r.witness), post.target, r.target_block});
+          }
+        }
       } else if (st.code() == Status::Code::kCorruption) {
         LOG(kWarning) << "merge requests for inode " << ino << " not posted: " << st.message();
         stats_.merge_posts_busy++;
@@ -1972,15 +2020,13 @@ class Pass {
           // and its group is held elsewhere: undo the clone (the arena's
           // reference is dropped; never waited for), keep Unique(G, c) and
           // park the anchor's record, so a later pass tries again.
-          RETURN_IF_ERROR(arena->f->Punch(g.anchor_arena));
-          arena->Unallocate(g.anchor_arena);
+          RETURN_IF_ERROR(UndoAnchor(arena, g.anchor_arena));
           ParkBusy(ar);
         } else if (shared_with[c.group] == 0) {
           // Nothing else holds this content any more: the indexed block is
           // stale, and the anchor becomes the hint (not shared with the
           // arena, so it keeps being written in place).
-          RETURN_IF_ERROR(arena->f->Punch(g.anchor_arena));
-          arena->Unallocate(g.anchor_arena);
+          RETURN_IF_ERROR(UndoAnchor(arena, g.anchor_arena));
           g.state = IndexEntry{ar.fp, EntryKind::kUnique, files_[ar.file].info.id, ar.block, 0};
           stats_.stale_entries++;
         } else {
@@ -1999,6 +2045,23 @@ class Pass {
         g.next = g.end;
       }
     }
+  }
+
+  // Takes back the arena block `idx` of an anchor no record shared (its
+  // clone's reference dropped). Never waits under the volume mutex: a
+  // punch held back (a full drop list that cannot be drained without
+  // waiting) is punched with the rewrite's others, after the new version
+  // is durable (it names no entry there), or, held back again, swept by
+  // a later rewrite; its index is not given back meanwhile.
+  Status UndoAnchor(ArenaFile* arena, uint64_t idx) {
+    Status st = arena->f->TryPunch(idx);
+    if (st.code() == Status::Code::kLocked) {
+      arena->to_punch.push_back(idx);
+      return Status::Ok();
+    }
+    RETURN_IF_ERROR(st);
+    arena->Unallocate(idx);
+    return Status::Ok();
   }
 
   // Keeps a record whose share or clone was held back (an allocation group
@@ -2075,6 +2138,8 @@ class Pass {
   // Shards (range lo) that parked records held back by a busy group during
   // this pass, and whether RevisitBusyShards is rewriting them now.
   std::set<uint64_t> busy_parked_here_;
+  // The shard update in progress held back an arena punch (TryPunch).
+  bool arena_punch_held_ = false;
   bool revisiting_ = false;
   bool swept_all_ = false;
   uint64_t rehashed_ = 0;
@@ -2135,6 +2200,8 @@ constexpr DedupCounter kDedupCounters[] = {
     {"files_rescanned", &DedupStats::files_rescanned},
     {"zero_blocks_freed", &DedupStats::zero_blocks_freed},
     {"zero_blocks_busy", &DedupStats::zero_blocks_busy},
+    {"arena_punches_busy", &DedupStats::arena_punches_busy},
+    {"split_clones_busy", &DedupStats::split_clones_busy},
     {"unique_added", &DedupStats::unique_added},
     {"shared_new", &DedupStats::shared_new},
     {"shared_hits", &DedupStats::shared_hits},

@@ -179,7 +179,10 @@ struct DedupStats {
   // record's block still becomes the arena block; G:c is left to G's
   // holder through a request in G's request file.
   uint64_t merge_requests_posted = 0;  // records posted (one post per target per shard update)
-  uint64_t merge_posts_busy = 0;       // posts dropped: the request file was locked
+  // Posts dropped: the request file was locked, or a clone's source group
+  // was held elsewhere (never waited for; the requests not posted are
+  // kept in the shard's pending file as records for a later pass).
+  uint64_t merge_posts_busy = 0;
   // Requests for the files this pass holds, applied at its start and again
   // at its end (those other hosts posted while it ran).
   uint64_t merge_requests_applied = 0;
@@ -195,6 +198,15 @@ struct DedupStats {
   // allocation group was held elsewhere (never waited for): those entries
   // are kept, and those blocks left for a later pass's check.
   uint64_t gc_checks_busy = 0;
+  // Arena punches held back (the drop list full of drops in groups held
+  // elsewhere: never waited for under the volume mutex, docs/LOCKING.md
+  // "Increments without waiting"): the block stays the arena's, named by
+  // no entry, until the shard's next rewrite sweeps it.
+  uint64_t arena_punches_busy = 0;
+  // A split's moves of arena references held back (the block's group
+  // handed over to another host since the split took it): the entry is
+  // dropped from the upper half (the files keep sharing the block).
+  uint64_t split_clones_busy = 0;
   // Index.
   uint64_t shards_rewritten = 0;
   uint64_t shards_deferred = 0;      // below the batching fraction

@@ -740,23 +740,25 @@ int Run(const Config& cfg) {
       row.verification_failures = st->stale_records + st->merge_requests_failed_verification;
       row.bytes_reclaimed = kBlockSize * (st->shared_new + st->shared_hits + st->zero_blocks_freed +
                                           st->merge_requests_applied);
-      LOG(kInfo) << "dedup pass " << passes << ": " << st->log_records
-                 << " records from " << st->logs_consumed << " logs, " << st->shared_new
-                 << " new shared, " << st->shared_hits << " shared again, "
-                 << st->merge_requests_posted << " merge requests posted ("
-                 << st->merge_posts_busy << " posts busy), " << st->merge_requests_applied
-                 << " applied, " << st->zero_blocks_freed << " zero blocks freed, "
-                 << st->files_busy << " files busy, " << st->files_given_back
-                 << " given back to waiting clients, " << st->records_parked_busy
-                 << " records parked (allocation group busy elsewhere; " << st->shards_revisited
-                 << " shards revisited), " << st->gc_checks_busy
-                 << " garbage checks left for later (group busy), "
+      LOG(kInfo) << "dedup pass " << passes << ": " << st->log_records << " records from "
+                 << st->logs_consumed << " logs, " << st->shared_new << " new shared, "
+                 << st->shared_hits << " shared again, " << st->merge_requests_posted
+                 << " merge requests posted (" << st->merge_posts_busy << " posts busy), "
+                 << st->merge_requests_applied << " applied, " << st->zero_blocks_freed
+                 << " zero blocks freed, " << st->files_busy << " files busy, "
+                 << st->files_given_back << " given back to waiting clients, "
+                 << st->records_parked_busy << " records parked (allocation group busy elsewhere; "
+                 << st->shards_revisited << " shards revisited), " << st->gc_checks_busy
+                 << " garbage checks left for later (group busy), " << st->zero_blocks_busy
+                 << " zero-block punches, " << st->arena_punches_busy << " arena punches and "
+                 << st->split_clones_busy
+                 << " split moves held back (drop list full or group busy), "
                  << st->splits_deferred_busy << " splits deferred (group busy), "
-                 << st->shards_rewritten
-                 << " shards rewritten (" << st->shards_split << " split, " << st->shard_waits
-                 << " waits) in " << double(st->total_ns) / 1e9 << " s; "
+                 << st->shards_rewritten << " shards rewritten (" << st->shards_split << " split, "
+                 << st->shard_waits << " waits) in " << double(st->total_ns) / 1e9 << " s; "
                  << st->young_records_deferred << " young records deferred, " << row.io_bytes
-                 << " bytes of dedup I/O (" << row.trigger << (row.window.empty() ? "" : " " + row.window) << ")"
+                 << " bytes of dedup I/O (" << row.trigger
+                 << (row.window.empty() ? "" : " " + row.window) << ")"
                  << (st->stopped ? "; stopped at the window's end, " +
                                        std::to_string(st->records_parked_at_stop) +
                                        " records parked for the next window"

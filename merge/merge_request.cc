@@ -129,6 +129,8 @@ Status PostMergeRequests(Volume* vol, FileId target, const std::vector<MergeRequ
   ASSIGN_OR_RETURN(FileInfo info, mr->Info());
   RETURN_IF_ERROR(CheckIsRequestFileOf(info, target.ino));
   uint64_t next = BlocksCovering(info.size);
+  Volume::BlockOpsOptions no_wait;
+  no_wait.no_wait = true;
   for (size_t first = 0; first < requests.size(); first += kMaxMergeRecordsPerGroup) {
     const size_t n = std::min<size_t>(kMaxMergeRecordsPerGroup, requests.size() - first);
     MergeGroup g;
@@ -147,7 +149,11 @@ Status PostMergeRequests(Volume* vol, FileId target, const std::vector<MergeRequ
       for (size_t i = 0; i < n; i++) {
         const MergeRequest& r = requests[first + i];
         const uint64_t clone_block = next + 1 + i;
-        RETURN_IF_ERROR(vol->CloneBlock(clone_source, r.source_index, mr, clone_block));
+        // Never waits for another host under the volume mutex: a source
+        // block whose allocation group is held elsewhere is kLocked (the
+        // want announced), and the half-built group is taken back below.
+        // (Into a hole: no drop-list room is needed.)
+        RETURN_IF_ERROR(vol->CloneBlock(clone_source, r.source_index, mr, clone_block, no_wait));
         g.records.push_back(MergeRecord{r.target_block, clone_block, r.witness});
       }
       std::unique_ptr<uint8_t[]> blk(new uint8_t[kBlockSize]);

@@ -146,9 +146,11 @@ struct MergeRequest {
 // kLocked when another process or host (or this volume) has it open — the
 // caller counts the post as busy and goes on; never waits. kCorruption if a
 // file of that name exists but is not a merge-request file of `target`.
-// A clone can also fail with kLocked, after waiting (the volume's
-// lock_wait) for the clone source block's allocation group held elsewhere:
-// `outcome` tells the two apart, and how many requests were posted.
+// A clone can also fail with kLocked, without waiting: the clone source
+// block's allocation group is held elsewhere (Volume::CloneBlock with
+// no_wait; the want is announced, so its holder hands it over at its next
+// flush point): the half-built group is taken back. `outcome` tells the
+// two apart, and how many requests were posted (in complete groups).
 struct MergePostOutcome {
   size_t posted = 0;       // requests, from the first, in complete groups
   bool file_busy = false;  // kLocked: the request file was open elsewhere

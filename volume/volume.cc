@@ -155,6 +155,10 @@ class FileImpl : public File {
     WriterLock l(&st_->rw);
     return vol_->PunchBlock(st_.get(), index);
   }
+  Status TryPunch(uint64_t index) override {
+    WriterLock l(&st_->rw);
+    return vol_->PunchBlock(st_.get(), index, /*may_wait=*/false);
+  }
   Result<FileUsage> Usage() override {
     ReaderLock l(&st_->rw);
     return vol_->UsageOf(st_.get());
@@ -2932,12 +2936,14 @@ Status VolumeImpl::TrimData(OpenFileState* f, uint64_t offset, uint64_t len) {
   return Status::Ok();
 }
 
-Status VolumeImpl::PunchBlock(OpenFileState* f, uint64_t index) {
+Status VolumeImpl::PunchBlock(OpenFileState* f, uint64_t index, bool may_wait) {
   // One block: a lookup of its pointer (a walk down from it, as a trim
   // does, would scan the holes below an unmapped block).
   MutexLock l(&mu_);
   RETURN_IF_ERROR(CheckWritable());
-  RETURN_IF_ERROR(EnsureRoom(16));
+  // Without may_wait (File::TryPunch), a full drop list that cannot be
+  // drained without waiting is kLocked here, before any change.
+  RETURN_IF_ERROR(EnsureRoom(16, may_wait));
   ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
   if (index >= (in.size + kBlockSize - 1) / kBlockSize) {
     return Status::Invalid("block " + std::to_string(index) + " is past the end of '" + in.name +
@@ -2945,6 +2951,8 @@ Status VolumeImpl::PunchBlock(OpenFileState* f, uint64_t index) {
   }
   ASSIGN_OR_RETURN(uint64_t p, GetPtr(in, index));
   if (p == 0) return Status::Ok();
+  // (With drop lists the drop itself never waits: it is deferred.)
+  if (!may_wait) RETURN_IF_ERROR(TryPrepareDrop(PtrAddr(p)));
   RETURN_IF_ERROR(ReplaceBlock(&in, index, 0));
   PutInode(in);
   return Status::Ok();
@@ -3034,7 +3042,9 @@ Status VolumeImpl::TruncateFile(OpenFileState* f, uint64_t size) {
     i = *last;
   }
   MutexLock l(&mu_);
-  RETURN_IF_ERROR(EnsureRoom(16));
+  // A grow drops nothing: journal room only (a full drop list must not
+  // make it wait; FreeTree asks for its own room before each drop).
+  RETURN_IF_ERROR(size < old_size ? EnsureRoom(16) : EnsureJournalRoom(16));
   ASSIGN_OR_RETURN(Inode in, GetInode(f->id.ino));
   if (size < old_size) RETURN_IF_ERROR(FreeTree(&in, keep));
   in.size = size;
@@ -3079,6 +3089,22 @@ Status VolumeImpl::TakeGroupOfBlock(OpenFileState* f, uint64_t index) {
   if (!GroupOf(addr, &g)) {
     return Status::Corruption("block pointer " + std::to_string(addr) + " of '" + in.name +
                               "' is outside the data area");
+  }
+  return TakeGroupNoWait(addr);
+}
+
+Status VolumeImpl::TryPrepareDrop(uint64_t addr) {
+  // With drop lists a drop whose group is busy is deferred: never a wait.
+  if (sb_.drop_blocks != 0) return PrepareDrop(addr);
+  if (addr == 0) return Status::Ok();
+  return TakeGroupNoWait(addr);
+}
+
+Status VolumeImpl::TakeGroupNoWait(uint64_t addr) {
+  uint32_t g;
+  if (!GroupOf(addr, &g)) {
+    return Status::Corruption("block pointer " + std::to_string(addr) +
+                              " is outside the data area");
   }
   if (cached_locks_.count(GroupLock(g))) return Status::Ok();
   GroupTry got = GroupTry::kBusy;
@@ -3208,7 +3234,9 @@ Status VolumeImpl::CompareAndShare(File* src, uint64_t src_index, File* dst, uin
   return Poison(apply());
 }
 
-Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) {
+Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
+                              const BlockOpsOptions& options) {
+  const bool may_wait = !options.no_wait;
   auto* s = static_cast<FileImpl*>(src)->state();
   auto* d = static_cast<FileImpl*>(dst)->state();
   auto [lo, hi] = Ordered(s, d);
@@ -3217,7 +3245,6 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
   if (hi != lo) l2 = std::make_unique<WriterLock>(&hi->rw);
   MutexLock l(&mu_);
   RETURN_IF_ERROR(CheckWritable());
-  RETURN_IF_ERROR(EnsureRoom(32));
   ASSIGN_OR_RETURN(Inode sin, GetInode(s->id.ino));
   // Only whole blocks: the bytes past EOF in a file's last block are always
   // zero, and a clone into or out of a partial block would break that.
@@ -3234,6 +3261,18 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
     if (OptedOut(sin) || OptedOut(din)) return OptedOutMismatch("clone_block");
     ASSIGN_OR_RETURN(uint64_t dp, GetPtr(din, dst_index));
     if (sp != 0 && PtrAddr(dp) == PtrAddr(sp)) return Status::Ok();
+    // Room before any change (it may commit, or give every cached lock
+    // back to wait; the inodes read above stay as they are: both files'
+    // locks are held). Only a clone over a mapped block drops a reference:
+    // a clone into a hole (a split's new arena block, a merge request's)
+    // asks for no drop-list room, so a full drop list never holds it up.
+    // Without may_wait a full list that cannot be drained without waiting
+    // is kLocked here.
+    if (dp != 0) {
+      RETURN_IF_ERROR(EnsureRoom(32, may_wait));
+    } else {
+      RETURN_IF_ERROR(EnsureJournalRoom(32));
+    }
     if (sp != 0 && dp == 0) {
       // The destination's map path first, before the group locks (an
       // allocation that waits gives cached locks back): a full volume
@@ -3250,10 +3289,12 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
       }
     }
     if (sp != 0) {
-      RETURN_IF_ERROR(AcquireGroupsFor({PtrAddr(sp)}));
+      // Without may_wait, a source group held elsewhere is kLocked, the
+      // want announced (docs/LOCKING.md "Increments without waiting").
+      RETURN_IF_ERROR(may_wait ? AcquireGroupsFor({PtrAddr(sp)}) : TakeGroupNoWait(PtrAddr(sp)));
       RETURN_IF_ERROR(RefusedIfSaturated(PtrAddr(sp), "clone_block"));
     }
-    RETURN_IF_ERROR(PrepareDrops({PtrAddr(dp)}));
+    RETURN_IF_ERROR(may_wait ? PrepareDrops({PtrAddr(dp)}) : TryPrepareDrop(PtrAddr(dp)));
   }
   // A failure past this point would leave the clone half-done: poison.
   auto apply = [&]() REQUIRES(mu_) -> Status {
@@ -3568,7 +3609,10 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
           hold_back(op, p, "the source block's allocation group is held elsewhere");
           continue;
         }
-        if (Status room = EnsureRoom(32, /*may_wait=*/false); !room.ok()) {
+        // Drop-list room only for an operation that drops a reference
+        // (a clone into a hole, such as a new arena block, drops none).
+        if (Status room = dp != 0 ? EnsureRoom(32, /*may_wait=*/false) : EnsureJournalRoom(32);
+            !room.ok()) {
           if (room.code() != Status::Code::kLocked) return room;
           hold_back(op, p, room.message().c_str());
           continue;
@@ -3618,8 +3662,19 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
           continue;
         }
       }
-      // (The destination's old block is only dropped: never waited for.)
-      RETURN_IF_ERROR(PrepareDrop(PtrAddr(dp)));
+      // (The destination's old block is only dropped: never waited for,
+      // unless the volume has no drop lists: then a drop needs its group,
+      // and with no_wait one held elsewhere holds the operation back.)
+      if (no_wait) {
+        Status drop = TryPrepareDrop(PtrAddr(dp));
+        if (drop.code() == Status::Code::kLocked) {
+          hold_back(op, p, drop.message().c_str());
+          continue;
+        }
+        RETURN_IF_ERROR(drop);
+      } else {
+        RETURN_IF_ERROR(PrepareDrop(PtrAddr(dp)));
+      }
       Inode& din = inodes[plan[k].dst_file];
       auto apply = [&]() REQUIRES(mu_) -> Status {
         ASSIGN_OR_RETURN(uint64_t cur_dp, GetPtr(din, op.dst_index));

@@ -215,6 +215,17 @@ class File {
   virtual Status TakeBlockGroup(uint64_t index) = 0;
   // Drop this file's reference to block `index` (it becomes a hole).
   virtual Status Punch(uint64_t index) = 0;
+  // Punch that never waits for another process or host (background work:
+  // a dedup pass's arena punches; docs/LOCKING.md "Increments without
+  // waiting"). A punch needs room in this host's drop list first, and
+  // Punch drains a full list waiting for the groups of its entries (up to
+  // OpenOptions::lock_wait_s, holding the volume mutex every write of this
+  // process needs). TryPunch instead answers kLocked, with nothing
+  // changed, when the list is full and cannot be drained without waiting,
+  // or (a volume without drop lists) when the block's group is held
+  // elsewhere; the want is announced then, so the holder hands the group
+  // over at its next flush point.
+  virtual Status TryPunch(uint64_t index) = 0;
   virtual Result<FileUsage> Usage() = 0;
   // Does another process or host wait to open this file (it announced so
   // with Volume::AnnounceOpenWait)? One look at the lock table; never waits.
@@ -285,7 +296,10 @@ class Volume {
   // Both primitives work on whole blocks only: an index whose block is not
   // entirely inside its file (the partial last block) is kInvalid. That
   // keeps the invariant that bytes past EOF in a last block read as zero.
-  virtual Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) = 0;
+  // (Below: an overload that never waits for another host.)
+  Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) {
+    return CloneBlock(src, src_index, dst, dst_index, BlockOpsOptions{});
+  }
 
   // Many block operations at once, each with the semantics of the call it
   // names, atomic with respect to writers of the files involved (their
@@ -363,6 +377,16 @@ class Volume {
   Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode) {
     return ApplyBlockOps(ops, mode, nullptr, BlockOpsOptions{});
   }
+  // CloneBlock with `options`: with `no_wait` (dedup passes: a split's
+  // moves of arena references, merge-request posts) the clone never waits
+  // for another process or host. It is held back (kLocked, nothing
+  // changed; the want announced) when the source block's allocation group
+  // is held elsewhere, when the drop list is full and cannot be drained
+  // without waiting (only a clone over a mapped block drops a reference),
+  // or, on a volume without drop lists, when the destination's old block
+  // is in a group held elsewhere.
+  virtual Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
+                            const BlockOpsOptions& options) = 0;
 
   // Flush point (see top of file).
   virtual Status Sync() = 0;

@@ -75,7 +75,9 @@ class VolumeImpl : public Volume {
   Result<bool> FileWantedElsewhere(uint64_t ino);
   Status CompareAndShare(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
                          VerifyMode mode, const Fingerprint* witness) override;
-  Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) EXCLUDES(mu_) override;
+  using Volume::CloneBlock;
+  Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
+                    const BlockOpsOptions& options) EXCLUDES(mu_) override;
   using Volume::ApplyBlockOps;
   Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, ReadBuffer* buffer,
                        const BlockOpsOptions& options) EXCLUDES(mu_) override;
@@ -108,7 +110,8 @@ class VolumeImpl : public Volume {
   // may_wait false: kLocked when the block's group is held elsewhere.
   Result<uint32_t> RefCountAt(OpenFileState* f, uint64_t index, bool may_wait) EXCLUDES(mu_);
   Status TakeGroupOfBlock(OpenFileState* f, uint64_t index) EXCLUDES(mu_);
-  Status PunchBlock(OpenFileState* f, uint64_t index) EXCLUDES(mu_);
+  // may_wait false: File::TryPunch.
+  Status PunchBlock(OpenFileState* f, uint64_t index, bool may_wait = true) EXCLUDES(mu_);
   // Punches the last mapped block in [first, limit) and returns its index;
   // nullopt when there is none. kInvalid when limit is past the file's end.
   Result<std::optional<uint64_t>> PunchLastMappedBelow(OpenFileState* f, uint64_t first,
@@ -299,6 +302,14 @@ class VolumeImpl : public Volume {
   Status PrepareDrops(const std::vector<uint64_t>& addrs) REQUIRES(mu_);
   // PrepareDrops({addr}), with the same fast path as AcquireGroupOf.
   Status PrepareDrop(uint64_t addr) REQUIRES(mu_);
+  // PrepareDrop that never waits: on a volume without drop lists (where a
+  // drop needs its group), kLocked, with the want announced, when the
+  // block's group is held elsewhere.
+  Status TryPrepareDrop(uint64_t addr) REQUIRES(mu_);
+  // Takes the allocation group of data block `addr` without waiting: Ok
+  // when this process holds it now; kLocked, with the want announced
+  // (AnnounceWant), when another process or host holds it.
+  Status TakeGroupNoWait(uint64_t addr) REQUIRES(mu_);
   Status DropRef(uint64_t addr) REQUIRES(mu_);
   // DropRef for a block a failed write counted but never published (a
   // reservation a wait materialized, or one claimed before its pointer

@@ -188,6 +188,7 @@ class MemFile : public File {
   Result<uint32_t> TryBlockRefCount(uint64_t) override { return uint32_t{1}; }
   Status TakeBlockGroup(uint64_t) override { return Status::Ok(); }
   Status Punch(uint64_t) override { return Status::Invalid("read-only"); }
+  Status TryPunch(uint64_t) override { return Status::Invalid("read-only"); }
   Result<FileUsage> Usage() override { return FileUsage{}; }
   Result<bool> WantedElsewhere() override { return false; }
 

@@ -790,8 +790,10 @@ class VanishingPolicyVolume : public Volume {
                          VerifyMode mode, const Fingerprint* witness) override {
     return inner_->CompareAndShare(src, src_index, dst, dst_index, mode, witness);
   }
-  Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index) override {
-    return inner_->CloneBlock(src, src_index, dst, dst_index);
+  using Volume::CloneBlock;
+  Status CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t dst_index,
+                    const BlockOpsOptions& options) override {
+    return inner_->CloneBlock(src, src_index, dst, dst_index, options);
   }
   using Volume::ApplyBlockOps;
   Status ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, ReadBuffer* buffer,

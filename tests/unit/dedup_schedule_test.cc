@@ -503,6 +503,7 @@ class NoSpaceLog : public File {
   }
   Status TakeBlockGroup(uint64_t index) override { return base_->TakeBlockGroup(index); }
   Status Punch(uint64_t index) override { return base_->Punch(index); }
+  Status TryPunch(uint64_t index) override { return base_->TryPunch(index); }
   Result<FileUsage> Usage() override { return base_->Usage(); }
   Result<bool> WantedElsewhere() override { return base_->WantedElsewhere(); }
 

@@ -170,6 +170,64 @@ struct Hosts {
     REQUIRE(held.ok());
     return *held;
   }
+
+  // With drop_blocks 1 (kDropsPerBlock entries): fills host 1's drop list
+  // until `room` entries are left, with drops in group 0, which the
+  // observer then holds (as another host would): host 1 can drain none of
+  // them without waiting. "fill-c" (host 1's, group 0) and "fill-d", whose
+  // blocks first share c's and are then overwritten, each overwrite
+  // deferring a drop of c's block. Files made by host 1 from now on go to
+  // other groups.
+  void FillDropList(uint64_t room) {
+    const uint64_t fill = kDropsPerBlock - room;
+    std::vector<uint64_t> contents;
+    for (uint64_t b = 0; b < fill; b++) contents.push_back(100000 + b);
+    Make(v1.get(), "fill-c", contents);
+    REQUIRE(v1->Create("fill-d", fill * kB).ok());
+    {
+      auto c = v1->OpenFile("fill-c");
+      auto d = v1->OpenFile("fill-d");
+      REQUIRE(c.ok());
+      REQUIRE(d.ok());
+      for (uint64_t b = 0; b < fill; b++) {
+        REQUIRE(v1->CloneBlock(c->get(), b, d->get(), b).ok());
+      }
+    }
+    REQUIRE(v1->Sync().ok());
+    const uint64_t groups = v1->superblock().group_count;
+    for (uint64_t g = 0; g < groups; g++) {
+      REQUIRE(observer->Acquire(WantedGroup(g), LockMode::kShared, false).ok());
+    }
+    REQUIRE(v1->Sync().ok());
+    for (uint64_t g = 0; g < groups; g++) REQUIRE(observer->Release(WantedGroup(g)).ok());
+    REQUIRE(observer->Acquire(kGroup0, LockMode::kExclusive, false).ok());
+    {
+      auto d = v1->OpenFile("fill-d");
+      REQUIRE(d.ok());
+      for (uint64_t b = 0; b < fill; b++) {
+        const std::vector<uint8_t> y = Content(200000 + b);
+        Status w = (*d)->Write(b * kB, y.data(), kB);
+        INFO("filling the drop list, block " << b << ": " << w.ToString());
+        REQUIRE(w.ok());
+      }
+      REQUIRE((*d)->Flush().ok());
+    }
+    auto st = v1->Stats();
+    REQUIRE(st.ok());
+    REQUIRE(st->pending_drops == fill);
+  }
+  // The observer lets group 0 go; host 1's next flush points drain the list.
+  void ReleaseGroup0() {
+    REQUIRE(observer->Release(kGroup0).ok());
+    PastBusyMemo();
+    for (int i = 0; i < 50; i++) {
+      REQUIRE(v1->Sync().ok());
+      if (v1->drop_counters().pending == 0) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    }
+    REQUIRE(v1->drop_counters().pending == 0);
+  }
+  static constexpr LockId kGroup0{LockKind::kGroup, 0};
 };
 
 // One dedup pass on `vol`, lending it the volume's own files; *seconds is
@@ -849,4 +907,290 @@ TEST_CASE("a dedup pass holds back a zero-block punch instead of waiting to drai
     CHECK(ReadBlock(z.get(), 0) == Content(5));
   }
   RequireFsckClean(v1);
+}
+
+// ------------------------------------------------------------------------
+// Punches and clones that never wait under the volume mutex (2026-11-28,
+// docs/LOCKING.md "Increments without waiting"). Each without its change
+// waits the lock wait (60 s here) holding host 1's volume mutex.
+
+namespace {
+
+uint64_t Mapped(Volume* vol, const std::string& name) {
+  auto f = OpenOn(vol, name);
+  auto info = f->Info();
+  REQUIRE(info.ok());
+  return info->mapped_blocks;
+}
+
+}  // namespace
+
+TEST_CASE("TryPunch holds a punch back instead of waiting to drain a full drop list",
+          "[volume][nowait][drops]") {
+  Hosts h(/*drop_blocks=*/1);
+  Hosts::Make(h.v1.get(), "p", {7, 8});  // group 0
+  h.FillDropList(15);                    // less room than a punch asks (16)
+  {
+    auto p = OpenOn(h.v1.get(), "p");
+    const auto t0 = std::chrono::steady_clock::now();
+    Status st = p->TryPunch(0);
+    const double took = Seconds(t0);
+    INFO("TryPunch: " << st.ToString() << " in " << took << " s");
+    CHECK(st.code() == Code::kLocked);
+    CHECK(took < 5.0);
+    CHECK(ReadBlock(p.get(), 0) == Content(7));
+  }
+  CHECK(Mapped(h.v1.get(), "p") == 2);
+  REQUIRE(h.v1->Sync().ok());
+  // Once the holder lets group 0 go, the list drains and the punch works.
+  h.ReleaseGroup0();
+  {
+    auto p = OpenOn(h.v1.get(), "p");
+    Status st = p->TryPunch(0);
+    INFO("TryPunch: " << st.ToString());
+    REQUIRE(st.ok());
+    CHECK(ReadBlock(p.get(), 0) == std::vector<uint8_t>(kB, 0));
+    CHECK(ReadBlock(p.get(), 1) == Content(8));
+  }
+  CHECK(Mapped(h.v1.get(), "p") == 1);
+  RequireFsckClean(h.v1.get());
+}
+
+TEST_CASE("a clone into a hole asks for no drop-list room", "[volume][nowait][drops]") {
+  // A clone into a hole drops no reference (a split's new arena block, a
+  // merge request's clone, a pass's anchor). It asked for 32 entries of
+  // drop-list room all the same, and with the list full of drops in a
+  // group held elsewhere CloneBlock drained it waiting (60 s, under the
+  // volume mutex) and failed; ApplyBlockOps with no_wait held it back.
+  Hosts h(/*drop_blocks=*/1);
+  h.FillDropList(20);                    // less room than a clone asked (32)
+  Hosts::Make(h.v1.get(), "s", {7, 8});  // not group 0: the observer holds it
+  REQUIRE(h.v1->Create("t", 2 * kB).ok());
+  {
+    auto s = OpenOn(h.v1.get(), "s");
+    auto t = OpenOn(h.v1.get(), "t");
+    Volume::BlockOpsOptions no_wait;
+    no_wait.no_wait = true;
+    auto t0 = std::chrono::steady_clock::now();
+    Status st = h.v1->CloneBlock(s.get(), 0, t.get(), 0, no_wait);
+    INFO("CloneBlock: " << st.ToString() << " in " << Seconds(t0) << " s");
+    REQUIRE(st.ok());
+    CHECK(Seconds(t0) < 5.0);
+    Op clone;
+    clone.kind = Kind::kCloneIfHash;
+    clone.src = s.get();
+    clone.src_index = 1;
+    clone.dst = t.get();
+    clone.dst_index = 1;
+    const std::vector<uint8_t> c8 = Content(8);
+    clone.witness = ComputeFingerprint(h.v1->superblock().hash_algo, c8.data(), kB);
+    std::vector<Op> ops = {clone};
+    Volume::ReadBuffer buf;
+    st = h.v1->ApplyBlockOps(&ops, VerifyMode::kByteCompare, &buf, no_wait);
+    INFO("ApplyBlockOps: " << st.ToString() << "; op: " << ops[0].result.ToString());
+    REQUIRE(st.ok());
+    CHECK(ops[0].result.ok());
+    CHECK(ops[0].changed);
+    CHECK(ReadBlock(t.get(), 0) == Content(7));
+    CHECK(ReadBlock(t.get(), 1) == Content(8));
+    CHECK(Refs(s.get(), 0) == 2);
+    CHECK(Refs(s.get(), 1) == 2);
+  }
+  h.ReleaseGroup0();
+  RequireFsckClean(h.v1.get());
+}
+
+TEST_CASE("a no-wait clone holds back a clone whose source group another host holds",
+          "[volume][nowait]") {
+  Hosts h;
+  Hosts::Make(h.v2.get(), "u", {9});  // group 1
+  REQUIRE(h.v1->Create("t", kB).ok());
+  auto u = OpenOn(h.v1.get(), "u");
+  auto t = OpenOn(h.v1.get(), "t");
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();
+  Volume::BlockOpsOptions no_wait;
+  no_wait.no_wait = true;
+  auto t0 = std::chrono::steady_clock::now();
+  Status st = h.v1->CloneBlock(u.get(), 0, t.get(), 0, no_wait);
+  INFO("CloneBlock: " << st.ToString() << " in " << Seconds(t0) << " s");
+  CHECK(st.code() == Code::kLocked);
+  CHECK(Seconds(t0) < 5.0);
+  CHECK(h.Announced(1));  // host 2 will hand it over
+  CHECK(ReadBlock(t.get(), 0) == std::vector<uint8_t>(kB, 0));
+  REQUIRE(h.v1->Sync().ok());
+  // Host 2's flush point hands group 1 over; the clone goes through.
+  REQUIRE(h.v2->Sync().ok());
+  PastBusyMemo();
+  st = h.v1->CloneBlock(u.get(), 0, t.get(), 0, no_wait);
+  INFO("CloneBlock: " << st.ToString());
+  REQUIRE(st.ok());
+  CHECK(ReadBlock(t.get(), 0) == Content(9));
+  CHECK(Refs(u.get(), 0) == 2);
+  REQUIRE(h.v1->Sync().ok());
+  u.reset();
+  t.reset();
+  hf.reset();
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
+}
+
+TEST_CASE("a merge-request post holds back a clone whose source group another host holds",
+          "[merge][nowait]") {
+  // A post clones the arena block into the request file. It waited (60 s,
+  // under the volume mutex, holding the shard's lock) for the block's
+  // group when another host held it.
+  Hosts h;
+  Hosts::Make(h.v2.get(), "s", {7});  // group 1
+  Hosts::Make(h.v1.get(), "t", {7});
+  auto t = OpenOn(h.v1.get(), "t");
+  auto s = OpenOn(h.v1.get(), "s");
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();
+  const std::vector<uint8_t> c = Content(7);
+  const Fingerprint fp = ComputeFingerprint(h.v1->superblock().hash_algo, c.data(), kB);
+  MergePostOutcome outcome;
+  auto t0 = std::chrono::steady_clock::now();
+  Status st = PostMergeRequests(h.v1.get(), t->id(), {MergeRequest{0, fp, 0}}, s.get(), &outcome);
+  INFO("post: " << st.ToString() << " in " << Seconds(t0) << " s");
+  CHECK(st.code() == Code::kLocked);
+  CHECK(Seconds(t0) < 5.0);
+  CHECK_FALSE(outcome.file_busy);
+  CHECK(outcome.posted == 0);
+  CHECK(h.Announced(1));
+  REQUIRE(h.v1->Sync().ok());
+  {
+    // The half-built group was taken back: nothing to apply.
+    auto ap = ApplyMergeRequests(h.v1.get(), t.get(), VerifyMode::kByteCompare);
+    INFO("apply: " << ap.status().ToString());
+    REQUIRE(ap.ok());
+    CHECK(ap->records == 0);
+    CHECK(ap->applied == 0);
+  }
+  REQUIRE(h.v2->Sync().ok());  // hands group 1 over
+  PastBusyMemo();
+  st = PostMergeRequests(h.v1.get(), t->id(), {MergeRequest{0, fp, 0}}, s.get(), &outcome);
+  INFO("post: " << st.ToString());
+  REQUIRE(st.ok());
+  CHECK(outcome.posted == 1);
+  auto ap = ApplyMergeRequests(h.v1.get(), t.get(), VerifyMode::kByteCompare);
+  REQUIRE(ap.ok());
+  CHECK(ap->applied == 1);
+  CHECK(Refs(t.get(), 0) == 2);  // s and t
+  CHECK(ReadBlock(t.get(), 0) == Content(7));
+  t.reset();
+  s.reset();
+  hf.reset();
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
+}
+
+TEST_CASE("a shard split moves arena references without waiting to drain a full drop list",
+          "[dedup][nowait][drops]") {
+  // A split clones the upper half's arena references into a new arena
+  // (into holes). CloneBlock asked for drop-list room all the same, and
+  // with the list full of drops in a group held elsewhere it drained it
+  // waiting (60 s) under the volume mutex, then failed the pass.
+  Hosts h(/*drop_blocks=*/1);
+  WriteMonitorOptions mo;
+  mo.algo = h.v1->superblock().hash_algo;
+  WriteMonitor monitor(mo);
+  std::vector<uint64_t> common;
+  for (uint64_t i = 0; i < 64; i++) common.push_back(100 + i);
+  Hosts::Make(h.v2.get(), "x", common, &monitor);  // group 1
+  Hosts::Make(h.v2.get(), "y", common, &monitor);
+  DedupOptions opts;
+  opts.force = true;
+  opts.busy_revisits = 0;
+  opts.split_min_entries = 8;
+  opts.split_threshold_ms = 1'000'000;  // no split yet
+  auto pass = [&](const char* what) {
+    double took = 0;
+    Result<DedupStats> st = TimedPass(h.v1.get(), opts, &took);
+    INFO(what << ": " << st.status().ToString() << " in " << took << " s");
+    REQUIRE(st.ok());
+    CHECK(took < 5.0);
+    REQUIRE(h.v1->Sync().ok());
+    return *st;
+  };
+  REQUIRE(pass("first pass").shared_new == 64);
+  // Room for the pass's truncations and writes (16 each at most), not for
+  // a clone's old ask (32).
+  h.FillDropList(28);
+  Hosts::Make(h.v1.get(), "z", {500, 501, 502, 503}, &monitor);
+  opts.split_threshold_ms = 0;
+  const DedupStats split = pass("pass with the drop list nearly full");
+  CHECK(split.shards_split == 1);
+  CHECK(split.split_clones_busy == 0);
+  CHECK(split.arena_punches_busy == 0);
+  h.ReleaseGroup0();
+  {
+    auto x = OpenOn(h.v1.get(), "x");
+    auto y = OpenOn(h.v1.get(), "y");
+    for (uint64_t b = 0; b < common.size(); b++) {
+      CHECK(ReadBlock(x.get(), b) == Content(common[b]));
+      CHECK(ReadBlock(y.get(), b) == Content(common[b]));
+      CHECK(Refs(x.get(), b) == 3);  // x, y and one arena (moved, not doubled)
+    }
+  }
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
+}
+
+TEST_CASE(
+    "on a volume without drop lists a no-wait punch whose group another host holds is held back",
+    "[volume][nowait]") {
+  // Without drop lists every drop takes its block's group, waiting for it
+  // (60 s, under the volume mutex): a pass's zero-block punch and TryPunch
+  // hold back instead.
+  Hosts h(/*drop_blocks=*/0);
+  {
+    auto id = h.v2->Create("p", 2 * kB);  // group 1
+    REQUIRE(id.ok());
+    auto p = OpenOn(h.v2.get(), "p");
+    const std::vector<uint8_t> c = Content(7), zeros(kB, 0);
+    REQUIRE(p->Write(0, c.data(), kB).ok());
+    REQUIRE(p->Write(kB, zeros.data(), kB).ok());
+    REQUIRE(p->Flush().ok());
+  }
+  auto p = OpenOn(h.v1.get(), "p");
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();
+  auto t0 = std::chrono::steady_clock::now();
+  Status st = p->TryPunch(0);
+  INFO("TryPunch: " << st.ToString() << " in " << Seconds(t0) << " s");
+  CHECK(st.code() == Code::kLocked);
+  CHECK(Seconds(t0) < 5.0);
+  Op punch;
+  punch.kind = Kind::kPunchIfZero;
+  punch.dst = p.get();
+  punch.dst_index = 1;
+  std::vector<Op> ops = {punch};
+  Volume::BlockOpsOptions no_wait;
+  no_wait.no_wait = true;
+  Volume::ReadBuffer buf;
+  t0 = std::chrono::steady_clock::now();
+  st = h.v1->ApplyBlockOps(&ops, VerifyMode::kByteCompare, &buf, no_wait);
+  INFO("ApplyBlockOps: " << st.ToString() << " in " << Seconds(t0)
+                         << " s; op: " << ops[0].result.ToString());
+  REQUIRE(st.ok());
+  CHECK(Seconds(t0) < 5.0);
+  CHECK(ops[0].result.code() == Code::kLocked);
+  CHECK_FALSE(ops[0].changed);
+  CHECK(h.Announced(1));
+  REQUIRE(h.v1->Sync().ok());
+  CHECK(ReadBlock(p.get(), 0) == Content(7));
+  // Host 2 hands group 1 over at its flush point: both go through.
+  REQUIRE(h.v2->Sync().ok());
+  PastBusyMemo();
+  REQUIRE(p->TryPunch(0).ok());
+  st = h.v1->ApplyBlockOps(&ops, VerifyMode::kByteCompare, &buf, no_wait);
+  REQUIRE(st.ok());
+  CHECK(ops[0].result.ok());
+  CHECK(ops[0].changed);
+  auto info = p->Info();
+  REQUIRE(info.ok());
+  CHECK(info->mapped_blocks == 0);
+  REQUIRE(h.v1->Sync().ok());
+  p.reset();
+  hf.reset();
+  h.v2.reset();
+  RequireFsckClean(h.v1.get());
 }

@@ -267,9 +267,13 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   std::cout << "\n  new shared blocks   " << s.shared_new << "\n  shared again        "
             << s.shared_hits << "\n  zero blocks freed   " << s.zero_blocks_freed
             << "\n  new unique entries  " << s.unique_added << "\n  stale (skipped)     "
-            << s.stale_records + s.stale_entries << "\n  garbage collected   "
-            << s.gc_arena_blocks << " arena blocks, " << s.gc_unique_entries << " entries ("
-            << s.gc_checks_busy << " checks left for later: group busy)"
+            << s.stale_records + s.stale_entries << "\n  garbage collected   " << s.gc_arena_blocks
+            << " arena blocks, " << s.gc_unique_entries << " entries (" << s.gc_checks_busy
+            << " checks left for later: group busy"
+            << (s.arena_punches_busy ? "; " + std::to_string(s.arena_punches_busy) +
+                                           " punches held back: drop list full"
+                                     : std::string())
+            << ")"
             << "\n  merge requests      " << s.merge_requests_posted << " posted, "
             << s.merge_posts_busy << " posts busy; " << s.merge_requests_applied << " applied, "
             << s.merge_requests_failed_verification << " failed verification, "
@@ -280,6 +284,9 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
             << s.shards_deferred << " deferred, " << s.shards_split << " split"
             << (s.splits_deferred_busy
                     ? " (" + std::to_string(s.splits_deferred_busy) + " put off: group busy)"
+                    : std::string())
+            << (s.split_clones_busy
+                    ? " (" + std::to_string(s.split_clones_busy) + " entries dropped: group busy)"
                     : std::string())
             << "\n  time                " << HumanDuration(double(s.total_ns) / 1e9) << std::endl;
   return kExitOk;
