@@ -1597,19 +1597,27 @@ Status VolumeImpl::DropRef(uint64_t addr) {
 
 Status VolumeImpl::DropUnpublished(uint64_t addr) {
   uint32_t g;
-  if (sb_.drop_blocks != 0 && GroupOf(addr, &g) && !cached_locks_.count(GroupLock(g))) {
+  if (GroupOf(addr, &g) && !cached_locks_.count(GroupLock(g))) {
     // Never waits: a failed write's error path must not start a wait of
-    // its own (it often comes from one that timed out).
-    (void)PrepareDrop(addr);
-    if (!cached_locks_.count(GroupLock(g)) && DropRoom() == 0) {
+    // its own (it often comes from one that timed out). Without drop
+    // lists DropRef would wait for the group: only a free one is taken.
+    if (sb_.drop_blocks != 0) {
+      (void)PrepareDrop(addr);
+    } else if (!LooksBusy(g)) {
+      (void)TryTakeGroup(g);
+    }
+    if (!cached_locks_.count(GroupLock(g)) && (sb_.drop_blocks == 0 || DropRoom() == 0)) {
       // DropRef would overflow the list, which poisons the volume (every
-      // later write of the host fails) for want of one block's space.
-      // Left counted with no reference, the block is a leak: fsck
-      // --repair frees it.
+      // later write of the host fails) for want of one block's space, or
+      // (no drop lists) wait for the group. Left counted with no
+      // reference, the block is a leak: fsck --repair frees it.
       blocks_leaked_++;
       LOG(kWarning) << "volume: block " << addr << " of a failed write could not be given back"
-                    << " (its group held elsewhere, the drop list of host " << host_
-                    << " full); left allocated until fsck --repair frees it";
+                    << " (its group held elsewhere, "
+                    << (sb_.drop_blocks == 0
+                            ? std::string("the volume has no drop lists")
+                            : "the drop list of host " + std::to_string(host_) + " full")
+                    << "); left allocated until fsck --repair frees it";
       return Status::Ok();
     }
   }
@@ -2882,10 +2890,19 @@ Status VolumeImpl::WriteData(OpenFileState* f, uint64_t offset, const uint8_t* b
     if (!st.ok()) {
       for (size_t u = published; u < nblk; u++) {
         if (!fresh[u]) continue;
-        if (reserved_.count(target[u])) {
-          (void)CancelReservation(target[u]);
-        } else {
-          (void)DropUnpublished(target[u]);  // claimed, its pointer not published
+        // (A claimed block's pointer was not published: DropUnpublished.)
+        const Status back =
+            reserved_.count(target[u]) ? CancelReservation(target[u]) : DropUnpublished(target[u]);
+        if (!back.ok()) {
+          // Its count could not be lowered (a refcount block unreadable;
+          // a failed drop-list update poisons the volume besides): the
+          // block stays counted with no reference, a leak that fsck
+          // --repair frees. Counted and logged, never silent; the write's
+          // own error is what the caller gets.
+          blocks_leaked_++;
+          LOG(kWarning) << "volume: block " << target[u] << " of a failed write could not be"
+                        << " given back (" << back.ToString()
+                        << "); left allocated until fsck --repair frees it";
         }
       }
       // A map that grew before an allocation failed is stored too (an
