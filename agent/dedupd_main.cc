@@ -110,6 +110,7 @@ struct Config {
   double handshake_timeout = 30;  // a client idle in the NBD handshake is closed after this
   uint64_t max_connections = 1024;  // NBD connections open at once
   uint64_t nbd_memory = uint64_t{1} << 30;  // READ/WRITE data of all NBD connections
+  double nbd_stall_timeout = 60;  // a stalled client holding --nbd-memory others need: closed
   bool max_connections_given = false;
   double split_after = 30;     // split a shard whose last update took longer (seconds)
   double window_interval = 600;  // inside a policy window: seconds between passes
@@ -197,6 +198,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       ("handshake-timeout", po::value(&cfg->handshake_timeout)->value_name("SEC"), "an NBD client that has not entered an export and sends nothing for SEC seconds is disconnected, so idle connections cannot hold every --max-connections slot (default 30; 0: never)")
       ("max-connections", po::value(&max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs; TCP connections waiting for their user check count for TCP)")
       ("nbd-memory", po::value(&nbd_memory)->value_name("SIZE"), "memory the data of NBD READs and WRITEs (replies not yet sent, payloads, partly received ones too) may take across all connections; a request that does not fit waits, its connection reading nothing, until others finish, in arrival order; one larger than SIZE runs alone (default 1G; each connection is also held to 64M)")
+      ("nbd-stall-timeout", po::value(&cfg->nbd_stall_timeout)->value_name("SEC"), "an NBD client holding part of --nbd-memory (READ replies it does not take, a WRITE payload it does not finish sending) that sends and receives nothing for SEC seconds is disconnected while other connections wait for room; what it had not been answered for was never acknowledged (default 60; 0: never)")
       ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
       ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600; 0: passes back to back, each as soon as the one before ends); after a failed pass, scheduled passes wait at least 2 s, doubling with each failure in a row up to 300 s")
       ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30); a re-read that finds it locked is retried every second, up to 5 times")
@@ -295,6 +297,7 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
                                              {"open-wait", cfg->open_wait, true},
                                              {"drain-timeout", cfg->drain_timeout, true},
                                              {"handshake-timeout", cfg->handshake_timeout, true},
+                                             {"nbd-stall-timeout", cfg->nbd_stall_timeout, true},
                                              {"split-after", cfg->split_after, false},
                                              {"window-interval", cfg->window_interval, true},
                                              {"policy-refresh", cfg->policy_refresh, false}}) {
@@ -487,6 +490,7 @@ int Run(const Config& cfg) {
   so.handshake_timeout_s = cfg.handshake_timeout;
   so.max_connections = MaxConnectionsWithin(cfg.max_connections, cfg.max_connections_given);
   so.memory_budget = cfg.nbd_memory;
+  so.stall_timeout_s = cfg.nbd_stall_timeout;
   NbdServer server(io, &table, so);
 
   PeriodicJob sync_job(io, &server, cfg.sync_interval, [&] {
@@ -1074,7 +1078,8 @@ int Run(const Config& cfg) {
                 {"memory_in_use", nbd_stats.memory.in_use},
                 {"memory_peak", nbd_stats.memory.peak},
                 {"memory_waiting", nbd_stats.memory.waiting},
-                {"memory_waits", nbd_stats.memory.waits}};
+                {"memory_waits", nbd_stats.memory.waits},
+                {"stall_closes", nbd_stats.stall_closes}};
     j["writes_answered_early"] = totals.writes_answered_early;
     j["read_ahead"] = ReadAheadJson(totals.read_ahead);
     j["read_ahead"]["memory_used"] = table.read_ahead_budget().used();
@@ -1249,6 +1254,10 @@ int Run(const Config& cfg) {
             j["nbd"]["memory_waiting"].get<double>(), host);
     m.Counter("dede_nbd_memory_waits_total", "NBD requests that waited for room in --nbd-memory",
               j["nbd"]["memory_waits"].get<double>(), host);
+    m.Counter("dede_nbd_stall_closes_total",
+              "NBD connections closed for holding --nbd-memory others waited for while moving no "
+              "byte for --nbd-stall-timeout",
+              j["nbd"]["stall_closes"].get<double>(), host);
     if (!j["control_connections"].is_null()) {
       m.Counter("dede_control_connections_refused_total",
                 "Control socket connections refused: --control-max-connections were open",

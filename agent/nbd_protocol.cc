@@ -422,6 +422,10 @@ uint32_t NbdSession::admit_bytes() const {
   return phase_ == Phase::kAdmitWait ? pending_.length : 0;
 }
 
+uint32_t NbdSession::admit_payload() const {
+  return phase_ == Phase::kAdmitWait && pending_.type == kCmdWrite ? pending_.length : 0;
+}
+
 void NbdSession::Admit() {
   if (phase_ != Phase::kAdmitWait) return;
   StartAdmitted();

@@ -173,6 +173,9 @@ class NbdSession {
   // reply or WRITE payload), else 0. Admit() lets it go on: a WRITE's
   // payload is then received, a READ yielded as kRequest.
   uint32_t admit_bytes() const;
+  // After kAdmit: the payload bytes the client still has to send for it
+  // (a WRITE's length; 0 for a READ).
+  uint32_t admit_payload() const;
   void Admit();
 
   // After kRequest: the request (payload moved out). Without a pending

@@ -2,6 +2,8 @@
 
 #include <netinet/in.h>
 #include <netinet/tcp.h>
+#include <poll.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -11,6 +13,7 @@
 #include <cerrno>
 #include <cstring>
 #include <deque>
+#include <fstream>
 
 #include "agent/tcp_peer_access.h"
 #include "util/log.h"
@@ -42,6 +45,20 @@ nbd::SessionOptions Admitting(nbd::SessionOptions opts) {
   opts.admit_requests = true;
   return opts;
 }
+
+using Steady = std::chrono::steady_clock;
+
+Steady::duration Seconds(double s) {
+  return std::chrono::duration_cast<Steady::duration>(std::chrono::duration<double>(s));
+}
+
+// How often a stalled connection looks again whether anyone waits for the
+// room it holds (it is closed only then).
+constexpr Steady::duration kStallRecheck = std::chrono::seconds(1);
+
+// How often a connection waiting for the budget, its client having sent
+// more than it read, looks whether the client hung up.
+constexpr Steady::duration kLineHangupPoll = std::chrono::milliseconds(200);
 
 // One client connection. Every member below is touched only on strand_
 // (handlers are bound to it), except what the worker lambdas capture by
@@ -241,7 +258,10 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   // that by shutting down our receive side.
   bool ReadCompleted(const boost::system::error_code& ec, size_t n) {
     read_pending_ = false;
-    if (!ec && n > 0) return true;
+    if (!ec && n > 0) {
+      last_progress_ = Steady::now();
+      return true;
+    }
     if (!stop_reading_) client_gone_ = true;
     stop_reading_ = true;
     MaybeFinish();
@@ -258,13 +278,154 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       if (auto self = weak.lock()) asio::post(self->strand_, [self] { self->BudgetReady(); });
     };
     if (!server_->budget_.TryReserve(this, n, std::move(wake))) {
-      budget_wait_ = true;
+      if (!budget_wait_) {
+        budget_wait_ = true;
+        // Reading nothing meanwhile, it would see its client leave only
+        // once admitted, holding its place in line until then.
+        CheckHangupInLine();
+      }
       return;
     }
     budget_wait_ = false;
+    StartHolding();
     admitted_ = NbdMemoryCharge(&server_->budget_, n);
+    ArmStallTimer();
     session_.Admit();
     recheck_session_ = true;  // a READ is yielded with no more input
+  }
+
+  // In line for the budget, the connection reads nothing: a client that
+  // left was seen only when admitted (its request then ran for no one) and
+  // kept its place, everyone behind it waiting, until then. Looks now and,
+  // while it waits, when the socket has news (WatchForHangup) or, once the
+  // client sent more than was read (a wait for readability would then
+  // complete at once, again and again), every kLineHangupPoll. A client
+  // that hung up leaves the
+  // line, unless it sent more than the waiting request's payload (a DISC,
+  // more requests): that is handled in order when its turn comes, as
+  // before, its end of file seen after it. What is dropped was never
+  // acknowledged: a READ whose reply no one would take, a WRITE whose
+  // client left without its reply (its payload incomplete, or complete
+  // with nothing after it, not even a DISC).
+  void CheckHangupInLine() {
+    if (!budget_wait_ || finished_ || stop_reading_) return;
+    const int fd = sock_.native_handle();
+    pollfd p{fd, POLLIN | POLLRDHUP, 0};
+    if (::poll(&p, 1, 0) < 0 || (p.revents & (POLLRDHUP | POLLHUP | POLLERR)) == 0) {
+      // Still there.
+      if ((p.revents & POLLIN) == 0) {
+        WatchForHangup();
+        return;
+      }
+      line_timer_.expires_after(kLineHangupPoll);
+      line_timer_.async_wait(
+          asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+            if (!ec) self->CheckHangupInLine();
+          }));
+      return;
+    }
+    int queued = 0;
+    if (::ioctl(fd, FIONREAD, &queued) != 0 || queued < 0) queued = 0;
+    const uint64_t unread = (rend_ - rstart_) + static_cast<uint64_t>(queued);
+    if (unread > session_.admit_payload()) return;
+    LOG(kInfo) << "nbd connection " << id_ << ": the client left while its "
+               << (session_.admit_payload() > 0 ? "WRITE" : "READ") << " of "
+               << session_.admit_bytes() << " bytes waited for room in --nbd-memory; "
+               << "leaving the line";
+    client_gone_ = true;
+    stop_reading_ = true;
+    MaybeFinish();  // withdraws: its place goes to the next
+  }
+
+  // Bytes of the budget this connection holds for its client: READ replies
+  // waiting to be written, and the reservation of the READ or WRITE the
+  // session holds (a WRITE's payload arriving). Not those of requests
+  // executing: a slow device is not the client's stall.
+  uint64_t ClientHeld() const { return wq_charged_ + admitted_.bytes(); }
+
+  // Before the connection starts holding bytes for its client: the
+  // client's time to take them (or send the payload) runs from now, not
+  // from its last traffic (a READ that ran long must not have its reply
+  // given up the moment it is ready).
+  void StartHolding() {
+    if (ClientHeld() == 0) last_progress_ = Steady::now();
+  }
+
+  // Stall watch (stall_timeout_s): armed while the connection holds bytes
+  // for its client, at most one wait pending; it fires when the timeout
+  // would have passed since the last byte moved.
+  void ArmStallTimer() {
+    const double s = server_->opts_.stall_timeout_s;
+    if (s <= 0 || stall_armed_ || finished_ || ClientHeld() == 0) return;
+    WaitForStall(last_progress_ + Seconds(s));
+  }
+
+  void WaitForStall(Steady::time_point when) {
+    stall_armed_ = true;
+    stall_timer_.expires_at(when);
+    stall_timer_.async_wait(
+        asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
+          self->stall_armed_ = false;
+          if (ec || self->finished_) return;
+          self->CheckStall();
+        }));
+  }
+
+  // A connection that holds bytes for its client and moved none for
+  // stall_timeout_s is closed if someone else waits for room; while no
+  // one does, it harms no one (its own limits bound it) and is looked at
+  // again every second.
+  void CheckStall() {
+    if (client_gone_) return;
+    const uint64_t held = ClientHeld();
+    if (held == 0) return;  // armed again when it holds some
+    const Steady::duration timeout = Seconds(server_->opts_.stall_timeout_s);
+    const Steady::time_point now = Steady::now();
+    if (now - last_progress_ < timeout) {
+      WaitForStall(last_progress_ + timeout);
+      return;
+    }
+    if (!server_->budget_.OthersWaiting(this)) {
+      WaitForStall(now + std::min(timeout, kStallRecheck));
+      return;
+    }
+    server_->c_stall_closes_++;
+    LOG(kWarning) << "nbd connection " << id_ << " (" << PeerText()
+                  << (export_ ? ", export '" + export_->name() + "'" : std::string())
+                  << "): closing: it holds " << held << " bytes of --nbd-memory for its client ("
+                  << wq_charged_ << " of READ replies not taken, " << admitted_.bytes()
+                  << " for a WRITE payload not sent) and sent or received nothing for "
+                  << std::chrono::duration<double>(now - last_progress_).count()
+                  << " s while other connections wait for room (--nbd-stall-timeout); its "
+                  << "unanswered requests were never acknowledged";
+    stop_reading_ = true;
+    client_gone_ = true;
+    boost::system::error_code ignored;
+    sock_.cancel(ignored);
+    MaybeFinish();
+  }
+
+  // Who the client is, for the log: its process on the Unix socket, its
+  // port on TCP.
+  std::string PeerText() {
+    const int fd = sock_.native_handle();
+    sockaddr_storage peer{};
+    socklen_t len = sizeof(peer);
+    if (::getpeername(fd, reinterpret_cast<sockaddr*>(&peer), &len) == 0 &&
+        peer.ss_family == AF_INET) {
+      return "client 127.0.0.1:" +
+             std::to_string(ntohs(reinterpret_cast<const sockaddr_in*>(&peer)->sin_port));
+    }
+    ucred cred{};
+    len = sizeof(cred);
+    if (::getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid <= 0) {
+      return "client unknown";
+    }
+    std::string comm;
+    std::ifstream in("/proc/" + std::to_string(cred.pid) + "/comm");
+    std::getline(in, comm);
+    return "client pid " + std::to_string(cred.pid) + (comm.empty() ? "" : " (" + comm + ")") +
+           ", uid " + std::to_string(cred.uid);
   }
 
   void BudgetReady() {
@@ -323,6 +484,7 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   // elsewhere meanwhile found it "in use"), and another host's pass had
   // been asked to give the disk back for nothing. Watch the socket for
   // the hangup; bytes sent meanwhile (a pipelining client) end the watch.
+  // The same watch serves a wait for the memory budget (CheckHangupInLine).
   void WatchForHangup() {
     if (watching_ || finished_ || stop_reading_) return;
     watching_ = true;
@@ -330,7 +492,12 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
         Socket::wait_read,
         asio::bind_executor(strand_, [self = shared_from_this()](boost::system::error_code ec) {
           self->watching_ = false;
-          if (ec || self->finished_ || self->stop_reading_ || !self->waiting_backend_) return;
+          if (ec || self->finished_ || self->stop_reading_) return;
+          if (self->budget_wait_) {
+            self->CheckHangupInLine();
+            return;
+          }
+          if (!self->waiting_backend_) return;
           uint8_t b;
           const ssize_t n = ::recv(self->sock_.native_handle(), &b, 1, MSG_PEEK | MSG_DONTWAIT);
           if (n > 0) return;
@@ -553,7 +720,11 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     // The client's time to take replies runs from when one is waiting.
     if (draining_ && !finished_ && wq_.empty()) ArmDrainTimer();
     wq_bytes_ += m.head.size() + m.data.size();
+    const uint64_t charged = m.charge.bytes();
+    if (charged > 0) StartHolding();
+    wq_charged_ += charged;
     wq_.push_back(std::move(m));
+    ArmStallTimer();
     if (!writing_) WriteNext();
   }
 
@@ -572,8 +743,9 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     // not cut off in the middle of a big batch. 64 KiB per write, asio's
     // default (transfer_all).
     auto progress = [self = shared_from_this()](const boost::system::error_code& ec,
-                                                size_t) -> size_t {
+                                                size_t written) -> size_t {
       if (ec) return 0;
+      if (written > 0) self->last_progress_ = Steady::now();
       if (self->draining_ && !self->finished_) self->ArmDrainTimer();
       return 65536;
     };
@@ -586,13 +758,16 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
             self->stop_reading_ = true;
             self->wq_.clear();
             self->wq_bytes_ = 0;
+            self->wq_charged_ = 0;
             self->MaybeFinish();
             return;
           }
+          self->last_progress_ = Steady::now();
           if (self->draining_) self->ArmDrainTimer();  // the client is reading
           const bool was_backpressured = self->Backpressured();
           for (size_t i = 0; i < n; i++) {
             self->wq_bytes_ -= self->wq_[i].head.size() + self->wq_[i].data.size();
+            self->wq_charged_ -= self->wq_[i].charge.bytes();
           }
           self->wq_.erase(self->wq_.begin(), self->wq_.begin() + n);
           if (!self->wq_.empty()) self->WriteNext();
@@ -626,6 +801,8 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     boost::system::error_code ec;
     drain_timer_.cancel();
     handshake_timer_.cancel();
+    stall_timer_.cancel();
+    line_timer_.cancel();
     sock_.shutdown(asio::socket_base::shutdown_both, ec);
     sock_.close(ec);
     if (export_) {
@@ -658,6 +835,13 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   bool draining_ = false;  // Drain() ran: the drain deadline is armed
   std::deque<OutMessage> wq_;
   size_t wq_bytes_ = 0;  // of wq_'s messages, heads and data
+  uint64_t wq_charged_ = 0;  // of wq_'s messages, their reservations (READ data)
+  // When a byte was last sent to or received from the client, or (when it
+  // began to hold budget bytes for it) StartHolding ran.
+  Steady::time_point last_progress_ = Steady::now();
+  bool stall_armed_ = false;  // stall_timer_'s wait is pending
+  asio::steady_timer stall_timer_{strand_};
+  asio::steady_timer line_timer_{strand_};  // CheckHangupInLine's next look
   asio::steady_timer drain_timer_{strand_};
   asio::steady_timer open_timer_{strand_};  // a waiting open's next attempt
   asio::steady_timer handshake_timer_{strand_};
@@ -723,6 +907,12 @@ void NbdMemoryBudget::Withdraw(const void* who) {
     wake = WakeHead();
   }
   if (wake) wake();
+}
+
+bool NbdMemoryBudget::OthersWaiting(const void* who) {
+  MutexLock l(&mu_);
+  return std::any_of(waiters_.begin(), waiters_.end(),
+                     [who](const Waiter& w) { return w.who != who; });
 }
 
 std::function<void()> NbdMemoryBudget::WakeHead() {
@@ -1033,6 +1223,7 @@ NbdServerStats NbdServer::stats() {
   s.connections_denied = c_denied_;
   s.bytes_read = c_bytes_read_;
   s.bytes_written = c_bytes_written_;
+  s.stall_closes = c_stall_closes_;
   s.memory = budget_.stats();
   return s;
 }

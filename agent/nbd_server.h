@@ -11,7 +11,11 @@
 // until replies go out (back-pressure). Host-wide, READ replies and WRITE
 // payloads (partly received ones included) share memory_budget bytes: a
 // READ or WRITE that does not fit waits, its connection not reading, until
-// others' bytes are freed (NbdMemoryBudget).
+// others' bytes are freed (NbdMemoryBudget). A connection that holds some
+// of the budget for its client (replies it does not read, a WRITE payload
+// it does not send) and moves no byte for stall_timeout_s while another
+// connection waits for room is closed; one whose client hangs up while it
+// waits leaves the line.
 #pragma once
 
 #include <atomic>
@@ -56,6 +60,8 @@ class NbdMemoryBudget {
   void Release(uint64_t bytes) EXCLUDES(mu_);
   // `who` no longer waits (its connection closes).
   void Withdraw(const void* who) EXCLUDES(mu_);
+  // Someone other than `who` waits for room.
+  bool OthersWaiting(const void* who) EXCLUDES(mu_);
 
   struct Stats {
     uint64_t limit = 0;
@@ -113,6 +119,7 @@ class NbdMemoryCharge {
     budget_ = nullptr;
     bytes_ = 0;
   }
+  uint64_t bytes() const { return bytes_; }
 
  private:
   NbdMemoryBudget* budget_ = nullptr;
@@ -138,6 +145,16 @@ struct NbdServerOptions {
   // figure rather than a share of RAM, which says little about what a
   // cgroup or the VMs beside dedupd leave it.
   uint64_t memory_budget = uint64_t{1} << 30;
+  // A connection holding budget bytes for its client (READ replies it
+  // does not take, a WRITE whose payload it does not finish sending) that
+  // sends and receives nothing for this long is closed while another
+  // connection waits for room: a client that hung without closing (10-16
+  // of them fill the default budget) must not stall every other disk for
+  // ever. Closing loses nothing acknowledged: the payload's WRITE never
+  // ran, the replies were never delivered. Bytes held by requests still
+  // executing (a slow device) do not count, nor does a stall that keeps
+  // no one waiting. 0: never.
+  double stall_timeout_s = 60;
   // Shutdown: how long a connection may go without taking any of its
   // replies before they are given up and it is closed (a client that
   // stopped reading must not keep the daemon, and every other disk's
@@ -166,6 +183,7 @@ struct NbdServerStats {
   uint64_t connections_denied = 0;   // TCP clients the Unix socket would not admit
   uint64_t bytes_read = 0;           // payload of READs answered without error
   uint64_t bytes_written = 0;        // payload of WRITEs answered without error
+  uint64_t stall_closes = 0;         // closed holding budget bytes, stalled (stall_timeout_s)
   NbdMemoryBudget::Stats memory;     // the host-wide budget of request data
 };
 
@@ -277,7 +295,8 @@ class NbdServer {
  public:
   // Counters (relaxed atomics, read by stats()).
   std::atomic<uint64_t> c_total_{0}, c_requests_{0}, c_request_errors_{0}, c_protocol_errors_{0},
-      c_handshake_timeouts_{0}, c_bytes_read_{0}, c_bytes_written_{0}, c_refused_{0}, c_denied_{0};
+      c_handshake_timeouts_{0}, c_bytes_read_{0}, c_bytes_written_{0}, c_refused_{0}, c_denied_{0},
+      c_stall_closes_{0};
 };
 
 }  // namespace dede
