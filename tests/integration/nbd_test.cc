@@ -1379,6 +1379,51 @@ TEST_CASE("dedupd's --nbd-memory bounds what all clients not reading their repli
   REQUIRE(d.Stop() == 0);
 }
 
+TEST_CASE(
+    "dedupd closes a stalled client holding --nbd-memory others wait for, after "
+    "--nbd-stall-timeout",
+    "[nbd]") {
+  // A client that stops reading its replies kept its share of the budget
+  // for ever; with the budget full, every other disk's READs and WRITEs
+  // waited for ever. Here it holds all of 8M; a later client's READ waits
+  // for room, and after --nbd-stall-timeout (1 s) the stuck client is
+  // closed, logged and counted, and the READ is served. `dede status`
+  // shows the budget and the close in words.
+  TestVolume tv({{"vm", 64 * kMiB}});
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--nbd-memory", "8M", "--nbd-stall-timeout", "1"});
+  RawClient stuck(tv.sock);
+  REQUIRE(stuck.Hello());
+  REQUIRE(stuck.Go("vm") > 0);
+  for (uint64_t r = 0; r < 4; r++) stuck.SendRequest(0, r, r * 2 * kMiB, 2 * kMiB);
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+  while (NbdCountersOf(d)["memory_in_use"].get<uint64_t>() < 8 * kMiB) {
+    REQUIRE(std::chrono::steady_clock::now() < deadline);
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  RawClient late(tv.sock);
+  REQUIRE(late.Hello());
+  REQUIRE(late.Go("vm") > 0);
+  late.SendRequest(0, 99, 0, 4096);
+  uint32_t err = 1;
+  uint64_t cookie = 0;
+  REQUIRE(late.RecvReply(&err, &cookie));  // within the client's 10 s
+  CHECK(err == 0);
+  CHECK(cookie == 99);
+  const nlohmann::json n = NbdCountersOf(d);
+  INFO(n.dump() << "\ndedupd log:\n" << d.Log());
+  CHECK(n["stall_closes"] == 1);
+  CHECK(CountOf(d.Log(), "bytes of --nbd-memory for its client") == 1);
+  CHECK(CountOf(d.Log(), "while other connections wait for room (--nbd-stall-timeout)") == 1);
+  CHECK(stuck.ServerClosed());
+  const ProcessResult text = RunOk({BinaryPath("dede"), "status", "--control", d.control()});
+  INFO(text.out);
+  CHECK(text.out.find("of 8.0 MiB in use (peak 8.0 MiB)") != std::string::npos);
+  CHECK(text.out.find("waiting for room (") != std::string::npos);
+  CHECK(text.out.find("1 stalled connection closed (--nbd-stall-timeout)") != std::string::npos);
+  late.Close();
+  REQUIRE(d.Stop() == 0);
+}
+
 TEST_CASE("a huge WRITE_ZEROES or TRIM does not hold up the requests behind it", "[nbd]") {
   // A connection stops reading requests while 64 MiB of payloads and
   // replies are in memory. TRIM and WRITE_ZEROES carry none, but their
@@ -2024,6 +2069,13 @@ TEST_CASE("dedupd refuses control connections beyond --control-max-connections",
   CHECK(j["control_connections"]["max"] == 1);
   CHECK(j["control_connections"]["refused"].get<uint64_t>() >= 1);
   CHECK(CountOf(d.Log(), "(--control-max-connections)") >= 1);
+  // `dede status` says so in words too.
+  const std::vector<std::string> text = {BinaryPath("dede"), "status", "--control", d.control()};
+  r = RunOk(text);
+  INFO(r.out);
+  CHECK(std::regex_search(r.out, std::regex("\ncontrol +" + d.control() +
+                                            ": 1 of 1 connection open, [1-9][0-9]* refused at "
+                                            "--control-max-connections\n")));
   REQUIRE(d.Stop() == 0);
 }
 

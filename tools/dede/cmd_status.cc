@@ -255,6 +255,49 @@ void PrintNbd(const json& r) {
     parts.push_back(Count(*v, "connection") + " closed idle in the handshake");
   }
   if (!parts.empty()) Line("nbd", Join(parts, ", "));
+
+  // The host-wide budget of READ and WRITE data (--nbd-memory).
+  std::vector<std::string> memory;
+  if (auto used = Uint(*n, "memory_in_use")) {
+    std::string text = HumanSize(*used);
+    if (auto limit = Uint(*n, "memory_limit")) text += " of " + HumanSize(*limit);
+    text += " in use";
+    if (auto peak = Uint(*n, "memory_peak")) text += " (peak " + HumanSize(*peak) + ")";
+    memory.push_back(text);
+  }
+  if (auto v = Uint(*n, "memory_waiting")) {
+    std::string text = Count(*v, "connection") + " waiting for room";
+    if (auto waits = Uint(*n, "memory_waits"); waits && *waits > 0) {
+      text += " (" + Count(*waits, "request") + " waited so far)";
+    }
+    memory.push_back(text);
+  }
+  if (auto v = Uint(*n, "stall_closes"); v && *v > 0) {
+    memory.push_back(Count(*v, "stalled connection") + " closed (--nbd-stall-timeout)");
+  }
+  if (!memory.empty()) Line("nbd memory", Join(memory, ", "));
+}
+
+// The control socket `dede status` itself came through.
+void PrintControl(const json& r) {
+  const json* c = Object(r, "control_connections");
+  if (c == nullptr) return;
+  std::vector<std::string> parts;
+  if (auto open = Uint(*c, "open")) {
+    // "1 of 64 connections open", "1 of 1 connection open".
+    auto max = Uint(*c, "max");
+    std::string text = std::to_string(*open);
+    if (max) text += " of " + std::to_string(*max);
+    parts.push_back(text + (max.value_or(*open) == 1 ? " connection" : " connections") + " open");
+  }
+  if (auto v = Uint(*c, "refused"); v && *v > 0) {
+    parts.push_back(std::to_string(*v) + " refused at --control-max-connections");
+  }
+  std::string text = Join(parts, ", ");
+  if (auto path = Str(r, "control"); path && !path->empty()) {
+    text = *path + (text.empty() ? "" : ": " + text);
+  }
+  if (!text.empty()) Line("control", text);
 }
 
 void PrintMonitor(const json& r) {
@@ -478,6 +521,7 @@ int RunStatus(const Command& cmd, const std::vector<std::string>& args) {
   PrintDaemon(r);
   PrintExports(r);
   PrintNbd(r);
+  PrintControl(r);
   PrintLeases(r);
   PrintMonitor(r);
   PrintPolicy(r);
