@@ -300,13 +300,12 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
   // while it waits, when the socket has news (WatchForHangup) or, once the
   // client sent more than was read (a wait for readability would then
   // complete at once, again and again), every kLineHangupPoll. A client
-  // that hung up leaves the
-  // line, unless it sent more than the waiting request's payload (a DISC,
-  // more requests): that is handled in order when its turn comes, as
-  // before, its end of file seen after it. What is dropped was never
-  // acknowledged: a READ whose reply no one would take, a WRITE whose
-  // client left without its reply (its payload incomplete, or complete
-  // with nothing after it, not even a DISC).
+  // that hung up leaves the line, unless it sent more than the waiting
+  // request's payload (a DISC, more requests): that is handled in order
+  // when its turn comes, as before, its end of file seen after it. What
+  // is dropped was never acknowledged: a READ whose reply no one would
+  // take, a WRITE whose client left without its reply (its payload
+  // incomplete, or complete with nothing after it, not even a DISC).
   void CheckHangupInLine() {
     if (!budget_wait_ || finished_ || stop_reading_) return;
     const int fd = sock_.native_handle();
