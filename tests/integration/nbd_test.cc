@@ -31,6 +31,7 @@
 #include "agent/dedup_policy.h"
 #include "kmod/writemon/write_log.h"
 #include "tests/integration/rig.h"
+#include "tests/socket_client.h"
 #include "volume/fsck.h"
 #include "volume/volume.h"
 
@@ -204,14 +205,7 @@ void RequireLogMatches(const LogView& log, const std::vector<bool>& full,
 class RawClient {
  public:
   explicit RawClient(const std::string& socket_path) {
-    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    REQUIRE(fd_ >= 0);
-    sockaddr_un a{};
-    a.sun_family = AF_UNIX;
-    std::strncpy(a.sun_path, socket_path.c_str(), sizeof(a.sun_path) - 1);
-    REQUIRE(::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-    timeval tv{10, 0};
-    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    fd_ = test::ConnectUnix(socket_path, /*recv_timeout_s=*/10);
   }
   ~RawClient() { Close(); }
   void Close() {
@@ -219,24 +213,10 @@ class RawClient {
     fd_ = -1;
   }
 
-  void Send(const std::vector<uint8_t>& b) {
-    size_t done = 0;
-    while (done < b.size()) {
-      ssize_t n = ::send(fd_, b.data() + done, b.size() - done, MSG_NOSIGNAL);
-      if (n <= 0) return;  // the server may already have closed: tests read next
-      done += static_cast<size_t>(n);
-    }
-  }
+  // The server may already have closed: tests read next.
+  void Send(const std::vector<uint8_t>& b) { (void)test::SendAll(fd_, b.data(), b.size()); }
   // Reads exactly n bytes; false on EOF/error/timeout.
-  bool Recv(void* buf, size_t n) {
-    size_t done = 0;
-    while (done < n) {
-      ssize_t r = ::recv(fd_, static_cast<uint8_t*>(buf) + done, n - done, 0);
-      if (r <= 0) return false;
-      done += static_cast<size_t>(r);
-    }
-    return true;
-  }
+  bool Recv(void* buf, size_t n) { return test::RecvAll(fd_, buf, n); }
   // True when the server closed the connection (EOF within the timeout).
   bool ServerClosed() {
     uint8_t b[4096];
@@ -247,22 +227,6 @@ class RawClient {
     }
   }
 
-  static void Put32(std::vector<uint8_t>* v, uint32_t x) {
-    uint8_t b[4];
-    boost::endian::store_big_u32(b, x);
-    v->insert(v->end(), b, b + 4);
-  }
-  static void Put64(std::vector<uint8_t>* v, uint64_t x) {
-    uint8_t b[8];
-    boost::endian::store_big_u64(b, x);
-    v->insert(v->end(), b, b + 8);
-  }
-  static void Put16(std::vector<uint8_t>* v, uint16_t x) {
-    uint8_t b[2];
-    boost::endian::store_big_u16(b, x);
-    v->insert(v->end(), b, b + 2);
-  }
-
   // Greeting + client flags; returns false if the greeting is wrong.
   bool Hello() {
     uint8_t g[18];
@@ -270,15 +234,15 @@ class RawClient {
     if (boost::endian::load_big_u64(g) != 0x4e42444d41474943ull) return false;
     if (boost::endian::load_big_u64(g + 8) != 0x49484156454F5054ull) return false;
     std::vector<uint8_t> f;
-    Put32(&f, 3);  // FIXED_NEWSTYLE | NO_ZEROES
+    test::PutBig32(&f, 3);  // FIXED_NEWSTYLE | NO_ZEROES
     Send(f);
     return true;
   }
   void SendOption(uint32_t opt, const std::vector<uint8_t>& data) {
     std::vector<uint8_t> v;
-    Put64(&v, 0x49484156454F5054ull);
-    Put32(&v, opt);
-    Put32(&v, static_cast<uint32_t>(data.size()));
+    test::PutBig64(&v, 0x49484156454F5054ull);
+    test::PutBig32(&v, opt);
+    test::PutBig32(&v, static_cast<uint32_t>(data.size()));
     v.insert(v.end(), data.begin(), data.end());
     Send(v);
   }
@@ -306,9 +270,9 @@ class RawClient {
   }
   int64_t GoOrInfo(uint32_t option, const std::string& name, std::string* error) {
     std::vector<uint8_t> d;
-    Put32(&d, static_cast<uint32_t>(name.size()));
+    test::PutBig32(&d, static_cast<uint32_t>(name.size()));
     d.insert(d.end(), name.begin(), name.end());
-    Put16(&d, 0);
+    test::PutBig16(&d, 0);
     SendOption(option, d);
     int64_t size = -1;
     while (true) {
@@ -327,12 +291,12 @@ class RawClient {
   void SendRequest(uint16_t type, uint64_t cookie, uint64_t offset, uint32_t length,
                    uint16_t flags = 0, uint32_t magic = 0x25609513) {
     std::vector<uint8_t> v;
-    Put32(&v, magic);
-    Put16(&v, flags);
-    Put16(&v, type);
-    Put64(&v, cookie);
-    Put64(&v, offset);
-    Put32(&v, length);
+    test::PutBig32(&v, magic);
+    test::PutBig16(&v, flags);
+    test::PutBig16(&v, type);
+    test::PutBig64(&v, cookie);
+    test::PutBig64(&v, offset);
+    test::PutBig32(&v, length);
     Send(v);
   }
   // Simple reply: returns false on EOF; sets error and cookie.
@@ -945,19 +909,13 @@ TEST_CASE("a client waits --open-wait for a file that another dedupd holds for a
   REQUIRE(holder->Hello());
   REQUIRE(holder->Go("vm") == int64_t(4 * kMiB));
   ProcessResult r;
-  const auto t0 = std::chrono::steady_clock::now();
   std::thread client([&] {
     r = RunProcess({qemu_io, "-f", "raw", "-c", "write -P 0x44 0 4096", "-c", "read -P 0x44 0 4096",
                     b.Uri("vm")});
   });
   // b's open is refused and waits (it says so); then a lets go, and the
   // waiting open gets the file.
-  while (b.Log().find("export 'vm' is held elsewhere: waiting up to 30 s") == std::string::npos &&
-         std::chrono::steady_clock::now() - t0 < std::chrono::seconds(60)) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
-  const bool was_waiting =
-      b.Log().find("export 'vm' is held elsewhere: waiting up to 30 s") != std::string::npos;
+  const bool was_waiting = b.WaitForLog("export 'vm' is held elsewhere: waiting up to 30 s", 60);
   std::this_thread::sleep_for(std::chrono::milliseconds(500));  // a retry or two meanwhile
   holder.reset();
   client.join();
@@ -988,23 +946,15 @@ TEST_CASE("a client that leaves while its open waits is not given the disk after
   REQUIRE(waiter->Hello());
   std::vector<uint8_t> d;
   const std::string name = "vm";
-  RawClient::Put32(&d, static_cast<uint32_t>(name.size()));
+  test::PutBig32(&d, static_cast<uint32_t>(name.size()));
   d.insert(d.end(), name.begin(), name.end());
-  RawClient::Put16(&d, 0);
+  test::PutBig16(&d, 0);
   waiter->SendOption(7, d);  // NBD_OPT_GO
-  auto wait_for = [](DedupdProcess& p, const std::string& what, double limit_s) {
-    const auto t0 = std::chrono::steady_clock::now();
-    while (p.Log().find(what) == std::string::npos &&
-           std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < limit_s) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
-    }
-    return p.Log().find(what) != std::string::npos;
-  };
-  REQUIRE(wait_for(b, "export 'vm' is held elsewhere: waiting up to 60 s", 30));
+  REQUIRE(b.WaitForLog("export 'vm' is held elsewhere: waiting up to 60 s", 30));
   waiter.reset();  // the client leaves (qemu gave up, Ctrl-C)
-  const bool abandoned = wait_for(b, "the client left while export 'vm' waited to open", 10);
+  const bool abandoned = b.WaitForLog("the client left while export 'vm' waited to open", 10);
   holder.reset();  // a lets go of the disk
-  REQUIRE(wait_for(a, "export 'vm' closed", 30));
+  REQUIRE(a.WaitForLog("export 'vm' closed", 30));
   // A retry of b's open (every 200 ms) would take it now.
   std::this_thread::sleep_for(std::chrono::seconds(1));
   const std::string log = b.Log();
@@ -1038,9 +988,9 @@ TEST_CASE("clients waiting to open a disk held elsewhere hold up no other disk's
     REQUIRE(waiting.back()->Hello());
     std::vector<uint8_t> d;
     const std::string name = "busy";
-    RawClient::Put32(&d, static_cast<uint32_t>(name.size()));
+    test::PutBig32(&d, static_cast<uint32_t>(name.size()));
     d.insert(d.end(), name.begin(), name.end());
-    RawClient::Put16(&d, 0);
+    test::PutBig16(&d, 0);
     waiting.back()->SendOption(7, d);  // NBD_OPT_GO; the reply comes after the wait
   }
   // All three are waiting (each logs its wait once) before the other disk
@@ -1100,13 +1050,9 @@ TEST_CASE("a dedup pass gives a borrowed disk back to a client waiting to open i
   RunOk({qemu_io, "-f", "raw", "-c", "write -P 0x66 0 4M", b.Uri("vm")});
   RunOk({qemu_io, "-f", "raw", "-c", "write -P 0x55 0 8M", b.Uri("big")});
   auto wait_for = [](DedupdProcess& d, const std::string& what, double limit_s) {
-    const auto t0 = std::chrono::steady_clock::now();
-    while (d.Log().find(what) == std::string::npos) {
-      INFO("waiting for '" << what << "' in:\n" << d.Log());
-      REQUIRE(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() <
-              limit_s);
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    }
+    const bool came = d.WaitForLog(what, limit_s);
+    INFO("waiting for '" << what << "' in:\n" << d.Log());
+    REQUIRE(came);
   };
   wait_for(b, "export 'vm' closed", 30);
   wait_for(b, "export 'big' closed", 30);
@@ -1165,7 +1111,7 @@ TEST_CASE("malformed NBD traffic gets an error or a closed connection, never a c
     uint8_t g[18];
     REQUIRE(c.Recv(g, sizeof(g)));
     std::vector<uint8_t> f;
-    RawClient::Put32(&f, 0xffffffff);
+    test::PutBig32(&f, 0xffffffff);
     c.Send(f);
     REQUIRE(c.ServerClosed());
   }
@@ -2046,12 +1992,7 @@ TEST_CASE("dedupd refuses control connections beyond --control-max-connections",
   DedupdProcess d(tv.vol, 1, tv.sock, {"--control-max-connections", "1"});
   const std::vector<std::string> status = {BinaryPath("dede"), "status", "--control", d.control(),
                                            "--json"};
-  int fd = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  REQUIRE(fd >= 0);
-  sockaddr_un a{};
-  a.sun_family = AF_UNIX;
-  std::strncpy(a.sun_path, d.control().c_str(), sizeof(a.sun_path) - 1);
-  REQUIRE(::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
+  int fd = test::ConnectUnix(d.control());
   // Accepted in the order they came: the idle one above takes the place.
   ProcessResult r = RunProcess(status);
   ::close(fd);

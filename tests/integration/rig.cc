@@ -621,4 +621,15 @@ std::string DedupdProcess::Log() const {
   return ss.str();
 }
 
+bool DedupdProcess::WaitForLog(const std::string& what, double limit_s) const {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (Log().find(what) == std::string::npos) {
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() >= limit_s) {
+      return false;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  return true;
+}
+
 }  // namespace dede::test

@@ -156,6 +156,9 @@ class DedupdProcess {
   // status); -1 while it runs or when the rig killed it.
   int wait_status() const { return wait_status_; }
   std::string Log() const;  // everything dedupd wrote to stderr
+  // Polls the log until it holds `what`, for at most `limit_s` seconds;
+  // whether it came. A test that needs the line REQUIREs the answer.
+  bool WaitForLog(const std::string& what, double limit_s) const;
 
  private:
   std::string socket_;

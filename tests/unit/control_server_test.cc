@@ -24,6 +24,8 @@
 #include <string>
 #include <thread>
 
+#include "tests/socket_client.h"
+
 using namespace dede;
 using json = nlohmann::json;
 using namespace std::chrono_literals;
@@ -92,29 +94,14 @@ class Loop {
 // A blocking test client on a raw socket.
 class Client {
  public:
-  explicit Client(const std::string& path) {
-    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    REQUIRE(fd_ >= 0);
-    sockaddr_un a{};
-    a.sun_family = AF_UNIX;
-    std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
-    REQUIRE(::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-  }
+  explicit Client(const std::string& path) { fd_ = test::ConnectUnix(path); }
   ~Client() { Close(); }
   void Close() {
     if (fd_ >= 0) ::close(fd_);
     fd_ = -1;
   }
   // False if the server closed on us while we were sending.
-  bool Send(const std::string& s) {
-    size_t sent = 0;
-    while (sent < s.size()) {
-      ssize_t n = ::send(fd_, s.data() + sent, s.size() - sent, MSG_NOSIGNAL);
-      if (n <= 0) return false;
-      sent += static_cast<size_t>(n);
-    }
-    return true;
-  }
+  bool Send(const std::string& s) { return test::SendAll(fd_, s.data(), s.size()); }
   void ShutdownWrite() { ::shutdown(fd_, SHUT_WR); }
   // The next line (without '\n'); nullopt at end of input, on an error or
   // after `timeout`.

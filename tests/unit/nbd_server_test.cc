@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "agent/export_table.h"
+#include "tests/socket_client.h"
 #include "tests/temp_locks.h"
 #include "volume/format.h"
 #include "volume/mem_device.h"
@@ -117,15 +118,7 @@ class TempDir {
 class Client {
  public:
   explicit Client(const std::string& path) {
-    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    REQUIRE(fd_ >= 0);
-    sockaddr_un a{};
-    a.sun_family = AF_UNIX;
-    std::strncpy(a.sun_path, path.c_str(), sizeof(a.sun_path) - 1);
-    REQUIRE(::connect(fd_, reinterpret_cast<sockaddr*>(&a), sizeof(a)) == 0);
-    timeval tv{20, 0};
-    ::setsockopt(fd_, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    ::setsockopt(fd_, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    fd_ = test::ConnectUnix(path, /*recv_timeout_s=*/20, /*send_timeout_s=*/20);
   }
   ~Client() { Close(); }
   void Close() {
@@ -135,41 +128,23 @@ class Client {
   // Ends a send blocked in another thread.
   void Shutdown() { ::shutdown(fd_, SHUT_RDWR); }
 
-  bool Send(const void* data, size_t n) {
-    const auto* p = static_cast<const uint8_t*>(data);
-    while (n > 0) {
-      const ssize_t w = ::send(fd_, p, n, MSG_NOSIGNAL);
-      if (w <= 0) return false;
-      p += w;
-      n -= static_cast<size_t>(w);
-    }
-    return true;
-  }
+  bool Send(const void* data, size_t n) { return test::SendAll(fd_, data, n); }
   // Up to n bytes; 0 at end of file, -1 on an error or the timeout.
   ssize_t RecvSome(void* data, size_t n) { return ::recv(fd_, data, n, 0); }
-  bool Recv(void* data, size_t n) {
-    auto* p = static_cast<uint8_t*>(data);
-    while (n > 0) {
-      const ssize_t r = ::recv(fd_, p, n, 0);
-      if (r <= 0) return false;
-      p += r;
-      n -= static_cast<size_t>(r);
-    }
-    return true;
-  }
+  bool Recv(void* data, size_t n) { return test::RecvAll(fd_, data, n); }
 
   // Fixed newstyle, NBD_OPT_GO for `name`; true when the export is entered.
   bool Go(const std::string& name) {
     uint8_t greeting[18];
     if (!Recv(greeting, sizeof greeting)) return false;
     std::vector<uint8_t> v;
-    Put32(&v, 3);  // FIXED_NEWSTYLE | NO_ZEROES
-    Put64(&v, 0x49484156454F5054ull);
-    Put32(&v, 7);  // GO
-    Put32(&v, static_cast<uint32_t>(4 + name.size() + 2));
-    Put32(&v, static_cast<uint32_t>(name.size()));
+    test::PutBig32(&v, 3);  // FIXED_NEWSTYLE | NO_ZEROES
+    test::PutBig64(&v, 0x49484156454F5054ull);
+    test::PutBig32(&v, 7);  // GO
+    test::PutBig32(&v, static_cast<uint32_t>(4 + name.size() + 2));
+    test::PutBig32(&v, static_cast<uint32_t>(name.size()));
     v.insert(v.end(), name.begin(), name.end());
-    Put16(&v, 0);
+    test::PutBig16(&v, 0);
     if (!Send(v.data(), v.size())) return false;
     for (;;) {
       uint8_t h[20];
@@ -184,12 +159,12 @@ class Client {
   bool Request(uint16_t type, uint64_t cookie, uint64_t offset, uint32_t length,
                const uint8_t* payload = nullptr) {
     std::vector<uint8_t> v;
-    Put32(&v, 0x25609513);
-    Put16(&v, 0);
-    Put16(&v, type);
-    Put64(&v, cookie);
-    Put64(&v, offset);
-    Put32(&v, length);
+    test::PutBig32(&v, 0x25609513);
+    test::PutBig16(&v, 0);
+    test::PutBig16(&v, type);
+    test::PutBig64(&v, cookie);
+    test::PutBig64(&v, offset);
+    test::PutBig32(&v, length);
     if (!Send(v.data(), v.size())) return false;
     return payload == nullptr || Send(payload, length);
   }
@@ -204,21 +179,6 @@ class Client {
   }
 
  private:
-  static void Put16(std::vector<uint8_t>* v, uint16_t x) {
-    uint8_t b[2];
-    boost::endian::store_big_u16(b, x);
-    v->insert(v->end(), b, b + 2);
-  }
-  static void Put32(std::vector<uint8_t>* v, uint32_t x) {
-    uint8_t b[4];
-    boost::endian::store_big_u32(b, x);
-    v->insert(v->end(), b, b + 4);
-  }
-  static void Put64(std::vector<uint8_t>* v, uint64_t x) {
-    uint8_t b[8];
-    boost::endian::store_big_u64(b, x);
-    v->insert(v->end(), b, b + 8);
-  }
   int fd_ = -1;
 };
 
