@@ -880,6 +880,10 @@ class Pass {
       ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
       for (const IndexFile& f : map.pending) pending_los.insert(f.range.lo);
     }
+    // Shards earlier passes asked to see again (as they were when this
+    // pass began: those this pass adds are revisited by RevisitBusyShards).
+    const std::set<uint64_t> asked_los =
+        opts_.busy_parked_shards != nullptr ? *opts_.busy_parked_shards : std::set<uint64_t>{};
     while (true) {
       if (Cancelled()) return Status::Unavailable("dedup pass cancelled");
       if (!parking_ && StopAsked()) {
@@ -898,6 +902,8 @@ class Pass {
         if (!parking_) {
           auto pend = pending_los.lower_bound(p);
           if (pend != pending_los.end()) next = next ? std::min(*next, *pend) : *pend;
+          auto ask = asked_los.lower_bound(p);
+          if (ask != asked_los.end()) next = next ? std::min(*next, *ask) : *ask;
         }
         if (!next) break;
         p = *next;
@@ -915,6 +921,24 @@ class Pass {
 
   // One try at the live slot covering prefix *p under its shard lock
   // (ProcessUnderLock); false: the map changed meanwhile, try again.
+  // Whether an earlier pass asked for this range's shard to be rewritten
+  // (busy_parked_shards: records parked for a busy group, an arena punch
+  // held back). By any key in the range: the shard may have been split or
+  // joined since it was asked.
+  bool AskedBack(const ShardRange& r) const {
+    if (opts_.busy_parked_shards == nullptr) return false;
+    auto it = opts_.busy_parked_shards->lower_bound(r.lo);
+    return it != opts_.busy_parked_shards->end() && r.Contains(*it);
+  }
+  // The range's shard was rewritten: what was asked of it is done.
+  void SettleAskedBack(const ShardRange& r) {
+    if (opts_.busy_parked_shards == nullptr) return;
+    auto it = opts_.busy_parked_shards->lower_bound(r.lo);
+    while (it != opts_.busy_parked_shards->end() && r.Contains(*it)) {
+      it = opts_.busy_parked_shards->erase(it);
+    }
+  }
+
   Result<bool> ProcessSlotAt(uint64_t* p, size_t* i) {
     ASSIGN_OR_RETURN(ShardMap map, LoadShardMap(vol_));
     const ShardRange guess = map.SlotFor(*p).range;
@@ -1071,7 +1095,11 @@ class Pass {
       }
     }
     const bool has_pending = map.IsPendingListed(slot.range);
-    if (end > *i || (!parking_ && (opts_.force || has_pending))) {
+    // A shard an earlier pass asked to see again (busy_parked_shards: an
+    // arena punch held back leaves no pending file and no records) is
+    // visited even when nothing new came for it.
+    const bool asked_back = AskedBack(slot.range);
+    if (end > *i || (!parking_ && (opts_.force || has_pending || asked_back))) {
       Result<bool> r = ProcessSlot(slot, has_pending, *i, end);
       if (!r.ok() || !*r) return r;
     }
@@ -1220,9 +1248,7 @@ class Pass {
     }
     const uint64_t entries = reader ? reader->header().entry_count : 0;
     const uint64_t fresh = e - b;
-    const bool busy_parked =
-        revisiting_ ||
-        (opts_.busy_parked_shards != nullptr && opts_.busy_parked_shards->count(slot.range.lo) > 0);
+    const bool busy_parked = revisiting_ || AskedBack(slot.range);
     if (parking_ || (!opts_.force && !busy_parked && entries > 0 &&
                      double(pending.size() + fresh) <= opts_.rewrite_fraction * double(entries))) {
       // Batching: not worth a rewrite yet. Park the records.
@@ -1369,7 +1395,7 @@ class Pass {
       pending_file->reset();
       RETURN_IF_ERROR(retire(PendingFileName(slot.range)));
     }
-    if (opts_.busy_parked_shards != nullptr) opts_.busy_parked_shards->erase(slot.range.lo);
+    SettleAskedBack(slot.range);
     for (const ShardRange& r : outs) {
       std::vector<PendingRecord> park;
       for (const PendingRecord& pr : parked_busy_) {
@@ -1692,10 +1718,15 @@ class Pass {
           // elsewhere: posts never wait for it under the volume mutex).
           // The requests not posted go into the shard's pending file as
           // records of their own, so a later pass that can open G (its
-          // holder's, rewriting this shard) shares G:c with the entry.
+          // holder's, rewriting this shard) shares G:c with the entry, or
+          // posts them again. Held back by a busy group like any record
+          // parked so: the shard is revisited once the holder has had a
+          // flush point (this pass's revisits, then dedupd's next pass);
+          // left to the batching fraction they could wait for ever (the
+          // three-host cross-dedup test stopped short of its exact figure).
           for (size_t i = outcome.posted; i < post.requests.size(); i++) {
             const MergeRequest& r = post.requests[i];
-            parked_later_.push_back(PendingRecord{KeyOf(r.witness), post.target, r.target_block});
+            parked_busy_.push_back(PendingRecord{KeyOf(r.witness), post.target, r.target_block});
           }
         }
       } else if (st.code() == Status::Code::kCorruption) {

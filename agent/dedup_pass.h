@@ -97,7 +97,9 @@ struct DedupOptions {
   // churn through copy-on-write. 0: every record is used.
   uint64_t stable_after_ns = 0;
   // Shards (by their range's lo) whose pending files hold records parked
-  // because an allocation group was busy elsewhere (records_parked_busy).
+  // because an allocation group was busy elsewhere (records_parked_busy),
+  // or whose rewrite held an arena punch back (arena_punches_busy); the
+  // pass visits them even with nothing new for them.
   // The pass rewrites these at its next visit whatever the batching
   // fraction says, so the held-back records get their turn as soon as the
   // holder has handed the group over, and it updates the set: a shard
@@ -199,6 +201,7 @@ struct DedupStats {
   // are kept, and those blocks left for a later pass's check.
   uint64_t gc_checks_busy = 0;
   // Arena punches held back (the drop list full of drops in groups held
+  // elsewhere, or, on a volume without drop lists, the block's group held
   // elsewhere: never waited for under the volume mutex, docs/LOCKING.md
   // "Increments without waiting"): the block stays the arena's, named by
   // no entry, until the shard's next rewrite sweeps it.

@@ -399,6 +399,10 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
                   << "unanswered requests were never acknowledged";
     stop_reading_ = true;
     client_gone_ = true;
+    // A WRITE payload that will never complete gives its room back now,
+    // not when this connection's requests still executing finish (its
+    // unsent replies go when the cancelled send ends).
+    admitted_.Reset();
     boost::system::error_code ignored;
     sock_.cancel(ignored);
     MaybeFinish();

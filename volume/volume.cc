@@ -3295,7 +3295,10 @@ Status VolumeImpl::CloneBlock(File* src, uint64_t src_index, File* dst, uint64_t
       // allocation that waits gives cached locks back): a full volume
       // fails the clone here, with nothing changed, instead of poisoning
       // the volume half-way (a merge post or an arena clone into a new
-      // part of its file, on a nearly full volume).
+      // part of its file, on a nearly full volume). Even without may_wait
+      // this allocation may wait, when every group is full or busy (the
+      // allocator's last resort, docs/LOCKING.md); and a clone held back
+      // after it keeps the grown (empty) map path.
       Status path = EnsureMapPath(&din, dst_index);
       PutInode(din);
       RETURN_IF_ERROR(path);

@@ -1139,3 +1139,40 @@ TEST_CASE("failed passes back off, doubling up to a cap, until one succeeds", "[
   clock.Advance(kSec);
   CHECK(periodic.Due() == PassTrigger::kInterval);
 }
+
+// A shard an earlier pass asked to see again (an arena punch held back
+// leaves neither records nor a pending file for it) is rewritten by the
+// next pass even with nothing new for it; one nobody asked for is not.
+TEST_CASE("a pass rewrites a shard named in busy_parked_shards with nothing new for it",
+          "[schedule]") {
+  constexpr uint64_t kDisk = 64;
+  const std::vector<uint8_t> disk = RandomBlocks(kDisk, 43);
+  TestClock clock(LocalTime(2026, 11, 24, 9, 0));
+  Scene scene(&clock);
+  for (const char* name : {"a", "b"}) {
+    scene.Create(name, kDisk);
+    scene.Write(name, 0, disk);
+  }
+  scene.FlushLogs();
+  std::set<uint64_t> asked;
+  DedupOptions o;
+  o.busy_parked_shards = &asked;
+  auto first = scene.Pass(o);
+  REQUIRE(first.ok());
+  REQUIRE(first->shards_rewritten >= 1);
+  REQUIRE(scene.LiveShards() == 1);
+  CHECK(asked.empty());
+  // Nothing new: the shard is left alone.
+  auto quiet = scene.Pass(o);
+  REQUIRE(quiet.ok());
+  CHECK(quiet->shards_rewritten == 0);
+  // Asked back (the one shard's range starts at 0): rewritten, and the
+  // request is settled.
+  asked.insert(0);
+  auto asked_back = scene.Pass(o);
+  REQUIRE(asked_back.ok());
+  CHECK(asked_back->shards_rewritten == 1);
+  CHECK(asked.empty());
+  CHECK(scene.SharedBlocks("a") == kDisk);
+  CHECK(scene.ReadAll("b", kDisk) == disk);
+}

@@ -403,10 +403,11 @@ TEST_CASE(
 
 TEST_CASE("nbd server: a slow reader is not taken for a stalled one, others waiting or not",
           "[nbd]") {
-  // It takes its 8 MiB of replies 64 KiB at a time, 20 ms apart (over
-  // 2.5 s, the stall timeout 1 s), while a READ needing the whole budget
-  // waits behind it all along.
-  ServerRig rig(8 * kMiB, 1.0);
+  // It takes its 8 MiB of replies 64 KiB at a time, 40 ms apart (over
+  // 5 s, the stall timeout 2 s: a loaded machine's scheduling hiccup is
+  // far shorter), while a READ needing the whole budget waits behind it
+  // all along.
+  ServerRig rig(8 * kMiB, 2.0);
   Client slow(rig.socket());
   REQUIRE(slow.Go("vm"));
   for (uint64_t r = 0; r < 4; r++) REQUIRE(slow.Request(kRead, r, r * 2 * kMiB, 2 * kMiB));
@@ -421,7 +422,7 @@ TEST_CASE("nbd server: a slow reader is not taken for a stalled one, others wait
     const size_t n = std::min(left, buf.size());
     REQUIRE(slow.Recv(buf.data(), n));
     left -= n;
-    std::this_thread::sleep_for(20ms);
+    std::this_thread::sleep_for(40ms);
   }
   CHECK(patient.Reply(9) == 0);
   std::vector<uint8_t> data(8 * kMiB);

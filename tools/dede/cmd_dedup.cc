@@ -271,7 +271,7 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
             << " arena blocks, " << s.gc_unique_entries << " entries (" << s.gc_checks_busy
             << " checks left for later: group busy"
             << (s.arena_punches_busy ? "; " + std::to_string(s.arena_punches_busy) +
-                                           " punches held back: drop list full"
+                                           " punches held back: drop list full or group busy"
                                      : std::string())
             << ")"
             << "\n  merge requests      " << s.merge_requests_posted << " posted, "
