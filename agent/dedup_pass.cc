@@ -203,6 +203,11 @@ struct Group {
   // process or host, so it is not shared here; G's holder gets a merge
   // request for it instead.
   bool target_busy = false;
+  // Records of files held elsewhere met while the entry was not Shared
+  // (no arena block to offer their holders yet): they get merge requests
+  // if an anchor makes it Shared later in the pass, else they are counted
+  // in busy_targets when the group is done.
+  std::vector<size_t> held_elsewhere;
 };
 
 // Where a --rescan round starts: files are rescanned in the order of their
@@ -1693,6 +1698,11 @@ class Pass {
                        ArenaFile* arena) {
     merge_posts_.clear();
     RETURN_IF_ERROR(ResolveRounds(groups, recs, arena));
+    for (Group& g : *groups) {
+      // Never made Shared: nothing to offer their holders.
+      stats_.busy_targets += g.held_elsewhere.size();
+      g.held_elsewhere.clear();
+    }
     for (auto& [ino, post] : merge_posts_) {
       // The request file is held only for a moment by another poster or by
       // the target's holder applying it (every --merge-interval): retry for
@@ -1710,24 +1720,26 @@ class Pass {
       stats_.merge_requests_posted += outcome.posted;
       if (st.ok()) continue;
       if (st.code() == Status::Code::kLocked) {
-        // Still held: the opportunity is lost, not data (the entry is
-        // Shared; G:c keeps its own copy until a --rescan pass).
+        // Held back: the request file stayed open elsewhere (another
+        // poster, or the target's holder applying it, which holds it while
+        // it verifies and shares every request: seconds on a slow LUN), or
+        // a clone's source block's allocation group is held elsewhere
+        // (posts never wait for it under the volume mutex). The entry is
+        // Shared all the same. The requests not posted go into the shard's
+        // pending file as records of their own, held back by a busy group
+        // like any record parked so: the shard is revisited within this
+        // pass after a pause (its revisits, 1.5 + 3 + 6 s by default), then
+        // at dedupd's next pass, and the revisit posts them again (G is
+        // still held elsewhere) or, if G's holder let it go, shares G:c
+        // with the entry itself. Dropped, or left to the batching
+        // fraction, the opportunity could be lost for good: the three-host
+        // cross-dedup test stopped short of its exact figure, one post
+        // busy, when the target's holder took more than the ~2 s of
+        // retries above to apply the requests posted before.
         stats_.merge_posts_busy++;
-        if (!outcome.file_busy) {
-          // A clone held back (its source block's allocation group held
-          // elsewhere: posts never wait for it under the volume mutex).
-          // The requests not posted go into the shard's pending file as
-          // records of their own, so a later pass that can open G (its
-          // holder's, rewriting this shard) shares G:c with the entry, or
-          // posts them again. Held back by a busy group like any record
-          // parked so: the shard is revisited once the holder has had a
-          // flush point (this pass's revisits, then dedupd's next pass);
-          // left to the batching fraction they could wait for ever (the
-          // three-host cross-dedup test stopped short of its exact figure).
-          for (size_t i = outcome.posted; i < post.requests.size(); i++) {
-            const MergeRequest& r = post.requests[i];
-            parked_busy_.push_back(PendingRecord{KeyOf(r.witness), post.target, r.target_block});
-          }
+        for (size_t i = outcome.posted; i < post.requests.size(); i++) {
+          const MergeRequest& r = post.requests[i];
+          parked_busy_.push_back(PendingRecord{KeyOf(r.witness), post.target, r.target_block});
         }
       } else if (st.code() == Status::Code::kCorruption) {
         LOG(kWarning) << "merge requests for inode " << ino << " not posted: " << st.message();
@@ -1782,7 +1794,13 @@ class Pass {
           if (!fh.ok()) {
             // A parked record of a file now held elsewhere (or gone).
             if (fh.status().code() == Status::Code::kLocked) {
-              SkipRecordOfBusyFile(r);
+              if (en.kind == EntryKind::kShared) {
+                AskHolderToShare(r, en.arena);
+              } else if (pf->given_back) {
+                ParkBusy(r);
+              } else {
+                g.held_elsewhere.push_back(g.next);
+              }
             } else if (fh.status().code() == Status::Code::kNotFound) {
               stats_.stale_records++;
             } else {
@@ -1796,7 +1814,13 @@ class Pass {
             for (size_t j = g.next; j < g.end; j++) {
               Result<FileAccess::Handle> h = Open(&files_[recs[j].file]);
               if (!h.ok()) {
-                SkipRecordOfBusyFile(recs[j]);
+                if (h.status().code() == Status::Code::kLocked) {
+                  AskHolderToShare(recs[j], en.arena);
+                } else if (h.status().code() == Status::Code::kNotFound) {
+                  stats_.stale_records++;
+                } else {
+                  return h.status();
+                }
                 continue;
               }
               shares.push_back({Op{Op::Kind::kShare, arena->f.get(), en.arena, h->file,
@@ -2040,12 +2064,14 @@ class Pass {
           // is Shared now, whatever G:c turns out to hold. G's holder
           // verifies G:c against the fingerprint when it applies the
           // request; a stale G:c just fails there.
-          MergePost& post = merge_posts_[g.state->file.ino];
-          post.target = g.state->file;
+          const IndexEntry indexed = *g.state;
+          MergePost& post = merge_posts_[indexed.file.ino];
+          post.target = indexed.file;
           post.requests.push_back(
-              MergeRequest{g.state->block, FingerprintOf(ar.fp, algo_), g.anchor_arena});
+              MergeRequest{indexed.block, FingerprintOf(ar.fp, algo_), g.anchor_arena});
           g.state = IndexEntry{ar.fp, EntryKind::kShared, FileId{}, 0, g.anchor_arena};
           stats_.shared_new++;
+          AskHoldersOfTheRest(&g, recs, indexed);
         } else if (shared_with[c.group] == 0 && indexed_busy[c.group]) {
           // Only the indexed block G:c could have shared the arena block,
           // and its group is held elsewhere: undo the clone (the arena's
@@ -2070,8 +2096,10 @@ class Pass {
           } else if (!indexed_ok[c.group]) {
             stats_.stale_entries++;
           }
+          const IndexEntry indexed = *g.state;
           g.state = IndexEntry{ar.fp, EntryKind::kShared, FileId{}, 0, g.anchor_arena};
           stats_.shared_new++;
+          AskHoldersOfTheRest(&g, recs, indexed);
         }
         g.next = g.end;
       }
@@ -2104,6 +2132,58 @@ class Pass {
     // pass: a revisit within this one would only find the file held again.
     std::vector<PendingRecord>& to = files_[r.file].given_back ? parked_later_ : parked_busy_;
     to.push_back(PendingRecord{r.fp, files_[r.file].info.id, r.block});
+  }
+  // A record of a file held elsewhere (kLocked) against a Shared entry:
+  // only the file's holder may read or repoint its blocks, so it gets a
+  // merge request for the record's block, with a clone of the entry's
+  // arena block `arena_idx` (DeDe 3.3.2), as the indexed block G:c of a
+  // Unique entry does when the entry becomes Shared. A pass gathers the
+  // logs of the files it can open only, so such records were parked: a
+  // merge request whose post was held back (its request file open
+  // elsewhere for longer than the post's retries), a share held back by
+  // a busy group before the file's holder took it. Skipped, they were
+  // lost for good: the holder's own passes never see them again (the
+  // three-host cross-dedup test stopped short of its exact figure by the
+  // 74 blocks of one post held back). The holder verifies the block
+  // against the record's fingerprint and byte-compares it with the clone
+  // before it shares; a stale record costs a failed share there. A file
+  // given back during this pass is parked for a later pass instead (its
+  // new holder may be this host again).
+  void AskHolderToShare(const PassRecord& r, uint64_t arena_idx) {
+    if (r.file == kNoFile) return;
+    const PassFile& pf = files_[r.file];
+    if (pf.given_back) {
+      ParkBusy(r);
+      return;
+    }
+    if (!pf.info.dedup || (r.block + 1) * kBlockSize > pf.info.size) {
+      stats_.stale_records++;  // the holder would find it stale
+      return;
+    }
+    MergePost& post = merge_posts_[pf.info.id.ino];
+    post.target = pf.info.id;
+    post.requests.push_back(MergeRequest{r.block, FingerprintOf(r.fp, algo_), arena_idx});
+  }
+  // After the anchor of a Unique entry `indexed` made it Shared: the
+  // group's other records of files held elsewhere (planning skipped them:
+  // there was no arena block yet) get their merge requests; a record of
+  // the indexed block itself has had its own already, if G is held
+  // elsewhere.
+  void AskHoldersOfTheRest(Group* g, const std::vector<PassRecord>& recs,
+                           const IndexEntry& indexed) {
+    auto ask = [&](const PassRecord& r) {
+      if (files_[r.file].info.id == indexed.file && r.block == indexed.block) return;
+      AskHolderToShare(r, g->anchor_arena);
+    };
+    for (size_t j : g->held_elsewhere) ask(recs[j]);
+    g->held_elsewhere.clear();
+    for (size_t j = g->anchor_record + 1; j < g->end; j++) {
+      PassFile& pf = files_[recs[j].file];
+      Result<FileAccess::Handle> h = Open(&pf);
+      // Given back: parked when planned.
+      if (h.ok() || h.status().code() != Status::Code::kLocked || pf.given_back) continue;
+      ask(recs[j]);
+    }
   }
   // A record whose file this pass cannot open (kLocked). One given back to
   // a waiting client during the pass is parked like a record whose group

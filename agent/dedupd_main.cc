@@ -749,7 +749,8 @@ int Run(const Config& cfg) {
                  << st->shared_hits << " shared again, " << st->merge_requests_posted
                  << " merge requests posted (" << st->merge_posts_busy << " posts busy), "
                  << st->merge_requests_applied << " applied, " << st->zero_blocks_freed
-                 << " zero blocks freed, " << st->files_busy << " files busy, "
+                 << " zero blocks freed, " << st->files_busy << " files busy ("
+                 << st->busy_targets << " records of files busy skipped), "
                  << st->files_given_back << " given back to waiting clients, "
                  << st->records_parked_busy << " records parked (allocation group busy elsewhere; "
                  << st->shards_revisited << " shards revisited), " << st->gc_checks_busy

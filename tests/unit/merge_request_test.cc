@@ -24,6 +24,8 @@
 
 #include "agent/dedup_pass.h"
 #include "index/shard_format.h"
+#include "index/shard_io.h"
+#include "index/shard_map.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "tests/dedup_accounting.h"
@@ -931,8 +933,9 @@ TEST_CASE("a pass posts a merge request for a file another host holds and the ho
     CHECK(t.ReadY() == t.ExpectedY());
     t.FinishOnA();
   }
-  SECTION("a busy request file makes the post busy not fatal") {
-    // Host A has X's request file open (applying, say) when B posts again.
+  SECTION("a busy request file makes the post busy not fatal, and the revisit posts it") {
+    // Host A has X's request file open (applying, say) when B posts again,
+    // and keeps it past the post's ~2 s of retries.
     auto applied = t.HostAApplies();
     REQUIRE(applied.ok());
     REQUIRE(t.a_->Create(MergeRequestFileName(t.x_id_.ino), 0, FileKind::kMergeRequest, t.x_id_.ino)
@@ -952,16 +955,102 @@ TEST_CASE("a pass posts a merge request for a file another host holds and the ho
     }
     FlushLog(t.b_.get(), t.monitor_b_.get(), *z);
     auto access = std::make_unique<VolumeFileAccess>(t.b_.get());
-    auto pass = RunDedupPass(t.b_.get(), access.get(), DedupOptions{});
+    DedupOptions o;
+    // A is done applying by the time B's pass pauses to revisit the shard
+    // whose records were held back. (Called on B's pass thread while the
+    // test's thread waits in RunDedupPass: A's volume is not used
+    // concurrently.)
+    int revisits = 0;
+    o.progress = [&](const std::string& s) {
+      if (s.rfind("revisiting", 0) != 0) return;
+      revisits++;
+      held->reset();
+    };
+    auto pass = RunDedupPass(t.b_.get(), access.get(), o);
     access.reset();
     REQUIRE(pass.ok());
-    CHECK(pass->merge_requests_posted == 0);
     CHECK(pass->merge_posts_busy == 1);
     CHECK(pass->shared_new == 1);  // the arena block is made all the same
-    held->reset();
+    // Held back, not dropped: the request was parked in the shard's
+    // pending file and posted by the pass's revisit (without parking: 0
+    // posted, and X:0 never shared).
+    CHECK(pass->records_parked_busy == 1);
+    CHECK(revisits == 1);
+    CHECK(pass->merge_requests_posted == 1);
+    REQUIRE(HasRequestFile(t.a_.get(), t.x_id_.ino));
+    auto st = t.HostAApplies();
+    REQUIRE(st.ok());
+    CHECK(st->applied == 1);
+    CHECK(st->failed_verification == 0);
+    CHECK(Refs(t.x_.get(), 0) == 3);  // X, Z and the arena
     CHECK(ReadAll(t.x_.get()) == t.ExpectedX());
     t.FinishOnA();
   }
+}
+
+TEST_CASE("a parked record of a file another host holds gets a merge request when its entry is shared",
+          "[merge][dedup]") {
+  // A record parked for a file its host holds (a post held back, a share
+  // held back by a busy group before the holder took the file) was skipped
+  // by every later pass that could not open the file: the holder's own
+  // passes never see it again, so the block stayed unshared for good. It
+  // gets a merge request like the indexed block G:c does, whichever of the
+  // group's records comes first.
+  TwoHosts t;
+  t.HostAIndexesX();  // Unique(X, 3) for C
+  // A also holds Q, whose block 2 holds C; a record of it waits in the
+  // shard's pending file (written without a monitor: A's pass has not
+  // seen it).
+  auto qid = t.a_->Create("q", kFileBlocks * kB);
+  REQUIRE(qid.ok());
+  auto q = t.a_->OpenFile("q");
+  REQUIRE(q.ok());
+  for (uint64_t b = 0; b < kFileBlocks; b++) {
+    WriteBlock(q->get(), nullptr, b, Content(b == 2 ? kC : 300 + b));
+  }
+  const std::vector<uint8_t> expected_q = ReadAll(q->get());
+  const Superblock& sb = t.a_->superblock();
+  const FpKey key = KeyOf(ComputeFingerprint(sb.hash_algo, Content(kC).data(), kB));
+  {
+    auto m = LoadShardMap(t.a_.get());
+    REQUIRE(m.ok());
+    const ShardSlot* slot = nullptr;
+    for (const ShardSlot& sl : m->live) {
+      if (sl.range.Contains(KeyPrefix(key))) slot = &sl;
+    }
+    REQUIRE(slot != nullptr);
+    const std::string pname = PendingFileName(slot->range);
+    Result<FileId> made = t.a_->Create(pname, 0, FileKind::kIndexShard);
+    REQUIRE((made.ok() || made.status().code() == Status::Code::kExists));
+    auto pf = t.a_->OpenFile(pname);
+    REQUIRE(pf.ok());
+    REQUIRE(AppendPendingFrame(pf->get(), {PendingRecord{key, *qid, 2}}, sb.hash_algo, sb.uuid)
+                .ok());
+  }
+  t.AGoesIdle();
+  const DedupStats b = t.HostBWritesYAndRunsAPass();
+  CHECK(b.shared_new == 1);  // Y:5 became the arena block
+  // X:3 (the indexed block) and Q:2 (the parked record); without the
+  // request for Q:2 it is counted in busy_targets and lost.
+  CHECK(b.merge_requests_posted == 2);
+  CHECK(b.busy_targets == 0);
+  CHECK(b.merge_posts_busy == 0);
+  REQUIRE(HasRequestFile(t.b_.get(), qid->ino));
+
+  LendingAccess access;
+  access.Lend(t.x_.get());
+  access.Lend(q->get());
+  auto st = ApplyMergeRequestsForHeldFiles(t.a_.get(), &access, VerifyMode::kByteCompare);
+  REQUIRE(st.ok());
+  CHECK(st->applied == 2);
+  CHECK(st->failed_verification == 0);
+  CHECK(Refs(q->get(), 2) == 4);  // Q, X, Y and the arena
+  CHECK(Refs(t.x_.get(), kXBlock) == 4);
+  CHECK(ReadAll(q->get()) == expected_q);
+  CHECK(ReadAll(t.x_.get()) == t.ExpectedX());
+  CHECK(t.ReadY() == t.ExpectedY());
+  q->reset();
+  t.FinishOnA();
 }
 
 // ---------------------------------------------------------------- crashes
