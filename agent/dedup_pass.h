@@ -171,7 +171,10 @@ struct DedupStats {
   uint64_t already_shared = 0;       // records whose block already was the arena's
   uint64_t stale_records = 0;        // record's block changed since: dropped
   uint64_t stale_entries = 0;        // Unique hint no longer true: replaced
-  uint64_t busy_targets = 0;         // a record's file held elsewhere: skipped
+  // A record's file held elsewhere and its entry never Shared this pass
+  // (no arena block to offer the holder): skipped. Against a Shared entry
+  // such a record gets a merge request instead.
+  uint64_t busy_targets = 0;
   // Records whose share or clone needed an allocation group another
   // process or host holds (never waited for; docs/LOCKING.md "Increments
   // without waiting"): kept in their shard's pending file for a later pass.
@@ -179,11 +182,13 @@ struct DedupStats {
   uint64_t shards_revisited = 0;     // rewritten again for their parked records
   // Merge requests (DeDe 3.3.2): Unique(G, c) with G held elsewhere. The
   // record's block still becomes the arena block; G:c is left to G's
-  // holder through a request in G's request file.
+  // holder through a request in G's request file (so is a parked record
+  // of a file held elsewhere whose entry is Shared).
   uint64_t merge_requests_posted = 0;  // records posted (one post per target per shard update)
-  // Posts dropped: the request file was locked, or a clone's source group
-  // was held elsewhere (never waited for; the requests not posted are
-  // kept in the shard's pending file as records for a later pass).
+  // Posts held back: the request file stayed locked through ~2 s of
+  // retries, or a clone's source group was held elsewhere (never waited
+  // for); the requests not posted are kept in the shard's pending file as
+  // records, posted again by the pass's revisit or a later pass.
   uint64_t merge_posts_busy = 0;
   // Requests for the files this pass holds, applied at its start and again
   // at its end (those other hosts posted while it ran).

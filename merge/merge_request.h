@@ -26,8 +26,9 @@
 // Locking: the request file's inode lock (an OpenFile) is its only guard,
 // taken with try-lock by poster and applier alike and held only for one
 // post or one apply. Nobody ever waits for it: a busy request file makes a
-// post give up (kLocked; the opportunity is lost, never data) and an apply
-// skip the file until next time.
+// post give up (kLocked: the dedup pass parks the requests it did not post
+// and tries again later; at worst an opportunity is lost, never data) and
+// an apply skip the file until next time.
 //
 // Trust: nothing in a request file is trusted. A group that fails its
 // checks is skipped and counted; a record is applied only through the

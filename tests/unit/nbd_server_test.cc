@@ -344,6 +344,15 @@ size_t DrainUntilClosed(Client* c) {
   }
 }
 
+// Has `c` (not yet past the handshake) ask for n 2 MiB READs whose
+// replies it does not read: they hold n * 2 MiB of the budget until it
+// reads them or goes.
+void PinBudget(ServerRig* rig, Client* c, uint64_t n) {
+  REQUIRE(c->Go("vm"));
+  for (uint64_t r = 0; r < n; r++) REQUIRE(c->Request(kRead, r, r * 2 * kMiB, 2 * kMiB));
+  REQUIRE(rig->WaitForUse(n * 2 * kMiB, 0));
+}
+
 }  // namespace
 
 TEST_CASE(
@@ -356,9 +365,7 @@ TEST_CASE(
   // client does not take.
   ServerRig rig(8 * kMiB, 0.5);
   Client stuck(rig.socket());
-  REQUIRE(stuck.Go("vm"));
-  for (uint64_t r = 0; r < 4; r++) REQUIRE(stuck.Request(kRead, r, r * 2 * kMiB, 2 * kMiB));
-  REQUIRE(rig.WaitForUse(8 * kMiB, 0));
+  PinBudget(&rig, &stuck, 4);
   // While no one waits for the room, the stall harms no one: left alone.
   std::this_thread::sleep_for(1500ms);
   CHECK(rig.server->stats().stall_closes == 0);
@@ -409,9 +416,7 @@ TEST_CASE("nbd server: a slow reader is not taken for a stalled one, others wait
   // all along.
   ServerRig rig(8 * kMiB, 2.0);
   Client slow(rig.socket());
-  REQUIRE(slow.Go("vm"));
-  for (uint64_t r = 0; r < 4; r++) REQUIRE(slow.Request(kRead, r, r * 2 * kMiB, 2 * kMiB));
-  REQUIRE(rig.WaitForUse(8 * kMiB, 0));
+  PinBudget(&rig, &slow, 4);
   Client patient(rig.socket());
   REQUIRE(patient.Go("vm"));
   REQUIRE(patient.Request(kRead, 9, 0, 8 * kMiB));
@@ -439,9 +444,7 @@ TEST_CASE(
   // admitted, and everyone behind it waited until then (here: for ever).
   ServerRig rig(8 * kMiB, 0);
   Client pinner(rig.socket());
-  REQUIRE(pinner.Go("vm"));
-  for (uint64_t r = 0; r < 3; r++) REQUIRE(pinner.Request(kRead, r, r * 2 * kMiB, 2 * kMiB));
-  REQUIRE(rig.WaitForUse(6 * kMiB, 0));
+  PinBudget(&rig, &pinner, 3);
 
   Client leaver(rig.socket());
   REQUIRE(leaver.Go("vm"));
@@ -483,9 +486,7 @@ TEST_CASE("nbd server: a READ waiting for room whose client hangs up leaves the 
           "[nbd]") {
   ServerRig rig(8 * kMiB, 0);
   Client pinner(rig.socket());
-  REQUIRE(pinner.Go("vm"));
-  for (uint64_t r = 0; r < 4; r++) REQUIRE(pinner.Request(kRead, r, r * 2 * kMiB, 2 * kMiB));
-  REQUIRE(rig.WaitForUse(8 * kMiB, 0));
+  PinBudget(&rig, &pinner, 4);
   Client leaver(rig.socket());
   REQUIRE(leaver.Go("vm"));
   REQUIRE(leaver.Request(kRead, 1, 0, 4 * kMiB));
@@ -504,9 +505,7 @@ TEST_CASE(
   // to be handled, so that client stays in line.
   ServerRig rig(8 * kMiB, 0);
   auto pinner = std::make_unique<Client>(rig.socket());
-  REQUIRE(pinner->Go("vm"));
-  for (uint64_t r = 0; r < 4; r++) REQUIRE(pinner->Request(kRead, r, r * 2 * kMiB, 2 * kMiB));
-  REQUIRE(rig.WaitForUse(8 * kMiB, 0));
+  PinBudget(&rig, pinner.get(), 4);
   Client writer(rig.socket());
   REQUIRE(writer.Go("vm"));
   std::vector<uint8_t> payload(64 * 1024, 0xc3);

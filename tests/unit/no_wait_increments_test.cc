@@ -116,6 +116,13 @@ struct Hosts {
   }
   ~Hosts() { ::unlink(lock_path.c_str()); }
 
+  // The test's end: with every file handle closed, host 2 goes away and
+  // fsck, run by host 1 alone, finds the volume clean.
+  void FinishOnHost1() {
+    v2.reset();
+    RequireFsckClean(v1.get());
+  }
+
   std::shared_ptr<LockManager> NewLocks() {
     auto lm = OpenLocalLockManager(lock_path);
     REQUIRE(lm.ok());
@@ -339,8 +346,7 @@ TEST_CASE("no-wait block ops hold back an operation whose group another host hol
   d.reset();
   e.reset();
   hf.reset();
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
   auto stats = h.v1->Stats();
   REQUIRE(stats.ok());
   CHECK(stats->shared_blocks == 2);  // a:0's block (3 refs), c:0's (2)
@@ -451,8 +457,7 @@ TEST_CASE("a dedup pass parks records whose group another host holds and a later
   }
   CHECK_FALSE(h.Announced(1));
   hf.reset();
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
 }
 
 TEST_CASE("merge-request application keeps requests whose group another host holds",
@@ -507,8 +512,7 @@ TEST_CASE("merge-request application keeps requests whose group another host hol
   CHECK(ReadBlock(t.get(), 0) == Content(7));
   t.reset();
   hf.reset();
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
 }
 
 TEST_CASE("a dedup pass gives a reader holding its shard's arena a moment instead of failing",
@@ -576,8 +580,7 @@ TEST_CASE("a dedup pass gives a reader holding its shard's arena a moment instea
   CHECK(Refs(z.get(), 0) == 4);  // x:2, y:1, z:0 and the arena
   CHECK(ReadBlock(z.get(), 0) == Content(1000));
   z.reset();
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
 }
 
 TEST_CASE("TryBlockRefCount answers kLocked at once when another host holds the group",
@@ -641,8 +644,7 @@ TEST_CASE("a dedup pass leaves the garbage check of an arena block in a busy gro
   const DedupStats later = pass();
   CHECK(later.gc_checks_busy == 0);
   CHECK(later.gc_arena_blocks == 1);
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
 }
 
 TEST_CASE("a want announced for a held-back increment is collected at the next flush point",
@@ -678,8 +680,7 @@ TEST_CASE("a want announced for a held-back increment is collected at the next f
   a.reset();
   b.reset();
   hf.reset();
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
 }
 
 TEST_CASE("a dedup pass revisits the shard whose records waited for a busy group and shares them",
@@ -733,8 +734,7 @@ TEST_CASE("a dedup pass revisits the shard whose records waited for a busy group
     CHECK(ReadBlock(x.get(), 3) == Content(1000));
   }
   hf.reset();
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
 }
 
 TEST_CASE("a shard split whose arena blocks are in a group another host holds is put off and not waited for",
@@ -796,8 +796,7 @@ TEST_CASE("a shard split whose arena blocks are in a group another host holds is
     }
   }
   hf.reset();
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
 }
 
 TEST_CASE("a dedup pass holds back a zero-block punch instead of waiting to drain a full drop list",
@@ -1030,8 +1029,7 @@ TEST_CASE("a no-wait clone holds back a clone whose source group another host ho
   u.reset();
   t.reset();
   hf.reset();
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
 }
 
 TEST_CASE("a merge-request post holds back a clone whose source group another host holds",
@@ -1079,8 +1077,7 @@ TEST_CASE("a merge-request post holds back a clone whose source group another ho
   t.reset();
   s.reset();
   hf.reset();
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
 }
 
 TEST_CASE("a shard split moves arena references without waiting to drain a full drop list",
@@ -1131,8 +1128,7 @@ TEST_CASE("a shard split moves arena references without waiting to drain a full 
       CHECK(Refs(x.get(), b) == 3);  // x, y and one arena (moved, not doubled)
     }
   }
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
 }
 
 TEST_CASE(
@@ -1191,6 +1187,5 @@ TEST_CASE(
   REQUIRE(h.v1->Sync().ok());
   p.reset();
   hf.reset();
-  h.v2.reset();
-  RequireFsckClean(h.v1.get());
+  h.FinishOnHost1();
 }

@@ -60,6 +60,8 @@ using namespace dede;
 using dede::test::CutDevice;
 using dede::test::ForwardingDevice;
 using dede::test::ForwardingLocks;
+using dede::test::FsckLeakedBlocks;
+using dede::test::FsckLeaks;
 using dede::test::FsckProblems;
 using dede::test::TempLockGroup;
 using dede::test::TempLocks;
@@ -1796,20 +1798,11 @@ TEST_CASE("volume: a write whose drop-list wait times out gives its blocks back 
   dst.value().reset();
   w.value().reset();
   // fsck finds the 8 leaked blocks, and nothing else; --repair frees them.
-  auto rep = CheckVolume(vol, false);
-  REQUIRE(rep.ok());
-  size_t leaks = 0;
-  std::string others;
-  for (const FsckProblem& p : rep->problems) {
-    if (p.what.find("refcount 1 stored, 0 references found") != std::string::npos) {
-      leaks++;
-    } else {
-      others += "\n  " + p.where + ": " + p.what;
-    }
-  }
-  INFO("other fsck problems:" << others);
-  CHECK(others.empty());
-  CHECK(leaks == 8);
+  const FsckLeaks found = FsckLeakedBlocks(vol);
+  INFO("fsck: " << found.error << "; other problems:" << found.others);
+  REQUIRE(found.error.empty());
+  CHECK(found.others.empty());
+  CHECK(found.leaked == 8);
   REQUIRE(CheckVolume(vol, true).ok());
   std::string problems = FsckProblems(vol);
   INFO("fsck after --repair:" << problems);
@@ -1938,20 +1931,11 @@ TEST_CASE("volume: without drop lists a failed write leaves its blocks leaked in
   CHECK(dst_unchanged);
   dst.value().reset();
   w0.value().reset();
-  auto rep = CheckVolume(vol, false);
-  REQUIRE(rep.ok());
-  size_t leaks = 0;
-  std::string others;
-  for (const FsckProblem& p : rep->problems) {
-    if (p.what.find("refcount 1 stored, 0 references found") != std::string::npos) {
-      leaks++;
-    } else {
-      others += "\n  " + p.where + ": " + p.what;
-    }
-  }
-  INFO("other fsck problems:" << others);
-  CHECK(others.empty());
-  CHECK(leaks == kBlocks);
+  const FsckLeaks found = FsckLeakedBlocks(vol);
+  INFO("fsck: " << found.error << "; other problems:" << found.others);
+  REQUIRE(found.error.empty());
+  CHECK(found.others.empty());
+  CHECK(found.leaked == kBlocks);
   REQUIRE(CheckVolume(vol, true).ok());
   std::string problems = FsckProblems(vol);
   INFO("fsck after --repair:" << problems);
