@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <boost/asio/local/stream_protocol.hpp>
 #include <cctype>
 #include <cerrno>
@@ -33,6 +34,7 @@ struct ControlServer::Shared {
   std::map<uint64_t, std::weak_ptr<ControlConnection>> conns GUARDED_BY(mu);
   uint64_t next_id GUARDED_BY(mu) = 0;
   uint64_t refused GUARDED_BY(mu) = 0;
+  uint64_t evicted GUARDED_BY(mu) = 0;
   bool stopped GUARDED_BY(mu) = false;
   // Handlers posted to run_blocking and not yet returned: dedupd's
   // shutdown waits for them (WaitForHandlers) before it closes the
@@ -42,6 +44,12 @@ struct ControlServer::Shared {
 };
 
 namespace {
+
+int64_t SteadyNowNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 // One reply line. Strings from the volume (file names) are arbitrary
 // bytes: invalid UTF-8 is replaced rather than failing the reply.
@@ -101,6 +109,24 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
     asio::dispatch(strand_, [self = shared_from_this()] { self->CloseNow(); });
   }
 
+  // How long (ns) the connection has been idle at `now_ns`: no handler
+  // running for it, nothing received from or written to its client since;
+  // -1 while a handler runs. Read from the accept handler (any thread).
+  int64_t IdleNs(int64_t now_ns) const {
+    if (handling_.load()) return -1;
+    return now_ns - last_activity_ns_.load();
+  }
+  // Closes it to make room for a new client (it was idle for `idle_ns`).
+  void Evict(int64_t idle_ns) {
+    asio::dispatch(strand_, [self = shared_from_this(), idle_ns] {
+      if (self->closed_) return;
+      LOG(kWarning) << "control connection " << self->id_ << ": idle for "
+                    << idle_ns / 1'000'000'000 << " s with --control-max-connections open; "
+                    << "closed to make room for a new client";
+      self->CloseNow();
+    });
+  }
+
  private:
   // Handles the complete lines buffered, then reads more; closes once the
   // client is done (end of input) and every reply is out.
@@ -145,6 +171,7 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
             self->eof_ = true;  // end of input or a broken connection: either way no more requests
           } else {
             self->inbuf_.append(self->chunk_.data(), n);
+            self->last_activity_ns_ = SteadyNowNs();
           }
           self->Pump();
         }));
@@ -195,6 +222,7 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
       return;
     }
     busy_ = true;
+    handling_ = true;
     shared_->run_blocking(
         [self = shared_from_this(), handler = &handler->second, request = std::move(request)] {
           std::string reply;
@@ -217,6 +245,8 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
           }
           asio::post(self->strand_, [self, reply = std::move(reply)]() mutable {
             self->busy_ = false;
+            self->last_activity_ns_ = SteadyNowNs();
+            self->handling_ = false;
             self->Send(std::move(reply));
             self->Pump();
           });
@@ -240,6 +270,7 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
                           self->CloseNow();  // the client is gone
                           return;
                         }
+                        self->last_activity_ns_ = SteadyNowNs();
                         self->wq_.pop_front();
                         if (!self->wq_.empty()) {
                           self->WriteNext();
@@ -277,16 +308,21 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
   bool writing_ = false;
   bool closing_ = false;  // close once the replies are out
   bool closed_ = false;
+  // Written on strand_, read by the accept handler (IdleNs): when a byte
+  // last came or went or a handler last returned, and whether one runs.
+  std::atomic<int64_t> last_activity_ns_{SteadyNowNs()};
+  std::atomic<bool> handling_{false};
 };
 
 // -------------------------------------------------------------------- server
 
 ControlServer::ControlServer(asio::io_context& io, std::string path,
                              std::function<void(std::function<void()>)> run_blocking,
-                             size_t max_connections)
+                             size_t max_connections, std::chrono::milliseconds idle_evict)
     : io_(io),
       path_(std::move(path)),
       max_connections_(std::max<size_t>(max_connections, 1)),
+      idle_evict_(idle_evict),
       shared_(std::make_shared<Shared>()) {
   shared_->run_blocking = std::move(run_blocking);
 }
@@ -353,20 +389,45 @@ void ControlServer::Accept() {
   acceptor_->async_accept([this, shared = shared_](boost::system::error_code ec, UnixSocket sock) {
     if (ec == asio::error::operation_aborted) return;
     std::shared_ptr<ControlConnection> conn;
+    std::shared_ptr<ControlConnection> evict;  // idle longest, closed for the newcomer
+    int64_t evict_idle_ns = 0;
     size_t full = 0;  // connections open, when that is the limit
     {
       MutexLock l(&shared->mu);
       // Stopped (maybe destroyed): `this` must not be touched.
       if (shared->stopped) return;
       if (!ec && shared->conns.size() >= max_connections_) {
-        full = shared->conns.size();
-        shared->refused++;
-      } else if (!ec) {
+        const int64_t now = SteadyNowNs();
+        const int64_t min_idle =
+            std::chrono::duration_cast<std::chrono::nanoseconds>(idle_evict_).count();
+        uint64_t evict_id = 0;
+        for (auto& [id, weak] : shared->conns) {
+          std::shared_ptr<ControlConnection> c = weak.lock();
+          if (!c) continue;
+          const int64_t idle = c->IdleNs(now);
+          if (idle >= min_idle && idle > evict_idle_ns) {
+            evict = std::move(c);
+            evict_id = id;
+            evict_idle_ns = idle;
+          }
+        }
+        if (evict) {
+          // Its place is the newcomer's: counted out now, so that the
+          // next accept does not pick it again before its close runs.
+          shared->evicted++;
+          shared->conns.erase(evict_id);
+        } else {
+          full = shared->conns.size();
+          shared->refused++;
+        }
+      }
+      if (!ec && full == 0) {
         uint64_t id = ++shared->next_id;
         conn = std::make_shared<ControlConnection>(shared, std::move(sock), id);
         shared->conns[id] = conn;
       }
     }
+    if (evict) evict->Evict(evict_idle_ns);
     if (conn) {
       conn->Start();
     } else if (full > 0) {
@@ -439,6 +500,11 @@ size_t ControlServer::connections() const {
 uint64_t ControlServer::refused() const {
   MutexLock l(&shared_->mu);
   return shared_->refused;
+}
+
+uint64_t ControlServer::evicted() const {
+  MutexLock l(&shared_->mu);
+  return shared_->evicted;
 }
 
 // -------------------------------------------------------------------- client

@@ -9,12 +9,20 @@
 // gets an {"error":...} and the connection is closed; a client that
 // vanishes mid-line is dropped. A client that sends its requests and then
 // shuts down its sending side still gets every reply (`socat` does that).
-// At most `max_connections` are open at once: one more is answered
-// {"error":"too many control connections ..."} at once, unread, and closed,
-// and counted (refused()); a warning is logged at most every 10 s. Each
-// connection is a descriptor and a strand, and the socket is open to a
-// whole group: without a cap, a looping script could take every descriptor
-// dedupd has, and its VMs' disks with them.
+// At most `max_connections` are open at once. When one more comes, the
+// connection idle longest is closed for it (evicted(), logged), if it has
+// been idle for `idle_evict` (10 s by default): no handler running for it,
+// no byte received from it or written to it since (a client that stopped
+// reading its replies is idle too). Else the newcomer is answered
+// {"error":"too many control connections ..."} at once, unread, and
+// closed, and counted (refused()); a warning is logged at most every
+// 10 s. Each connection is a descriptor and a strand, and the socket is
+// open to a whole group: without a cap, a looping script could take every
+// descriptor dedupd has, and its VMs' disks with them; without eviction,
+// `max_connections` clients that connect and send nothing (a hung
+// monitoring probe, a forgotten `socat`) would lock every operator out of
+// `dede status` until dedupd restarts. An idle connection is never closed
+// while no one else needs its place (an interactive session may idle).
 //
 // Threads: sockets live on the io_context (one strand per connection);
 // handlers may block (volume I/O), so they run through `run_blocking`, never
@@ -42,6 +50,9 @@ inline constexpr size_t kControlMaxLine = 64 * 1024;
 // Control connections open at once, unless dedupd is told otherwise
 // (--control-max-connections). `dede status` takes one for a moment.
 inline constexpr size_t kDefaultControlMaxConnections = 64;
+// How long a control connection must have been idle before a new client
+// may take its place when max_connections are open.
+inline constexpr std::chrono::milliseconds kControlIdleEvict{10'000};
 
 class ControlServer {
  public:
@@ -53,7 +64,8 @@ class ControlServer {
   // `max_connections` >= 1.
   ControlServer(boost::asio::io_context& io, std::string path,
                 std::function<void(std::function<void()>)> run_blocking,
-                size_t max_connections = kDefaultControlMaxConnections);
+                size_t max_connections = kDefaultControlMaxConnections,
+                std::chrono::milliseconds idle_evict = kControlIdleEvict);
   ~ControlServer();
   ControlServer(const ControlServer&) = delete;
   ControlServer& operator=(const ControlServer&) = delete;
@@ -84,8 +96,11 @@ class ControlServer {
   // Connections currently open (tests, status).
   size_t connections() const;
   size_t max_connections() const { return max_connections_; }
-  // Connections refused since Start because max_connections were open.
+  // Connections refused since Start because max_connections were open
+  // and none had been idle for idle_evict.
   uint64_t refused() const;
+  // Idle connections closed since Start to make room for a new client.
+  uint64_t evicted() const;
 
  private:
   friend class ControlConnection;
@@ -93,6 +108,7 @@ class ControlServer {
   boost::asio::io_context& io_;
   const std::string path_;
   const size_t max_connections_;
+  const std::chrono::milliseconds idle_evict_;
   // Refusals not logged yet, and when the last were (the io thread's:
   // only the accept handler touches them).
   uint64_t refused_unlogged_ = 0;

@@ -2020,5 +2020,33 @@ TEST_CASE("dedupd refuses control connections beyond --control-max-connections",
   REQUIRE(d.Stop() == 0);
 }
 
+// A client that connects and sends nothing (a hung probe, a forgotten
+// socat) used to keep its place until dedupd restarted; with the limit
+// reached that way, no operator could run `dede status`. Once it has been
+// idle for --control-idle-evict, a new client takes its place.
+TEST_CASE("dedupd gives an idle control connection's place to a new client", "[nbd]") {
+  TestVolume tv({{"vm", 1 * kMiB}});
+  DedupdProcess d(tv.vol, 1, tv.sock,
+                  {"--control-max-connections", "1", "--control-idle-evict", "1"});
+  const std::vector<std::string> status = {BinaryPath("dede"), "status", "--control", d.control()};
+  int fd = test::ConnectUnix(d.control());
+  REQUIRE(fd >= 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1300));
+  ProcessResult r = RunProcess(status);
+  INFO(Describe(status, r) << "\ndedupd log:\n" << d.Log());
+  CHECK(r.exit_code == 0);
+  CHECK(std::regex_search(r.out, std::regex("\ncontrol +" + d.control() +
+                                            ": 1 of 1 connection open, 1 idle closed to make "
+                                            "room\n")));
+  CHECK(CountOf(d.Log(), "closed to make room for a new client") == 1);
+  // The idle client finds its connection closed (not a 5 s timeout).
+  timeval tv5{5, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv5, sizeof(tv5));
+  char byte;
+  CHECK(::recv(fd, &byte, 1, 0) == 0);
+  ::close(fd);
+  REQUIRE(d.Stop() == 0);
+}
+
 }  // namespace
 }  // namespace dede

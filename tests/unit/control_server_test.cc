@@ -602,3 +602,46 @@ TEST_CASE("control: connections beyond the limit are refused with an error, and 
   CHECK(server.refused() == 2);
   loop.RunOnIo([&] { server.Stop(); });
 }
+
+// With the limit reached by clients that connect and send nothing (a hung
+// probe, a forgotten socat), every operator was locked out of `dede status`
+// until dedupd restarted. A newcomer now takes the place of the connection
+// idle longest, once that one has been idle for idle_evict; connections
+// used more recently than that keep theirs, and the newcomer is refused.
+TEST_CASE("control: at the limit, a new client takes the place of the connection idle longest",
+          "[control]") {
+  TempDir dir;
+  Loop loop;
+  const auto idle_evict = 2s;
+  ControlServer server(loop.io(), dir / "ctl", loop.run_blocking(), /*max_connections=*/2,
+                       idle_evict);
+  server.Handle("echo", [](const json& request) -> Result<json> {
+    return json{{"echo", request}};
+  });
+  REQUIRE(server.Listen().ok());
+  loop.RunOnIo([&] { server.Start(); });
+
+  Client silent(dir / "ctl");  // connects and never sends a byte
+  Client used(dir / "ctl");
+  REQUIRE(Eventually([&] { return server.connections() == 2; }));
+  // Neither has been idle for 2 s: a newcomer is refused.
+  Result<json> r = ControlRequest(dir / "ctl", json{{"cmd", "echo"}, {"x", 1}});
+  REQUIRE(r.ok());
+  CHECK(r.value().contains("error"));
+  CHECK(server.refused() == 1);
+  CHECK(server.evicted() == 0);
+
+  std::this_thread::sleep_for(idle_evict / 2);
+  CHECK(used.Request(json{{"cmd", "echo"}, {"x", 2}})["echo"]["x"] == 2);
+  std::this_thread::sleep_for(idle_evict / 2 + 300ms);
+  // `silent` has been idle for 2.3 s, `used` for 1.3 s: `silent` goes.
+  r = ControlRequest(dir / "ctl", json{{"cmd", "echo"}, {"x", 3}});
+  REQUIRE(r.ok());
+  INFO(r.value().dump());
+  CHECK(r.value()["echo"]["x"] == 3);
+  CHECK(server.evicted() == 1);
+  CHECK(server.refused() == 1);
+  CHECK(silent.WaitClosed());
+  CHECK(used.Request(json{{"cmd", "echo"}, {"x", 4}})["echo"]["x"] == 4);
+  loop.RunOnIo([&] { server.Stop(); });
+}

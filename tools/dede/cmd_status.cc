@@ -293,6 +293,9 @@ void PrintControl(const json& r) {
   if (auto v = Uint(*c, "refused"); v && *v > 0) {
     parts.push_back(std::to_string(*v) + " refused at --control-max-connections");
   }
+  if (auto v = Uint(*c, "evicted"); v && *v > 0) {
+    parts.push_back(std::to_string(*v) + " idle closed to make room");
+  }
   std::string text = Join(parts, ", ");
   if (auto path = Str(r, "control"); path && !path->empty()) {
     text = *path + (text.empty() ? "" : ": " + text);
