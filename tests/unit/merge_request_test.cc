@@ -263,6 +263,10 @@ class TwoHosts {
   // B: Y with C at block 5; B's pass runs while A holds X: the index's
   // Unique(X, 3) is in a file B cannot open, so B posts a merge request.
   DedupStats HostBWritesYAndRunsAPass() {
+    HostBWritesY();
+    return HostBRunsAPass();
+  }
+  void HostBWritesY() {
     auto id = b_->Create("y", kFileBlocks * kB);
     REQUIRE(id.ok());
     y_id_ = *id;
@@ -275,6 +279,8 @@ class TwoHosts {
       }
     }
     FlushLog(b_.get(), monitor_b_.get(), y_id_);
+  }
+  DedupStats HostBRunsAPass() {
     // Like `dede dedup` on host B: it opens what it can lock.
     auto access = std::make_unique<VolumeFileAccess>(b_.get());
     auto st = RunDedupPass(b_.get(), access.get(), DedupOptions{});
@@ -998,16 +1004,27 @@ TEST_CASE("a parked record of a file another host holds gets a merge request whe
   // group's records comes first.
   TwoHosts t;
   t.HostAIndexesX();  // Unique(X, 3) for C
+  // A group's records sort by the pass's file numbers, given in the order
+  // it meets the files: the write logs first (B walks Q's, finds Q held
+  // and leaves it), then the files pending records name. Q's record comes
+  // before Y's when Q's log is older (the entry is still Unique when it is
+  // met), after it otherwise (met once Y's block is the anchor).
+  const bool y_first = GENERATE(false, true);
+  INFO((y_first ? "the held file's record comes after the anchor"
+                : "the held file's record comes first"));
+  if (y_first) t.HostBWritesY();
   // A also holds Q, whose block 2 holds C; a record of it waits in the
-  // shard's pending file (written without a monitor: A's pass has not
-  // seen it).
+  // shard's pending file (A's pass has not run since Q was written: Q's
+  // own records wait in its log, which only A may take).
   auto qid = t.a_->Create("q", kFileBlocks * kB);
   REQUIRE(qid.ok());
   auto q = t.a_->OpenFile("q");
   REQUIRE(q.ok());
+  t.monitor_a_->AddFile(*qid, true);
   for (uint64_t b = 0; b < kFileBlocks; b++) {
-    WriteBlock(q->get(), nullptr, b, Content(b == 2 ? kC : 300 + b));
+    WriteBlock(q->get(), t.monitor_a_.get(), b, Content(b == 2 ? kC : 300 + b));
   }
+  FlushLog(t.a_.get(), t.monitor_a_.get(), *qid);
   const std::vector<uint8_t> expected_q = ReadAll(q->get());
   const Superblock& sb = t.a_->superblock();
   const FpKey key = KeyOf(ComputeFingerprint(sb.hash_algo, Content(kC).data(), kB));
@@ -1028,7 +1045,9 @@ TEST_CASE("a parked record of a file another host holds gets a merge request whe
                 .ok());
   }
   t.AGoesIdle();
-  const DedupStats b = t.HostBWritesYAndRunsAPass();
+  if (!y_first) t.HostBWritesY();
+  REQUIRE((t.y_id_.ino < qid->ino) == y_first);
+  const DedupStats b = t.HostBRunsAPass();
   CHECK(b.shared_new == 1);  // Y:5 became the arena block
   // X:3 (the indexed block) and Q:2 (the parked record); without the
   // request for Q:2 it is counted in busy_targets and lost.
