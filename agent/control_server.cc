@@ -35,6 +35,9 @@ struct ControlServer::Shared {
   uint64_t next_id GUARDED_BY(mu) = 0;
   uint64_t refused GUARDED_BY(mu) = 0;
   uint64_t evicted GUARDED_BY(mu) = 0;
+  // Evictions not logged yet, and when the last were: one line per burst.
+  uint64_t evicted_unlogged GUARDED_BY(mu) = 0;
+  std::optional<std::chrono::steady_clock::time_point> eviction_logged GUARDED_BY(mu);
   bool stopped GUARDED_BY(mu) = false;
   // Handlers posted to run_blocking and not yet returned: dedupd's
   // shutdown waits for them (WaitForHandlers) before it closes the
@@ -109,20 +112,54 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
     asio::dispatch(strand_, [self = shared_from_this()] { self->CloseNow(); });
   }
 
-  // How long (ns) the connection has been idle at `now_ns`: no handler
-  // running for it, nothing received from or written to its client since;
-  // -1 while a handler runs. Read from the accept handler (any thread).
-  int64_t IdleNs(int64_t now_ns) const {
-    if (handling_.load()) return -1;
-    return now_ns - last_activity_ns_.load();
+  // When the connection last received a request's bytes, finished a
+  // reply or had a handler return; nullopt while a handler runs. Read from
+  // the accept handler (any thread).
+  std::optional<int64_t> LastActivityNs() const {
+    if (handling_.load()) return std::nullopt;
+    return last_activity_ns_.load();
   }
-  // Closes it to make room for a new client (it was idle for `idle_ns`).
-  void Evict(int64_t idle_ns) {
-    asio::dispatch(strand_, [self = shared_from_this(), idle_ns] {
+  // Closes it to make room for a new client: the accept handler chose it,
+  // idle since `seen_activity_ns`, and took it out of the registry. If it
+  // has woken up since (a request already on its way), it is kept and
+  // registered again, one over the limit for a moment.
+  void Evict(int64_t seen_activity_ns) {
+    asio::dispatch(strand_, [self = shared_from_this(), seen_activity_ns] {
       if (self->closed_) return;
-      LOG(kWarning) << "control connection " << self->id_ << ": idle for "
-                    << idle_ns / 1'000'000'000 << " s with --control-max-connections open; "
-                    << "closed to make room for a new client";
+      std::shared_ptr<ControlServer::Shared> shared = self->shared_;
+      // (A reply write blocked on a client that reads nothing is idle:
+      // its last activity is the reply before.)
+      if (self->busy_ || self->handling_ || self->last_activity_ns_ != seen_activity_ns) {
+        MutexLock l(&shared->mu);
+        if (!shared->stopped) {
+          shared->conns[self->id_] = self;
+          shared->evicted--;
+          return;
+        }
+        // Stop has run and closed what it found registered: close it too.
+      }
+      uint64_t burst = 0, total = 0;
+      {
+        MutexLock l(&shared->mu);
+        shared->evicted_unlogged++;
+        const auto now = std::chrono::steady_clock::now();
+        if (!shared->eviction_logged ||
+            now - *shared->eviction_logged >= std::chrono::seconds(10)) {
+          burst = shared->evicted_unlogged;
+          total = shared->evicted;
+          shared->evicted_unlogged = 0;
+          shared->eviction_logged = now;
+        }
+      }
+      if (burst > 0) {
+        // One line per burst: a client opening connections in a loop and
+        // leaving them idle must not flood the log.
+        LOG(kWarning) << "control socket: closed " << burst << " idle connection(s) (the last, "
+                      << self->id_ << ", idle for "
+                      << (SteadyNowNs() - seen_activity_ns) / 1'000'000'000
+                      << " s) to make room for new clients at --control-max-connections; " << total
+                      << " since start";
+      }
       self->CloseNow();
     });
   }
@@ -391,6 +428,7 @@ void ControlServer::Accept() {
     std::shared_ptr<ControlConnection> conn;
     std::shared_ptr<ControlConnection> evict;  // idle longest, closed for the newcomer
     int64_t evict_idle_ns = 0;
+    int64_t evict_seen = 0;  // its last activity when chosen
     size_t full = 0;  // connections open, when that is the limit
     {
       MutexLock l(&shared->mu);
@@ -404,11 +442,14 @@ void ControlServer::Accept() {
         for (auto& [id, weak] : shared->conns) {
           std::shared_ptr<ControlConnection> c = weak.lock();
           if (!c) continue;
-          const int64_t idle = c->IdleNs(now);
+          const std::optional<int64_t> last = c->LastActivityNs();
+          if (!last) continue;  // a handler runs for it
+          const int64_t idle = now - *last;
           if (idle >= min_idle && idle > evict_idle_ns) {
             evict = std::move(c);
             evict_id = id;
             evict_idle_ns = idle;
+            evict_seen = *last;
           }
         }
         if (evict) {
@@ -427,7 +468,7 @@ void ControlServer::Accept() {
         shared->conns[id] = conn;
       }
     }
-    if (evict) evict->Evict(evict_idle_ns);
+    if (evict) evict->Evict(evict_seen);
     if (conn) {
       conn->Start();
     } else if (full > 0) {

@@ -12,8 +12,9 @@
 // At most `max_connections` are open at once. When one more comes, the
 // connection idle longest is closed for it (evicted(), logged), if it has
 // been idle for `idle_evict` (10 s by default): no handler running for it,
-// no byte received from it or written to it since (a client that stopped
-// reading its replies is idle too). Else the newcomer is answered
+// no byte received from it and no reply finished to it since (a client
+// that stopped reading its replies is idle too). Evictions are logged one
+// line per burst, at most every 10 s. Else the newcomer is answered
 // {"error":"too many control connections ..."} at once, unread, and
 // closed, and counted (refused()); a warning is logged at most every
 // 10 s. Each connection is a descriptor and a strand, and the socket is

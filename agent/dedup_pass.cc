@@ -1729,13 +1729,12 @@ class Pass {
         // pending file as records of their own, held back by a busy group
         // like any record parked so: the shard is revisited within this
         // pass after a pause (its revisits, 1.5 + 3 + 6 s by default), then
-        // at dedupd's next pass, and the revisit posts them again (G is
-        // still held elsewhere) or, if G's holder let it go, shares G:c
-        // with the entry itself. Dropped, or left to the batching
-        // fraction, the opportunity could be lost for good: the three-host
-        // cross-dedup test stopped short of its exact figure, one post
-        // busy, when the target's holder took more than the ~2 s of
-        // retries above to apply the requests posted before.
+        // at dedupd's next pass; a revisit posts them again (a pass looks
+        // at a file once, so G is still held elsewhere for it), and a
+        // later pass that finds G free shares G:c with the entry itself.
+        // Dropped, or left to the batching fraction, the opportunity
+        // could be lost for good: the three-host cross-dedup test stopped
+        // short of its exact figure by exactly the requests of one post.
         stats_.merge_posts_busy++;
         for (size_t i = outcome.posted; i < post.requests.size(); i++) {
           const MergeRequest& r = post.requests[i];
@@ -1875,9 +1874,11 @@ class Pass {
           for (size_t j = g.next + 1; j < g.end; j++) {
             Result<FileAccess::Handle> h = Open(&files_[recs[j].file]);
             if (!h.ok()) {
-              // Held elsewhere: counted if its turn comes (this anchor
-              // fails). Given back during this pass: parked now, since an
-              // anchor that works ends the group.
+              // Held elsewhere: a merge request once this anchor makes
+              // the entry Shared (AskHoldersOfTheRest), parked if its
+              // group is, seen again if the anchor turns out stale. Given
+              // back during this pass: parked now, since an anchor that
+              // works ends the group.
               if (files_[recs[j].file].given_back) ParkBusy(recs[j]);
               continue;
             }
@@ -2034,14 +2035,17 @@ class Pass {
           // as it is, and this fingerprint is left alone for the rest of
           // the pass (another anchor would most likely meet the same
           // group, round after round): its records from the anchor on are
-          // parked, those of files we cannot open counted as usual.
+          // parked, and so are those of files held elsewhere met before
+          // (they get merge requests once a later pass makes the entry
+          // Shared; dropped, they were lost for good).
           arena->Unallocate(g.anchor_arena);
+          ParkHeldElsewhere(&g, recs);
           for (size_t j = g.anchor_record; j < g.end; j++) {
             Result<FileAccess::Handle> h = Open(&files_[recs[j].file]);
             if (h.ok()) {
               ParkBusy(recs[j]);
             } else if (h.status().code() == Status::Code::kLocked) {
-              SkipRecordOfBusyFile(recs[j]);
+              if (!IsIndexedBlock(recs[j], *g.state)) ParkBusy(recs[j]);
             } else if (h.status().code() == Status::Code::kNotFound) {
               stats_.stale_records++;
             } else {
@@ -2076,9 +2080,17 @@ class Pass {
           // Only the indexed block G:c could have shared the arena block,
           // and its group is held elsewhere: undo the clone (the arena's
           // reference is dropped; never waited for), keep Unique(G, c) and
-          // park the anchor's record, so a later pass tries again.
+          // park the anchor's record, so a later pass tries again, and
+          // the group's records of files held elsewhere with it.
           RETURN_IF_ERROR(UndoAnchor(arena, g.anchor_arena));
           ParkBusy(ar);
+          ParkHeldElsewhere(&g, recs);
+          for (size_t j = g.anchor_record + 1; j < g.end; j++) {
+            PassFile& pf = files_[recs[j].file];
+            Result<FileAccess::Handle> h = Open(&pf);
+            if (h.ok() || h.status().code() != Status::Code::kLocked || pf.given_back) continue;
+            if (!IsIndexedBlock(recs[j], *g.state)) ParkBusy(recs[j]);
+          }
         } else if (shared_with[c.group] == 0) {
           // Nothing else holds this content any more: the indexed block is
           // stale, and the anchor becomes the hint (not shared with the
@@ -2149,6 +2161,9 @@ class Pass {
   // before it shares; a stale record costs a failed share there. A file
   // given back during this pass is parked for a later pass instead (its
   // new holder may be this host again).
+  // (Should the arena block have gone meanwhile, a damaged or lost index
+  // version, the request clones a hole and the holder counts it as a
+  // failed verification; the rewrite drops the entry.)
   void AskHolderToShare(const PassRecord& r, uint64_t arena_idx) {
     if (r.file == kNoFile) return;
     const PassFile& pf = files_[r.file];
@@ -2172,7 +2187,7 @@ class Pass {
   void AskHoldersOfTheRest(Group* g, const std::vector<PassRecord>& recs,
                            const IndexEntry& indexed) {
     auto ask = [&](const PassRecord& r) {
-      if (files_[r.file].info.id == indexed.file && r.block == indexed.block) return;
+      if (IsIndexedBlock(r, indexed)) return;
       AskHolderToShare(r, g->anchor_arena);
     };
     for (size_t j : g->held_elsewhere) ask(recs[j]);
@@ -2185,16 +2200,19 @@ class Pass {
       ask(recs[j]);
     }
   }
-  // A record whose file this pass cannot open (kLocked). One given back to
-  // a waiting client during the pass is parked like a record whose group
-  // was busy, so that a later pass that can open the file again still
-  // shares it; one held elsewhere all along is skipped and counted.
-  void SkipRecordOfBusyFile(const PassRecord& r) {
-    if (r.file != kNoFile && files_[r.file].given_back) {
-      ParkBusy(r);
-    } else {
-      stats_.busy_targets++;
+  // Whether `r` is the block a Unique entry names (G:c itself).
+  bool IsIndexedBlock(const PassRecord& r, const IndexEntry& en) const {
+    return en.kind == EntryKind::kUnique && files_[r.file].info.id == en.file &&
+           r.block == en.block;
+  }
+  // A group parked for a busy allocation group keeps the records of files
+  // held elsewhere met before its anchor too (the indexed block G:c aside:
+  // the entry keeps naming it).
+  void ParkHeldElsewhere(Group* g, const std::vector<PassRecord>& recs) {
+    for (size_t j : g->held_elsewhere) {
+      if (!IsIndexedBlock(recs[j], *g->state)) ParkBusy(recs[j]);
     }
+    g->held_elsewhere.clear();
   }
 
   Volume* vol_;

@@ -177,7 +177,10 @@ struct DedupStats {
   uint64_t busy_targets = 0;
   // Records whose share or clone needed an allocation group another
   // process or host holds (never waited for; docs/LOCKING.md "Increments
-  // without waiting"): kept in their shard's pending file for a later pass.
+  // without waiting"), merge requests whose post was held back (a busy
+  // request file or clone source), and records of files held elsewhere
+  // in a group parked so: kept in their shard's pending file for a later
+  // pass.
   uint64_t records_parked_busy = 0;  // each park counted (a revisit may park again)
   uint64_t shards_revisited = 0;     // rewritten again for their parked records
   // Merge requests (DeDe 3.3.2): Unique(G, c) with G held elsewhere. The

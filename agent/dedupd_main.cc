@@ -169,116 +169,50 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
       control_max_connections;
   bool no_write_monitor = false;
   po::options_description opts("options");
-  opts.add_options()("help,h", "show this help")("version", "print the version")(
-      "volume", po::value(&cfg->volume)->value_name("VOL"),
-      "volume: path or iscsi://host[:port]/iqn/lun")(
-      "host-id", po::value(&host_id)->value_name("N"),
-      "this host's slot on the volume (1..max-hosts)")(
-      "lease-path", po::value(&cfg->lease_path)->value_name("PATH"),
-      "sanlock volumes: the LUN as a path for sanlock (block device; in tests the file backing the "
-      "LUN); default VOL when VOL is a path")(
-      "lease-io-timeout", po::value(&lease_io_timeout)->value_name("SEC"),
-      "sanlock volumes: io_timeout of this host's lockspace membership when it joins (default: the "
-      "daemon's, 10); once joined, the membership keeps the io_timeout of the process that joined "
-      "first, and dedupd uses that one")(
-      "fence-after", po::value(&cfg->fence_after)->value_name("SEC"),
-      "sanlock volumes: stop (exit) when this host's lease was last seen renewed SEC seconds ago "
-      "(default 8 x io_timeout + 30, before other hosts may call this one dead at 8 x io_timeout + "
-      "60; at least 4 x io_timeout + 4; 0: that default)")(
-      "socket", po::value(&cfg->socket)->value_name("PATH"), "Unix socket to serve NBD on")(
-      "tcp-port", po::value(&tcp_port)->value_name("PORT"),
-      "also serve NBD on 127.0.0.1:PORT (0: any free port), to the local users the Unix socket "
-      "admits (root, its owner, members of its group)")(
-      "config", po::value(&config_file)->value_name("FILE"),
-      "read options from FILE (lines: name = value)")(
-      "threads", po::value(&threads)->value_name("N"), "worker threads for volume I/O (default 8)")(
-      "initiator-name", po::value(&cfg->initiator_name)->value_name("IQN"),
-      "iscsi:// volumes: the iSCSI initiator name to log in with, which the target's ACL must "
-      "admit (default: InitiatorName= in /etc/iscsi/initiatorname.iscsi, else "
-      "iqn.2026-11.org.dede:HOSTNAME)")(
-      "iscsi-sessions", po::value(&iscsi_sessions)->value_name("N"),
-      "iscsi:// volumes: sessions logged in to the LUN, each carrying one command at a time, so up "
-      "to N volume commands are in flight (default 4)")(
-      "sync-interval", po::value(&cfg->sync_interval)->value_name("SEC"),
-      "volume flush point every SEC seconds (default 1)")(
-      "log-flush-interval", po::value(&cfg->log_flush_interval)->value_name("SEC"),
-      "append buffered records to write logs every SEC seconds (default 30)")(
-      "log-flush-bytes", po::value(&flush_bytes)->value_name("SIZE"),
-      "flush a file's records once they fill SIZE of log (default 1M)")(
-      "monitor-memory", po::value(&memory)->value_name("SIZE"),
-      "memory cap of the write monitor's buffers (default 64M)")(
-      "write-log-limit", po::value(&write_log_limit)->value_name("PERCENT"),
-      "a file's write log may grow to PERCENT of the file's size (at least --write-log-min) before "
-      "it stops taking records and marks the whole file changed for the next dedup pass (default "
-      "3; 0: no limit)")("write-log-min", po::value(&write_log_min)->value_name("SIZE"),
-                         "the least size limit of a write log (default 4M)")(
-      "no-write-monitor", po::bool_switch(&no_write_monitor),
-      "serve without fingerprinting writes (benchmarks)")(
-      "read-ahead", po::value(&read_ahead)->value_name("SIZE"),
-      "after a sequential READ of up to SIZE with no other READ in flight, read the next one ahead "
-      "while the reply is sent (default 2M; 0: off)")(
-      "read-ahead-memory", po::value(&read_ahead_memory)->value_name("SIZE"),
-      "memory all read-ahead windows of this host may hold at once; a prefetch that does not fit "
-      "is skipped (default 64M)")(
-      "dedup-interval", po::value(&cfg->dedup_interval)->value_name("SEC"),
-      "run a dedup pass every SEC seconds (default 0: only when sent SIGUSR1)")(
-      "dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"),
-      "rewrite an index shard when its new records exceed F times its entries (default 0.05)")(
-      "split-after", po::value(&cfg->split_after)->value_name("SEC"),
-      "split an index shard whose last update took longer than SEC seconds at its next update, so "
-      "more hosts can update the index at once (default 30)")(
-      "open-wait", po::value(&cfg->open_wait)->value_name("SEC"),
-      "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC "
-      "seconds for it (default 30; a disk a running VM holds elsewhere fails after that; 0: no "
-      "wait)")("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"),
-               "on SIGTERM, a client that takes none of its replies for SEC seconds loses them and "
-               "is disconnected, so that a stuck client cannot keep the other disks' locks "
-               "(default 10; 0: at once, after 0.1 s)")(
-      "handshake-timeout", po::value(&cfg->handshake_timeout)->value_name("SEC"),
-      "an NBD client that has not entered an export and sends nothing for SEC seconds is "
-      "disconnected, so idle connections cannot hold every --max-connections slot (default 30; 0: "
-      "never)")("max-connections", po::value(&max_connections)->value_name("N"),
-                "NBD connections open at once; one more is closed as soon as it is accepted, and "
-                "counted (default 1024, and at most what the open-files limit leaves after 64 for "
-                "the volume and logs; TCP connections waiting for their user check count for TCP)")(
-      "nbd-memory", po::value(&nbd_memory)->value_name("SIZE"),
-      "memory the data of NBD READs and WRITEs (replies not yet sent, payloads, partly received "
-      "ones too) may take across all connections; a request that does not fit waits, its "
-      "connection reading nothing, until others finish, in arrival order; one larger than SIZE "
-      "runs alone (default 1G; each connection is also held to 64M)")(
-      "nbd-stall-timeout", po::value(&cfg->nbd_stall_timeout)->value_name("SEC"),
-      "an NBD client holding part of --nbd-memory (READ replies it does not take, a WRITE payload "
-      "it does not finish sending) that sends and receives nothing for SEC seconds is disconnected "
-      "while other connections wait for room; what it had not been answered for was never "
-      "acknowledged (default 60; 0: never)")(
-      "merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"),
-      "apply merge requests other hosts posted for the files served here every SEC seconds "
-      "(default 10; 0: only at dedup passes)")(
-      "window-interval", po::value(&cfg->window_interval)->value_name("SEC"),
-      "inside a policy window, start the next pass SEC seconds after the previous one ended "
-      "(default 600; 0: passes back to back, each as soon as the one before ends); after a failed "
-      "pass, scheduled passes wait at least 2 s, doubling with each failure in a row up to 300 s")(
-      "policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"),
-      "re-read the volume's dedup policy every SEC seconds (default 30); a re-read that finds it "
-      "locked is retried every second, up to 5 times")(
-      "control", po::value(&cfg->control)->value_name("PATH"),
-      "control socket for `dede status`, `dede set` on running exports and `dede dedup --now` "
-      "(default /run/dede/dedupd.ctl; 'off': none)")(
-      "control-max-connections", po::value(&control_max_connections)->value_name("N"),
-      "control connections open at once (default 64); one more takes the place of the connection "
-      "idle longest, if it has been idle for --control-idle-evict, else it is answered with a 'too "
-      "many control connections' error and closed, and counted")(
-      "control-idle-evict", po::value(&cfg->control_idle_evict)->value_name("SEC"),
-      "with --control-max-connections open, a new client takes the place of the connection that "
-      "has received, sent and run nothing for longest, once that is SEC seconds (default 10); idle "
-      "connections are never closed while no one needs their place")(
-      "history", po::value(&cfg->history)->value_name("PATH"),
-      "SQLite database of this host's passes, for `dede report` (default /var/lib/dede/history.db; "
-      "'off': none)")("metrics-port", po::value(&metrics_port)->value_name("PORT"),
-                      "serve Prometheus metrics on 127.0.0.1:PORT/metrics (default 9187; 0: any "
-                      "free port; 'off': none)")("log-level",
-                                                 po::value(&log_level)->value_name("LEVEL"),
-                                                 "debug, info, warning or error (default info)");
+  // One option per line:
+  // clang-format off
+  opts.add_options()
+      ("help,h", "show this help")
+      ("version", "print the version")
+      ("volume", po::value(&cfg->volume)->value_name("VOL"), "volume: path or iscsi://host[:port]/iqn/lun")
+      ("host-id", po::value(&host_id)->value_name("N"), "this host's slot on the volume (1..max-hosts)")
+      ("lease-path", po::value(&cfg->lease_path)->value_name("PATH"), "sanlock volumes: the LUN as a path for sanlock (block device; in tests the file backing the LUN); default VOL when VOL is a path")
+      ("lease-io-timeout", po::value(&lease_io_timeout)->value_name("SEC"), "sanlock volumes: io_timeout of this host's lockspace membership when it joins (default: the daemon's, 10); once joined, the membership keeps the io_timeout of the process that joined first, and dedupd uses that one")
+      ("fence-after", po::value(&cfg->fence_after)->value_name("SEC"), "sanlock volumes: stop (exit) when this host's lease was last seen renewed SEC seconds ago (default 8 x io_timeout + 30, before other hosts may call this one dead at 8 x io_timeout + 60; at least 4 x io_timeout + 4; 0: that default)")
+      ("socket", po::value(&cfg->socket)->value_name("PATH"), "Unix socket to serve NBD on")
+      ("tcp-port", po::value(&tcp_port)->value_name("PORT"), "also serve NBD on 127.0.0.1:PORT (0: any free port), to the local users the Unix socket admits (root, its owner, members of its group)")
+      ("config", po::value(&config_file)->value_name("FILE"), "read options from FILE (lines: name = value)")
+      ("threads", po::value(&threads)->value_name("N"), "worker threads for volume I/O (default 8)")
+      ("initiator-name", po::value(&cfg->initiator_name)->value_name("IQN"), "iscsi:// volumes: the iSCSI initiator name to log in with, which the target's ACL must admit (default: InitiatorName= in /etc/iscsi/initiatorname.iscsi, else iqn.2026-11.org.dede:HOSTNAME)")
+      ("iscsi-sessions", po::value(&iscsi_sessions)->value_name("N"), "iscsi:// volumes: sessions logged in to the LUN, each carrying one command at a time, so up to N volume commands are in flight (default 4)")
+      ("sync-interval", po::value(&cfg->sync_interval)->value_name("SEC"), "volume flush point every SEC seconds (default 1)")
+      ("log-flush-interval", po::value(&cfg->log_flush_interval)->value_name("SEC"), "append buffered records to write logs every SEC seconds (default 30)")
+      ("log-flush-bytes", po::value(&flush_bytes)->value_name("SIZE"), "flush a file's records once they fill SIZE of log (default 1M)")
+      ("monitor-memory", po::value(&memory)->value_name("SIZE"), "memory cap of the write monitor's buffers (default 64M)")
+      ("write-log-limit", po::value(&write_log_limit)->value_name("PERCENT"), "a file's write log may grow to PERCENT of the file's size (at least --write-log-min) before it stops taking records and marks the whole file changed for the next dedup pass (default 3; 0: no limit)")
+      ("write-log-min", po::value(&write_log_min)->value_name("SIZE"), "the least size limit of a write log (default 4M)")
+      ("no-write-monitor", po::bool_switch(&no_write_monitor), "serve without fingerprinting writes (benchmarks)")
+      ("read-ahead", po::value(&read_ahead)->value_name("SIZE"), "after a sequential READ of up to SIZE with no other READ in flight, read the next one ahead while the reply is sent (default 2M; 0: off)")
+      ("read-ahead-memory", po::value(&read_ahead_memory)->value_name("SIZE"), "memory all read-ahead windows of this host may hold at once; a prefetch that does not fit is skipped (default 64M)")
+      ("dedup-interval", po::value(&cfg->dedup_interval)->value_name("SEC"), "run a dedup pass every SEC seconds (default 0: only when sent SIGUSR1)")
+      ("dedup-fraction", po::value(&cfg->dedup_fraction)->value_name("F"), "rewrite an index shard when its new records exceed F times its entries (default 0.05)")
+      ("split-after", po::value(&cfg->split_after)->value_name("SEC"), "split an index shard whose last update took longer than SEC seconds at its next update, so more hosts can update the index at once (default 30)")
+      ("open-wait", po::value(&cfg->open_wait)->value_name("SEC"), "a client opening a disk that another host's dedup pass holds for a moment waits up to SEC seconds for it (default 30; a disk a running VM holds elsewhere fails after that; 0: no wait)")
+      ("drain-timeout", po::value(&cfg->drain_timeout)->value_name("SEC"), "on SIGTERM, a client that takes none of its replies for SEC seconds loses them and is disconnected, so that a stuck client cannot keep the other disks' locks (default 10; 0: at once, after 0.1 s)")
+      ("handshake-timeout", po::value(&cfg->handshake_timeout)->value_name("SEC"), "an NBD client that has not entered an export and sends nothing for SEC seconds is disconnected, so idle connections cannot hold every --max-connections slot (default 30; 0: never)")
+      ("max-connections", po::value(&max_connections)->value_name("N"), "NBD connections open at once; one more is closed as soon as it is accepted, and counted (default 1024, and at most what the open-files limit leaves after 64 for the volume and logs; TCP connections waiting for their user check count for TCP)")
+      ("nbd-memory", po::value(&nbd_memory)->value_name("SIZE"), "memory the data of NBD READs and WRITEs (replies not yet sent, payloads, partly received ones too) may take across all connections; a request that does not fit waits, its connection reading nothing, until others finish, in arrival order; one larger than SIZE runs alone (default 1G; each connection is also held to 64M)")
+      ("nbd-stall-timeout", po::value(&cfg->nbd_stall_timeout)->value_name("SEC"), "an NBD client holding part of --nbd-memory (READ replies it does not take, a WRITE payload it does not finish sending) that sends and receives nothing for SEC seconds is disconnected while other connections wait for room; what it had not been answered for was never acknowledged (default 60; 0: never)")
+      ("merge-interval", po::value(&cfg->merge_interval)->value_name("SEC"), "apply merge requests other hosts posted for the files served here every SEC seconds (default 10; 0: only at dedup passes)")
+      ("window-interval", po::value(&cfg->window_interval)->value_name("SEC"), "inside a policy window, start the next pass SEC seconds after the previous one ended (default 600; 0: passes back to back, each as soon as the one before ends); after a failed pass, scheduled passes wait at least 2 s, doubling with each failure in a row up to 300 s")
+      ("policy-refresh", po::value(&cfg->policy_refresh)->value_name("SEC"), "re-read the volume's dedup policy every SEC seconds (default 30); a re-read that finds it locked is retried every second, up to 5 times")
+      ("control", po::value(&cfg->control)->value_name("PATH"), "control socket for `dede status`, `dede set` on running exports and `dede dedup --now` (default /run/dede/dedupd.ctl; 'off': none)")
+      ("control-max-connections", po::value(&control_max_connections)->value_name("N"), "control connections open at once (default 64); one more takes the place of the connection idle longest, if it has been idle for --control-idle-evict, else it is answered with a 'too many control connections' error and closed, and counted")
+      ("control-idle-evict", po::value(&cfg->control_idle_evict)->value_name("SEC"), "with --control-max-connections open, a new client takes the place of the connection that has received, sent and run nothing for longest, once that is SEC seconds (default 10); idle connections are never closed while no one needs their place")
+      ("history", po::value(&cfg->history)->value_name("PATH"), "SQLite database of this host's passes, for `dede report` (default /var/lib/dede/history.db; 'off': none)")
+      ("metrics-port", po::value(&metrics_port)->value_name("PORT"), "serve Prometheus metrics on 127.0.0.1:PORT/metrics (default 9187; 0: any free port; 'off': none)")
+      ("log-level", po::value(&log_level)->value_name("LEVEL"), "debug, info, warning or error (default info)");
+  // clang-format on
   po::variables_map vm;
   try {
     po::store(po::command_line_parser(argc, argv).options(opts).run(), vm);
@@ -822,10 +756,10 @@ int Run(const Config& cfg) {
                  << st->shared_hits << " shared again, " << st->merge_requests_posted
                  << " merge requests posted (" << st->merge_posts_busy << " posts busy), "
                  << st->merge_requests_applied << " applied, " << st->zero_blocks_freed
-                 << " zero blocks freed, " << st->files_busy << " files busy ("
-                 << st->busy_targets << " records of files busy skipped), "
-                 << st->files_given_back << " given back to waiting clients, "
-                 << st->records_parked_busy << " records parked (allocation group busy elsewhere; "
+                 << " zero blocks freed, " << st->files_busy << " files busy (" << st->busy_targets
+                 << " records of files busy skipped), " << st->files_given_back
+                 << " given back to waiting clients, " << st->records_parked_busy
+                 << " records parked (allocation group or request file busy elsewhere; "
                  << st->shards_revisited << " shards revisited), " << st->gc_checks_busy
                  << " garbage checks left for later (group busy), " << st->zero_blocks_busy
                  << " zero-block punches, " << st->arena_punches_busy << " arena punches and "

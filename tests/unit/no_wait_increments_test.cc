@@ -27,6 +27,8 @@
 
 #include "agent/dedup_pass.h"
 #include "index/shard_format.h"
+#include "index/shard_io.h"
+#include "index/shard_map.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "merge/merge_request.h"
@@ -456,6 +458,90 @@ TEST_CASE("a dedup pass parks records whose group another host holds and a later
     CHECK(ReadBlock(y.get(), 5) == Content(1000));
   }
   CHECK_FALSE(h.Announced(1));
+  hf.reset();
+  h.FinishOnHost1();
+}
+
+TEST_CASE(
+    "a record of a file another host holds is parked with its busy group and gets a merge "
+    "request once the entry is shared",
+    "[dedup][nowait][merge]") {
+  // Parked with the anchor's group busy, the records of files held
+  // elsewhere used to be dropped (busy_targets): the holder's own passes
+  // never see them again, so their blocks stayed unshared for good.
+  Hosts h;
+  WriteMonitorOptions mo;
+  mo.algo = h.v1->superblock().hash_algo;
+  WriteMonitor monitor(mo);
+  constexpr uint64_t kFileBlocks = 32;
+  std::vector<uint64_t> xs, ys;
+  for (uint64_t b = 0; b < kFileBlocks; b++) {
+    xs.push_back(b == 3 ? 1000 : 100 + b);
+    ys.push_back(b == 5 ? 1000 : 200 + b);
+  }
+  Hosts::Make(h.v2.get(), "x", xs, &monitor);
+  Hosts::Make(h.v2.get(), "y", ys, &monitor);
+  // Host 2 also runs "q" (never logged), whose block 0 holds content
+  // 1000; a record of it waits in its shard's pending file.
+  Hosts::Make(h.v2.get(), "q", {1000, 301, 302});
+  std::unique_ptr<File> q = OpenOn(h.v2.get(), "q");
+  {
+    const Superblock& sb = h.v2->superblock();
+    const FpKey key = KeyOf(ComputeFingerprint(sb.hash_algo, Content(1000).data(), kB));
+    auto m = LoadShardMap(h.v2.get());
+    REQUIRE(m.ok());
+    const ShardSlot* slot = nullptr;
+    for (const ShardSlot& sl : m->live) {
+      if (sl.range.Contains(KeyPrefix(key))) slot = &sl;
+    }
+    REQUIRE(slot != nullptr);
+    const std::string pname = PendingFileName(slot->range);
+    Result<FileId> made = h.v2->Create(pname, 0, FileKind::kIndexShard);
+    REQUIRE((made.ok() || made.status().code() == Status::Code::kExists));
+    auto pf = h.v2->OpenFile(pname);
+    REQUIRE(pf.ok());
+    REQUIRE(AppendPendingFrame(pf->get(), {PendingRecord{key, q->id(), 0}}, sb.hash_algo, sb.uuid)
+                .ok());
+  }
+  std::unique_ptr<File> hf = h.Host2TakesItsGroup();
+
+  DedupOptions opts;
+  std::set<uint64_t> busy_parked;
+  opts.busy_parked_shards = &busy_parked;
+  opts.busy_revisits = 0;  // host 2 reaches no flush point during the pass
+  {
+    VolumeFileAccess access(h.v1.get());
+    auto pass = RunDedupPass(h.v1.get(), &access, opts);
+    INFO("pass: " << pass.status().ToString());
+    REQUIRE(pass.ok());
+    CHECK(pass->shared_new == 0);
+    // y:5 (the anchor held back) and q:0 with it (before: dropped).
+    CHECK(pass->records_parked_busy == 2);
+    CHECK(pass->busy_targets == 0);
+    CHECK(pass->merge_requests_posted == 0);
+  }
+  // Host 2 hands group 1 over; the next pass shares y:5 with x:3 through
+  // the arena, and asks host 2 to share q:0.
+  REQUIRE(h.v2->Sync().ok());
+  PastBusyMemo();
+  {
+    VolumeFileAccess access(h.v1.get());
+    auto pass = RunDedupPass(h.v1.get(), &access, opts);
+    INFO("pass: " << pass.status().ToString());
+    REQUIRE(pass.ok());
+    CHECK(pass->shared_new == 1);
+    CHECK(pass->records_parked_busy == 0);
+    CHECK(pass->merge_requests_posted == 1);
+  }
+  auto applied = ApplyMergeRequests(h.v2.get(), q.get(), VerifyMode::kByteCompare);
+  INFO(applied.status().ToString());
+  REQUIRE(applied.ok());
+  CHECK(applied->applied == 1);
+  CHECK(ReadBlock(q.get(), 0) == Content(1000));
+  auto refs = q->BlockRefCount(0);
+  REQUIRE(refs.ok());
+  CHECK(*refs == 4);  // x, y, q and the arena
+  q.reset();
   hf.reset();
   h.FinishOnHost1();
 }

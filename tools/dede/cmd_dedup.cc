@@ -278,7 +278,7 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
             << s.merge_posts_busy << " posts busy; " << s.merge_requests_applied << " applied, "
             << s.merge_requests_failed_verification << " failed verification, "
             << s.merge_requests_stale << " stale, " << s.merge_requests_busy << " held back"
-            << "\n  parked (group busy) " << s.records_parked_busy << " records ("
+            << "\n  parked (busy)       " << s.records_parked_busy << " records ("
             << s.shards_revisited << " shard revisits)"
             << "\n  shards              " << s.shards_rewritten << " rewritten, "
             << s.shards_deferred << " deferred, " << s.shards_split << " split"
