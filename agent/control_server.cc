@@ -345,8 +345,9 @@ class ControlConnection : public std::enable_shared_from_this<ControlConnection>
   bool writing_ = false;
   bool closing_ = false;  // close once the replies are out
   bool closed_ = false;
-  // Written on strand_, read by the accept handler (IdleNs): when a byte
-  // last came or went or a handler last returned, and whether one runs.
+  // Written on strand_, read by the accept handler (LastActivityNs): when
+  // bytes last came, a reply was last written out or a handler last
+  // returned, and whether one runs.
   std::atomic<int64_t> last_activity_ns_{SteadyNowNs()};
   std::atomic<bool> handling_{false};
 };
