@@ -2084,13 +2084,8 @@ class Pass {
           // the group's records of files held elsewhere with it.
           RETURN_IF_ERROR(UndoAnchor(arena, g.anchor_arena));
           ParkBusy(ar);
+          AddHeldAfterAnchor(&g, recs);
           ParkHeldElsewhere(&g, recs);
-          for (size_t j = g.anchor_record + 1; j < g.end; j++) {
-            PassFile& pf = files_[recs[j].file];
-            Result<FileAccess::Handle> h = Open(&pf);
-            if (h.ok() || h.status().code() != Status::Code::kLocked || pf.given_back) continue;
-            if (!IsIndexedBlock(recs[j], *g.state)) ParkBusy(recs[j]);
-          }
         } else if (shared_with[c.group] == 0) {
           // Nothing else holds this content any more: the indexed block is
           // stale, and the anchor becomes the hint (not shared with the
@@ -2186,18 +2181,22 @@ class Pass {
   // elsewhere.
   void AskHoldersOfTheRest(Group* g, const std::vector<PassRecord>& recs,
                            const IndexEntry& indexed) {
-    auto ask = [&](const PassRecord& r) {
-      if (IsIndexedBlock(r, indexed)) return;
-      AskHolderToShare(r, g->anchor_arena);
-    };
-    for (size_t j : g->held_elsewhere) ask(recs[j]);
+    AddHeldAfterAnchor(g, recs);
+    for (size_t j : g->held_elsewhere) {
+      if (!IsIndexedBlock(recs[j], indexed)) AskHolderToShare(recs[j], g->anchor_arena);
+    }
     g->held_elsewhere.clear();
+  }
+  // Adds to held_elsewhere the group's records after its anchor whose
+  // files are held elsewhere (planning skipped them; those given back
+  // during this pass were parked when planned).
+  void AddHeldAfterAnchor(Group* g, const std::vector<PassRecord>& recs) {
     for (size_t j = g->anchor_record + 1; j < g->end; j++) {
       PassFile& pf = files_[recs[j].file];
       Result<FileAccess::Handle> h = Open(&pf);
-      // Given back: parked when planned.
-      if (h.ok() || h.status().code() != Status::Code::kLocked || pf.given_back) continue;
-      ask(recs[j]);
+      if (!h.ok() && h.status().code() == Status::Code::kLocked && !pf.given_back) {
+        g->held_elsewhere.push_back(j);
+      }
     }
   }
   // Whether `r` is the block a Unique entry names (G:c itself).
