@@ -24,12 +24,11 @@
 
 #include "agent/dedup_pass.h"
 #include "index/shard_format.h"
-#include "index/shard_io.h"
-#include "index/shard_map.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "tests/dedup_accounting.h"
 #include "tests/forwarding_locks.h"
+#include "tests/pending_records.h"
 #include "tests/process_device.h"
 #include "tests/temp_locks.h"
 #include "util/coding.h"
@@ -1026,24 +1025,7 @@ TEST_CASE("a parked record of a file another host holds gets a merge request whe
   }
   FlushLog(t.a_.get(), t.monitor_a_.get(), *qid);
   const std::vector<uint8_t> expected_q = ReadAll(q->get());
-  const Superblock& sb = t.a_->superblock();
-  const FpKey key = KeyOf(ComputeFingerprint(sb.hash_algo, Content(kC).data(), kB));
-  {
-    auto m = LoadShardMap(t.a_.get());
-    REQUIRE(m.ok());
-    const ShardSlot* slot = nullptr;
-    for (const ShardSlot& sl : m->live) {
-      if (sl.range.Contains(KeyPrefix(key))) slot = &sl;
-    }
-    REQUIRE(slot != nullptr);
-    const std::string pname = PendingFileName(slot->range);
-    Result<FileId> made = t.a_->Create(pname, 0, FileKind::kIndexShard);
-    REQUIRE((made.ok() || made.status().code() == Status::Code::kExists));
-    auto pf = t.a_->OpenFile(pname);
-    REQUIRE(pf.ok());
-    REQUIRE(AppendPendingFrame(pf->get(), {PendingRecord{key, *qid, 2}}, sb.hash_algo, sb.uuid)
-                .ok());
-  }
+  test::ParkPendingRecord(t.a_.get(), Content(kC).data(), *qid, 2);
   t.AGoesIdle();
   if (!y_first) t.HostBWritesY();
   REQUIRE((t.y_id_.ino < qid->ino) == y_first);

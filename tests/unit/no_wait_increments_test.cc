@@ -27,13 +27,12 @@
 
 #include "agent/dedup_pass.h"
 #include "index/shard_format.h"
-#include "index/shard_io.h"
-#include "index/shard_map.h"
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "merge/merge_request.h"
 #include "tests/dedup_accounting.h"
 #include "tests/fsck_problems.h"
+#include "tests/pending_records.h"
 #include "volume/fsck.h"
 #include "volume/lock_manager.h"
 #include "volume/mem_device.h"
@@ -160,6 +159,19 @@ struct Hosts {
       REQUIRE(AppendToWriteLog(vol, monitor->Take(*id)).ok());
       REQUIRE(vol->Sync().ok());
     }
+  }
+
+  // Host 2 writes (and logs) "x" and "y", `blocks` blocks each, closed:
+  // their blocks are in group 1, and they share content 1000 at x:3 and
+  // y:5 (content 100 + b and 200 + b elsewhere).
+  void Host2MakesXAndY(uint64_t blocks, WriteMonitor* monitor) {
+    std::vector<uint64_t> xs, ys;
+    for (uint64_t b = 0; b < blocks; b++) {
+      xs.push_back(b == 3 ? 1000 : 100 + b);
+      ys.push_back(b == 5 ? 1000 : 200 + b);
+    }
+    Make(v2.get(), "x", xs, monitor);
+    Make(v2.get(), "y", ys, monitor);
   }
 
   // Host 2 writes a file of its own and keeps it open: it holds the group
@@ -365,13 +377,7 @@ TEST_CASE("a dedup pass parks records whose group another host holds and a later
   // 32 blocks each: 63 entries, so one parked record is well below the
   // batching fraction (5%) and only the busy-parked hint gets it applied.
   constexpr uint64_t kFileBlocks = 32;
-  std::vector<uint64_t> xs, ys;
-  for (uint64_t b = 0; b < kFileBlocks; b++) {
-    xs.push_back(b == 3 ? 1000 : 100 + b);
-    ys.push_back(b == 5 ? 1000 : 200 + b);
-  }
-  Hosts::Make(h.v2.get(), "x", xs, &monitor);
-  Hosts::Make(h.v2.get(), "y", ys, &monitor);
+  h.Host2MakesXAndY(kFileBlocks, &monitor);
   std::unique_ptr<File> hf = h.Host2TakesItsGroup();
 
   auto physical = [&]() {
@@ -474,35 +480,12 @@ TEST_CASE(
   mo.algo = h.v1->superblock().hash_algo;
   WriteMonitor monitor(mo);
   constexpr uint64_t kFileBlocks = 32;
-  std::vector<uint64_t> xs, ys;
-  for (uint64_t b = 0; b < kFileBlocks; b++) {
-    xs.push_back(b == 3 ? 1000 : 100 + b);
-    ys.push_back(b == 5 ? 1000 : 200 + b);
-  }
-  Hosts::Make(h.v2.get(), "x", xs, &monitor);
-  Hosts::Make(h.v2.get(), "y", ys, &monitor);
+  h.Host2MakesXAndY(kFileBlocks, &monitor);
   // Host 2 also runs "q" (never logged), whose block 0 holds content
   // 1000; a record of it waits in its shard's pending file.
   Hosts::Make(h.v2.get(), "q", {1000, 301, 302});
   std::unique_ptr<File> q = OpenOn(h.v2.get(), "q");
-  {
-    const Superblock& sb = h.v2->superblock();
-    const FpKey key = KeyOf(ComputeFingerprint(sb.hash_algo, Content(1000).data(), kB));
-    auto m = LoadShardMap(h.v2.get());
-    REQUIRE(m.ok());
-    const ShardSlot* slot = nullptr;
-    for (const ShardSlot& sl : m->live) {
-      if (sl.range.Contains(KeyPrefix(key))) slot = &sl;
-    }
-    REQUIRE(slot != nullptr);
-    const std::string pname = PendingFileName(slot->range);
-    Result<FileId> made = h.v2->Create(pname, 0, FileKind::kIndexShard);
-    REQUIRE((made.ok() || made.status().code() == Status::Code::kExists));
-    auto pf = h.v2->OpenFile(pname);
-    REQUIRE(pf.ok());
-    REQUIRE(AppendPendingFrame(pf->get(), {PendingRecord{key, q->id(), 0}}, sb.hash_algo, sb.uuid)
-                .ok());
-  }
+  test::ParkPendingRecord(h.v2.get(), Content(1000).data(), q->id(), 0);
   std::unique_ptr<File> hf = h.Host2TakesItsGroup();
 
   DedupOptions opts;
