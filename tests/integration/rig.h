@@ -50,7 +50,8 @@ int StartProcess(const std::vector<std::string>& argv, const std::vector<std::st
 // bytes) for test failure messages.
 std::string DescribeRun(const std::vector<std::string>& argv, const ProcessResult& r);
 
-// The whole content of a file (empty if it cannot be read).
+// The whole content of a file (empty if it cannot be opened; what was
+// read before an error if a read fails).
 std::vector<uint8_t> ReadWholeFile(const std::string& path);
 
 // Path of a binary built by this project, e.g. BinaryPath("dede").
