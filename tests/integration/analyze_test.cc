@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "tests/integration/rig.h"
+#include "tests/random_bytes.h"
 
 namespace dede {
 namespace {
@@ -77,10 +78,7 @@ std::string ReadWholeFile(const std::string& path) {
 std::string RandomBlock(uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::string s(kBlk, '\0');
-  for (size_t i = 0; i < kBlk; i += 8) {
-    uint64_t w = rng();
-    std::memcpy(s.data() + i, &w, 8);
-  }
+  dede::test::FillRandom(rng, s.data(), s.size());
   return s;
 }
 

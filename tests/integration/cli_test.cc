@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "tests/integration/rig.h"
+#include "tests/random_bytes.h"
 #include "util/coding.h"
 #include "util/fingerprint.h"
 #include "volume/format.h"
@@ -136,10 +137,7 @@ std::string Digest(const std::string& path) {
 std::string RandomBytes(size_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::string s(n, '\0');
-  for (size_t i = 0; i < n; i += 8) {
-    uint64_t w = rng();
-    std::memcpy(s.data() + i, &w, std::min<size_t>(8, n - i));
-  }
+  dede::test::FillRandom(rng, s.data(), s.size());
   return s;
 }
 

@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "tests/integration/rig.h"
+#include "tests/random_bytes.h"
 #include "volume/block_device.h"
 
 using dede::BlockDevice;
@@ -80,10 +81,7 @@ std::unique_ptr<BlockDevice> MustOpen(const std::string& url, DeviceOptions opts
 std::vector<uint8_t> RandomBytes(size_t n, uint64_t seed) {
   std::mt19937_64 gen(seed);
   std::vector<uint8_t> v(n);
-  for (size_t i = 0; i < n; i += 8) {
-    uint64_t x = gen();
-    std::memcpy(v.data() + i, &x, std::min<size_t>(8, n - i));
-  }
+  dede::test::FillRandom(gen, v.data(), v.size());
   return v;
 }
 

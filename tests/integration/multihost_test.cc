@@ -7,6 +7,7 @@
 // cutting the veth cuts it off). VM disks are written through each host's
 // NBD exports with qemu-img and qemu-io.
 #include "tests/integration/multihost_cluster.h"
+#include "tests/random_bytes.h"
 #include "volume/format.h"
 #include "volume/lock_manager.h"
 
@@ -624,10 +625,7 @@ TEST_CASE("a dede command killed on a live host leaves its locks marked dead, no
   // A long import on host 1, killed once it holds a host slot of its own.
   std::vector<uint8_t> image(192ull << 20);
   std::mt19937_64 rng(33);
-  for (size_t i = 0; i < image.size(); i += 8) {
-    const uint64_t v = rng();
-    std::memcpy(image.data() + i, &v, 8);
-  }
+  dede::test::FillRandom(rng, image.data(), image.size());
   const std::string img = c.rig().dir().file("big.img");
   WriteFile(img, image);
   image.clear();

@@ -11,6 +11,7 @@
 #include <random>
 
 #include "tests/integration/rig.h"
+#include "tests/random_bytes.h"
 #include "volume/block_device.h"
 #include "volume/fsck.h"
 #include "volume/volume.h"
@@ -24,10 +25,7 @@ constexpr uint64_t kFileBlocks = 600;  // > 508: two-level block maps
 // Deterministic content of block `b` of worker `w` after round `r`.
 void Fill(uint8_t* p, int w, int r, uint64_t b) {
   std::mt19937_64 rng((uint64_t(w) << 40) ^ (uint64_t(r) << 20) ^ b);
-  for (size_t i = 0; i < kBlockSize; i += 8) {
-    uint64_t v = rng();
-    std::memcpy(p + i, &v, 8);
-  }
+  dede::test::FillRandom(rng, p, kBlockSize);
 }
 
 // A worker: owns file "w<w>"; each round rewrites a seeded subset of blocks,

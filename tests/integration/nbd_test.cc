@@ -31,6 +31,7 @@
 #include "agent/dedup_policy.h"
 #include "kmod/writemon/write_log.h"
 #include "tests/integration/rig.h"
+#include "tests/random_bytes.h"
 #include "tests/socket_client.h"
 #include "volume/fsck.h"
 #include "volume/volume.h"
@@ -94,10 +95,7 @@ std::vector<uint8_t> MakeImage(uint64_t size, uint32_t seed) {
         break;
       }
       default:
-        for (uint64_t i = 0; i < run; i += 8) {
-          uint64_t v = rng();
-          std::memcpy(&img[off + i], &v, std::min<uint64_t>(8, run - i));
-        }
+        dede::test::FillRandom(rng, &img[off], run);
     }
     off += run;
   }

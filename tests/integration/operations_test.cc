@@ -23,6 +23,7 @@
 #include "kmod/writemon/write_log.h"
 #include "tests/index_entries.h"
 #include "tests/integration/rig.h"
+#include "tests/random_bytes.h"
 #include "volume/volume.h"
 
 namespace dede {
@@ -76,10 +77,7 @@ void PassNow(const std::string& vol, const DedupdProcess& d) {
 void WriteRandomFile(const std::string& path, uint64_t bytes, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<uint8_t> data(bytes);
-  for (size_t i = 0; i < bytes; i += 8) {
-    const uint64_t v = rng();
-    std::memcpy(data.data() + i, &v, 8);
-  }
+  dede::test::FillRandom(rng, data.data(), data.size());
   std::ofstream(path, std::ios::binary).write(reinterpret_cast<const char*>(data.data()),
                                               std::streamsize(data.size()));
 }

@@ -39,6 +39,7 @@
 #include <vector>
 
 #include "tests/integration/rig.h"
+#include "tests/random_bytes.h"
 #include "volume/block_device.h"
 #include "volume/fsck.h"
 #include "volume/volume.h"
@@ -184,10 +185,7 @@ class Gen {
         k += n;
       }
     } else {
-      for (uint64_t k = 0; k < len; k += 8) {
-        uint64_t w = rng_();
-        std::memcpy(buf.data() + k, &w, std::min<uint64_t>(8, len - k));
-      }
+      dede::test::FillRandom(rng_, buf.data(), len);
     }
     std::string what = "write " + m.name + " off=" + std::to_string(off) + " len=" +
                        std::to_string(len);

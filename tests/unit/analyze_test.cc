@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "tests/random_bytes.h"
+
 using namespace dede::analyze;
 
 namespace {
@@ -76,10 +78,7 @@ void Feed(Analyzer& a, const std::vector<std::string>& images) {
 
 std::string RandomBlock(std::mt19937_64& rng) {
   std::string s(kBaseBlock, '\0');
-  for (size_t i = 0; i < s.size(); i += 8) {
-    uint64_t w = rng();
-    std::memcpy(s.data() + i, &w, 8);
-  }
+  dede::test::FillRandom(rng, s.data(), s.size());
   return s;
 }
 

@@ -6,9 +6,9 @@
 
 #include <atomic>
 #include <catch2/catch.hpp>
-#include <functional>
 #include <chrono>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <random>
 #include <set>
@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "kmod/writemon/write_log.h"
+#include "tests/random_bytes.h"
 #include "volume/format.h"
 
 using namespace dede;
@@ -904,10 +905,7 @@ TEST_CASE("writemon: threads on different files", "[writemon]") {
       for (int i = 0; i < 3000; i++) {
         const uint64_t b = rng() % (kBlocks - 16);
         const uint64_t n = 1 + rng() % 16;
-        for (size_t k = 0; k < n * kB; k += 8) {
-          const uint64_t v = rng();
-          std::memcpy(buf.data() + k, &v, 8);
-        }
+        dede::test::FillRandom(rng, buf.data(), n * kB);
         if (rng() % 10 == 0) {
           m.OnInvalidate(id, b * kB, n * kB);
           for (uint64_t k = 0; k < n; k++) truth[t].erase(b + k);
@@ -960,10 +958,7 @@ TEST_CASE("writemon: threads on one file, disjoint blocks", "[writemon]") {
       for (int i = 0; i < 3000; i++) {
         const uint64_t n = 1 + rng() % 8;
         const uint64_t b = base + rng() % (kSpan - n);
-        for (size_t k = 0; k < n * kB; k += 8) {
-          const uint64_t v = rng();
-          std::memcpy(buf.data() + k, &v, 8);
-        }
+        dede::test::FillRandom(rng, buf.data(), n * kB);
         if (rng() % 8 == 0) {
           m.OnInvalidate(kF, b * kB + 1, n * kB - 2);  // touches the same n blocks
           for (uint64_t k = 0; k < n; k++) truth[t].erase(b + k);
@@ -1122,10 +1117,7 @@ TEST_CASE("writemon: writes during an unlocked coalesce stay newer", "[writemon]
           for (int i = 0; i < 40000; i++) {
             const uint64_t n = 1 + rng() % 4;
             const uint64_t b = base + rng() % (kSpan - n);
-            for (size_t k = 0; k < n * kB; k += 8) {
-              const uint64_t v = rng();
-              std::memcpy(buf.data() + k, &v, 8);
-            }
+            dede::test::FillRandom(rng, buf.data(), n * kB);
             if (mixed && rng() % 16 == 0) {
               m.OnInvalidate(kF, b * kB, n * kB);
               for (uint64_t k = 0; k < n; k++) truth[t].erase(b + k);
@@ -1174,10 +1166,7 @@ TEST_CASE("writemon: backing off from a shuffled sequential writer, then hot rew
   std::vector<uint8_t> buf(16 * kB);
   std::map<uint64_t, Fingerprint> truth, log;
   auto write = [&](uint64_t block, uint64_t n) {
-    for (size_t k = 0; k < n * kB; k += 8) {
-      const uint64_t v = rng();
-      std::memcpy(buf.data() + k, &v, 8);
-    }
+    dede::test::FillRandom(rng, buf.data(), n * kB);
     clock.Advance(kMs);
     m.OnWrite(kF, block * kB, buf.data(), n * kB);
     for (uint64_t k = 0; k < n; k++) truth[block + k] = Fp(o.algo, buf.data() + k * kB);
