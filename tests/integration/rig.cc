@@ -319,9 +319,12 @@ std::vector<uint8_t> ReadWholeFile(const std::string& path) {
   std::vector<uint8_t> data;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return data;
-  struct stat st {};
-  if (::fstat(fd, &st) == 0 && st.st_size > 0) data.reserve(static_cast<size_t>(st.st_size));
   constexpr size_t kChunk = 1 << 20;
+  struct stat st {};
+  // Room for the read that finds the end too: no copy of the whole image.
+  if (::fstat(fd, &st) == 0 && st.st_size > 0) {
+    data.reserve(static_cast<size_t>(st.st_size) + kChunk);
+  }
   for (;;) {
     const size_t have = data.size();
     data.resize(have + kChunk);
