@@ -13,6 +13,7 @@
 #include <thread>
 
 #include "index/shard_format.h"
+#include "util/bytes.h"
 #include "util/coding.h"
 
 namespace dede {
@@ -259,13 +260,6 @@ bool KnownPriority(uint32_t v) {
          v <= static_cast<uint32_t>(DedupPriority::kNormal);
 }
 
-bool AllZero(const uint8_t* p, size_t n) {
-  for (size_t i = 0; i < n; i++) {
-    if (p[i] != 0) return false;
-  }
-  return true;
-}
-
 // ------------------------------------------------------------ the file
 
 // What one slot of the policy file holds.
@@ -302,7 +296,7 @@ Result<PolicyFileContent> ReadPolicyFile(Volume* vol, File* f) {
     if (info.size < uint64_t(slot + 1) * kBlockSize) continue;
     RETURN_IF_ERROR(f->Read(uint64_t(slot) * kBlockSize, blk.data(), kBlockSize));
     // Never written: the file is created with holes, which read as zeros.
-    if (AllZero(blk.data(), kBlockSize)) continue;
+    if (IsAllZero(blk.data(), kBlockSize)) continue;
     Result<DedupPolicy> p = DecodePolicyBlock(blk.data(), uuid, info.id, slot);
     if (p.ok()) {
       sc.state = SlotContent::State::kValid;

@@ -264,6 +264,12 @@ inline constexpr uint32_t kInodeInUse = 1u << 0;
 inline constexpr uint32_t kInodeDedupOff = 1u << 1;
 inline constexpr uint32_t kInodeKnownFlags = kInodeInUse | kInodeDedupOff;
 
+// The file listing ends at the first run of this many never-written
+// (all-zero) inode blocks: creates take the lowest free inode, so such a
+// run has no used inode after it (docs/FORMAT.md, section 1). fsck
+// reports a used inode past it, which no listing or lookup would find.
+inline constexpr uint64_t kInodeListingEndRun = 256;
+
 // What a file is for (never renumber; later issues store their structures
 // as ordinary files of these kinds).
 enum class FileKind : uint16_t {

@@ -17,6 +17,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "util/bytes.h"
 #include "util/coding.h"
 #include "volume/volume_impl.h"
 
@@ -24,13 +25,6 @@ namespace dede {
 
 namespace {
 constexpr size_t kMaxListed = 1000;
-
-bool AllZeroBlock(const uint8_t* p) {
-  for (size_t i = 0; i < kBlockSize; i++) {
-    if (p[i]) return false;
-  }
-  return true;
-}
 
 // What a leaked block holds, so that a report says what lost its
 // reference: the structure named by a "DD.." magic with its header's level
@@ -350,10 +344,25 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     inode_locked[ino] = true;
     return Status::Ok();
   };
+  // The listing's end (kInodeListingEndRun, format.h): the listing stops
+  // at the first run of that many never-written inodes, so a file past it
+  // is in no `dede ls`, create or lookup (a zeroed stretch of the table;
+  // creates never leave such a run below a used inode). Its repair writes
+  // cleared inodes into the never-written ones below the last such file,
+  // so that the listing reaches it again.
+  uint64_t unwritten_run = 0;
+  uint64_t listing_end = 0;             // the listing's last inode; 0: it reads the whole table
+  std::vector<uint64_t> never_written;  // from listing_end on (the rest is listed)
+  std::vector<std::pair<uint64_t, std::string>> unlisted;  // used, past listing_end
   for (uint64_t ino = 1; ino <= sb_.inode_count; ino++) {
     const uint64_t addr = sb_.InodeBlock(ino);
     RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, buf.get(), kBlockSize));
-    if (AllZeroBlock(buf.get())) continue;
+    if (IsAllZero(buf.get(), kBlockSize)) {
+      if (listing_end == 0 && ++unwritten_run == kInodeListingEndRun) listing_end = ino;
+      if (listing_end != 0) never_written.push_back(ino);
+      continue;
+    }
+    if (listing_end == 0) unwritten_run = 0;
     auto in = DecodeInode(buf.get(), sb_.uuid, addr);
     if (in.status().code() == Status::Code::kUnsupported) {
       return in.status().WithContext("fsck stops: inode " + std::to_string(ino) +
@@ -361,9 +370,28 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     }
     const bool valid = in.ok() && in->ino == ino;
     if (valid && !in->in_use()) continue;
+    if (valid && listing_end != 0) unlisted.emplace_back(ino, in->name);
     RETURN_IF_ERROR(lock_inode(
         ino, valid ? "file '" + in->name + "'" : "inode " + std::to_string(ino) + " (damaged)"));
   }
+  // The run that ends the listing, and the never-written inodes after it
+  // up to the last unlisted file: what a repair fills.
+  std::vector<uint64_t> to_fill;
+  if (!unlisted.empty()) {
+    for (uint64_t ino = listing_end - kInodeListingEndRun + 1; ino <= listing_end; ino++) {
+      to_fill.push_back(ino);
+    }
+    for (uint64_t ino : never_written) {
+      if (ino > listing_end && ino < unlisted.back().first) to_fill.push_back(ino);
+    }
+    // Locked like the files: a repair writes them (nobody else can, with
+    // the namespace lock ours; a create takes it first).
+    for (size_t i = 0; repair && i < to_fill.size(); i++) {
+      RETURN_IF_ERROR(lock_inode(to_fill[i], "inode " + std::to_string(to_fill[i])));
+    }
+  }
+  never_written.clear();
+  never_written.shrink_to_fit();
   // Rule 2 (recover before reading): a holder that died since our scan
   // above left its changes to these files in its journal.
   if (Status rec = RecoverDeadHosts(); !rec.ok()) {
@@ -459,6 +487,37 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
                   "'s journal holds transactions, and its pending drops may be there";
   }
 
+  // ---- files past the listing's end (found above).
+  if (!unlisted.empty()) {
+    bool fixed = false;
+    if (repair) {
+      for (uint64_t ino : to_fill) {
+        const uint64_t addr = sb_.InodeBlock(ino);
+        // Still never written? The dead hosts' journals, replayed since
+        // the scan, may have written it (a create whose holder died).
+        RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, buf.get(), kBlockSize));
+        if (!IsAllZero(buf.get(), kBlockSize)) continue;
+        RETURN_IF_ERROR(EnsureRoom(1));
+        Fresh(addr, LockId{LockKind::kInode, ino}, kMagicInode, 0);
+        Inode cleared;  // not in use: a free inode the listing reads past
+        cleared.ino = ino;
+        cleared.generation = ClearedGeneration(buf.get(), ino, clock_->NowNanos());
+        PutInode(cleared);
+      }
+      RETURN_IF_ERROR(Checkpoint());
+      fixed = true;
+    }
+    for (const auto& [ino, name] : unlisted) {
+      problem("inode " + std::to_string(ino) + " '" + name + "'",
+              "lies past the end of the file listing (inodes " +
+                  std::to_string(listing_end - kInodeListingEndRun + 1) + "-" +
+                  std::to_string(listing_end) +
+                  " were never written): dede ls, creates and name lookups do not see it" +
+                  (fixed ? "; the never-written inodes before it were written as free ones" : ""),
+              fixed);
+    }
+  }
+
   // ---- inodes and block maps: recount references.
   RefCounts refs(sb_);  // physical block -> pointers found
   struct Unshared {
@@ -487,7 +546,7 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     if (!inode_locked[ino]) continue;
     uint64_t addr = sb_.InodeBlock(ino);
     RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, buf.get(), kBlockSize));
-    if (AllZeroBlock(buf.get())) continue;
+    if (IsAllZero(buf.get(), kBlockSize)) continue;
     std::string where = "inode " + std::to_string(ino);
     auto in = DecodeInode(buf.get(), sb_.uuid, addr);
     // Written by a newer dede: not damage. Clearing it (or, below, cutting
@@ -729,7 +788,7 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     for (uint32_t r = 0; r < sb_.GroupRefBlocks(g); r++) {
       uint64_t rb = sb_.GroupStart(g) + r;
       RETURN_IF_ERROR(dev_->Read(rb * kBlockSize, buf.get(), kBlockSize));
-      bool zero = AllZeroBlock(buf.get());
+      bool zero = IsAllZero(buf.get(), kBlockSize);
       Status st = zero ? Status::Ok()
                        : CheckBlock(buf.get(), kMagicRefcountBlock, rb, sb_.uuid,
                                     "refcount block");

@@ -14,6 +14,7 @@
 #include <random>
 #include <thread>
 
+#include "util/bytes.h"
 #include "util/coding.h"
 #include "util/log.h"
 #include "volume/fsck.h"
@@ -46,13 +47,6 @@ bool OptedOut(const Inode& in) {
 
 Status OptedOutMismatch(const char* what) {
   return Status::Mismatch(std::string(what) + ": a file is set dedup=off");
-}
-
-bool AllZero(const uint8_t* p, size_t n) {
-  for (size_t i = 0; i < n; i++) {
-    if (p[i]) return false;
-  }
-  return true;
 }
 
 // Blocks covered by one pointer at `level` (level 1 points at data).
@@ -808,7 +802,7 @@ Status VolumeImpl::Load(uint64_t addr, LockId owner, uint32_t magic, const char*
 
 Status VolumeImpl::Admit(uint8_t* b, uint64_t addr, uint32_t magic, const char* what) const {
   if ((magic == kMagicRefcountBlock || magic == kMagicInode || magic == kMagicDropList) &&
-      AllZero(b, kBlockSize)) {
+      IsAllZero(b, kBlockSize)) {
     // Never written since format: an empty refcount block, a free inode or
     // an empty drop list.
     if (magic == kMagicInode) {
@@ -1950,15 +1944,19 @@ bool VolumeImpl::OwnsInode(uint64_t ino) {
 }
 
 Result<std::vector<Inode>> VolumeImpl::ScanInodes() {
-  // Inodes are allocated lowest-first, so the table ends at the first run
-  // of 256 never-used (all-zero) inode blocks.
+  // Up to the first run of kInodeListingEndRun never-written inode blocks
+  // (format.h). Read a slice at a time so that a volume of a few files
+  // reads a little over the run (about 1 MiB) rather than whole 1 MiB
+  // chunks, into one buffer small enough to be reused from the allocator
+  // rather than mapped afresh on every listing.
+  constexpr uint64_t kSlice = 32;  // inode blocks per read (128 KiB)
   std::vector<Inode> out;
-  const uint64_t kChunk = 256;
-  BlockBuf buf = NewBlockBuf(kChunk);
-  for (uint64_t first = 1; first <= sb_.inode_count; first += kChunk) {
-    uint64_t n = std::min(kChunk, sb_.inode_count - first + 1);
+  BlockBuf buf = NewBlockBuf(kSlice);
+  uint64_t unwritten_run = 0;  // never-written inode blocks since the last written one
+  for (uint64_t first = 1; first <= sb_.inode_count && unwritten_run < kInodeListingEndRun;
+       first += kSlice) {
+    uint64_t n = std::min(kSlice, sb_.inode_count - first + 1);
     RETURN_IF_ERROR(dev_->Read(sb_.InodeBlock(first) * kBlockSize, buf.get(), n * kBlockSize));
-    bool any = false;
     for (uint64_t i = 0; i < n; i++) {
       uint64_t ino = first + i;
       const uint8_t* b = buf.get() + i * kBlockSize;
@@ -1967,20 +1965,22 @@ Result<std::vector<Inode>> VolumeImpl::ScanInodes() {
         MutexLock l(&mu_);
         if (cache_.count(sb_.InodeBlock(ino))) {
           ASSIGN_OR_RETURN(in, GetInode(ino));
-          any = true;
+          unwritten_run = 0;
           out.push_back(in);
           continue;
         }
       }
-      if (AllZero(b, kBlockSize)) {
+      if (IsAllZero(b, kBlockSize)) {
         in.ino = ino;
+        unwritten_run++;
       } else {
-        any = true;
+        unwritten_run = 0;
         ASSIGN_OR_RETURN(in, DecodeInode(b, sb_.uuid, sb_.InodeBlock(ino)));
       }
       out.push_back(in);
+      // Exactly there, not at the slice's end: fsck reports what is past it.
+      if (unwritten_run == kInodeListingEndRun) break;
     }
-    if (!any) break;
   }
   return out;
 }
@@ -2096,7 +2096,7 @@ Result<Inode> VolumeImpl::ReadInodeFresh(uint64_t ino) {
   }
   BlockBuf buf = NewBlockBuf(1);
   RETURN_IF_ERROR(dev_->Read(sb_.InodeBlock(ino) * kBlockSize, buf.get(), kBlockSize));
-  if (AllZero(buf.get(), kBlockSize)) {
+  if (IsAllZero(buf.get(), kBlockSize)) {
     Inode in;
     in.ino = ino;
     return in;
@@ -3026,7 +3026,7 @@ Status VolumeImpl::TruncateFile(OpenFileState* f, uint64_t size) {
       BlockBuf blk = NewBlockBuf();
       RETURN_IF_ERROR(dev_->Read(PtrAddr(p) * kBlockSize, blk.get(), kBlockSize));
       const bool tail_zero =
-          AllZero(blk.get() + edge % kBlockSize, kBlockSize - edge % kBlockSize);
+          IsAllZero(blk.get() + edge % kBlockSize, kBlockSize - edge % kBlockSize);
       std::memset(blk.get() + edge % kBlockSize, 0, kBlockSize - edge % kBlockSize);
       uint64_t target = PtrAddr(p);
       if (tail_zero) {
@@ -3496,7 +3496,7 @@ Status VolumeImpl::ApplyBlockOps(std::vector<BlockOp>* ops, VerifyMode mode, Rea
     const uint64_t dp = p.dst->after;
     if (op.kind == Kind::kPunchIfZero) {
       if (dp == 0) continue;  // already a hole
-      if (!AllZero(content(PtrAddr(dp)), kBlockSize)) {
+      if (!IsAllZero(content(PtrAddr(dp)), kBlockSize)) {
         op.result = Status::Mismatch("punch_if_zero: block is not all zeros");
         continue;
       }

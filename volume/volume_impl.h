@@ -422,6 +422,8 @@ class VolumeImpl : public Volume {
   Status CreateInode(uint64_t ino, const std::string& name, uint64_t size, FileKind kind,
                      uint64_t owner_ino, uint64_t* generation) REQUIRES(mu_);
   Result<Inode> ReadInodeUncached(uint64_t ino) EXCLUDES(mu_);
+  // Inodes 1.. up to the listing's end (kInodeListingEndRun, format.h), in
+  // order: the cached ones as cached, never-written ones as free inodes.
   Result<std::vector<Inode>> ScanInodes() EXCLUDES(mu_);
   // The inode as it is now: from the cache, else read from the device.
   Result<Inode> ReadInodeFresh(uint64_t ino) EXCLUDES(mu_);

@@ -386,12 +386,16 @@ class ReadCountingDevice : public test::ForwardingDevice {
   explicit ReadCountingDevice(BlockDevice* base) : ForwardingDevice(base, "counting") {}
   Status Read(uint64_t offset, void* buf, size_t len) override {
     reads_++;
+    bytes_read_ += len;
     return ForwardingDevice::Read(offset, buf, len);
   }
   uint64_t reads() const { return reads_; }
+  uint64_t bytes_read() const { return bytes_read_; }
+  void Reset() { reads_ = bytes_read_ = 0; }
 
  private:
   std::atomic<uint64_t> reads_{0};
+  std::atomic<uint64_t> bytes_read_{0};
 };
 }  // namespace
 
@@ -1418,4 +1422,105 @@ TEST_CASE("fsck: finds and repairs a shared block's pointer without the COW bit"
   std::vector<uint8_t> got(data.size());
   REQUIRE((*a)->Read(0, got.data(), got.size()).ok());
   CHECK(got == data);
+}
+
+namespace {
+std::vector<std::string> ListedNames(Volume* vol) {
+  auto files = vol->List();
+  REQUIRE(files.ok());
+  std::vector<std::string> names;
+  for (const FileInfo& f : *files) names.push_back(f.name);
+  return names;
+}
+}  // namespace
+
+TEST_CASE("volume: a listing reads the inode table up to a run of 256 never-written inodes",
+          "[volume]") {
+  MemDevice mem(64 << 20);
+  FormatOptions fo;
+  fo.inode_count = 1024;
+  REQUIRE(FormatVolume(&mem, fo, false).ok());
+  ReadCountingDevice dev(&mem);
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  for (const char* n : {"a", "b", "c"}) REQUIRE(vol.value()->Create(n, 1 << 20).ok());
+  dev.Reset();
+  REQUIRE(ListedNames(vol.value().get()) == std::vector<std::string>{"a", "b", "c"});
+  // Inodes 1-3 and the 256 after them, read 32 at a time: 288 blocks
+  // (the 1 MiB chunks of before read 512).
+  CHECK(dev.bytes_read() == 288 * kBlockSize);
+  // A missed lookup reads as much, and a create finds the lowest free inode.
+  dev.Reset();
+  CHECK(vol.value()->Lookup("nope").status().code() == Status::Code::kNotFound);
+  CHECK(dev.bytes_read() == 288 * kBlockSize);
+  auto d = vol.value()->Create("d", 4096);
+  REQUIRE(d.ok());
+  CHECK(d->ino == 4);
+}
+
+TEST_CASE("fsck: a file past the end of the listing is reported and repair makes it listed",
+          "[volume][fsck]") {
+  // 300 empty files (inodes 1-300), then inodes 2..(1 + zeroed) zeroed on
+  // the device, as a stretch of the table wiped by something else. With
+  // 255 zeroed the listing reads on and sees every file after them; with
+  // 256 it ends there, and files 258-300 are in no listing or lookup.
+  const uint64_t zeroed = GENERATE(255, 256);
+  CAPTURE(zeroed);
+  MemDevice dev(64 << 20);
+  FormatOptions fo;
+  fo.inode_count = 1024;
+  REQUIRE(FormatVolume(&dev, fo, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  Superblock sb;
+  {
+    auto vol = Volume::Open(&dev, oo);
+    REQUIRE(vol.ok());
+    for (int i = 1; i <= 300; i++) REQUIRE(vol.value()->Create("f" + std::to_string(i), 4096).ok());
+    sb = vol.value()->superblock();
+  }
+  std::vector<uint8_t> zeros(zeroed * kBlockSize, 0);
+  REQUIRE(dev.Write(sb.InodeBlock(2) * kBlockSize, zeros.data(), zeros.size()).ok());
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  const size_t after = 300 - 1 - zeroed;  // files after the zeroed stretch
+  const std::string last = "f300";
+  if (zeroed < kInodeListingEndRun) {
+    CHECK(ListedNames(vol.value().get()).size() == 1 + after);
+    CHECK(vol.value()->Lookup(last).ok());
+    CHECK(dede::test::FsckProblems(vol.value().get()).empty());
+    return;
+  }
+  REQUIRE(ListedNames(vol.value().get()) == std::vector<std::string>{"f1"});
+  CHECK(vol.value()->Lookup(last).status().code() == Status::Code::kNotFound);
+  auto rep = CheckVolume(vol.value().get(), false);
+  REQUIRE(rep.ok());
+  REQUIRE(rep->problems.size() == after);
+  CHECK(rep->problems.front().where == "inode 258 'f258'");
+  CHECK(rep->problems.back().where == "inode 300 'f300'");
+  for (const auto& p : rep->problems) {
+    INFO(p.where << ": " << p.what);
+    CHECK(p.what.find("lies past the end of the file listing (inodes 2-257 were never written)") !=
+          std::string::npos);
+    CHECK(!p.repaired);
+  }
+  rep = CheckVolume(vol.value().get(), true);
+  REQUIRE(rep.ok());
+  REQUIRE(rep->problems.size() == after);
+  for (const auto& p : rep->problems) CHECK(p.repaired);
+  INFO(dede::test::FsckProblems(vol.value().get()));
+  CHECK(dede::test::FsckProblems(vol.value().get()).empty());
+  std::vector<std::string> names = ListedNames(vol.value().get());
+  REQUIRE(names.size() == 1 + after);
+  CHECK(names.front() == "f1");
+  CHECK(names.back() == last);
+  CHECK(vol.value()->Lookup(last).ok());
+  // The filled inodes are free ones: a create takes the lowest, and the
+  // table reads on to the end of the files.
+  auto created = vol.value()->Create("new", 4096);
+  REQUIRE(created.ok());
+  CHECK(created->ino == 2);
+  CHECK(vol.value()->Lookup(last).ok());
 }

@@ -8,24 +8,12 @@
 #include <stdexcept>
 #include <string>
 
+#include "util/bytes.h"
+
 namespace dede::analyze {
 namespace {
 
 constexpr size_t kInitialSlots = 1024;  // a power of two
-
-bool AllZero(const uint8_t* p, size_t len) {
-  // OR of 64-bit words: branch-free inner loop the compiler vectorizes.
-  size_t i = 0;
-  for (; i + 64 <= len; i += 64) {
-    uint64_t w[8];
-    std::memcpy(w, p + i, sizeof w);
-    if ((w[0] | w[1] | w[2] | w[3] | w[4] | w[5] | w[6] | w[7]) != 0) return false;
-  }
-  for (; i < len; i++) {
-    if (p[i] != 0) return false;
-  }
-  return true;
-}
 
 Key FromXxh(XXH128_hash_t h) {
   return Key{h.low64, h.high64};
@@ -161,13 +149,13 @@ void Analyzer::FingerprintImage(size_t image, std::span<const uint8_t> slice) {
   const size_t blocks = (slice.size() + kBaseBlock - 1) / kBaseBlock;
   for (size_t b = 0; b < full; b++) {
     const uint8_t* p = slice.data() + b * kBaseBlock;
-    zero[b] = AllZero(p, kBaseBlock) ? 1 : 0;
+    zero[b] = IsAllZero(p, kBaseBlock) ? 1 : 0;
     keys[b] = zero[b] ? ZeroBlockKey() : HashBlock(p, kBaseBlock);
   }
   if (blocks > full) {  // partial tail block, padded with zeros
     uint8_t padded[kBaseBlock] = {};
     std::memcpy(padded, slice.data() + full * kBaseBlock, slice.size() - full * kBaseBlock);
-    zero[full] = AllZero(padded, kBaseBlock) ? 1 : 0;
+    zero[full] = IsAllZero(padded, kBaseBlock) ? 1 : 0;
     keys[full] = zero[full] ? ZeroBlockKey() : HashBlock(padded, kBaseBlock);
   }
   // Past the end: zero padding of the last chunk at every size.

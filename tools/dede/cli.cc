@@ -287,20 +287,6 @@ AlignedBuffer::~AlignedBuffer() {
   std::free(data_);
 }
 
-bool IsAllZero(const uint8_t* p, size_t len) {
-  // Word-wise scan; buffers here are 4 KiB aligned and 4 KiB long.
-  size_t i = 0;
-  for (; i + 8 <= len; i += 8) {
-    uint64_t w;
-    std::memcpy(&w, p + i, 8);
-    if (w != 0) return false;
-  }
-  for (; i < len; i++) {
-    if (p[i] != 0) return false;
-  }
-  return true;
-}
-
 // ---------------------------------------------------------------- signals
 
 namespace {

@@ -185,8 +185,6 @@ class AlignedBuffer {
   size_t size_;
 };
 
-bool IsAllZero(const uint8_t* p, size_t len);
-
 // While alive, SIGINT and SIGTERM set a flag instead of killing the process,
 // so a long copy can stop between chunks and clean up after itself. The
 // handlers reset themselves: a second signal kills as usual (a copy stuck

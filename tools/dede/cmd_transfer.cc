@@ -14,6 +14,7 @@
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "tools/dede/cli.h"
+#include "util/bytes.h"
 #include "volume/format.h"
 #include "volume/volume.h"
 
