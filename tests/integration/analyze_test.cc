@@ -65,16 +65,6 @@ void WriteWholeFile(const std::string& path, const std::string& data) {
   REQUIRE(out.good());
 }
 
-std::string ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  REQUIRE(in.good());
-  std::string data(static_cast<size_t>(in.tellg()), '\0');
-  in.seekg(0);
-  in.read(data.data(), static_cast<std::streamsize>(data.size()));
-  REQUIRE(in.good());
-  return data;
-}
-
 std::string RandomBlock(uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::string s(kBlk, '\0');
@@ -276,7 +266,7 @@ TEST_CASE("dede analyze: a dede-vmgen set against an independent count", "[analy
   std::vector<std::string> files, data;
   for (int i = 0; i < 4; i++) {
     files.push_back(dir.file("vm-0" + std::to_string(i) + ".img"));
-    data.push_back(ReadWholeFile(files.back()));
+    data.push_back(test::ReadWholeFileText(files.back()));
     REQUIRE(data.back().size() == 12u << 20);
   }
   const json j = AnalyzeJson(files);

@@ -103,16 +103,6 @@ void DedeUsageError(const std::vector<std::string>& args) {
   CHECK(r.err.find("--help") != std::string::npos);
 }
 
-std::string ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary | std::ios::ate);
-  REQUIRE(in.good());
-  std::string data(static_cast<size_t>(in.tellg()), '\0');
-  in.seekg(0);
-  in.read(data.data(), static_cast<std::streamsize>(data.size()));
-  REQUIRE(in.good());
-  return data;
-}
-
 void WriteWholeFile(const std::string& path, const std::string& data) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
   out.write(data.data(), static_cast<std::streamsize>(data.size()));
@@ -305,12 +295,12 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
 
   const std::string out = dir.file("vm1.out");
   DedeOk({"export", vol, "vm1", out});
-  REQUIRE(ReadWholeFile(out) == ReadWholeFile(img));
+  REQUIRE(test::ReadWholeFileText(out) == test::ReadWholeFileText(img));
   // To standard output, a pipe or a file it was redirected to: the image
   // alone (the summary goes to stderr; it used to land in the image).
   {
     ProcessResult piped = DedeOk({"export", vol, "vm1", "/dev/stdout"});
-    CHECK(piped.out == ReadWholeFile(img));
+    CHECK(piped.out == test::ReadWholeFileText(img));
     CHECK(piped.err.find("exported 20.0 MiB from 'vm1'") != std::string::npos);
     const std::string redirected = dir.file("vm1.stdout");
     ProcessResult sh =
@@ -318,7 +308,7 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
                     BinaryPath("dede"), vol, redirected});
     INFO(sh.err);
     REQUIRE(sh.exit_code == 0);
-    CHECK(ReadWholeFile(redirected) == ReadWholeFile(img));
+    CHECK(test::ReadWholeFileText(redirected) == test::ReadWholeFileText(img));
   }
 
   DedeOk({"create", vol, "empty", "--size", "10M"});
@@ -331,7 +321,7 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
   DedeOk({"import", vol, "odd", odd});
   DedeOk({"export", vol, "odd", dir.file("odd.out")});
   {
-    const std::string exported = ReadWholeFile(dir.file("odd.out"));
+    const std::string exported = test::ReadWholeFileText(dir.file("odd.out"));
     REQUIRE(exported.size() == 3 * kMiB + kBlockSize);
     CHECK(exported.substr(0, odd_data.size()) == odd_data);
     CHECK(exported.substr(odd_data.size()) == std::string(exported.size() - odd_data.size(), '\0'));
@@ -404,7 +394,7 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
   SECTION("import refuses a name that exists, touching nothing") {
     ProcessResult r = DedeFails({"import", vol, "vm1", odd});
     DedeOk({"export", vol, "vm1", out});
-    CHECK(ReadWholeFile(out) == ReadWholeFile(img));
+    CHECK(test::ReadWholeFileText(out) == test::ReadWholeFileText(img));
   }
   SECTION("import of a missing image fails before opening the volume") {
     const std::string before = Digest(vol);
@@ -425,7 +415,7 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
     REQUIRE(FindFile(ls, "exact") != nullptr);
     CHECK(FindFile(ls, "exact")->at("size") == odd_data.size());
     DedeOk({"export", vol, "exact", out});
-    CHECK(ReadWholeFile(out) == odd_data);
+    CHECK(test::ReadWholeFileText(out) == odd_data);
   }
   SECTION("import --size makes a bigger file with a hole at the end") {
     DedeOk({"import", vol, "big", odd, "--size", "8M"});
@@ -854,7 +844,7 @@ namespace {
 
 // The primary superblock of the volume in file `vol`.
 Superblock SuperblockOf(const std::string& vol) {
-  const std::string head = ReadWholeFile(vol).substr(0, kBlockSize);
+  const std::string head = test::ReadWholeFileText(vol).substr(0, kBlockSize);
   auto sb = DecodeSuperblock(reinterpret_cast<const uint8_t*>(head.data()), 0);
   REQUIRE(sb.ok());
   return *sb;

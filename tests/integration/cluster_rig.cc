@@ -33,13 +33,6 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-std::string ReadFileText(const std::string& path) {
-  std::ifstream in(path);
-  std::stringstream ss;
-  ss << in.rdbuf();
-  return ss.str();
-}
-
 void WriteFileText(const std::string& path, const std::string& text) {
   std::ofstream out(path, std::ios::trunc);
   out << text;
@@ -48,7 +41,7 @@ void WriteFileText(const std::string& path, const std::string& text) {
 
 // Fields of /proc/PID/stat after the command name: state, ppid, ...
 std::vector<std::string> StatFields(int pid) {
-  std::string stat = ReadFileText("/proc/" + std::to_string(pid) + "/stat");
+  std::string stat = ReadWholeFileText("/proc/" + std::to_string(pid) + "/stat");
   std::vector<std::string> fields;
   size_t close_paren = stat.rfind(')');
   if (close_paren == std::string::npos) return fields;
@@ -190,7 +183,7 @@ ProcessResult SanlockDaemon::Sanlock(const std::vector<std::string>& args, int t
 }
 
 std::string SanlockDaemon::Log() const {
-  return ReadFileText(log_);
+  return ReadWholeFileText(log_);
 }
 
 std::string SanlockDaemon::LogTail(size_t max) const {
@@ -372,7 +365,7 @@ void HostNetns::Reconnect() {
 }
 
 std::string HostNetns::BridgeLog() const {
-  return Tail(ReadFileText(bridge_log_), 3000);
+  return Tail(ReadWholeFileText(bridge_log_), 3000);
 }
 
 void HostNetns::Teardown() {

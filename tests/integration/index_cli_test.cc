@@ -63,14 +63,6 @@ json DedeJson(const std::vector<std::string>& args) {
   return j;
 }
 
-std::string ReadWholeFile(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  REQUIRE(in.good());
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
-
 struct Rig {
   TempDir dir;
   std::string vol = dir.file("vol");
@@ -101,7 +93,7 @@ struct Rig {
       const std::string out = dir.file("out-" + std::to_string(i));
       DedeOk({"export", vol, Name(i), out});
       INFO("file " << Name(i));
-      REQUIRE(ReadWholeFile(out) == ReadWholeFile(Image(i)));
+      REQUIRE(test::ReadWholeFileText(out) == test::ReadWholeFileText(Image(i)));
     }
   }
 
@@ -329,7 +321,7 @@ TEST_CASE("Ctrl-C stops dede dedup cleanly, and the next pass finishes the work"
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   if (done == 0) ::kill(pid, SIGKILL);
-  const std::string said = ReadWholeFile(log);
+  const std::string said = test::ReadWholeFileText(log);
   INFO("dede dedup said: " << said);
   REQUIRE(done == pid);
   REQUIRE(WIFEXITED(status));  // not killed by the signal

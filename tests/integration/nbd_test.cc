@@ -1794,11 +1794,6 @@ TEST_CASE("dedupd command line with usage errors and bad volumes and taken host 
 namespace dede {
 namespace {
 
-std::string ReadTextFile(const std::string& path) {
-  const std::vector<uint8_t> data = ReadWholeFile(path);
-  return std::string(data.begin(), data.end());
-}
-
 // The signals process `pid` ignores (SigIgn of /proc/PID/status: bit n-1
 // for signal n); 0 when it cannot be read.
 uint64_t IgnoredSignals(int pid) {
@@ -1843,7 +1838,7 @@ TEST_CASE("dedupd survives SIGUSR1 and SIGHUP from its first line and SIGHUP re-
   auto running = [&] {
     const bool alive = test::ChildRunning(&pid);
     if (!alive || std::chrono::steady_clock::now() > deadline) {
-      FAIL((alive ? "timed out" : "dedupd died") << "; its log:\n" << ReadTextFile(log));
+      FAIL((alive ? "timed out" : "dedupd died") << "; its log:\n" << test::ReadWholeFileText(log));
     }
   };
   while ((IgnoredSignals(pid) & (uint64_t{1} << (SIGPIPE - 1))) == 0) {
@@ -1865,7 +1860,7 @@ TEST_CASE("dedupd survives SIGUSR1 and SIGHUP from its first line and SIGHUP re-
   CHECK(sent > 0);
   // Serving: SIGHUP re-reads the policy at once and dedupd goes on serving.
   ::kill(pid, SIGHUP);
-  while (CountOf(ReadTextFile(log), "SIGHUP: re-reading the dedup policy") == 0) {
+  while (CountOf(test::ReadWholeFileText(log), "SIGHUP: re-reading the dedup policy") == 0) {
     running();
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
@@ -1880,7 +1875,7 @@ TEST_CASE("dedupd survives SIGUSR1 and SIGHUP from its first line and SIGHUP re-
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   pid = -1;
-  INFO("dedupd log:\n" << ReadTextFile(log));
+  INFO("dedupd log:\n" << test::ReadWholeFileText(log));
   CHECK(WIFEXITED(status));
   CHECK(WEXITSTATUS(status) == 0);
 }

@@ -311,12 +311,15 @@ std::string DescribeRun(const std::vector<std::string>& argv, const ProcessResul
   return s;
 }
 
-std::vector<uint8_t> ReadWholeFile(const std::string& path) {
+namespace {
+// Into a std::vector<uint8_t> or a std::string alike.
+template <class Bytes>
+Bytes ReadAll(const std::string& path) {
   // Sized reads, not a byte-at-a-time stream iterator: the tests read
   // exported images of up to hundreds of MiB, and the test code is built
   // without optimisation (tests/CMakeLists.txt), where the iterator spent
   // most of a 70 s test under ASan.
-  std::vector<uint8_t> data;
+  Bytes data;
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
   if (fd < 0) return data;
   constexpr size_t kChunk = 1 << 20;
@@ -341,6 +344,15 @@ std::vector<uint8_t> ReadWholeFile(const std::string& path) {
   }
   ::close(fd);
   return data;
+}
+}  // namespace
+
+std::vector<uint8_t> ReadWholeFile(const std::string& path) {
+  return ReadAll<std::vector<uint8_t>>(path);
+}
+
+std::string ReadWholeFileText(const std::string& path) {
+  return ReadAll<std::string>(path);
 }
 
 std::string BinaryPath(const std::string& name) {

@@ -53,6 +53,8 @@ std::string DescribeRun(const std::vector<std::string>& argv, const ProcessResul
 // The whole content of a file (empty if it cannot be opened; what was
 // read before an error if a read fails).
 std::vector<uint8_t> ReadWholeFile(const std::string& path);
+// The same as a string: logs, /proc files, exported images compared whole.
+std::string ReadWholeFileText(const std::string& path);
 
 // Path of a binary built by this project, e.g. BinaryPath("dede").
 std::string BinaryPath(const std::string& name);
