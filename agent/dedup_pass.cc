@@ -1995,6 +1995,7 @@ class Pass {
           indexed_ok[p.group] = p.op.result.ok();
           indexed_busy[p.group] = busy;
           shared_with[p.group] += p.op.result.ok();
+          stats_.indexed_shared += p.op.result.ok() && p.op.changed;
           continue;
         }
         if (busy) {
@@ -2333,6 +2334,7 @@ constexpr DedupCounter kDedupCounters[] = {
     {"unique_added", &DedupStats::unique_added},
     {"shared_new", &DedupStats::shared_new},
     {"shared_hits", &DedupStats::shared_hits},
+    {"indexed_shared", &DedupStats::indexed_shared},
     {"already_shared", &DedupStats::already_shared},
     {"stale_records", &DedupStats::stale_records},
     {"stale_entries", &DedupStats::stale_entries},

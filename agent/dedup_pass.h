@@ -168,6 +168,11 @@ struct DedupStats {
   uint64_t unique_added = 0;         // absent -> unique
   uint64_t shared_new = 0;           // unique -> shared
   uint64_t shared_hits = 0;          // shared -> shared
+  // Of shared_new: the entry's own block G:c shared with the new arena
+  // block by this pass (not when G:c was stale, its group busy, or its
+  // file held elsewhere: then a merge request asks the holder, whose
+  // apply releases it).
+  uint64_t indexed_shared = 0;
   uint64_t already_shared = 0;       // records whose block already was the arena's
   uint64_t stale_records = 0;        // record's block changed since: dropped
   uint64_t stale_entries = 0;        // Unique hint no longer true: replaced
@@ -249,6 +254,16 @@ struct DedupStats {
   }
   std::span<const ShardSpan> shard_spans() const {
     return {shard_span_list.data(), shard_span_count};
+  }
+  // File blocks this pass made point elsewhere and gave up: records and
+  // indexed blocks shared with an arena block, zero blocks punched, merge
+  // requests applied (what `dede report` calls reclaimed). Not counted:
+  // garbage arena blocks collected (space a VM's overwrite had already
+  // made unreachable), and a share left to another host's apply (counted
+  // there, once). A released block whose reference count was above one
+  // (a clone) frees nothing; dedup's own sharing never leaves one so.
+  uint64_t blocks_released() const {
+    return shared_hits + indexed_shared + zero_blocks_freed + merge_requests_applied;
   }
   uint64_t pending_records_written = 0;
   uint64_t pending_records_applied = 0;

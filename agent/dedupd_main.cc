@@ -749,8 +749,7 @@ int Run(const Config& cfg) {
       row.merge_requests_posted = st->merge_requests_posted;
       row.merge_requests_applied = st->merge_requests_applied;
       row.verification_failures = st->stale_records + st->merge_requests_failed_verification;
-      row.bytes_reclaimed = kBlockSize * (st->shared_new + st->shared_hits + st->zero_blocks_freed +
-                                          st->merge_requests_applied);
+      row.bytes_reclaimed = kBlockSize * st->blocks_released();
       LOG(kInfo) << "dedup pass " << passes << ": " << st->log_records << " records from "
                  << st->logs_consumed << " logs, " << st->shared_new << " new shared, "
                  << st->shared_hits << " shared again, " << st->merge_requests_posted

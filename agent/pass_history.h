@@ -41,7 +41,9 @@ struct PassRow {
   std::string error;  // message when failed
   uint64_t records = 0, entries_scanned = 0, shards_rewritten = 0;
   uint64_t blocks_shared_new = 0, blocks_shared_again = 0, zero_blocks_freed = 0;
-  // 4 KiB x (blocks_shared_new + blocks_shared_again + zero_blocks_freed + merge_requests_applied)
+  // 4 KiB x DedupStats::blocks_released() (not a sum of the columns here:
+  // blocks_shared_new also counts entries whose indexed block another
+  // host's apply releases, counted in that host's merge_requests_applied).
   uint64_t bytes_reclaimed = 0;
   uint64_t merge_requests_posted = 0, merge_requests_applied = 0;
   uint64_t verification_failures = 0;  // stale records + merge requests that failed verification

@@ -279,11 +279,24 @@ class DedupModel {
     o.split_min_entries = 8;
     ModelAccess access(&files_);
     INFO("step " << step_ << ": dedup pass (force " << force << ")");
+    const uint64_t physical0 = PhysicalDataBlocks();
     const uint64_t wall0 = Clock::Real()->NowNanos();
     Result<DedupStats> st = RunDedupPass(vol_.get(), &access, o);
     if (!st.ok()) FAIL("pass failed: " << st.status().ToString());
     const uint64_t wall1 = Clock::Real()->NowNanos();
     CheckShardSpans(*st, wall0, wall1);
+    // What the pass reports as released (`dede report`'s reclaimed bytes)
+    // is what it freed, less the garbage arena blocks it collected.
+    const uint64_t physical1 = PhysicalDataBlocks();
+    INFO("physical data blocks " << physical0 << " -> " << physical1 << "; released "
+                                 << st->blocks_released() << ", garbage collected "
+                                 << st->gc_arena_blocks << ", swept " << st->arena_blocks_swept);
+    REQUIRE(physical1 <= physical0);
+    if (st->gc_arena_blocks == 0 && st->arena_blocks_swept == 0) {
+      REQUIRE(physical0 - physical1 == st->blocks_released());
+    } else {
+      REQUIRE(physical0 - physical1 >= st->blocks_released());
+    }
     passes_++;
     splits_ += st->shards_split;
     shared_total_ += st->shared_new + st->shared_hits;
@@ -315,6 +328,14 @@ class DedupModel {
       CHECK(st.shard_lock_spans >= st.shard_spans().size());
     }
     if (st.shards_rewritten > 0) CHECK(st.shard_lock_ns > 0);
+  }
+
+  uint64_t PhysicalDataBlocks() {
+    auto stats = vol_->Stats();
+    REQUIRE(stats.ok());
+    auto list = vol_->List();
+    REQUIRE(list.ok());
+    return test::PhysicalDataBlocks(*stats, *list);
   }
 
   void CheckAllBytes() {

@@ -837,6 +837,9 @@ TEST_CASE("a pass posts a merge request for a file another host holds and the ho
   CHECK(b.merge_requests_posted == 1);
   CHECK(b.merge_posts_busy == 0);
   CHECK(b.shared_new == 1);  // Y:5 became the arena block
+  // Nothing given up yet: X:3 is A's to release (counted by A's apply).
+  CHECK(b.indexed_shared == 0);
+  CHECK(b.blocks_released() == 0);
   CHECK(b.busy_targets == 0);
   CHECK(b.files_busy == 1);  // X's log: X is A's
   REQUIRE(HasRequestFile(t.b_.get(), t.x_id_.ino));
@@ -876,6 +879,7 @@ TEST_CASE("a pass posts a merge request for a file another host holds and the ho
     REQUIRE(pass.ok());
     CHECK(pass->merge_requests_applied == 1);
     CHECK(pass->merge_requests_failed_verification == 0);
+    CHECK(pass->blocks_released() == 1);  // X:3
     CHECK(PhysicalDataBlocks(t.a_.get()) == 2 * kFileBlocks - 1);
     CHECK(ReadAll(t.x_.get()) == t.ExpectedX());
     CHECK(t.ReadY() == t.ExpectedY());
