@@ -260,8 +260,9 @@ struct DedupStats {
   // requests applied (what `dede report` calls reclaimed). Not counted:
   // garbage arena blocks collected (space a VM's overwrite had already
   // made unreachable), and a share left to another host's apply (counted
-  // there, once). A released block whose reference count was above one
-  // (a clone) frees nothing; dedup's own sharing never leaves one so.
+  // there, once). Each is freed unless something else still refers to it
+  // (a file's block shared with the arena is copy-on-write: a rewrite of
+  // it goes to a new block, so a record's block is its file's alone).
   uint64_t blocks_released() const {
     return shared_hits + indexed_shared + zero_blocks_freed + merge_requests_applied;
   }

@@ -158,11 +158,14 @@ uint64_t SpanOf(uint32_t level) {
 }
 }  // namespace
 
-Result<FsckReport> CheckVolume(Volume* vol, bool repair) {
-  return static_cast<VolumeImpl*>(vol)->Fsck(repair);
+Result<FsckReport> CheckVolume(Volume* vol, bool repair, const FsckProgressFn& progress) {
+  return static_cast<VolumeImpl*>(vol)->Fsck(repair, progress);
 }
 
-Result<FsckReport> VolumeImpl::Fsck(bool repair) {
+Result<FsckReport> VolumeImpl::Fsck(bool repair, const FsckProgressFn& progress) {
+  auto report_progress = [&](const char* step, uint64_t done, uint64_t total) {
+    if (progress) progress(FsckProgress{step, std::min(done, total), total});
+  };
   MutexLock l(&mu_);
   if (repair && read_only_) return Status::Invalid("fsck --repair needs a writable volume");
   if (!open_.empty()) return Status::Invalid("fsck: close every file of this volume first");
@@ -354,6 +357,10 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
   uint64_t listing_end = 0;             // the listing's last inode; 0: it reads the whole table
   std::vector<uint64_t> never_written;  // from listing_end on (the rest is listed)
   std::vector<std::pair<uint64_t, std::string>> unlisted;  // used, past listing_end
+  // Each file's mapped blocks as its inode says, for the progress of the
+  // map walk (the walk recounts them).
+  std::vector<uint64_t> scanned_mapped(sb_.inode_count + 1, 0);
+  uint64_t all_mapped = 0;
   // Read 32 inode blocks at a time (a table of 65536 inodes was 65536
   // reads, each a round trip on a LUN); each is read again under its
   // file's lock below before it is checked.
@@ -381,6 +388,10 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     const bool valid = in.ok() && in->ino == ino;
     if (valid && !in->in_use()) continue;
     if (valid && listing_end != 0) unlisted.emplace_back(ino, in->name);
+    if (valid) {
+      scanned_mapped[ino] = in->mapped_blocks;
+      all_mapped += in->mapped_blocks;
+    }
     RETURN_IF_ERROR(lock_inode(
         ino, valid ? "file '" + in->name + "'" : "inode " + std::to_string(ino) + " (damaged)"));
   }
@@ -550,10 +561,17 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     return sb_.LocateData(a, &g, &rb, &slot);
   };
 
+  const char* const kMapsStep = "file maps";
+  uint64_t mapped_walked = 0;
+  report_progress(kMapsStep, 0, all_mapped * kBlockSize);
   for (uint64_t ino = 1; ino <= sb_.inode_count; ino++) {
     // Free (or never used) when read above, under the namespace lock: it
     // still is. The others are read again, now under the file's lock.
     if (!inode_locked[ino]) continue;
+    if (scanned_mapped[ino] > 0) {
+      report_progress(kMapsStep, mapped_walked * kBlockSize, all_mapped * kBlockSize);
+      mapped_walked += scanned_mapped[ino];
+    }
     uint64_t addr = sb_.InodeBlock(ino);
     RETURN_IF_ERROR(dev_->Read(addr * kBlockSize, buf.get(), kBlockSize));
     if (IsAllZero(buf.get(), kBlockSize)) continue;
@@ -691,6 +709,10 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
     }
   }
 
+  report_progress(kMapsStep, all_mapped * kBlockSize, all_mapped * kBlockSize);
+  scanned_mapped.clear();
+  scanned_mapped.shrink_to_fit();
+
   // ---- unshared pointers must be the only reference to their block.
   // The pointers without the COW bit to blocks with more than one
   // reference: found by walking the maps again (from home, as the first
@@ -792,12 +814,29 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
   constexpr size_t kMaxDescribed = 64;  // leaked blocks whose content is read
   size_t described = 0;
   BlockBuf content = NewBlockBuf();
+  const char* const kCountsStep = "reference counts";
+  uint64_t data_area = 0, data_compared = 0;
+  for (uint32_t g = 0; g < sb_.group_count; g++) data_area += sb_.GroupDataBlocks(g);
+  report_progress(kCountsStep, 0, data_area * kBlockSize);
+  // A group's refcount blocks in one read (32 of them in a full group:
+  // one read per 127 MiB of data area, not per 4 MiB).
+  BlockBuf group_refs;
+  uint32_t group_refs_blocks = 0;
   for (uint32_t g = 0; g < sb_.group_count; g++) {
     uint64_t count = sb_.GroupDataBlocks(g);
     uint64_t data_start = sb_.GroupDataStart(g);
-    for (uint32_t r = 0; r < sb_.GroupRefBlocks(g); r++) {
+    report_progress(kCountsStep, data_compared * kBlockSize, data_area * kBlockSize);
+    data_compared += count;
+    const uint32_t ref_blocks = sb_.GroupRefBlocks(g);
+    if (ref_blocks > group_refs_blocks) {
+      group_refs = NewBlockBuf(ref_blocks);
+      group_refs_blocks = ref_blocks;
+    }
+    RETURN_IF_ERROR(dev_->Read(sb_.GroupStart(g) * kBlockSize, group_refs.get(),
+                               uint64_t{ref_blocks} * kBlockSize));
+    for (uint32_t r = 0; r < ref_blocks; r++) {
       uint64_t rb = sb_.GroupStart(g) + r;
-      RETURN_IF_ERROR(dev_->Read(rb * kBlockSize, buf.get(), kBlockSize));
+      std::memcpy(buf.get(), group_refs.get() + uint64_t{r} * kBlockSize, kBlockSize);
       bool zero = IsAllZero(buf.get(), kBlockSize);
       Status st = zero ? Status::Ok()
                        : CheckBlock(buf.get(), kMagicRefcountBlock, rb, sb_.uuid,
@@ -855,6 +894,7 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair) {
       }
     }
   }
+  report_progress(kCountsStep, data_area * kBlockSize, data_area * kBlockSize);
   if (suppressed > 0) {
     rep.problems.push_back(
         FsckProblem{"fsck", std::to_string(suppressed) + " more problems not listed", repair});

@@ -18,6 +18,8 @@
 // reported not repaired, with the reason.
 #pragma once
 
+#include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -41,11 +43,25 @@ struct FsckReport {
   bool clean() const { return problems.empty(); }
 };
 
+// Where a check is, for a progress display. The two long steps report in
+// bytes of the volume: "file maps" (the file data the block maps walked so
+// far map, of all the files' mapped data) and "reference counts" (the
+// data area whose stored counts were compared, of the whole data area).
+// Each step reports done = 0 first and done = total last.
+struct FsckProgress {
+  const char* step;
+  uint64_t done;
+  uint64_t total;
+};
+// Called on fsck's thread with the volume's mutex held: it must not call
+// into the volume, and should return quickly.
+using FsckProgressFn = std::function<void(const FsckProgress&)>;
+
 // The caller must have the volume to itself: fsck takes the namespace lock,
 // every group lock and every file's lock (all before it reads an inode for
 // the check or repairs anything), and fails with kLocked (naming the lock
 // or file) when another process or host holds one. Journals of dead hosts
 // are replayed first.
-Result<FsckReport> CheckVolume(Volume* vol, bool repair);
+Result<FsckReport> CheckVolume(Volume* vol, bool repair, const FsckProgressFn& progress = {});
 
 }  // namespace dede

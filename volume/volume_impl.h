@@ -123,7 +123,7 @@ class VolumeImpl : public Volume {
   void CloseFile(OpenFileState* f) EXCLUDES(mu_);
 
   // ---- fsck (fsck.cc)
-  Result<FsckReport> Fsck(bool repair) EXCLUDES(mu_);
+  Result<FsckReport> Fsck(bool repair, const FsckProgressFn& progress) EXCLUDES(mu_);
 
  private:
   struct Cached {

@@ -390,6 +390,17 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
     CHECK(r.out.find("\rimporting 'tty' [") != std::string::npos);
     CHECK(r.out.find("%") != std::string::npos);
     CHECK(r.out.find("imported 20.0 MiB into 'tty'") != std::string::npos);
+    // fsck shows its two long steps there too, each line cleared when done.
+    const std::string check = BinaryPath("dede") + " fsck " + vol;
+    ProcessResult f = RunProcess({"script", "-qec", check, "/dev/null"});
+    INFO(f.out << f.err);
+    CHECK(f.exit_code == 0);
+    CHECK(f.out.find("\rchecking file maps [") != std::string::npos);
+    CHECK(f.out.find("\rchecking reference counts [") != std::string::npos);
+    CHECK(f.out.find("clean") != std::string::npos);
+    // Not on a pipe (the progress goes to stderr only on a terminal).
+    ProcessResult piped = DedeOk({"fsck", vol});
+    CHECK(piped.err.find("checking") == std::string::npos);
   }
   SECTION("import refuses a name that exists, touching nothing") {
     ProcessResult r = DedeFails({"import", vol, "vm1", odd});

@@ -1571,3 +1571,56 @@ TEST_CASE("fsck reads the inode table in slices of 32 blocks", "[volume][fsck]")
   CHECK(dev.reads <= 4096 / 32 + 3 + 2 * 9);
   CHECK(dev.reads >= 4096 / 32);
 }
+
+TEST_CASE("fsck reports its progress through the block maps and the reference counts",
+          "[volume][fsck]") {
+  MemDevice dev(64 << 20);
+  REQUIRE(FormatVolume(&dev, FormatOptions{}, false).ok());
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  // Three files mapping 5, 0 and 12 blocks.
+  const std::vector<std::pair<std::string, uint64_t>> files = {{"a", 5}, {"b", 0}, {"c", 12}};
+  for (const auto& [name, blocks] : files) {
+    REQUIRE(vol.value()->Create(name, 1 << 20).ok());
+    auto f = vol.value()->OpenFile(name);
+    REQUIRE(f.ok());
+    const std::vector<uint8_t> d = Pattern(blocks * kBlockSize, static_cast<uint32_t>(blocks));
+    REQUIRE(f.value()->Write(0, d.data(), d.size()).ok());
+  }
+  const Superblock sb = vol.value()->superblock();
+  uint64_t data_area = 0;
+  for (uint32_t g = 0; g < sb.group_count; g++) data_area += sb.GroupDataBlocks(g);
+
+  std::vector<std::string> steps;
+  std::map<std::string, std::vector<std::pair<uint64_t, uint64_t>>> seen;
+  auto rep = CheckVolume(vol.value().get(), false, [&](const FsckProgress& p) {
+    if (steps.empty() || steps.back() != p.step) steps.push_back(p.step);
+    seen[p.step].emplace_back(p.done, p.total);
+  });
+  REQUIRE(rep.ok());
+  CHECK(rep->clean());
+  REQUIRE(steps == std::vector<std::string>{"file maps", "reference counts"});
+  const std::map<std::string, uint64_t> totals = {{"file maps", 17 * kBlockSize},
+                                                  {"reference counts", data_area * kBlockSize}};
+  for (const auto& [step, points] : seen) {
+    INFO(step);
+    REQUIRE(points.size() >= 2);
+    CHECK(points.front().first == 0);
+    CHECK(points.back().first == totals.at(step));
+    for (size_t i = 0; i < points.size(); i++) {
+      CHECK(points[i].second == totals.at(step));
+      if (i > 0) CHECK(points[i].first >= points[i - 1].first);
+    }
+  }
+  // The walk reports as it reaches each file that maps data: a (5 blocks)
+  // at 0, c at 5, then the end.
+  CHECK(seen["file maps"] ==
+        std::vector<std::pair<uint64_t, uint64_t>>{{0, 17 * kBlockSize},
+                                                   {0, 17 * kBlockSize},
+                                                   {5 * kBlockSize, 17 * kBlockSize},
+                                                   {17 * kBlockSize, 17 * kBlockSize}});
+  // One report per allocation group, and the end.
+  CHECK(seen["reference counts"].size() == sb.group_count + 2);
+}

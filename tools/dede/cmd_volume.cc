@@ -5,6 +5,7 @@
 #include <cstdlib>
 #include <ctime>
 #include <iostream>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -446,6 +447,8 @@ int RunFsck(const Command& cmd, const std::vector<std::string>& args) {
       "are only hints); 'dede dedup --rescan' then rebuilds the index from the\n"
       "files. Write logs are never changed by fsck: a dedup pass skips their\n"
       "bad frames and consumes the rest.\n"
+      "On a terminal, progress through the long steps (the block maps, the\n"
+      "reference counts) goes to stderr.\n"
       "Exit status 0 when the volume is clean or every problem was repaired,\n"
       "1 when problems remain. Without --repair the volume is opened read-only.");
   if (auto rc = parser.Parse(args)) return *rc;
@@ -456,7 +459,19 @@ int RunFsck(const Command& cmd, const std::vector<std::string>& args) {
   // open; fsck passes over it, reports it, and --repair resets it.
   auto opened = OpenVolume(spec, /*read_only=*/!repair, /*pass_damaged_journals=*/true);
   if (!opened.ok()) return Fail(cmd, opened.status());
-  auto report = CheckVolume(opened->volume.get(), repair);
+  // One progress line per step, replaced when the next step starts.
+  std::unique_ptr<Progress> shown;
+  std::string shown_step;
+  auto progress = [&](const FsckProgress& p) {
+    if (!shown || shown_step != p.step) {
+      shown.reset();  // clears the previous step's line
+      shown_step = p.step;
+      shown = std::make_unique<Progress>("checking " + shown_step, p.total);
+    }
+    shown->Update(p.done);
+  };
+  auto report = CheckVolume(opened->volume.get(), repair, progress);
+  shown.reset();
   if (!report.ok()) return Fail(cmd, report.status());
   if (repair) {
     Status st = opened->volume->Sync();
