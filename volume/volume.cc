@@ -3736,25 +3736,35 @@ Result<VolumeStats> VolumeImpl::Stats() {
   st.inodes_total = sb_.inode_count;
   st.fixed_metadata_blocks = sb_.group_start;
   for (uint32_t g = 0; g < sb_.group_count; g++) st.fixed_metadata_blocks += sb_.GroupRefBlocks(g);
-  BlockBuf buf = NewBlockBuf(1);
+  // A group's refcount blocks in one read (32 in a full group; one read
+  // per block was 264,000 round trips for 1 TiB of data area), then the
+  // ones this process has cached (newer than home) copied over them.
+  BlockBuf buf;
+  uint32_t buf_blocks = 0;
+  std::vector<bool> cached;
   for (uint32_t g = 0; g < sb_.group_count; g++) {
     uint64_t count = sb_.GroupDataBlocks(g);
-    for (uint32_t r = 0; r < sb_.GroupRefBlocks(g); r++) {
+    const uint32_t ref_blocks = sb_.GroupRefBlocks(g);
+    if (ref_blocks > buf_blocks) {
+      buf = NewBlockBuf(ref_blocks);
+      buf_blocks = ref_blocks;
+    }
+    RETURN_IF_ERROR(
+        dev_->Read(sb_.GroupStart(g) * kBlockSize, buf.get(), uint64_t{ref_blocks} * kBlockSize));
+    cached.assign(ref_blocks, false);
+    {
+      MutexLock l(&mu_);
+      for (uint32_t r = 0; r < ref_blocks; r++) {
+        auto it = cache_.find(sb_.GroupStart(g) + r);
+        if (it == cache_.end()) continue;
+        std::memcpy(buf.get() + uint64_t{r} * kBlockSize, it->second.data.get(), kBlockSize);
+        cached[r] = true;
+      }
+    }
+    for (uint32_t r = 0; r < ref_blocks; r++) {
       uint64_t rb = sb_.GroupStart(g) + r;
-      const uint8_t* b = nullptr;
-      {
-        MutexLock l(&mu_);
-        auto it = cache_.find(rb);
-        if (it != cache_.end()) {
-          std::memcpy(buf.get(), it->second.data.get(), kBlockSize);
-          b = buf.get();
-        }
-      }
-      if (!b) {
-        RETURN_IF_ERROR(dev_->Read(rb * kBlockSize, buf.get(), kBlockSize));
-        RETURN_IF_ERROR(Admit(buf.get(), rb, kMagicRefcountBlock, "refcount block"));
-        b = buf.get();
-      }
+      uint8_t* b = buf.get() + uint64_t{r} * kBlockSize;
+      if (!cached[r]) RETURN_IF_ERROR(Admit(b, rb, kMagicRefcountBlock, "refcount block"));
       for (uint32_t s = 0; s < kRefsPerBlock && uint64_t{r} * kRefsPerBlock + s < count; s++) {
         uint32_t refs = dede::GetRef(b, s);
         if (refs == 0) st.free_blocks++;
