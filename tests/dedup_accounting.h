@@ -4,6 +4,7 @@
 // so an exact dedup leaves one block per distinct non-zero content.
 #pragma once
 
+#include <catch2/catch.hpp>
 #include <cstdint>
 #include <vector>
 
@@ -19,6 +20,15 @@ inline uint64_t PhysicalDataBlocks(const VolumeStats& stats, const std::vector<F
     }
   }
   return stats.used_blocks - stats.pointer_blocks - internal;
+}
+
+// The same, read from an open volume (a test failure if it cannot be).
+inline uint64_t PhysicalDataBlocks(Volume* vol) {
+  auto stats = vol->Stats();
+  REQUIRE(stats.ok());
+  auto files = vol->List();
+  REQUIRE(files.ok());
+  return PhysicalDataBlocks(*stats, *files);
 }
 
 }  // namespace dede::test

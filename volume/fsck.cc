@@ -836,11 +836,10 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair, const FsckProgressFn& progress)
                                uint64_t{ref_blocks} * kBlockSize));
     for (uint32_t r = 0; r < ref_blocks; r++) {
       uint64_t rb = sb_.GroupStart(g) + r;
-      std::memcpy(buf.get(), group_refs.get() + uint64_t{r} * kBlockSize, kBlockSize);
-      bool zero = IsAllZero(buf.get(), kBlockSize);
+      const uint8_t* blk = group_refs.get() + uint64_t{r} * kBlockSize;
+      bool zero = IsAllZero(blk, kBlockSize);
       Status st = zero ? Status::Ok()
-                       : CheckBlock(buf.get(), kMagicRefcountBlock, rb, sb_.uuid,
-                                    "refcount block");
+                       : CheckBlock(blk, kMagicRefcountBlock, rb, sb_.uuid, "refcount block");
       bool rewrite = false;
       std::vector<bool> kept(kRefsPerBlock, false);  // slots left as stored
       if (!st.ok()) {
@@ -856,7 +855,7 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair, const FsckProgressFn& progress)
       uint64_t n = std::min<uint64_t>(kRefsPerBlock, count - uint64_t{r} * kRefsPerBlock);
       for (uint32_t s = 0; s < n && st.ok(); s++) {
         uint64_t a = data_start + uint64_t{r} * kRefsPerBlock + s;
-        uint32_t stored = zero ? 0 : dede::GetRef(buf.get(), s);
+        uint32_t stored = zero ? 0 : dede::GetRef(blk, s);
         const uint32_t found = refs.Get(a);
         if (stored != found) {
           std::string what = "refcount " + std::to_string(stored) + " stored, " +
@@ -889,7 +888,7 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair, const FsckProgressFn& progress)
         uint8_t* b = Fresh(rb, LockId{LockKind::kGroup, g}, kMagicRefcountBlock, 0);
         for (uint32_t s = 0; s < n; s++) {
           const uint32_t found = refs.Get(data_start + uint64_t{r} * kRefsPerBlock + s);
-          dede::SetRef(b, s, kept[s] ? dede::GetRef(buf.get(), s) : found);
+          dede::SetRef(b, s, kept[s] ? dede::GetRef(blk, s) : found);
         }
       }
     }

@@ -279,7 +279,7 @@ class DedupModel {
     o.split_min_entries = 8;
     ModelAccess access(&files_);
     INFO("step " << step_ << ": dedup pass (force " << force << ")");
-    const uint64_t physical0 = PhysicalDataBlocks();
+    const uint64_t physical0 = test::PhysicalDataBlocks(vol_.get());
     const uint64_t wall0 = Clock::Real()->NowNanos();
     Result<DedupStats> st = RunDedupPass(vol_.get(), &access, o);
     if (!st.ok()) FAIL("pass failed: " << st.status().ToString());
@@ -287,7 +287,7 @@ class DedupModel {
     CheckShardSpans(*st, wall0, wall1);
     // What the pass reports as released (`dede report`'s reclaimed bytes)
     // is what it freed, less the garbage arena blocks it collected.
-    const uint64_t physical1 = PhysicalDataBlocks();
+    const uint64_t physical1 = test::PhysicalDataBlocks(vol_.get());
     INFO("physical data blocks " << physical0 << " -> " << physical1 << "; released "
                                  << st->blocks_released() << ", garbage collected "
                                  << st->gc_arena_blocks << ", swept " << st->arena_blocks_swept);
@@ -328,14 +328,6 @@ class DedupModel {
       CHECK(st.shard_lock_spans >= st.shard_spans().size());
     }
     if (st.shards_rewritten > 0) CHECK(st.shard_lock_ns > 0);
-  }
-
-  uint64_t PhysicalDataBlocks() {
-    auto stats = vol_->Stats();
-    REQUIRE(stats.ok());
-    auto list = vol_->List();
-    REQUIRE(list.ok());
-    return test::PhysicalDataBlocks(*stats, *list);
   }
 
   void CheckAllBytes() {

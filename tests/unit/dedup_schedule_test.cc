@@ -143,13 +143,7 @@ class Scene {
   }
   bool Has(const std::string& name) const { return files_.count(name) > 0; }
 
-  uint64_t PhysicalDataBlocks() {
-    auto st = vol_->Stats();
-    REQUIRE(st.ok());
-    auto files = vol_->List();
-    REQUIRE(files.ok());
-    return test::PhysicalDataBlocks(*st, *files);
-  }
+  uint64_t PhysicalDataBlocks() { return test::PhysicalDataBlocks(vol_.get()); }
   uint64_t SharedBlocks(const std::string& name) {
     auto u = file(name)->Usage();
     REQUIRE(u.ok());

@@ -164,14 +164,7 @@ void FlushLog(Volume* vol, WriteMonitor* monitor, FileId id) {
   REQUIRE(AppendToWriteLog(vol, b).ok());
 }
 
-// See tests/dedup_accounting.h.
-uint64_t PhysicalDataBlocks(Volume* vol) {
-  auto stats = vol->Stats();
-  REQUIRE(stats.ok());
-  auto list = vol->List();
-  REQUIRE(list.ok());
-  return test::PhysicalDataBlocks(*stats, *list);
-}
+using test::PhysicalDataBlocks;  // tests/dedup_accounting.h
 
 void RequireFsckClean(Volume* vol) {
   auto rep = CheckVolume(vol, false);

@@ -380,13 +380,22 @@ TEST_CASE("volume: fsck says what a leaked block holds", "[volume][fsck]") {
 }
 
 namespace {
-// Counts the device reads that reach the wrapped device.
+// Counts the device reads that reach the wrapped device: all of them, or,
+// once Watch() names byte ranges, those that touch one of the ranges.
 class ReadCountingDevice : public test::ForwardingDevice {
  public:
   explicit ReadCountingDevice(BlockDevice* base) : ForwardingDevice(base, "counting") {}
+  // Blocks [first, first + n) (before any read is counted).
+  void Watch(uint64_t first, uint64_t n) {
+    watched_.emplace_back(first * kBlockSize, (first + n) * kBlockSize);
+  }
   Status Read(uint64_t offset, void* buf, size_t len) override {
-    reads_++;
-    bytes_read_ += len;
+    bool counted = watched_.empty();
+    for (const auto& [b, e] : watched_) counted = counted || (offset < e && offset + len > b);
+    if (counted) {
+      reads_++;
+      bytes_read_ += len;
+    }
     return ForwardingDevice::Read(offset, buf, len);
   }
   uint64_t reads() const { return reads_; }
@@ -396,6 +405,7 @@ class ReadCountingDevice : public test::ForwardingDevice {
  private:
   std::atomic<uint64_t> reads_{0};
   std::atomic<uint64_t> bytes_read_{0};
+  std::vector<std::pair<uint64_t, uint64_t>> watched_;  // byte ranges [begin, end)
 };
 }  // namespace
 
@@ -1526,22 +1536,6 @@ TEST_CASE("fsck: a file past the end of the listing is reported and repair makes
 }
 
 TEST_CASE("fsck reads the inode table in slices of 32 blocks", "[volume][fsck]") {
-  // Reads that touch the inode table, counted.
-  class InodeTableReads : public test::ForwardingDevice {
-   public:
-    InodeTableReads(BlockDevice* base, uint64_t first, uint64_t blocks)
-        : ForwardingDevice(base, "inode-table-reads"),
-          begin_(first * kBlockSize),
-          end_((first + blocks) * kBlockSize) {}
-    Status Read(uint64_t offset, void* buf, size_t len) override {
-      if (offset < end_ && offset + len > begin_) reads++;
-      return ForwardingDevice::Read(offset, buf, len);
-    }
-    std::atomic<uint64_t> reads{0};
-
-   private:
-    const uint64_t begin_, end_;
-  };
   MemDevice mem(128 << 20);
   FormatOptions fo;
   fo.inode_count = 4096;
@@ -1556,10 +1550,11 @@ TEST_CASE("fsck reads the inode table in slices of 32 blocks", "[volume][fsck]")
     sb = vol.value()->superblock();
   }
   REQUIRE(sb.inode_count == 4096);
-  InodeTableReads dev(&mem, sb.InodeBlock(1), sb.inode_count);
+  ReadCountingDevice dev(&mem);  // reads that touch the inode table
+  dev.Watch(sb.InodeBlock(1), sb.inode_count);
   auto vol = Volume::Open(&dev, oo);
   REQUIRE(vol.ok());
-  dev.reads = 0;
+  dev.Reset();
   auto rep = CheckVolume(vol.value().get(), false);
   REQUIRE(rep.ok());
   CHECK(rep->clean());
@@ -1567,9 +1562,9 @@ TEST_CASE("fsck reads the inode table in slices of 32 blocks", "[volume][fsck]")
   // The scan: 4096 / 32 reads; then each file's inode again under its
   // lock, and a listing or two (about 9 reads each). One read per inode
   // was 4096.
-  INFO("inode table reads " << dev.reads);
-  CHECK(dev.reads <= 4096 / 32 + 3 + 2 * 9);
-  CHECK(dev.reads >= 4096 / 32);
+  INFO("inode table reads " << dev.reads());
+  CHECK(dev.reads() <= 4096 / 32 + 3 + 2 * 9);
+  CHECK(dev.reads() >= 4096 / 32);
 }
 
 TEST_CASE("fsck reports its progress through the block maps and the reference counts",
@@ -1626,27 +1621,6 @@ TEST_CASE("fsck reports its progress through the block maps and the reference co
 }
 
 TEST_CASE("volume stats read each group's refcount blocks in one read", "[volume]") {
-  // Reads that touch some group's refcount blocks, counted.
-  class RefcountReads : public test::ForwardingDevice {
-   public:
-    RefcountReads(BlockDevice* base, const Superblock& sb)
-        : ForwardingDevice(base, "refcount-reads") {
-      for (uint32_t g = 0; g < sb.group_count; g++) {
-        ranges_.emplace_back(sb.GroupStart(g) * kBlockSize,
-                             (sb.GroupStart(g) + sb.GroupRefBlocks(g)) * kBlockSize);
-      }
-    }
-    Status Read(uint64_t offset, void* buf, size_t len) override {
-      for (const auto& [b, e] : ranges_) {
-        if (offset < e && offset + len > b) reads++;
-      }
-      return ForwardingDevice::Read(offset, buf, len);
-    }
-    std::atomic<uint64_t> reads{0};
-
-   private:
-    std::vector<std::pair<uint64_t, uint64_t>> ranges_;
-  };
   MemDevice mem(256 << 20);
   FormatOptions fo;
   fo.group_refblocks = 4;
@@ -1664,7 +1638,8 @@ TEST_CASE("volume stats read each group's refcount blocks in one read", "[volume
     before = *st;
   }
   REQUIRE(sb.group_count >= 4);
-  RefcountReads dev(&mem, sb);
+  ReadCountingDevice dev(&mem);  // reads that touch some group's refcount blocks
+  for (uint32_t g = 0; g < sb.group_count; g++) dev.Watch(sb.GroupStart(g), sb.GroupRefBlocks(g));
   auto vol = Volume::Open(&dev, oo);
   REQUIRE(vol.ok());
   // Blocks in use whose refcount blocks this process has cached (maybe
@@ -1674,10 +1649,10 @@ TEST_CASE("volume stats read each group's refcount blocks in one read", "[volume
   REQUIRE(f.ok());
   const std::vector<uint8_t> d = Pattern(3 << 20, 5);
   REQUIRE(f.value()->Write(0, d.data(), d.size()).ok());
-  dev.reads = 0;
+  dev.Reset();
   auto st = vol.value()->Stats();
   REQUIRE(st.ok());
-  CHECK(dev.reads == sb.group_count);  // was group_count * 4
+  CHECK(dev.reads() == sb.group_count);  // was group_count * 4
   CHECK(st->used_blocks >= before.used_blocks + 768);
   CHECK(st->free_blocks + st->used_blocks == before.free_blocks + before.used_blocks);
   CHECK(st->files == 1);
