@@ -818,22 +818,13 @@ Result<FsckReport> VolumeImpl::Fsck(bool repair, const FsckProgressFn& progress)
   uint64_t data_area = 0, data_compared = 0;
   for (uint32_t g = 0; g < sb_.group_count; g++) data_area += sb_.GroupDataBlocks(g);
   report_progress(kCountsStep, 0, data_area * kBlockSize);
-  // A group's refcount blocks in one read (32 of them in a full group:
-  // one read per 127 MiB of data area, not per 4 MiB).
   BlockBuf group_refs;
-  uint32_t group_refs_blocks = 0;
   for (uint32_t g = 0; g < sb_.group_count; g++) {
     uint64_t count = sb_.GroupDataBlocks(g);
     uint64_t data_start = sb_.GroupDataStart(g);
     report_progress(kCountsStep, data_compared * kBlockSize, data_area * kBlockSize);
     data_compared += count;
-    const uint32_t ref_blocks = sb_.GroupRefBlocks(g);
-    if (ref_blocks > group_refs_blocks) {
-      group_refs = NewBlockBuf(ref_blocks);
-      group_refs_blocks = ref_blocks;
-    }
-    RETURN_IF_ERROR(dev_->Read(sb_.GroupStart(g) * kBlockSize, group_refs.get(),
-                               uint64_t{ref_blocks} * kBlockSize));
+    ASSIGN_OR_RETURN(const uint32_t ref_blocks, ReadGroupRefBlocks(g, &group_refs));
     for (uint32_t r = 0; r < ref_blocks; r++) {
       uint64_t rb = sb_.GroupStart(g) + r;
       const uint8_t* blk = group_refs.get() + uint64_t{r} * kBlockSize;

@@ -414,6 +414,12 @@ class VolumeImpl : public Volume {
   Status AllocateFromGroup(uint32_t g, size_t n, bool meta, bool reserve,
                            std::vector<uint64_t>* out) REQUIRES(mu_);
   Status PrefetchGroup(uint32_t g) REQUIRES(mu_);
+  // Reads all of group `g`'s refcount blocks (sb_.GroupRefBlocks(g)) from
+  // the device in one read into `*buf`, allocated on first use for a full
+  // group (sb_.group_refblocks), so one buffer serves a walk over every
+  // group. Returns how many blocks were read; they are not validated
+  // (an all-zero block is a group never written since format).
+  Result<uint32_t> ReadGroupRefBlocks(uint32_t g, BlockBuf* buf) const;
 
   // One block of a file becomes `value` (hole, COW ref...), releasing the
   // old block's reference. Caller holds the file exclusively.
