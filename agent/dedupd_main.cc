@@ -5,40 +5,41 @@
 // answers `dede status` on a control socket, records its passes for
 // `dede report` and serves Prometheus metrics on loopback.
 #include <signal.h>
-#include <sys/un.h>
 #include <sys/resource.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <boost/asio.hpp>
 #include <boost/program_options.hpp>
 #include <cmath>
 #include <cstdio>
-#include <iostream>
-#include <optional>
-#include <atomic>
 #include <functional>
+#include <iostream>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <sstream>
 
 #include "agent/control_server.h"
 #include "agent/dedup_pass.h"
 #include "agent/dedup_policy.h"
+#include "agent/export_table.h"
 #include "agent/io_throttle.h"
 #include "agent/lockspace_guard.h"
+#include "agent/log_flusher.h"
 #include "agent/metrics_server.h"
+#include "agent/nbd_server.h"
 #include "agent/pass_history.h"
 #include "agent/pass_scheduler.h"
 #include "agent/sd_notify.h"
 #include "index/index_check.h"
-#include "agent/export_table.h"
-#include "agent/log_flusher.h"
-#include "agent/nbd_server.h"
 #include "kmod/writemon/write_monitor.h"
 #include "util/io_budget.h"
 #include "util/log.h"
+#include "util/repeated_failure.h"
 #include "util/units.h"
 #include "volume/format.h"
 #include "volume/sanlock_lock_manager.h"
@@ -500,10 +501,23 @@ int Run(const Config& cfg) {
   so.stall_timeout_s = cfg.nbd_stall_timeout;
   NbdServer server(io, &table, so);
 
+  // The flush points' outcome: once the device has lost a flush every
+  // later one fails too (StickyFlushFailure), each second; logged when it
+  // starts or changes, then every 10 minutes, and shown by status.
+  RepeatedFailure flush_point_failure("volume flush point", Clock::Real());
+  std::mutex flush_point_mu;  // flush_point_failure: the sync job and status
   PeriodicJob sync_job(io, &server, cfg.sync_interval, [&] {
     // Flush point: makes logs and metadata durable and hands cached locks
     // to other processes that asked for them.
-    if (Status st = vol->Sync(); !st.ok()) LOG(kError) << "volume flush: " << st.ToString();
+    const Status st = vol->Sync();
+    bool is_failure = false;
+    std::string line;
+    {
+      std::lock_guard<std::mutex> l(flush_point_mu);
+      line = flush_point_failure.Note(st, &is_failure);
+    }
+    if (!line.empty() && is_failure) LOG(kError) << line;
+    if (!line.empty() && !is_failure) LOG(kInfo) << line;
     // A backstop: the monitor wakes the flusher itself when a file's buffer
     // reaches the flush size; this catches a batch put back meanwhile, and
     // closes the logs the flusher kept open since (LogFlusher).
@@ -977,6 +991,18 @@ int Run(const Config& cfg) {
     j["device"] = {{"lost_commands", dc.lost_commands},
                    {"lu_resets", dc.lu_resets},
                    {"idle_reconnects", dc.idle_reconnects}};
+    {
+      RepeatedFailure::Snapshot f;
+      {
+        std::lock_guard<std::mutex> l(flush_point_mu);
+        f = flush_point_failure.snapshot();
+      }
+      j["flush_points"] = {{"failing", f.failing},
+                           {"error", f.error},
+                           {"failing_since_ns", f.failing ? f.since_ns : 0},
+                           {"failed_in_a_row", f.in_a_row},
+                           {"failed", f.total}};
+    }
     nlohmann::json exports = nlohmann::json::array();
     for (const ExportTable::ExportStatus& e : table.StatusOfOpen()) {
       nlohmann::json x;
@@ -1182,6 +1208,12 @@ int Run(const Config& cfg) {
     const MetricsText::Labels host = {{"host", std::to_string(vol->host_id())}};
     m.Gauge("dede_up", "1 while dedupd serves the volume", 1, host);
     m.Gauge("dede_exports", "Open NBD exports", double(j["exports"].size()), host);
+    m.Gauge("dede_flush_points_failing",
+            "1 while the volume's flush points fail (every write since the last good one may be "
+            "lost; once the device lost a flush, every later one fails until dedupd restarts)",
+            j["flush_points"]["failing"].get<bool>() ? 1 : 0, host);
+    m.Counter("dede_flush_points_failed_total", "Volume flush points that failed",
+              j["flush_points"]["failed"].get<double>(), host);
     for (const auto& x : j["exports"]) {
       MetricsText::Labels l = host;
       l.emplace_back("export", x["name"].get<std::string>());

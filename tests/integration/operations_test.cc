@@ -15,6 +15,7 @@
 #include <fstream>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -22,6 +23,7 @@
 
 #include "kmod/writemon/write_log.h"
 #include "tests/index_entries.h"
+#include "tests/integration/hold_fuse.h"
 #include "tests/integration/rig.h"
 #include "tests/random_bytes.h"
 #include "volume/volume.h"
@@ -494,6 +496,93 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
   CHECK(body.find("# TYPE dede_nbd_read_bytes_total counter") != std::string::npos);
   CHECK(body.find("dede_nbd_connections_denied_total{host=\"1\"} 0") != std::string::npos);
   REQUIRE(d2.Stop() == 0);
+}
+
+// The device loses a flush (dede-hold-fuse fails one fdatasync of the
+// volume file with EIO, as the kernel reports a lost writeback once):
+// every later flush point fails (the failure is kept), which status,
+// metrics and the log say once, and every later pass fails, which makes
+// dedupd back off, doubling, instead of retrying each second.
+TEST_CASE("a volume whose device lost a flush is shown failing and its failing passes back off",
+          "[ops]") {
+  TempDir dir;
+  const std::string backing = dir.file("backing.img");
+  CreateSparseFile(backing, 256 * kMiB);
+  Dede({"format", backing});
+  Dede({"create", backing, "vm-a", "--size", "4M"});
+  HoldFuse fuse(backing, dir.file("mnt"));
+  fuse.WaitMounted();
+  DedupdProcess d(fuse.lun(), 1, dir.file("nbd.sock"),
+                  {"--dedup-interval", "1", "--metrics-port", "0"});
+  const auto t0 = std::chrono::steady_clock::now();
+  auto waited = [&](int limit_s) {
+    INFO(d.Log());
+    REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(limit_s));
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  };
+  while (Status(d)["passes"]["completed"].get<uint64_t>() < 1) waited(60);
+  json s = Status(d);
+  CHECK(s["flush_points"]["failing"] == false);
+  CHECK(s["flush_points"]["failed"] == 0);
+
+  fuse.FailFsyncs(1);
+  while (!Status(d)["flush_points"]["failing"].get<bool>()) waited(60);
+  // A VM's write is refused (EIO), not acknowledged and lost.
+  const std::string x = dir.file("x.bin");
+  WriteRandomFile(x, kMiB, 11);
+  ProcessResult w = RunProcess(
+      {RequireProgram("qemu-io"), "-f", "raw", "-c", "write -s " + x + " 0 1M", d.Uri("vm-a")});
+  CHECK(w.exit_code != 0);
+
+  // Passes fail from now on: the first at once (1 s after the last), then
+  // after 2, 4, 8 s... Three failures took about 2 s without the backoff.
+  std::optional<std::chrono::steady_clock::time_point> first_failure;
+  uint64_t in_a_row = 0;
+  while (in_a_row < 3) {
+    waited(90);
+    s = Status(d);
+    in_a_row = s["passes"]["failed_in_a_row"].get<uint64_t>();
+    if (in_a_row >= 1 && !first_failure) first_failure = std::chrono::steady_clock::now();
+  }
+  const double between =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - *first_failure).count();
+  INFO(d.Log());
+  CHECK(between >= 5.5);  // 2 + 4 s of backoff, less the polls' slack
+  CHECK(s["passes"]["failed"] == in_a_row);
+  CHECK(s["passes"]["completed"] == 1);
+  CHECK(s["passes"]["failure_backoff_s"].get<double>() == 2.0 * double(1u << (in_a_row - 1)));
+  CHECK(d.Log().find("failed (1 in a row): backing off, the next scheduled pass starts no "
+                     "sooner than 2 s from now") != std::string::npos);
+  CHECK(d.Log().find("failed (2 in a row): backing off, the next scheduled pass starts no "
+                     "sooner than 4 s from now") != std::string::npos);
+
+  // Flush points failed every second meanwhile; the log said so once.
+  const uint64_t flush_failures = s["flush_points"]["failed"].get<uint64_t>();
+  CHECK(flush_failures >= 6);
+  CHECK(s["flush_points"]["failed_in_a_row"] == flush_failures);
+  CHECK(s["flush_points"]["failing_since_ns"].get<uint64_t>() > 0);
+  CHECK(s["flush_points"]["error"].get<std::string>().find("fdatasync: Input/output error") !=
+        std::string::npos);
+  const std::string log = d.Log();
+  size_t lines = 0;
+  for (size_t at = log.find("volume flush point: "); at != std::string::npos;
+       at = log.find("volume flush point: ", at + 1)) {
+    lines++;
+  }
+  CHECK(lines == 1);
+
+  const std::string text = Dede({"status", "--control", d.control()});
+  INFO(text);
+  CHECK(text.find("flushes     FAILING since ") != std::string::npos);
+  CHECK(text.find(" in a row: device flush failed") != std::string::npos);
+  CHECK(text.find(" failed in a row: backing off, the next scheduled pass no sooner than ") !=
+        std::string::npos);
+  const std::string metrics = HttpGet(s["metrics_port"].get<int>(), "/metrics");
+  CHECK(metrics.find("dede_flush_points_failing{host=\"1\"} 1") != std::string::npos);
+  CHECK(metrics.find("dede_passes_total{host=\"1\",outcome=\"failed\"} " +
+                     std::to_string(in_a_row)) != std::string::npos);
+  // The last flush fails too: dedupd says so in its exit status.
+  CHECK(d.Stop() == 1);
 }
 
 }  // namespace

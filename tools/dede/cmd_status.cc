@@ -132,6 +132,18 @@ void PrintDaemon(const json& r) {
     if (auto uuid = Str(r, "volume_uuid")) text += " (uuid " + *uuid + ")";
     Line("volume", text);
   }
+  // A failing flush point is the first thing an operator must see: every
+  // write since the last good one may be lost, and (the device having lost
+  // a flush) every later one fails until dedupd restarts.
+  if (const json* fp = Object(r, "flush_points"); fp && Bool(*fp, "failing").value_or(false)) {
+    std::string text = "FAILING";
+    if (auto since = Uint(*fp, "failing_since_ns"); since && *since > 0) {
+      text += " since " + WhenText(*since);
+    }
+    if (auto n = Uint(*fp, "failed_in_a_row")) text += ", " + std::to_string(*n) + " in a row";
+    if (auto e = Str(*fp, "error"); e && !e->empty()) text += ": " + *e;
+    Line("flushes", text);
+  }
 }
 
 void PrintExports(const json& r) {
@@ -423,6 +435,16 @@ void PrintPass(const json& r) {
       text += (text.empty() ? "" : "; ") + std::string("last ended ") + WhenText(*last);
     }
     if (!text.empty()) Line("passes", text);
+    if (auto n = Uint(*passes, "failed_in_a_row"); n && *n > 0) {
+      std::string backoff = std::to_string(*n) + " failed in a row: backing off";
+      auto wait = Num(*passes, "failure_backoff_s");
+      auto last = Uint(*passes, "last_end_ns");
+      if (wait && last && *last > 0) {
+        backoff += ", the next scheduled pass no sooner than " +
+                   WhenText(*last + static_cast<uint64_t>(*wait * kNsPerSecond));
+      }
+      Line("", backoff + " (`dede dedup --now` runs one at once)");
+    }
     // What the passes achieved since dedupd started.
     std::vector<std::string> totals;
     if (auto v = Uint(*passes, "blocks_shared")) totals.push_back(Count(*v, "block") + " shared");
