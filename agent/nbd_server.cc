@@ -652,8 +652,10 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
     // The request's reservation (none for FLUSH, TRIM, WRITE_ZEROES) goes
     // with it: a WRITE's until its payload is freed, a READ's until its
     // reply is written.
-    server_->RunBlocking([self = shared_from_this(), e = export_, req = std::move(req), held_bytes,
-                          fps = std::move(fps), charge = std::move(admitted_)]() mutable {
+    const bool long_effect = (req.type == nbd::kCmdTrim || req.type == nbd::kCmdWriteZeroes) &&
+                             req.length > NbdServer::kLongEffectBytes;
+    auto job = [self = shared_from_this(), e = export_, req = std::move(req), held_bytes,
+                fps = std::move(fps), charge = std::move(admitted_)]() mutable {
       IoBytes data;  // READ reply data, aligned so O_DIRECT needs no bounce
       bool replied = false;
       // Posts the reply to the connection's strand (once).
@@ -711,7 +713,12 @@ class NbdConnection : public std::enable_shared_from_this<NbdConnection> {
       // While the reply crosses the socket, a sequential reader's next
       // request may be read ahead on this worker (read_ahead.h).
       if (req.type == nbd::kCmdRead && st.ok()) e->ReadAheadAfter(req.offset, req.length);
-    });
+    };
+    if (long_effect) {
+      server_->RunLong(std::move(job));
+    } else {
+      server_->RunBlocking(std::move(job));
+    }
   }
 
   void Send(std::vector<uint8_t> bytes) {
@@ -938,12 +945,14 @@ NbdServer::NbdServer(asio::io_context& io, ExportTable* table, const NbdServerOp
       table_(table),
       opts_(opts),
       pool_(std::max<size_t>(1, opts.worker_threads)),
+      long_pool_(LongThreads(opts.worker_threads)),
       unix_retry_(io),
       tcp_retry_(io),
       budget_(opts.memory_budget) {}
 
 NbdServer::~NbdServer() {
   pool_.join();
+  long_pool_.join();
   open_pool_.join();
   admission_pool_.join();
   if (!opts_.unix_socket.empty() && unix_acceptor_) ::unlink(opts_.unix_socket.c_str());

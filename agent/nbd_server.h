@@ -214,6 +214,22 @@ class NbdServer {
   void RunBlocking(F&& f) {
     boost::asio::post(pool_, std::forward<F>(f));
   }
+  // Runs a TRIM or WRITE_ZEROES longer than the largest READ or WRITE
+  // (kLongEffectBytes) on the long-request pool (LongThreads() threads),
+  // never on a worker: qemu and the kernel send discards and zeroings of
+  // gigabytes, each a worker's work for seconds, and a client pipelining
+  // 64 of them took every worker while other VMs' requests queued behind.
+  template <typename F>
+  void RunLong(F&& f) {
+    boost::asio::post(long_pool_, std::forward<F>(f));
+  }
+  // More than one WRITE's worth of effect: 32 MiB, the advertised maximum
+  // payload (a shorter request costs what a WRITE may).
+  static constexpr uint64_t kLongEffectBytes = uint64_t{32} << 20;
+  // A quarter of the workers, at least one.
+  static size_t LongThreads(size_t worker_threads) {
+    return std::max<size_t>(1, worker_threads / 4);
+  }
   // Runs an export open (which may wait long for its file's lock) on the
   // open pool, never on a worker.
   template <typename F>
@@ -224,6 +240,7 @@ class NbdServer {
   // finish everything posted.
   void JoinWorkers() {
     pool_.join();
+    long_pool_.join();
     open_pool_.join();
     admission_pool_.join();
   }
@@ -258,6 +275,7 @@ class NbdServer {
   ExportTable* const table_;
   const NbdServerOptions opts_;
   boost::asio::thread_pool pool_;
+  boost::asio::thread_pool long_pool_;
   boost::asio::thread_pool open_pool_{kOpenThreads};
   // One thread for the TCP client checks, so that a slow user database
   // (sssd, LDAP) or a flood of local connects holds up no VM's I/O.

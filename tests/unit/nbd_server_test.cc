@@ -4,6 +4,7 @@
 // stall mid-payload (--nbd-stall-timeout) or hang up while they wait.
 #include "agent/nbd_server.h"
 
+#include <sys/ioctl.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -23,6 +24,7 @@
 #include <vector>
 
 #include "agent/export_table.h"
+#include "tests/forwarding_device.h"
 #include "tests/socket_client.h"
 #include "tests/temp_locks.h"
 #include "volume/format.h"
@@ -127,6 +129,7 @@ class Client {
   }
   // Ends a send blocked in another thread.
   void Shutdown() { ::shutdown(fd_, SHUT_RDWR); }
+  int fd() const { return fd_; }
 
   bool Send(const void* data, size_t n) { return test::SendAll(fd_, data, n); }
   // Up to n bytes; 0 at end of file, -1 on an error or the timeout.
@@ -157,10 +160,10 @@ class Client {
     }
   }
   bool Request(uint16_t type, uint64_t cookie, uint64_t offset, uint32_t length,
-               const uint8_t* payload = nullptr) {
+               const uint8_t* payload = nullptr, uint16_t flags = 0) {
     std::vector<uint8_t> v;
     test::PutBig32(&v, 0x25609513);
-    test::PutBig16(&v, 0);
+    test::PutBig16(&v, flags);
     test::PutBig16(&v, type);
     test::PutBig64(&v, cookie);
     test::PutBig64(&v, offset);
@@ -184,12 +187,25 @@ class Client {
 
 // An NbdServer over an in-memory volume with one 64 MiB file "vm", its
 // io_context on a thread of its own, as in dedupd.
+// Writes through it take `delay_ms` each once set (0: none), as a
+// device busy with other work would.
+class SlowWriteDevice : public test::ForwardingDevice {
+ public:
+  explicit SlowWriteDevice(BlockDevice* base) : ForwardingDevice(base, "slow") {}
+  Status Write(uint64_t offset, const void* buf, size_t len) override {
+    if (int ms = delay_ms.load(); ms > 0)
+      std::this_thread::sleep_for(std::chrono::milliseconds(ms));
+    return base()->Write(offset, buf, len);
+  }
+  std::atomic<int> delay_ms{0};
+};
+
 struct ServerRig {
-  explicit ServerRig(uint64_t budget, double stall_timeout_s = 60) : mem(256 * kMiB) {
+  explicit ServerRig(uint64_t budget, double stall_timeout_s = 60) : mem(256 * kMiB), slow(&mem) {
     REQUIRE(FormatVolume(&mem, FormatOptions{}, false).ok());
     OpenOptions oo;
     oo.locks = test::TempLocks();
-    auto v = Volume::Open(&mem, oo);
+    auto v = Volume::Open(&slow, oo);
     REQUIRE(v.ok());
     vol = std::move(v.value());
     REQUIRE(vol->Create("vm", 64 * kMiB).ok());
@@ -237,6 +253,7 @@ struct ServerRig {
 
   TempDir dir;
   MemDevice mem;
+  SlowWriteDevice slow;
   std::unique_ptr<Volume> vol;
   std::unique_ptr<ExportTable> table;
   boost::asio::io_context io{1};
@@ -533,4 +550,51 @@ TEST_CASE(
     if (back != payload) std::this_thread::sleep_for(50ms);
   }
   CHECK(back == payload);
+}
+
+// qemu and the kernel send TRIMs and WRITE_ZEROES of gigabytes; a client
+// pipelining such requests took every worker (each one's device work for
+// seconds) and other VMs' READs queued behind them. Longer than a WRITE
+// may be, they run on a pool of their own (a quarter of the workers: one
+// here), one after another, and the workers stay free.
+TEST_CASE("nbd server: long WRITE_ZEROES requests of one client leave the workers to the others",
+          "[nbd]") {
+  constexpr uint16_t kWriteZeroes = 6, kFlagNoHole = 1 << 1;
+  ServerRig rig(64 * kMiB);
+  Client zeroer(rig.socket());
+  REQUIRE(zeroer.Go("vm"));
+  Client reader(rig.socket());
+  REQUIRE(reader.Go("vm"));
+  // Data at 60 MiB to read back, outside the zeroed range.
+  std::vector<uint8_t> payload(4096, 0x5a);
+  REQUIRE(reader.Request(kWrite, 1, 60 * kMiB, 4096, payload.data()));
+  REQUIRE(reader.Reply(1) == 0);
+
+  // Four zeroings of 40 MiB with NO_HOLE (written, not punched), each
+  // about 60 device writes at 20 ms (over a second): as many as the
+  // workers, which before took them all (one zeroing, the others waiting
+  // for its range).
+  rig.slow.delay_ms = 20;
+  constexpr int kZeroings = 4;
+  for (int i = 0; i < kZeroings; i++) {
+    REQUIRE(zeroer.Request(kWriteZeroes, 100 + i, 0, 40 * kMiB, nullptr, kFlagNoHole));
+  }
+  std::this_thread::sleep_for(100ms);  // the server has read them all
+  REQUIRE(reader.Request(kRead, 2, 60 * kMiB, 4096));
+  REQUIRE(reader.Reply(2) == 0);
+  std::vector<uint8_t> back(4096);
+  REQUIRE(reader.Recv(back.data(), back.size()));
+  CHECK(back == payload);
+  // The READ was answered while the first zeroing still ran: no reply
+  // waits for the zeroing client (before, the READ waited for a worker
+  // until the first zeroing ended, and its reply was there).
+  int waiting = 0;
+  REQUIRE(::ioctl(zeroer.fd(), FIONREAD, &waiting) == 0);
+  CHECK(waiting == 0);
+  rig.slow.delay_ms = 0;
+  for (int i = 0; i < kZeroings; i++) CHECK(zeroer.Reply(100 + i) == 0);
+  REQUIRE(reader.Request(kRead, 3, 39 * kMiB, 4096));
+  REQUIRE(reader.Reply(3) == 0);
+  REQUIRE(reader.Recv(back.data(), back.size()));
+  CHECK(back == std::vector<uint8_t>(4096, 0));
 }
