@@ -565,11 +565,15 @@ std::vector<std::shared_ptr<Export>> ExportTable::Snapshot() {
 }
 
 uint32_t NbdErrorFor(const Status& s) {
+  // Not ENOTSUP (95) for kUnsupported (a file with inode flags this
+  // version does not know): the spec keeps it for WRITE_ZEROES with
+  // FAST_ZERO, which dedupd does not advertise, and qemu takes it on a
+  // discard for "discards are not supported" and stops sending them.
   switch (s.code()) {
     case Status::Code::kOk: return 0;
     case Status::Code::kNoSpace: return 28;   // ENOSPC
-    case Status::Code::kInvalid: return 22;   // EINVAL
-    case Status::Code::kUnsupported: return 95;  // ENOTSUP
+    case Status::Code::kInvalid:
+      return 22;                              // EINVAL
     default: return 5;                        // EIO
   }
 }

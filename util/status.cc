@@ -6,7 +6,10 @@ namespace dede {
 
 Status Status::FromErrno(const std::string& what, int err) {
   std::string m = what + ": " + std::strerror(err);
-  if (err == ENOSPC) return NoSpace(m);
+  // A quota or a file-size limit on the filesystem holding a volume file
+  // is "no space" to whoever writes (the NBD spec asks EDQUOT and EFBIG to
+  // reach clients as ENOSPC).
+  if (err == ENOSPC || err == EDQUOT || err == EFBIG) return NoSpace(m);
   if (err == ENOENT) return NotFound(m);
   if (err == EINVAL) return Invalid(m);
   // Not EACCES: "cannot open /dev/sdb: Permission denied" read as "in use"

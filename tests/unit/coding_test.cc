@@ -137,6 +137,8 @@ TEST_CASE("coding: random sequences round trip", "[coding]") {
 TEST_CASE("Status::FromErrno maps errno values to codes", "[util]") {
   using dede::Status;
   CHECK(Status::FromErrno("x", ENOSPC).code() == Status::Code::kNoSpace);
+  CHECK(Status::FromErrno("x", EDQUOT).code() == Status::Code::kNoSpace);
+  CHECK(Status::FromErrno("x", EFBIG).code() == Status::Code::kNoSpace);
   CHECK(Status::FromErrno("x", ENOENT).code() == Status::Code::kNotFound);
   CHECK(Status::FromErrno("x", EINVAL).code() == Status::Code::kInvalid);
   CHECK(Status::FromErrno("x", EAGAIN).code() == Status::Code::kLocked);

@@ -790,3 +790,17 @@ TEST_CASE("export: clients of a disk whose open is under way hold no thread whil
   table.Release(*e);
   CHECK(table.StatusOfOpen().empty());
 }
+
+// The NBD spec: ENOTSUP only for WRITE_ZEROES with FAST_ZERO (never
+// advertised here; qemu reads it on a discard as "discards unsupported");
+// EDQUOT and EFBIG reach clients as ENOSPC.
+TEST_CASE("export: volume errors map to the NBD error numbers the spec allows", "[nbd]") {
+  CHECK(dede::NbdErrorFor(dede::Status::Ok()) == 0);
+  CHECK(dede::NbdErrorFor(dede::Status::NoSpace("full")) == 28);
+  CHECK(dede::NbdErrorFor(dede::Status::FromErrno("pwrite", EDQUOT)) == 28);
+  CHECK(dede::NbdErrorFor(dede::Status::FromErrno("pwrite", EFBIG)) == 28);
+  CHECK(dede::NbdErrorFor(dede::Status::Invalid("beyond the end")) == 22);
+  CHECK(dede::NbdErrorFor(dede::Status::Unsupported("inode flags 0x80")) == 5);
+  CHECK(dede::NbdErrorFor(dede::Status::IoError("EIO")) == 5);
+  CHECK(dede::NbdErrorFor(dede::Status::Corruption("bad crc")) == 5);
+}
