@@ -42,6 +42,21 @@ Status LogFlusher::FlushLocked(FileId id, bool keep_open, bool skip_if_no_space,
   }
   if (st.ok()) {
     kept->second.appended = true;
+    // A batch parked when the file's export closed (its log full or held)
+    // is older than this one: in the log first, or its changed-block marks
+    // would land after, and cancel, this batch's records of the same
+    // blocks (the file reopened and written meanwhile).
+    if (auto p = parked_.find(id); p != parked_.end()) {
+      LogAppendOutcome parked_outcome = LogAppendOutcome::kAppended;
+      st = AppendToOpenWriteLog(vol_, kept->second.file.get(), p->second.batch,
+                                p->second.max_log_bytes, &parked_outcome);
+      if (st.ok()) {
+        NoteParkedAppended(id, p->second.batch, parked_outcome);
+        parked_.erase(p);
+      }
+    }
+  }
+  if (st.ok()) {
     st = AppendToOpenWriteLog(vol_, kept->second.file.get(), batch, max_log_bytes, &outcome);
     // Closed after an error too: the next append starts from what the
     // volume says.
@@ -203,16 +218,7 @@ Status LogFlusher::AppendParked() {
       continue;
     }
     if (st.ok()) {
-      if (outcome == LogAppendOutcome::kAppended) {
-        stats_.flushes++;
-        stats_.bytes += EncodedWriteLogBytes(batch, monitor_->algo());
-      } else {
-        stats_.capped_batches++;
-        stats_.capped_entries += batch.entries();
-      }
-      LOG(kInfo) << "write log of file " << id.ino << "." << id.generation << ": "
-                 << batch.invalidated.size()
-                 << " changed ranges logged after its export closed while the log was held";
+      NoteParkedAppended(id, batch, outcome);
     } else {
       // Kept for the next FlushAll (a full volume may have room then):
       // dropped, the log's older records for those blocks would stand as
@@ -227,6 +233,20 @@ Status LogFlusher::AppendParked() {
     it = parked_.erase(it);
   }
   return first;
+}
+
+void LogFlusher::NoteParkedAppended(FileId id, const MonitorBatch& batch,
+                                    LogAppendOutcome outcome) {
+  if (outcome == LogAppendOutcome::kAppended) {
+    stats_.flushes++;
+    stats_.bytes += EncodedWriteLogBytes(batch, monitor_->algo());
+  } else {
+    stats_.capped_batches++;
+    stats_.capped_entries += batch.entries();
+  }
+  LOG(kInfo) << "write log of file " << id.ino << "." << id.generation << ": "
+             << batch.invalidated.size()
+             << " changed ranges logged after its export closed while the log was held";
 }
 
 size_t LogFlusher::parked_files() {

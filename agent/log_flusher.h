@@ -21,8 +21,8 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cstdint>
 #include <condition_variable>
+#include <cstdint>
 #include <map>
 #include <memory>
 #include <set>
@@ -30,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "util/mutex.h"
 #include "util/status.h"
@@ -187,7 +188,8 @@ class LogFlusher {
   // a record described becomes a changed block. By the time the log is
   // free another host may have logged newer records for those blocks, and
   // an older fingerprint appended after them would win; an invalidation
-  // only has the next pass rehash the block. Appended by FlushAll.
+  // only has the next pass rehash the block. Appended by FlushAll, or
+  // before the file's next batch if it is open here again (FlushLocked).
   struct ParkedBatch {
     MonitorBatch batch;
     uint64_t max_log_bytes = 0;  // the file's log limit when it was parked
@@ -196,6 +198,9 @@ class LogFlusher {
   void Park(MonitorBatch batch, uint64_t max_log_bytes) REQUIRES(mu_);
   // Appends the parked batches whose logs are free now.
   Status AppendParked() REQUIRES(mu_);
+  // Counts and logs a parked batch that reached its log.
+  void NoteParkedAppended(FileId id, const MonitorBatch& batch, LogAppendOutcome outcome)
+      REQUIRES(mu_);
   // Lock order: mu_ before files_mu_; files_mu_ is never held across I/O
   // (the export table takes it when opening and closing files). Whether a
   // log is full is the monitor's state (WriteMonitor::PauseForFullLog),

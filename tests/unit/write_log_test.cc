@@ -1106,6 +1106,40 @@ TEST_CASE("log flusher: an export's last flush that fails is parked, and logged 
   CHECK(log.records.count(2) == 1);
 }
 
+TEST_CASE("log flusher: a parked batch goes into the log before the reopened file's newer records",
+          "[writemon]") {
+  // The parked changes of a closed export (its log full or held) were
+  // appended by FlushAll after the batches due, so when the file was
+  // reopened meanwhile and its block rewritten, the older "changed" mark
+  // landed after the new record and cancelled it: the log no longer named
+  // the block's final content.
+  FlusherRig rig(1000, 64);
+  Volume* vol = rig.vol;
+  const FileId owner = rig.owner;
+  WriteMonitor& monitor = *rig.monitor;
+  LogFlusher& flusher = *rig.flusher;
+  monitor.OnWrite(owner, 0, rig.data.data(), 4 * kB);
+  REQUIRE(flusher.FlushAll().ok());
+  FillVolume(vol);
+  monitor.OnInvalidate(owner, kB, kB);  // a TRIM of block 1, then the close
+  CHECK(flusher.FlushFile(owner).code() == Status::Code::kNoSpace);
+  REQUIRE(flusher.parked_files() == 1);
+  flusher.ForgetFile(owner);
+  monitor.RemoveFile(owner);
+  REQUIRE(vol->Remove("filler").ok());
+  // Reopened: block 1 written again, with new content.
+  monitor.AddFile(owner, true);
+  const uint8_t* fresh = rig.data.data() + 10 * kB;
+  monitor.OnWrite(owner, kB, fresh, kB);
+  REQUIRE(flusher.FlushAll().ok());
+  CHECK(flusher.parked_files() == 0);
+  WriteLogState log = Replay(vol, owner);
+  REQUIRE(log.records.count(1) == 1);
+  CHECK(log.records.at(1).fp == ComputeFingerprint(FlusherRig::kAlgo, fresh, kB));
+  CHECK(log.records.count(0) == 1);
+  CHECK(log.records.count(2) == 1);
+}
+
 TEST_CASE("writelog: a replay holds at most max_entries records and ranges", "[writemon]") {
   // A log's limit is 3% of its file: the log of a 1 TiB disk can describe
   // every one of its 268 million blocks, gigabytes in the replay's map.
