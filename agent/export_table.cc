@@ -160,15 +160,20 @@ Status Export::SetDedup(bool on) {
     }
     if (!marked.ok()) LOG(kWarning) << "export '" << name_ << "': opt-out marker: " << marked.ToString();
   }
-  RETURN_IF_ERROR(file_->Flush());
   if (on) {
+    // Recording starts before the switch is made durable, not after: once
+    // file_->SetDedup took, the flag reaches the disk with the next flush
+    // point even if this flush fails, and the file would then be dedup=on
+    // with its writes recorded by nobody until the export closed. Records
+    // of a file whose flag did not stick are harmless (a pass goes by the
+    // inode's flag).
     dedup_ = true;
     if (monitor_) {
       monitor_->SetDedup(id_, true);
       if (size_ > 0) monitor_->OnInvalidate(monitored_, 0, size_);
     }
   }
-  return Status::Ok();
+  return file_->Flush();
 }
 
 Status Export::Write(uint64_t offset, const void* buf, size_t len, bool fua,

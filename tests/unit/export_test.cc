@@ -97,8 +97,11 @@ class GateDevice : public test::ForwardingDevice {
   }
   // Called before every device flush, when set.
   std::function<void()> on_flush;
+  // Every device flush fails with EIO while set.
+  std::atomic<bool> fail_flushes{false};
   Status Flush() override {
     if (on_flush) on_flush();
+    if (fail_flushes) return Status::IoError("injected flush error");
     return base()->Flush();
   }
 
@@ -373,6 +376,25 @@ TEST_CASE("export: dedup=off stops the monitor before the switch is made durable
   CHECK(rig.ex->fingerprints_writes());
   REQUIRE(rig.ex->Write(0, data.data(), data.size(), false, nullptr, &fps).ok());
   CHECK(monitor.FileStats(id).buffered_records == 4);
+}
+
+TEST_CASE("export: dedup=on whose flush fails still has the monitor recording the file",
+          "[export]") {
+  // The switch is taken in the volume before its flush; when the flush
+  // failed, SetDedup returned before telling the monitor, and the flag
+  // reached the disk at the next flush point: a dedup=on file whose writes
+  // nobody recorded while its export stayed open.
+  WriteMonitor monitor{WriteMonitorOptions{}};
+  Rig rig(&monitor);
+  const FileId id = rig.ex->id();
+  REQUIRE(rig.ex->SetDedup(false).ok());
+  REQUIRE_FALSE(monitor.FileStats(id).dedup);
+  rig.gate.fail_flushes = true;
+  CHECK_FALSE(rig.ex->SetDedup(true).ok());
+  rig.gate.fail_flushes = false;
+  CHECK(rig.ex->dedup());
+  CHECK(monitor.FileStats(id).dedup);
+  CHECK(rig.ex->fingerprints_writes());
 }
 
 TEST_CASE("export: without a write monitor nothing is hashed ahead", "[export]") {
