@@ -431,7 +431,12 @@ Result<DedupWindow> ParseWindow(const std::string& s) {
 Result<std::vector<DedupWindow>> ParseWindowList(const std::string& s) {
   const std::string trimmed = Trim(s);
   std::vector<DedupWindow> ws;
-  if (trimmed.empty() || Is(Lower(trimmed), "always")) return ws;
+  // Empty is not "always": `windows=$W` with W unset would drop every
+  // window without a word, and dedup would run in business hours.
+  if (trimmed.empty()) {
+    return Status::Invalid("the window list is empty (say 'always' for dedup at any time)");
+  }
+  if (Is(Lower(trimmed), "always")) return ws;
   const std::vector<std::string> parts = Split(trimmed, ';');
   for (size_t i = 0; i < parts.size(); i++) {
     if (Trim(parts[i]).empty()) {

@@ -94,7 +94,8 @@ inline uint64_t StableAfterNs(const DedupPolicy& p) {
 // "HH:MM-00:00" is read as "HH:MM-24:00". kInvalid names the input and
 // what is wrong with it.
 Result<DedupWindow> ParseWindow(const std::string& s);
-// ';'-separated windows; "" or "always" -> empty list (dedup at any time).
+// ';'-separated windows; "always" -> empty list (dedup at any time); ""
+// is refused (an unset variable must not remove every window).
 // At most kMaxPolicyWindows.
 Result<std::vector<DedupWindow>> ParseWindowList(const std::string& s);
 // Canonical text ("daily", runs of three or more days as "mon-fri", others

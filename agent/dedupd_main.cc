@@ -133,6 +133,22 @@ int UsageError(const std::string& msg) {
   return kExitUsage;
 }
 
+// A size option's value, or why not: a value that is no size at all is
+// told apart from one out of range (both used to say "need a size of at
+// least 4K"). `bounds` is how the error states the range ("at least 4K").
+std::optional<std::string> ParseSizeOption(const char* option, const std::string& text,
+                                           uint64_t min, uint64_t max, const char* bounds,
+                                           uint64_t* out) {
+  const std::optional<uint64_t> v = ParseSize(text);
+  if (!v) {
+    return std::string("--") + option + ": '" + text +
+           "' is not a size (bytes, or a number with K, M, G or T, as in 64M)";
+  }
+  if (*v < min || *v > max) return std::string("--") + option + ": " + bounds + ", not " + text;
+  *out = *v;
+  return std::nullopt;
+}
+
 // Every option in seconds takes 1 ms to 30 days (the usage error says so),
 // and 0 where its help says what 0 means: timers take them in whole
 // microseconds of an int64.
@@ -216,14 +232,24 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
   // clang-format on
   po::variables_map vm;
   try {
-    po::store(po::command_line_parser(argc, argv).options(opts).run(), vm);
+    // No positional arguments: without an (empty) description for them,
+    // program_options dropped a stray word and dedupd started anyway.
+    const po::positional_options_description no_positional;
+    po::store(po::command_line_parser(argc, argv).options(opts).positional(no_positional).run(),
+              vm);
     po::notify(vm);
-    if (vm.count("config")) {
-      po::store(po::parse_config_file<char>(config_file.c_str(), opts), vm);
-      po::notify(vm);
-    }
+  } catch (const po::too_many_positional_options_error&) {
+    return UsageError("unexpected argument: dedupd takes options only (--volume VOL ...)");
   } catch (const std::exception& e) {
     return UsageError(e.what());
+  }
+  if (vm.count("config")) {
+    try {
+      po::store(po::parse_config_file<char>(config_file.c_str(), opts), vm);
+      po::notify(vm);
+    } catch (const std::exception& e) {
+      return UsageError("configuration file " + config_file + ": " + e.what());
+    }
   }
   if (vm.count("help")) {
     std::cout << kUsage << "\n" << opts;
@@ -245,39 +271,32 @@ int ParseArgs(int argc, char** argv, Config* cfg) {
     if (!p || *p > 65535) return UsageError("--tcp-port: not a port number: " + tcp_port);
     cfg->tcp_port = static_cast<int>(*p);
   }
-  if (!flush_bytes.empty()) {
-    auto v = ParseSize(flush_bytes);
-    if (!v || *v < 4096) return UsageError("--log-flush-bytes: need a size of at least 4K");
-    cfg->log_flush_bytes = *v;
-  }
-  if (!memory.empty()) {
-    auto v = ParseSize(memory);
-    if (!v || *v < (1 << 20)) return UsageError("--monitor-memory: need a size of at least 1M");
-    cfg->monitor_memory = *v;
+  struct SizeOption {
+    const char* name;
+    const std::string& text;
+    uint64_t min, max;
+    const char* bounds;
+    uint64_t* out;
+  };
+  constexpr uint64_t kNoMax = UINT64_MAX;
+  const SizeOption size_options[] = {
+      {"log-flush-bytes", flush_bytes, 4096, kNoMax, "at least 4K", &cfg->log_flush_bytes},
+      {"monitor-memory", memory, 1 << 20, kNoMax, "at least 1M", &cfg->monitor_memory},
+      {"write-log-min", write_log_min, 4096, kNoMax, "at least 4K",
+       &cfg->write_log_limit.min_bytes},
+      {"read-ahead", read_ahead, 0, uint64_t{64} << 20, "at most 64M (0: off)", &cfg->read_ahead},
+      {"nbd-memory", nbd_memory, 1 << 20, kNoMax, "at least 1M", &cfg->nbd_memory},
+      {"read-ahead-memory", read_ahead_memory, 0, kNoMax, "any size", &cfg->read_ahead_memory},
+  };
+  for (const SizeOption& o : size_options) {
+    if (o.text.empty()) continue;
+    if (auto err = ParseSizeOption(o.name, o.text, o.min, o.max, o.bounds, o.out)) {
+      return UsageError(*err);
+    }
   }
   if (!write_log_limit.empty() &&
       !ParseWhole(write_log_limit, 0, 100, &cfg->write_log_limit.percent)) {
     return UsageError("--write-log-limit: 0..100 (percent), not '" + write_log_limit + "'");
-  }
-  if (!write_log_min.empty()) {
-    auto v = ParseSize(write_log_min);
-    if (!v || *v < 4096) return UsageError("--write-log-min: need a size of at least 4K");
-    cfg->write_log_limit.min_bytes = *v;
-  }
-  if (!read_ahead.empty()) {
-    auto v = ParseSize(read_ahead);
-    if (!v || *v > (uint64_t{64} << 20)) return UsageError("--read-ahead: need a size of at most 64M (0: off)");
-    cfg->read_ahead = *v;
-  }
-  if (!nbd_memory.empty()) {
-    auto v = ParseSize(nbd_memory);
-    if (!v || *v < (1 << 20)) return UsageError("--nbd-memory: need a size of at least 1M");
-    cfg->nbd_memory = *v;
-  }
-  if (!read_ahead_memory.empty()) {
-    auto v = ParseSize(read_ahead_memory);
-    if (!v) return UsageError("--read-ahead-memory: need a size such as 64M");
-    cfg->read_ahead_memory = *v;
   }
   if (!log_level.empty()) {
     auto l = ParseLogLevel(log_level);

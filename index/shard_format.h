@@ -169,8 +169,9 @@ Status DecodeFileTableBlock(const uint8_t* blk, const Uuid& uuid, FileId file, u
 // Pending records: records a pass deferred for a shard whose rewrite is
 // not due yet (batching). A pending file is a sequence of frames; a frame
 // is a header block then ceil(count / per-block) record blocks:
-//   header: magic "DDIP", major, minor, crc, count, frame index (its first
-//           block), algo, crc of the record blocks.
+//   header: magic "DDIP", major, minor, header crc, algo, count,
+//           first_block (the frame's own block index), crc of the record
+//           blocks (docs/FORMAT.md section 13.5).
 //   record: fingerprint (algo size), ino u64, generation u64, block u64.
 struct PendingRecord {
   FpKey fp{};

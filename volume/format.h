@@ -288,7 +288,7 @@ struct Inode {
   uint64_t generation = 0;
   uint32_t flags = 0;
   FileKind kind = FileKind::kNone;
-  uint8_t depth = 0;  // block-map levels below the root; 0 = no map yet
+  uint8_t depth = 0;  // block-map levels, the root's level; 0 = no map yet
   uint64_t size = 0;  // bytes
   uint64_t root = 0;  // block address of the top pointer block, 0 if none
   uint64_t mapped_blocks = 0;  // data pointers in the map (shared or not)

@@ -147,6 +147,14 @@ Result<std::unique_ptr<BlockDevice>> OpenPathDevice(const std::string& path,
     fd = ::open(path.c_str(), flags);
     direct = false;
   }
+  if (fd < 0 && (errno == EACCES || errno == EPERM || errno == EROFS) && !opts.read_only) {
+    // Even a command that only reads opens the volume read-write: it takes
+    // the volume's locks, which live on it (or beside it) and are written.
+    const int e = errno;
+    return Status::IoError("cannot open " + path + ": " + std::strerror(e) +
+                           " (dede needs read-write access to a volume even to read it: its "
+                           "locks are written; run as root, or as a user who may write it)");
+  }
   if (fd < 0) return Status::FromErrno("cannot open " + path, errno);
   struct stat st{};
   if (::fstat(fd, &st) != 0) {

@@ -1,4 +1,5 @@
-// Fuzzes DecodeWriteLogFrame and WriteLogReader (kmod/writemon/write_log.h):
+// Fuzzes DecodeWriteLogFrame, WriteLogReader and ParseWriteLogName
+// (kmod/writemon/write_log.h):
 // a write log is read back by whichever host next consumes it, so whatever
 // another host, a torn append or a stale LUN left there must be refused
 // cleanly.
@@ -16,6 +17,7 @@
 // covers it; it never fails (no I/O errors in memory).
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -277,7 +279,24 @@ extern "C" int LLVMFuzzerInitialize(int*, char***) {
   return 0;
 }
 
+// ParseWriteLogName: a pass finds logs by name in the listing; whatever
+// name it accepts must be the one WriteLogName gives its owner.
+void FuzzName(const uint8_t* data, size_t size) {
+  const std::string s(reinterpret_cast<const char*>(data), size < 64 ? size : 64);
+  const std::string prefix = ".dede-wlog-";
+  for (const std::string& name : {s, prefix + s}) {
+    // Shorter than the prefix: libstdc++'s string::compare subtracts the
+    // lengths as unsigned (well defined), which the instrumented build's
+    // unsigned-overflow trap flags.
+    if (name.size() < prefix.size()) continue;
+    if (std::optional<FileId> id = ParseWriteLogName(name)) {
+      FUZZ_CHECK(WriteLogName(*id) == name, "write log name");
+    }
+  }
+}
+
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  FuzzName(data, size);
   const Blk raw(data, size);
   const HashAlgo algo = AlgoOf(raw.data());
   const FileId owner = OwnerOf(raw.data());

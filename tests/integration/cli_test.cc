@@ -511,6 +511,33 @@ TEST_CASE("dede refuses bad devices without writing to them", "[cli]") {
     DedeFails({"format", dir.file("missing.img")});
     CHECK_FALSE(std::filesystem::exists(dir.file("missing.img")));
   }
+  SECTION("a volume this user may not write says why it needs to") {
+    // Only reading, `dede info` still opens the volume read-write (it takes
+    // the volume's locks, which are written): the bare "Permission denied"
+    // left a user guessing.
+    const std::string vol = dir.file("ro.img");
+    CreateSparseFile(vol, 64 * kMiB);
+    DedeOk({"format", vol});
+    std::filesystem::permissions(
+        dir.file(""), std::filesystem::perms::owner_all | std::filesystem::perms::group_read |
+                          std::filesystem::perms::group_exec | std::filesystem::perms::others_read |
+                          std::filesystem::perms::others_exec);
+    std::filesystem::permissions(
+        vol, std::filesystem::perms::owner_read | std::filesystem::perms::owner_write |
+                 std::filesystem::perms::group_read | std::filesystem::perms::others_read);
+    const std::vector<std::string> argv = {test::RequireProgram("setpriv"),
+                                           "--reuid=65534",
+                                           "--regid=65534",
+                                           "--clear-groups",
+                                           BinaryPath("dede"),
+                                           "info",
+                                           vol};
+    ProcessResult r = RunProcess(argv);
+    INFO(Describe(argv, r));
+    CHECK(r.exit_code == 1);
+    CHECK(r.err.find("Permission denied (dede needs read-write access to a volume even to read "
+                     "it") != std::string::npos);
+  }
   SECTION("random bytes are not a volume") {
     const std::string vol = dir.file("random.img");
     WriteWholeFile(vol, RandomBytes(32 * kMiB, 99));
@@ -663,6 +690,8 @@ TEST_CASE("dede usage errors exit 2 and touch nothing", "[cli]") {
       {"policy", vol, "set", "stable-after=18446744074"},
       {"policy", vol, "set", "stable-after=366d"},
       {"dedup", vol, "--split-after", "0"},             // would split every shard at every pass
+      {"dedup", vol, "--control", missing},             // --control is for --now
+      {"policy", vol, "set", "windows="},               // an unset variable is not "always"
       {"create", vol, ".dede-policy", "--size", "4K"},  // dede's own names
       {"import", vol, ".dede-arena-0000000000000000", vol},
   };

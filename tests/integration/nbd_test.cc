@@ -1700,7 +1700,11 @@ TEST_CASE("dedupd command line with usage errors and bad volumes and taken host 
                                               {"--open-wait", "nan"},
                                               {"--window-interval", "2592001"},
                                               {"--max-connections", "-1"},
-                                              {"--write-log-limit", "-1"}}) {
+                                              {"--write-log-limit", "-1"},
+                                              {"--log-flush-bytes", "1K"},
+                                              {"--monitor-memory", "lots"},
+                                              {"--read-ahead", "1G"},
+                                              {"--nbd-memory", "12Q"}}) {
     std::vector<std::string> args = {dedupd, "--volume", tv.vol, "--host-id",
                                      "1",    "--socket", tv.sock};
     args.insert(args.end(), off.begin(), off.end());
@@ -1709,6 +1713,32 @@ TEST_CASE("dedupd command line with usage errors and bad volumes and taken host 
     INFO(bad[0] << " " << bad[1] << ": " << r.err);
     CHECK(r.exit_code == 2);
     CHECK(r.err.find(bad[0]) != std::string::npos);
+  }
+  // A size that is no size is told apart from one out of range (both said
+  // "need a size of at least 4K").
+  {
+    std::vector<std::string> a = {dedupd, "--volume", tv.vol, "--host-id",
+                                  "1",    "--socket", tv.sock};
+    a.insert(a.end(), off.begin(), off.end());
+    a.insert(a.end(), {"--log-flush-bytes", "10X"});
+    r = RunProcess(a, 20);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("--log-flush-bytes: '10X' is not a size") != std::string::npos);
+    a.back() = "1K";
+    ProcessResult small = RunProcess(a, 20);
+    CHECK(small.exit_code == 2);
+    CHECK(small.err.find("--log-flush-bytes: at least 4K, not 1K") != std::string::npos);
+  }
+  // A stray word: dedupd dropped it and started serving.
+  {
+    std::vector<std::string> a = {dedupd, "--volume", tv.vol, "--host-id",
+                                  "1",    "--socket", tv.sock};
+    a.insert(a.end(), off.begin(), off.end());
+    a.push_back("extra");
+    r = RunProcess(a, 20);
+    INFO(r.err);
+    CHECK(r.exit_code == 2);
+    CHECK(r.err.find("unexpected argument") != std::string::npos);
   }
   // A host id that is negative (read as 2^32 - 1 by the option parser), or
   // beyond the volume's max-hosts (8): configuration errors, exit 2, which
@@ -1774,6 +1804,13 @@ TEST_CASE("dedupd command line with usage errors and bad volumes and taken host 
     INFO(b.err);
     REQUIRE(b.exit_code == 2);
     REQUIRE(b.err.find("--threads") != std::string::npos);
+    // A name dedupd does not know: the error names the file it is in.
+    std::ofstream(bad) << "bogus = 1\n";
+    b = RunProcess({dedupd, "--config", bad}, 30);
+    INFO(b.err);
+    CHECK(b.exit_code == 2);
+    CHECK(b.err.find("configuration file " + bad + ": unrecognised option 'bogus'") !=
+          std::string::npos);
   }
   r = RunProcess({dedupd, "--volume", tv.vol, "--host-id", "3", "--socket", tv.dir.file("b.sock")},
                  30);

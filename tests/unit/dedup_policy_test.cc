@@ -222,7 +222,8 @@ TEST_CASE("policy windows reject bad text with a message naming the input", "[po
 }
 
 TEST_CASE("policy window lists split on semicolons and accept always", "[policy]") {
-  CHECK(ParseWindowList("")->empty());
+  CHECK(ParseWindowList("").status().code() == Status::Code::kInvalid);
+  CHECK(ParseWindowList("  ").status().code() == Status::Code::kInvalid);
   CHECK(ParseWindowList("always")->empty());
   CHECK(ParseWindowList("  Always ")->empty());
   auto ws = ParseWindowList("mon-fri 01:00-05:00; sat,sun 00:00-24:00");

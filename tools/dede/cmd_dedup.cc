@@ -93,6 +93,11 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
       "does: what it did is kept, what it had not merged waits for the next\n"
       "pass, and the command fails saying so; a second Ctrl-C kills it.");
   if (auto rc = parser.Parse(args)) return *rc;
+  // Only --now asks dedupd; without it a --control was silently ignored
+  // and the pass ran here (or was refused outside the windows).
+  if (parser.value("control") && !parser.flag("now")) {
+    return UsageError(cmd, "--control is for --now (ask that dedupd to run a pass)");
+  }
   DedupOptions opts;
   opts.force = parser.flag("force");
   opts.rescan = parser.flag("rescan");
