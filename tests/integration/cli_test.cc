@@ -785,6 +785,10 @@ TEST_CASE("dede dedup --now with a --control nobody answers fails instead of run
   CHECK(r.out.empty());
   // Without --control and no dedupd at the default socket, the pass runs here.
   DedeOk({"dedup", vol, "--now", "--json"});
+  // dede status with nobody there says what to check.
+  r = DedeFails({"status", "--control", dir.file("none.ctl")});
+  CHECK(r.err.find("no dedupd at " + dir.file("none.ctl")) != std::string::npos);
+  CHECK(r.err.find("is dedupd running (systemctl status dedupd)?") != std::string::npos);
 }
 
 TEST_CASE("dede rm/set/export of a file held open elsewhere fail cleanly", "[cli]") {

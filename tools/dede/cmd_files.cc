@@ -41,13 +41,13 @@ int RunCreate(const Command& cmd, const std::vector<std::string>& args) {
   parser.AddPositional("VOL", kVolHelp);
   parser.AddPositional("NAME", "file name (1..255 bytes, no '/')");
   parser.options()("size", po::value<std::string>()->value_name("SIZE"),
-                   "logical size: bytes or with K, M, G, T suffix (binary), e.g. 20G");
+                   "logical size: bytes or with a K, M, G, T or P suffix (binary), e.g. 20G");
   parser.SetDetails("The new file is thin: it takes no data blocks until written.");
   if (auto rc = parser.Parse(args)) return *rc;
   auto size_text = parser.value("size");
   if (!size_text) return UsageError(cmd, "missing --size");
   auto size = ParseSize(*size_text);
-  if (!size) return UsageError(cmd, "invalid size '" + *size_text + "'");
+  if (!size) return UsageError(cmd, "invalid size '" + *size_text + "': " + kSizeSyntax);
   if (auto why = ReservedName(parser.positional(1))) return UsageError(cmd, *why);
 
   auto opened = OpenVolume(parser.positional(0), /*read_only=*/false);
@@ -231,8 +231,14 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
           j["saved_bytes"] = nullptr;
           j["metadata_blocks"] = nullptr;
         }
+        // Every key in every row (null when not known), so a script can
+        // index them without checking which kind of row it has.
+        j["log_records"] = nullptr;
+        j["log_records_over"] = nullptr;
+        j["log_dropped_records"] = nullptr;
+        j["log_corrupt_frames"] = nullptr;
+        j["log_saturated"] = nullptr;
         if (l.log == Listing::LogState::kRead && l.log_over_limit) {
-          j["log_records"] = nullptr;
           j["log_records_over"] = max_log_records;
         } else if (l.log == Listing::LogState::kRead) {
           j["log_records"] = l.log_records;
@@ -240,9 +246,11 @@ int RunLs(const Command& cmd, const std::vector<std::string>& args) {
           j["log_corrupt_frames"] = l.log_stats.corrupt_frames;
           j["log_saturated"] = l.log_saturated;
         } else if (l.log == Listing::LogState::kNone) {
+          // No log: nothing recorded, dropped or damaged.
           j["log_records"] = 0;
-        } else {
-          j["log_records"] = nullptr;
+          j["log_dropped_records"] = 0;
+          j["log_corrupt_frames"] = 0;
+          j["log_saturated"] = false;
         }
       }
       out.push_back(std::move(j));

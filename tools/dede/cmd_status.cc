@@ -533,6 +533,11 @@ int RunStatus(const Command& cmd, const std::vector<std::string>& args) {
   if (path.empty()) return UsageError(cmd, "--control must not be empty");
 
   Result<json> reply = ControlRequest(path, json{{"cmd", "status"}});
+  if (!reply.ok() && reply.status().code() == Status::Code::kNotFound) {
+    return Fail(cmd, reply.status().message() +
+                         ": is dedupd running (systemctl status dedupd)? For an instance "
+                         "(dedupd@NAME), --control the socket its configuration names");
+  }
   if (!reply.ok()) return Fail(cmd, reply.status());
   const json& r = reply.value();
   if (auto error = Str(r, "error")) return Fail(cmd, "dedupd: " + *error);

@@ -169,7 +169,7 @@ int RunImport(const Command& cmd, const std::vector<std::string>& args) {
   std::optional<uint64_t> wanted_size;
   if (auto v = parser.value("size")) {
     wanted_size = ParseSize(*v);
-    if (!wanted_size) return UsageError(cmd, "invalid size '" + *v + "'");
+    if (!wanted_size) return UsageError(cmd, "invalid size '" + *v + "': " + kSizeSyntax);
   }
   if (auto why = ReservedName(name)) return UsageError(cmd, *why);
 
