@@ -141,8 +141,7 @@ std::optional<std::string> ParseSizeOption(const char* option, const std::string
                                            uint64_t* out) {
   const std::optional<uint64_t> v = ParseSize(text);
   if (!v) {
-    return std::string("--") + option + ": '" + text +
-           "' is not a size (bytes, or a number with K, M, G or T, as in 64M)";
+    return std::string("--") + option + ": '" + text + "' is not a size (" + kSizeSyntax + ")";
   }
   if (*v < min || *v > max) return std::string("--") + option + ": " + bounds + ", not " + text;
   *out = *v;

@@ -55,11 +55,11 @@ Status LogFlusher::FlushLocked(FileId id, bool keep_open, bool skip_if_no_space,
         parked_.erase(p);
       }
     }
-  }
-  if (st.ok()) {
-    st = AppendToOpenWriteLog(vol_, kept->second.file.get(), batch, max_log_bytes, &outcome);
-    // Closed after an error too: the next append starts from what the
-    // volume says.
+    if (st.ok()) {
+      st = AppendToOpenWriteLog(vol_, kept->second.file.get(), batch, max_log_bytes, &outcome);
+    }
+    // Closed after an error too (the parked batch's or this one's): the
+    // next append starts from what the volume says.
     if (!st.ok() || !keep_open || !Tracked(id)) open_logs_.erase(kept);
   }
   if (st.ok()) {

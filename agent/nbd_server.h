@@ -223,9 +223,9 @@ class NbdServer {
   void RunLong(F&& f) {
     boost::asio::post(long_pool_, std::forward<F>(f));
   }
-  // More than one WRITE's worth of effect: 32 MiB, the advertised maximum
-  // payload (a shorter request costs what a WRITE may).
-  static constexpr uint64_t kLongEffectBytes = uint64_t{32} << 20;
+  // More than one WRITE's worth of effect: the advertised maximum payload,
+  // 32 MiB (a shorter request costs what a WRITE may).
+  static constexpr uint64_t kLongEffectBytes = nbd::SessionOptions{}.max_payload;
   // A quarter of the workers, at least one.
   static size_t LongThreads(size_t worker_threads) {
     return std::max<size_t>(1, worker_threads / 4);
