@@ -666,15 +666,17 @@ class IscsiDevice final : public BlockDevice {
         [&](iscsi_context* ctx, iscsi_command_cb cb, void* priv) {
           return iscsi_synchronizecache10_task(ctx, url_.lun, 0, 0, 0, 0, cb, priv);
         },
-        &sense);
+        &sense, Effect::kFlush);
     if (task.ok()) return Status::Ok();
     if (!sense.Is(SCSI_SENSE_ILLEGAL_REQUEST, SCSI_SENSE_ASCQ_INVALID_OPERATION_CODE)) {
       return task.status();
     }
-    auto task16 =
-        Execute("SYNCHRONIZE CACHE(16)", [&](iscsi_context* ctx, iscsi_command_cb cb, void* priv) {
+    auto task16 = Execute(
+        "SYNCHRONIZE CACHE(16)",
+        [&](iscsi_context* ctx, iscsi_command_cb cb, void* priv) {
           return iscsi_synchronizecache16_task(ctx, url_.lun, 0, 0, 0, 0, cb, priv);
-        });
+        },
+        nullptr, Effect::kFlush);
     return task16.status();
   }
 
@@ -857,7 +859,12 @@ class IscsiDevice final : public BlockDevice {
   // again, and any later command of this device is sent, only once the
   // target has confirmed that every command it had received for the LU
   // has finished (FenceLostCommands).
-  enum class Effect { kReadOnly, kModifies };
+  // kFlush: SYNCHRONIZE CACHE. It changes no data, so a lost one needs no
+  // fence, but once it reached the target it is not sent again: the
+  // target's backing store reports a write-back error to one flush, and a
+  // second flush after a first lost with its session "succeeds" with those
+  // writes never made durable.
+  enum class Effect { kReadOnly, kModifies, kFlush };
   Result<TaskPtr> Execute(const std::string& what, const TaskFactory& make,
                           CheckCondition* sense_out = nullptr, Effect effect = Effect::kReadOnly)
       REQUIRES(mu_) {
@@ -880,7 +887,9 @@ class IscsiDevice final : public BlockDevice {
         Status st = FenceLostCommands();
         if (!st.ok()) return st.WithContext(name() + ": " + what + " not sent");
       }
-      if (effect == Effect::kModifies && !looked_idle) {
+      // A flush too: one queued on a connection the target had closed
+      // while idle would be taken for a flush lost with its session.
+      if ((effect == Effect::kModifies || effect == Effect::kFlush) && !looked_idle) {
         looked_idle = true;  // once: a fresh login is not looked at again
         DropIfClosed();
         if (ctx_ == nullptr) continue;  // log in again first
@@ -893,6 +902,12 @@ class IscsiDevice final : public BlockDevice {
         if (effect == Effect::kModifies && queued) {
           fence_->lost.fetch_add(1);
           unready_losses_++;
+        }
+        if (effect == Effect::kFlush && queued) {
+          return Status::IoError(name() + ": " + what + " failed: " + task.status().message() +
+                                 " (a flush that reached the target and got no answer is not "
+                                 "sent again: a second one may report success for writes the "
+                                 "first failed to make durable)");
         }
         if (!lost.empty()) {
           if (unready_losses_ > 0) {

@@ -63,6 +63,9 @@ class HoldFuse {
   }
   std::string lun() const { return mount_dir_ + "/lun"; }
   void Hold(uint64_t offset) { Control("hold " + std::to_string(offset)); }
+  // The next fsync of the lun waits for Release (then fails if FailFsyncs
+  // armed a failure).
+  void HoldFsync() { Control("hold-fsync"); }
   // Whether the armed hold has caught a write (within 10 s).
   bool WaitHeld() const {
     const auto t0 = std::chrono::steady_clock::now();

@@ -720,6 +720,42 @@ TEST_CASE("iSCSI: while a lost WRITE is fenced, the device's other sessions send
   CHECK(got == b);
 }
 
+// A SYNCHRONIZE CACHE that reached the target and got no answer within the
+// command timeout: the target's backing store may report its write-back
+// error to it, and to nothing after. It was sent again on a new session,
+// whose flush the store then answered GOOD: Flush() said the writes were
+// durable when they were lost.
+TEST_CASE("iSCSI: a flush lost with its session fails instead of being sent again", "[iscsi]") {
+  HeldTarget t(1);
+  BlockDevice* dev = t.dev.get();
+  HoldFuse& fuse = t.fuse;
+  const auto data = RandomBytes(4096, 91);
+  REQUIRE(dev->Write(0, data.data(), data.size()).ok());
+  REQUIRE(dev->Flush().ok());
+  REQUIRE(dev->Write(4096, data.data(), data.size()).ok());
+  fuse.FailFsyncs(1);
+  fuse.HoldFsync();
+  Status flushed;
+  std::thread flusher([&] { flushed = dev->Flush(); });
+  const bool held = fuse.WaitHeld();
+  // Past the 1 s command timeout, within the next: the old code logged in
+  // again and sent a second flush, which waited behind the first in the
+  // backing store and then succeeded.
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  fuse.Release();  // the first fsync fails (EIO); a second would succeed
+  flusher.join();
+  INFO("fuse: " << fuse.Log() << "\nflush: " << flushed.ToString());
+  REQUIRE(held);
+  CHECK_FALSE(flushed.ok());
+  CHECK(flushed.message().find("not sent again") != std::string::npos);
+  // And it stays failed: the device cannot know what the lost one found.
+  CHECK_FALSE(dev->Flush().ok());
+  // Reads go on.
+  std::vector<uint8_t> got(4096);
+  REQUIRE(dev->Read(0, got.data(), got.size()).ok());
+  CHECK(got == data);
+}
+
 // A writeback error is reported to one fsync of a file (and by a target's
 // file backing store to one SYNCHRONIZE CACHE). A device whose flush
 // failed once used to report the next flush fine, with the lost writes

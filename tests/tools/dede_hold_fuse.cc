@@ -10,9 +10,12 @@
 //        write to `lun` covering byte OFFSET then waits, before it reaches
 //        BACKING_FILE, until "release" is written; "fail-fsync N" makes
 //        the next N fsyncs of `lun` fail with EIO (a writeback error the
-//        kernel reports once). Reading it gives "state=idle|armed|held
-//        writes=N fsync_failures=M" (N: writes to `lun` completed; M:
-//        fsyncs failed so far).
+//        kernel reports once); "hold-fsync" arms a hold of the next fsync
+//        instead (it waits for "release", then fails if a fail-fsync is
+//        armed: a write-back that ends in an error after a long time).
+//        Reading it gives "state=idle|armed|held writes=N
+//        fsync_failures=M" (N: writes to `lun` completed; M: fsyncs failed
+//        so far).
 //
 // It is how the iSCSI tests make a target's backing store sit on one WRITE
 // (the stuck command behind an initiator's timeout). Reads go on while a
@@ -52,6 +55,7 @@ struct Global {
   std::condition_variable cv;
   HoldState state = HoldState::kIdle;  // guarded by mu
   uint64_t hold_offset = 0;            // guarded by mu
+  bool hold_fsync = false;             // guarded by mu: the hold is for an fsync
   bool released = false;               // guarded by mu
   uint64_t writes = 0;                 // guarded by mu
   uint64_t fail_fsyncs = 0;            // guarded by mu: fsyncs still to fail
@@ -133,6 +137,12 @@ int OpWrite(const char* path, const char* buf, size_t len, off_t off, fuse_file_
     if (cmd.rfind("hold ", 0) == 0) {
       if (g.state == HoldState::kHeld) return -EBUSY;  // release the held one first
       g.hold_offset = std::strtoull(cmd.c_str() + 5, nullptr, 10);
+      g.hold_fsync = false;
+      g.state = HoldState::kArmed;
+      g.released = false;
+    } else if (cmd.rfind("hold-fsync", 0) == 0) {
+      if (g.state == HoldState::kHeld) return -EBUSY;
+      g.hold_fsync = true;
       g.state = HoldState::kArmed;
       g.released = false;
     } else if (cmd.rfind("release", 0) == 0) {
@@ -148,7 +158,8 @@ int OpWrite(const char* path, const char* buf, size_t len, off_t off, fuse_file_
   {
     std::unique_lock<std::mutex> l(g.mu);
     const uint64_t from = static_cast<uint64_t>(off);
-    if (g.state == HoldState::kArmed && g.hold_offset >= from && g.hold_offset < from + len) {
+    if (g.state == HoldState::kArmed && !g.hold_fsync && g.hold_offset >= from &&
+        g.hold_offset < from + len) {
       g.state = HoldState::kHeld;
       std::fprintf(stderr, "dede-hold-fuse: holding a write of %zu bytes at %lld\n", len,
                    static_cast<long long>(off));
@@ -167,7 +178,15 @@ int OpWrite(const char* path, const char* buf, size_t len, off_t off, fuse_file_
 
 int OpFsync(const char*, int, fuse_file_info*) {
   {
-    std::lock_guard<std::mutex> l(g.mu);
+    std::unique_lock<std::mutex> l(g.mu);
+    if (g.state == HoldState::kArmed && g.hold_fsync) {
+      g.state = HoldState::kHeld;
+      std::fprintf(stderr, "dede-hold-fuse: holding an fsync\n");
+      g.cv.wait(l, [] { return g.released; });
+      g.state = HoldState::kIdle;
+      g.hold_fsync = false;
+      std::fprintf(stderr, "dede-hold-fuse: released the fsync\n");
+    }
     if (g.fail_fsyncs > 0) {
       g.fail_fsyncs--;
       g.fsync_failures++;
