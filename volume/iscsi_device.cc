@@ -65,7 +65,6 @@ constexpr uint32_t kMaxTransferBytes = 1u << 20;
 // A fresh nexus reports a few unit attentions (power on, reset, parameters
 // changed); more than this means the LUN is in a loop.
 constexpr int kMaxUnitAttentions = 10;
-constexpr int kMaxBusyRetries = 20;
 
 std::string Hex(uint32_t v, int width) {
   char buf[16];
@@ -871,7 +870,8 @@ class IscsiDevice final : public BlockDevice {
     std::string lost;  // why the first session died, if it did
     bool looked_idle = false;
     int unit_attentions = 0;
-    int busy = 0;
+    int busy = 0;                       // transient answers so far
+    Clock::time_point transient_since;  // the first of them
     for (;;) {
       if (ctx_ == nullptr) {
         Status st = Connect();
@@ -930,9 +930,12 @@ class IscsiDevice final : public BlockDevice {
       // TASK ABORTED: another initiator's task management (such as the LU
       // reset of a host fencing its own lost command) ended this one
       // before it finished; sending it again is what the initiator is for.
-      if (IsTransient(t) && ++busy <= kMaxBusyRetries) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10 * busy));
-        continue;
+      if (IsTransient(t)) {
+        if (busy == 0) transient_since = Clock::now();
+        if (Clock::now() - transient_since < kTransientRetryBudget) {
+          std::this_thread::sleep_for(TransientRetryDelay(++busy));
+          continue;
+        }
       }
       if (sense_out != nullptr && t.status == SCSI_STATUS_CHECK_CONDITION) {
         sense_out->set = true;
@@ -1095,6 +1098,8 @@ class IscsiDevice final : public BlockDevice {
 
     // A new nexus starts with unit attentions (power on, reset); consume
     // them here so the first real command does not trip over them.
+    int busy = 0;
+    const Clock::time_point first_try = Clock::now();
     for (int attempt = 0;; ++attempt) {
       auto task =
           Submit([this](iscsi_context* ctx, iscsi_command_cb cb,
@@ -1107,8 +1112,8 @@ class IscsiDevice final : public BlockDevice {
       const scsi_task& t = *task.value();
       if (t.status == SCSI_STATUS_GOOD) return Status::Ok();
       if (SenseIs(t, SCSI_SENSE_UNIT_ATTENTION) && attempt < kMaxUnitAttentions) continue;
-      if (IsTransient(t) && attempt < kMaxBusyRetries) {
-        std::this_thread::sleep_for(std::chrono::milliseconds(10 * (attempt + 1)));
+      if (IsTransient(t) && Clock::now() - first_try < kTransientRetryBudget) {
+        std::this_thread::sleep_for(TransientRetryDelay(++busy));
         continue;
       }
       std::string detail = DescribeScsiStatus(t);

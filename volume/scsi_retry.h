@@ -3,6 +3,8 @@
 // from the iSCSI device so the rule is testable without a target that can
 // be made to answer so (tgtd cannot).
 #pragma once
+#include <algorithm>
+#include <chrono>
 #include <cstdint>
 
 namespace dede {
@@ -29,10 +31,30 @@ inline bool IsTransientCheckCondition(uint8_t sense_key, uint16_t asc_ascq) {
     case 0x0408:
     case 0x0409:
     case 0x040a:
+    case 0x0414:  // space allocation in progress
+    case 0x041a:  // START STOP UNIT in progress
       return true;
     default:
       return false;
   }
+}
+
+// How long a command that keeps meeting a transient condition (BUSY, TASK
+// SET FULL, TASK ABORTED, or a CHECK CONDITION above) is sent again before
+// it fails. It was 20 tries about 2 s in all: an array busy for longer, or
+// an ALUA transition of a few seconds, failed a WRITE, which poisons the
+// volume until dedupd restarts. Linux's sd keeps trying for (retries + 1)
+// command timeouts; a minute of stalled I/O here is the same kind of wait
+// as a multipath failover, and far better than a volume that stops.
+inline constexpr std::chrono::milliseconds kTransientRetryBudget{60'000};
+
+// The pause before the n-th try again (n from 1): 10 ms doubling, at most
+// one second (quick for a momentary TASK SET FULL, no busy loop against a
+// target in a long transition).
+inline std::chrono::milliseconds TransientRetryDelay(int n) {
+  if (n < 1) n = 1;
+  if (n > 8) return std::chrono::milliseconds(1000);  // 10 << 7 = 1280 already
+  return std::chrono::milliseconds(std::min<int64_t>(1000, int64_t{10} << (n - 1)));
 }
 
 }  // namespace dede

@@ -10,7 +10,7 @@
 using namespace dede;
 
 TEST_CASE("iSCSI: NOT READY on the way to ready and ABORTED COMMAND are sent again", "[iscsi]") {
-  for (uint16_t ascq : {0x0401, 0x0405, 0x0406, 0x0407, 0x0408, 0x0409, 0x040a}) {
+  for (uint16_t ascq : {0x0401, 0x0405, 0x0406, 0x0407, 0x0408, 0x0409, 0x040a, 0x0414, 0x041a}) {
     INFO(std::hex << ascq);
     CHECK(IsTransientCheckCondition(kSenseNotReady, ascq));
   }
@@ -26,4 +26,26 @@ TEST_CASE("iSCSI: NOT READY on the way to ready and ABORTED COMMAND are sent aga
   CHECK_FALSE(IsTransientCheckCondition(0x05, 0x2100));  // ILLEGAL REQUEST, LBA out of range
   CHECK_FALSE(IsTransientCheckCondition(0x07, 0x2700));  // DATA PROTECT, write protected
   CHECK_FALSE(IsTransientCheckCondition(0x06, 0x2900));  // UNIT ATTENTION: handled apart
+}
+
+// A target busy for seconds (an array's TASK SET FULL, an ALUA transition
+// of a few seconds) used to fail a WRITE after 20 tries in about 2 s, which
+// poisons the volume; the tries now go on for a minute, at most a second
+// apart.
+TEST_CASE("iSCSI: transient answers are sent again for a minute at most a second apart",
+          "[iscsi]") {
+  using std::chrono::milliseconds;
+  CHECK(TransientRetryDelay(1) == milliseconds(10));
+  CHECK(TransientRetryDelay(2) == milliseconds(20));
+  CHECK(TransientRetryDelay(7) == milliseconds(640));
+  CHECK(TransientRetryDelay(8) == milliseconds(1000));
+  CHECK(TransientRetryDelay(1000) == milliseconds(1000));
+  CHECK(TransientRetryDelay(0) == milliseconds(10));
+  // The tries a minute allows: more than the old 20, and not a busy loop.
+  milliseconds waited{0};
+  int tries = 0;
+  while (waited < kTransientRetryBudget) waited += TransientRetryDelay(++tries);
+  CHECK(tries > 20);
+  CHECK(tries < 80);
+  CHECK(kTransientRetryBudget >= milliseconds(30'000));
 }
