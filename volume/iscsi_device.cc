@@ -65,6 +65,7 @@ constexpr uint32_t kMaxTransferBytes = 1u << 20;
 // A fresh nexus reports a few unit attentions (power on, reset, parameters
 // changed); more than this means the LUN is in a loop.
 constexpr int kMaxUnitAttentions = 10;
+constexpr int kMaxDeferredErrors = 4;
 
 std::string Hex(uint32_t v, int width) {
   char buf[16];
@@ -870,6 +871,7 @@ class IscsiDevice final : public BlockDevice {
     std::string lost;  // why the first session died, if it did
     bool looked_idle = false;
     int unit_attentions = 0;
+    int deferred_errors = 0;
     int busy = 0;                       // transient answers so far
     Clock::time_point transient_since;  // the first of them
     for (;;) {
@@ -924,6 +926,22 @@ class IscsiDevice final : public BlockDevice {
       }
       const scsi_task& t = *task.value();
       if (t.status == SCSI_STATUS_GOOD || t.status == SCSI_STATUS_CONDITION_MET) return task;
+      if (t.status == SCSI_STATUS_CHECK_CONDITION &&
+          IsDeferredError(static_cast<uint8_t>(t.sense.error_type))) {
+        // An earlier command answered GOOD has failed (a write the
+        // target's cache could not write): no later flush may say the
+        // writes are durable. This command was not processed: send it
+        // again (a few times: each deferred error is reported once).
+        const Status deferred = Status::IoError(
+            name() +
+            ": the target reported a deferred error (a command it had answered as done "
+            "failed afterwards): " +
+            DescribeScsiStatus(t));
+        LOG(kError) << deferred.ToString();
+        (void)fence_->flush_failure.Note(deferred);
+        if (++deferred_errors <= kMaxDeferredErrors) continue;
+        return deferred;
+      }
       if (SenseIs(t, SCSI_SENSE_UNIT_ATTENTION) && ++unit_attentions <= kMaxUnitAttentions) {
         continue;
       }

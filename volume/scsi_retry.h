@@ -39,6 +39,15 @@ inline bool IsTransientCheckCondition(uint8_t sense_key, uint16_t asc_ascq) {
   }
 }
 
+// Sense data's response code (libiscsi's error_type: byte 0 & 0x7f):
+// 0x71 and 0x73 (fixed and descriptor format) are deferred errors (SPC-4
+// 4.5.5): they report the failure of an earlier command the target had
+// already answered GOOD, typically a WRITE its write-back cache could not
+// write; the command that got them was not processed.
+inline bool IsDeferredError(uint8_t response_code) {
+  return response_code == 0x71 || response_code == 0x73;
+}
+
 // How long a command that keeps meeting a transient condition (BUSY, TASK
 // SET FULL, TASK ABORTED, or a CHECK CONDITION above) is sent again before
 // it fails. It was 20 tries about 2 s in all: an array busy for longer, or

@@ -49,3 +49,14 @@ TEST_CASE("iSCSI: transient answers are sent again for a minute at most a second
   CHECK(tries < 80);
   CHECK(kTransientRetryBudget >= milliseconds(30'000));
 }
+
+// A deferred error reports that an earlier command, answered GOOD, failed
+// (a write the target's cache could not write): the device keeps it as a
+// flush failure and sends the command that got it again.
+TEST_CASE("iSCSI: deferred errors are told from current ones by the response code", "[iscsi]") {
+  CHECK(IsDeferredError(0x71));  // fixed format
+  CHECK(IsDeferredError(0x73));  // descriptor format
+  CHECK_FALSE(IsDeferredError(0x70));
+  CHECK_FALSE(IsDeferredError(0x72));
+  CHECK_FALSE(IsDeferredError(0x00));
+}
