@@ -897,7 +897,12 @@ class IscsiDevice final : public BlockDevice {
         if (ctx_ == nullptr) continue;  // log in again first
       }
       bool queued = false;
-      auto task = Submit(make, Clock::now() + command_timeout_, command_timeout_, &queued);
+      // A flush gets twice the time (as Linux's sd gives it): writing back
+      // a large cache takes longer than any one command, and a flush that
+      // times out fails for good (kFlush).
+      const std::chrono::milliseconds timeout =
+          effect == Effect::kFlush ? 2 * command_timeout_ : command_timeout_;
+      auto task = Submit(make, Clock::now() + timeout, timeout, &queued);
       if (!task.ok()) {
         // Only a command that reached the socket can still be in the
         // target (Disconnect, inside Submit, has already reset it).

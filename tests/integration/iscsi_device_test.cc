@@ -738,10 +738,10 @@ TEST_CASE("iSCSI: a flush lost with its session fails instead of being sent agai
   Status flushed;
   std::thread flusher([&] { flushed = dev->Flush(); });
   const bool held = fuse.WaitHeld();
-  // Past the 1 s command timeout, within the next: the old code logged in
-  // again and sent a second flush, which waited behind the first in the
-  // backing store and then succeeded.
-  std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+  // Past the flush's timeout (twice the 1 s command timeout), within the
+  // next: the old code logged in again and sent a second flush, which
+  // waited behind the first in the backing store and then succeeded.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2600));
   fuse.Release();  // the first fsync fails (EIO); a second would succeed
   flusher.join();
   INFO("fuse: " << fuse.Log() << "\nflush: " << flushed.ToString());
