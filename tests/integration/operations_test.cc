@@ -449,7 +449,7 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
   CHECK(s["policy"]["rate_bytes_per_s"] == 20'500'000);
   CHECK(s["passes"]["completed"] == 0);
   CHECK(s["pass"]["running"] == false);
-  ProcessResult refused = RunProcess({BinaryPath("dede"), "dedup", vol, "--control", dir.file("none.ctl")});
+  ProcessResult refused = RunProcess({BinaryPath("dede"), "dedup", vol});
   CHECK(refused.exit_code == 1);
   CHECK(refused.err.find("outside the volume's dedup windows") != std::string::npos);
   // --now: dedupd runs one at once, throttled but complete.
