@@ -1070,6 +1070,24 @@ TEST_CASE("log flusher: after a log append finds the volume full, Tick drops wit
   }
 }
 
+// Blocks 0..3 written and logged; then the volume filled (a file
+// "filler") and the file closed with a TRIM of block 1 buffered: the
+// close's flush fails for want of space and its batch is parked; the file
+// is forgotten by the flusher and the monitor.
+namespace {
+void CloseWithParkedTrim(FlusherRig* rig) {
+  rig->monitor->OnWrite(rig->owner, 0, rig->data.data(), 4 * kB);
+  REQUIRE(rig->flusher->FlushAll().ok());
+  REQUIRE(Replay(rig->vol, rig->owner).records.size() == 4);
+  FillVolume(rig->vol);
+  rig->monitor->OnInvalidate(rig->owner, kB, kB);  // a TRIM of block 1
+  CHECK(rig->flusher->FlushFile(rig->owner).code() == Status::Code::kNoSpace);
+  REQUIRE(rig->flusher->parked_files() == 1);
+  rig->flusher->ForgetFile(rig->owner);
+  rig->monitor->RemoveFile(rig->owner);
+}
+}  // namespace
+
 TEST_CASE("log flusher: an export's last flush that fails is parked, and logged once it can be",
           "[writemon]") {
   // An export's close flushed its file's batch once; when the append
@@ -1080,19 +1098,8 @@ TEST_CASE("log flusher: an export's last flush that fails is parked, and logged 
   FlusherRig rig(1000, 64);
   Volume* vol = rig.vol;
   const FileId owner = rig.owner;
-  WriteMonitor& monitor = *rig.monitor;
   LogFlusher& flusher = *rig.flusher;
-  monitor.OnWrite(owner, 0, rig.data.data(), 4 * kB);
-  REQUIRE(flusher.FlushAll().ok());
-  REQUIRE(Replay(vol, owner).records.size() == 4);
-  FillVolume(vol);
-  monitor.OnInvalidate(owner, kB, kB);  // a TRIM of block 1
-  // The close: its flush fails, then the file is forgotten.
-  Status st = flusher.FlushFile(owner);
-  CHECK(st.code() == Status::Code::kNoSpace);
-  CHECK(flusher.parked_files() == 1);
-  flusher.ForgetFile(owner);
-  monitor.RemoveFile(owner);
+  CloseWithParkedTrim(&rig);
   // Still no room: kept.
   CHECK_FALSE(flusher.FlushAll().ok());
   CHECK(flusher.parked_files() == 1);
@@ -1118,14 +1125,7 @@ TEST_CASE("log flusher: a parked batch goes into the log before the reopened fil
   const FileId owner = rig.owner;
   WriteMonitor& monitor = *rig.monitor;
   LogFlusher& flusher = *rig.flusher;
-  monitor.OnWrite(owner, 0, rig.data.data(), 4 * kB);
-  REQUIRE(flusher.FlushAll().ok());
-  FillVolume(vol);
-  monitor.OnInvalidate(owner, kB, kB);  // a TRIM of block 1, then the close
-  CHECK(flusher.FlushFile(owner).code() == Status::Code::kNoSpace);
-  REQUIRE(flusher.parked_files() == 1);
-  flusher.ForgetFile(owner);
-  monitor.RemoveFile(owner);
+  CloseWithParkedTrim(&rig);
   REQUIRE(vol->Remove("filler").ok());
   // Reopened: block 1 written again, with new content.
   monitor.AddFile(owner, true);
