@@ -23,6 +23,16 @@
 
 namespace dede {
 
+Status ValidateFileName(const std::string& name) {
+  if (name.empty() || name.size() > kMaxNameLen) {
+    return Status::Invalid("file names are 1 to 255 bytes");
+  }
+  if (name.find('/') != std::string::npos || name.find('\0') != std::string::npos) {
+    return Status::Invalid("file name '" + name + "' contains '/' or NUL");
+  }
+  return Status::Ok();
+}
+
 namespace {
 std::string HexU64(uint64_t v) {
   char buf[24];
@@ -62,16 +72,6 @@ LockId InodeLock(uint64_t ino) { return LockId{LockKind::kInode, ino}; }
 LockId GroupLock(uint32_t g) { return LockId{LockKind::kGroup, g}; }
 const LockId kNamespaceLock{LockKind::kNamespace, 0};
 const LockId kVolumeLock{LockKind::kVolume, 0};
-
-Status ValidateName(const std::string& name) {
-  if (name.empty() || name.size() > kMaxNameLen) {
-    return Status::Invalid("file names are 1 to 255 bytes");
-  }
-  if (name.find('/') != std::string::npos || name.find('\0') != std::string::npos) {
-    return Status::Invalid("file name '" + name + "' contains '/' or NUL");
-  }
-  return Status::Ok();
-}
 
 FileInfo InfoFrom(const Inode& in) {
   FileInfo fi;
@@ -1995,7 +1995,7 @@ Result<std::vector<Inode>> VolumeImpl::ScanInodes() {
 
 Result<FileId> VolumeImpl::Create(const std::string& name, uint64_t size, FileKind kind,
                                   uint64_t owner_ino) {
-  RETURN_IF_ERROR(ValidateName(name));
+  RETURN_IF_ERROR(ValidateFileName(name));
   if (kind == FileKind::kNone) return Status::Invalid("file kind 'none'");
   if (size > kMaxFileBytes) {
     return Status::Invalid("file size " + std::to_string(size) + " is past the limit of " +

@@ -693,6 +693,10 @@ TEST_CASE("dede usage errors exit 2 and touch nothing", "[cli]") {
       {"dedup", vol, "--control", missing},             // --control is for --now
       {"policy", vol, "set", "windows="},               // an unset variable is not "always"
       {"create", vol, ".dede-policy", "--size", "4K"},  // dede's own names
+      {"create", vol, "x/y", "--size", "4K"},           // names no file can have
+      {"create", vol, std::string(256, 'n'), "--size", "4K"},
+      {"import", vol, "x/y", vol},
+      {"set", vol, "x/y", "dedup=off"},
       {"import", vol, ".dede-arena-0000000000000000", vol},
   };
   for (const auto& args : cases) DedeUsageError(args);

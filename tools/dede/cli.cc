@@ -207,6 +207,9 @@ Result<SanlockOptions> SanlockOptionsFromEnv() {
 }
 
 std::optional<std::string> ReservedName(const std::string& name) {
+  // A name no file can have is a usage error too (it was exit 1, from the
+  // volume's Create, after the volume was opened).
+  if (Status st = ValidateFileName(name); !st.ok()) return st.message();
   if (name.rfind(".dede-", 0) != 0) return std::nullopt;
   return "'" + name + "': names beginning with .dede- are reserved for dede's own files";
 }

@@ -127,7 +127,8 @@ void PrintJson(const nlohmann::json& j);
 // (DEDE_HOST_ID, DEDE_LEASE_PATH, DEDE_LEASE_IO_TIMEOUT).
 // Names that begin with ".dede-" belong to dede's own files (policy,
 // index shards, arenas, write logs, merge requests). A usage message if
-// `name` is one, for the commands that create files.
+// `name` is one, or no file can have it (ValidateFileName), for the
+// commands that create or change files.
 std::optional<std::string> ReservedName(const std::string& name);
 
 // `pass_damaged_journals`: OpenOptions' (fsck only).
