@@ -30,6 +30,7 @@
 #include <fstream>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <thread>
@@ -39,6 +40,7 @@
 #include "util/log.h"
 #include "util/mutex.h"
 #include "volume/block_device.h"
+#include "volume/scsi_identity.h"
 #include "volume/scsi_retry.h"
 
 namespace dede {
@@ -421,6 +423,24 @@ struct LostCommandFence {
   // One for the device: a SYNCHRONIZE CACHE covers the LU, whichever
   // session sends it.
   StickyFlushFailure flush_failure;
+
+  // The logical unit as the first session found it at its login
+  // (scsi_identity.h); every later login of every session, and every unit
+  // attention, is checked against it.
+  std::optional<LuIdentity> identity GUARDED_BY(mu);
+  // Once a check finds another unit, every command of every session fails
+  // with this (`changed` is read on each command without `mu`).
+  std::atomic<bool> changed{false};
+  Status identity_lost GUARDED_BY(mu);
+  Status IdentityLost() EXCLUDES(mu) {
+    MutexLock l(&mu);
+    return identity_lost;
+  }
+  void NoteIdentityLost(const Status& st) EXCLUDES(mu) {
+    MutexLock l(&mu);
+    if (identity_lost.ok()) identity_lost = st;
+    changed.store(true);
+  }
 };
 
 // True when the status came back from the target; the others are libiscsi's
@@ -561,7 +581,10 @@ class IscsiDevice final : public BlockDevice {
   IscsiDevice(const IscsiDevice&) = delete;
   IscsiDevice& operator=(const IscsiDevice&) = delete;
 
-  // Logs in, checks the LUN is a disk and learns its geometry.
+  // Logs in, checks the LUN is a disk (and, unless opened read-only, not
+  // write-protected), learns its geometry and its identity: the device's
+  // first session keeps it for all (LostCommandFence::identity), a later
+  // session must find the same unit.
   Status Open() {
     ScopedSigpipeBlock no_sigpipe;
     MutexLock lock(&mu_);
@@ -569,6 +592,19 @@ class IscsiDevice final : public BlockDevice {
     RETURN_IF_ERROR(CheckIsDisk());
     RETURN_IF_ERROR(ReadCapacity());
     ReadBlockLimits();
+    if (!read_only_) RETURN_IF_ERROR(CheckWritable());
+    ASSIGN_OR_RETURN(LuIdentity found, ReadIdentity());
+    {
+      MutexLock l(&fence_->mu);
+      if (!fence_->identity.has_value()) {
+        fence_->identity = found;
+      } else if (std::string change = DescribeIdentityChange(*fence_->identity, found);
+                 !change.empty()) {
+        return Status::IoError(
+            name() + ": the device's sessions reached different logical units (" + change + ")");
+      }
+    }
+    identity_known_ = true;
     return Status::Ok();
   }
 
@@ -875,6 +911,7 @@ class IscsiDevice final : public BlockDevice {
     int busy = 0;                       // transient answers so far
     Clock::time_point transient_since;  // the first of them
     for (;;) {
+      if (fence_->changed.load()) return fence_->IdentityLost();
       if (ctx_ == nullptr) {
         Status st = Connect();
         MarkLossesReady();
@@ -895,6 +932,13 @@ class IscsiDevice final : public BlockDevice {
         looked_idle = true;  // once: a fresh login is not looked at again
         DropIfClosed();
         if (ctx_ == nullptr) continue;  // log in again first
+      }
+      // After a login (but the first) or a unit attention: is it still
+      // the same logical unit? (Not for the check's own commands.)
+      if (identity_unchecked_ && !checking_identity_) {
+        Status st = RecheckIdentity();
+        if (!st.ok()) return st.WithContext(name() + ": " + what + " not sent");
+        continue;
       }
       bool queued = false;
       // A flush gets twice the time (as Linux's sd gives it): writing back
@@ -948,6 +992,9 @@ class IscsiDevice final : public BlockDevice {
         return deferred;
       }
       if (SenseIs(t, SCSI_SENSE_UNIT_ATTENTION) && ++unit_attentions <= kMaxUnitAttentions) {
+        // Most say "reset" or "power on", but some say the unit changed
+        // (capacity, inquiry data, LUN inventory): look before going on.
+        if (identity_known_ && !checking_identity_) identity_unchecked_ = true;
         continue;
       }
       // TASK ABORTED: another initiator's task management (such as the LU
@@ -1133,7 +1180,12 @@ class IscsiDevice final : public BlockDevice {
                                    " failed right after login: " + task.status().message());
       }
       const scsi_task& t = *task.value();
-      if (t.status == SCSI_STATUS_GOOD) return Status::Ok();
+      if (t.status == SCSI_STATUS_GOOD) {
+        // A login but the first: the target may have been reconfigured
+        // while we were away.
+        if (identity_known_) identity_unchecked_ = true;
+        return Status::Ok();
+      }
       if (SenseIs(t, SCSI_SENSE_UNIT_ATTENTION) && attempt < kMaxUnitAttentions) continue;
       if (IsTransient(t) && Clock::now() - first_try < kTransientRetryBudget) {
         std::this_thread::sleep_for(TransientRetryDelay(++busy));
@@ -1202,8 +1254,24 @@ class IscsiDevice final : public BlockDevice {
   }
 
   Status ReadCapacity() REQUIRES(mu_) {
+    ASSIGN_OR_RETURN(const Geometry g, ReadGeometry());
+    block_size_ = g.block_size;
+    size_ = g.blocks * g.block_size;
+    max_transfer_ = kMaxTransferBytes;
+    // Without logical block provisioning UNMAP is not even understood.
+    unmap_supported_ = g.thin;
+    return Status::Ok();
+  }
+
+  struct Geometry {
     uint64_t blocks = 0;
     uint32_t block_size = 0;
+    bool thin = false;  // LBPME: logical block provisioning management
+  };
+  Result<Geometry> ReadGeometry() REQUIRES(mu_) {
+    uint64_t blocks = 0;
+    uint32_t block_size = 0;
+    bool thin = false;
     CheckCondition sense;
     auto task = Execute(
         "READ CAPACITY(16)",
@@ -1216,8 +1284,7 @@ class IscsiDevice final : public BlockDevice {
       if (rc == nullptr) return Status::IoError(name() + ": malformed READ CAPACITY(16) data");
       blocks = rc->returned_lba + 1;
       block_size = rc->block_length;
-      // Without logical block provisioning UNMAP is not even understood.
-      unmap_supported_ = rc->lbpme != 0;
+      thin = rc->lbpme != 0;
     } else if (sense.Is(SCSI_SENSE_ILLEGAL_REQUEST)) {
       // Old targets only know the 10-byte form.
       auto task10 =
@@ -1238,9 +1305,103 @@ class IscsiDevice final : public BlockDevice {
       return Status::Unsupported(name() + ": logical block size " + std::to_string(block_size) +
                                  " is not supported (need 512, 1024, 2048 or 4096)");
     }
-    block_size_ = block_size;
-    size_ = blocks * block_size;
-    max_transfer_ = kMaxTransferBytes;
+    return Geometry{blocks, block_size, thin};
+  }
+
+  // A VPD page, or nullopt when the target does not have it (ILLEGAL
+  // REQUEST): pages 80h and 83h are optional in older SPC versions.
+  Result<std::optional<std::vector<uint8_t>>> ReadVpdPage(uint8_t page, const char* what)
+      REQUIRES(mu_) {
+    CheckCondition sense;
+    auto task = Execute(
+        what,
+        [this, page](iscsi_context* ctx, iscsi_command_cb cb, void* priv) {
+          return iscsi_inquiry_task(ctx, url_.lun, 1, page, 255, cb, priv);
+        },
+        &sense);
+    if (!task.ok()) {
+      if (sense.Is(SCSI_SENSE_ILLEGAL_REQUEST)) return std::optional<std::vector<uint8_t>>();
+      return task.status();
+    }
+    const scsi_data& in = task.value()->datain;
+    if (in.data == nullptr || in.size <= 0) return std::optional<std::vector<uint8_t>>();
+    return std::optional<std::vector<uint8_t>>(std::vector<uint8_t>(in.data, in.data + in.size));
+  }
+
+  Result<LuIdentity> ReadIdentity() REQUIRES(mu_) {
+    LuIdentity id;
+    ASSIGN_OR_RETURN(const Geometry g, ReadGeometry());
+    id.block_size = g.block_size;
+    id.blocks = g.blocks;
+    ASSIGN_OR_RETURN(auto serial, ReadVpdPage(0x80, "INQUIRY (unit serial number)"));
+    if (serial.has_value()) {
+      auto parsed = ParseUnitSerialNumberPage(serial->data(), serial->size());
+      if (!parsed.ok()) return parsed.status().WithContext(name());
+      id.serial = std::move(parsed).value();
+    }
+    ASSIGN_OR_RETURN(auto ident, ReadVpdPage(0x83, "INQUIRY (device identification)"));
+    if (ident.has_value()) {
+      auto parsed = ParseLogicalUnitDesignators(ident->data(), ident->size());
+      if (!parsed.ok()) return parsed.status().WithContext(name());
+      id.designators = std::move(parsed).value();
+    }
+    return id;
+  }
+
+  // Checks the logical unit against the one of the first login. A unit
+  // found changed fails this command and every later one of every
+  // session: nothing of the volume may go to another disk, and no READ
+  // may return another disk's blocks as the volume's.
+  Status RecheckIdentity() REQUIRES(mu_) EXCLUDES(fence_->mu) {
+    checking_identity_ = true;
+    identity_unchecked_ = false;
+    Result<LuIdentity> now = ReadIdentity();
+    checking_identity_ = false;
+    if (!now.ok()) {
+      identity_unchecked_ = true;  // not known either way: look again next time
+      return now.status().WithContext("checking the logical unit's identity");
+    }
+    LuIdentity was;
+    {
+      MutexLock l(&fence_->mu);
+      was = *fence_->identity;
+    }
+    const std::string change = DescribeIdentityChange(was, now.value());
+    if (change.empty()) return Status::Ok();
+    const Status lost = Status::IoError(
+        name() + " is no longer the logical unit it was when the device opened: " + change +
+        "; nothing more is sent to it (was the target reconfigured? check its LUN mapping, then "
+        "restart)");
+    LOG(kError) << lost.ToString();
+    fence_->NoteIdentityLost(lost);
+    Disconnect();
+    return lost;
+  }
+
+  // SBC: a write-protected medium answers every WRITE with DATA PROTECT;
+  // found here, at open, it is one clear error rather than a volume that
+  // opens and then fails its first write. A target without MODE SENSE
+  // (ILLEGAL REQUEST) is taken as writable.
+  Status CheckWritable() REQUIRES(mu_) {
+    CheckCondition sense;
+    auto task = Execute(
+        "MODE SENSE(6)",
+        [this](iscsi_context* ctx, iscsi_command_cb cb, void* priv) {
+          return iscsi_modesense6_task(ctx, url_.lun, 1, SCSI_MODESENSE_PC_CURRENT,
+                                       SCSI_MODEPAGE_RETURN_ALL_PAGES, 0, 255, cb, priv);
+        },
+        &sense);
+    if (!task.ok()) {
+      if (sense.Is(SCSI_SENSE_ILLEGAL_REQUEST)) return Status::Ok();
+      return task.status();
+    }
+    const scsi_data& in = task.value()->datain;
+    auto wp = ParseModeSense6WriteProtect(in.data, in.data ? static_cast<size_t>(in.size) : 0);
+    if (!wp.ok()) return wp.status().WithContext(name());
+    if (wp.value()) {
+      return Status::Invalid("LUN " + std::to_string(url_.lun) + " of " + TargetOnPortal() +
+                             " is write-protected (read-only); dede needs to write the volume");
+    }
     return Status::Ok();
   }
 
@@ -1281,6 +1442,12 @@ class IscsiDevice final : public BlockDevice {
 
   Mutex mu_;
   iscsi_context* ctx_ GUARDED_BY(mu_) = nullptr;
+  // Open() has read the unit's identity; from then on a login or a unit
+  // attention sets identity_unchecked_ and the next command checks first
+  // (checking_identity_: the check's own commands).
+  bool identity_known_ GUARDED_BY(mu_) = false;
+  bool identity_unchecked_ GUARDED_BY(mu_) = false;
+  bool checking_identity_ GUARDED_BY(mu_) = false;
   bool unmap_supported_ GUARDED_BY(mu_) = false;
   uint32_t max_unmap_blocks_ GUARDED_BY(mu_) = 1u << 16;
 };

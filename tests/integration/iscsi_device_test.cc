@@ -119,6 +119,42 @@ bool OneLine(const std::string& s) {
   return !s.empty() && s.find('\n') == std::string::npos;
 }
 
+// The I_T nexuses (sessions) tgtd has for target 1.
+std::vector<std::string> NexusIds(const TgtdRig& rig) {
+  auto show = rig.Tgtadm({"--op", "show", "--mode", "target"});
+  REQUIRE(show.exit_code == 0);
+  std::regex nexus(R"(I_T nexus: (\d+))");
+  std::vector<std::string> out;
+  for (std::sregex_iterator it(show.out.begin(), show.out.end(), nexus), end; it != end; ++it) {
+    out.push_back((*it)[1].str());
+  }
+  return out;
+}
+
+int Nexuses(const TgtdRig& rig) {
+  return static_cast<int>(NexusIds(rig).size());
+}
+
+// Closes every connection of target 1 from tgtd's side and waits until
+// tgtd has ended those sessions (so their sockets are closed on our side),
+// not for a guessed time. Returns how many it closed.
+int DropAllConnections(const TgtdRig& rig) {
+  int dropped = 0;
+  for (const std::string& sid : NexusIds(rig)) {
+    auto r =
+        rig.Tgtadm({"--op", "delete", "--mode", "conn", "--tid", "1", "--sid", sid, "--cid", "0"});
+    INFO(r.err);
+    CHECK(r.exit_code == 0);
+    ++dropped;
+  }
+  for (auto t0 = std::chrono::steady_clock::now(); Nexuses(rig) > 0;) {
+    REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  return dropped;
+}
+
 }  // namespace
 
 TEST_CASE("iSCSI device reports the LUN size and its name", "[iscsi]") {
@@ -368,15 +404,6 @@ TEST_CASE("OpenBlockDevice dispatches paths, iscsi:// and unknown schemes", "[is
   }
 }
 
-// The I_T nexuses (sessions) tgtd has for the target.
-int Nexuses(const TgtdRig& rig) {
-  auto show = rig.Tgtadm({"--op", "show", "--mode", "target"});
-  REQUIRE(show.exit_code == 0);
-  std::regex nexus(R"(I_T nexus: (\d+))");
-  return static_cast<int>(std::distance(
-      std::sregex_iterator(show.out.begin(), show.out.end(), nexus), std::sregex_iterator()));
-}
-
 TEST_CASE("iSCSI device serves several threads at once", "[iscsi]") {
   auto& t = Plain();
   DeviceOptions opts;
@@ -460,39 +487,15 @@ TEST_CASE("iSCSI device reconnects when the target drops the session", "[iscsi]"
   auto first = RandomBytes(8192, 4242);
   REQUIRE(dev->Write(30 * kMiB, first.data(), first.size()).ok());
 
-  // Find our session(s) in tgtd's view and close their connections.
-  auto show = t.rig->Tgtadm({"--op", "show", "--mode", "target"});
-  REQUIRE(show.exit_code == 0);
-  std::regex nexus(R"(I_T nexus: (\d+))");
-  int dropped = 0;
-  for (std::sregex_iterator it(show.out.begin(), show.out.end(), nexus), end; it != end; ++it) {
-    auto r = t.rig->Tgtadm(
-        {"--op", "delete", "--mode", "conn", "--tid", "1", "--sid", (*it)[1].str(), "--cid", "0"});
-    INFO(r.err);
-    CHECK(r.exit_code == 0);
-    ++dropped;
-  }
-  REQUIRE(dropped >= static_cast<int>(opts.iscsi_sessions));
+  // Close our session(s) from tgtd's side.
+  REQUIRE(DropAllConnections(*t.rig) >= static_cast<int>(opts.iscsi_sessions));
 
   // The next commands find the connection dead, log in again and succeed.
   // The WRITE never left: the closed connection is found before it is
   // queued, so nothing counts as lost and no other host pays an LU reset
   // (before, each session's first WRITE was counted lost and fenced).
-  // Wait until tgtd has ended those sessions (so their sockets are closed
-  // on our side), not for a guessed time.
-  for (auto t0 = std::chrono::steady_clock::now();;) {
-    auto now_show = t.rig->Tgtadm({"--op", "show", "--mode", "target"});
-    REQUIRE(now_show.exit_code == 0);
-    int left = 0;
-    for (std::sregex_iterator it(now_show.out.begin(), now_show.out.end(), nexus), end; it != end;
-         ++it) {
-      ++left;
-    }
-    if (left == 0) break;
-    REQUIRE(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(10));
-    std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
-  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  // After the login the device checks the unit is still the one it
+  // opened: it is.
   auto second = RandomBytes(8192, 4343);
   Status st = dev->Write(30 * kMiB + 8192, second.data(), second.size());
   INFO(st.ToString());
@@ -847,4 +850,95 @@ TEST_CASE("iSCSI: a target bound to an initiator name admits the configured name
                                 {"DEDE_INITIATOR_NAME=iqn.2025-01.org.example:someone-else"});
   CHECK(info.exit_code == 1);
   CHECK(info.err.find("someone-else") != std::string::npos);
+}
+
+// SBC: a write-protected unit answers every WRITE with DATA PROTECT. It
+// used to open fine and fail the volume's first write (a lock or journal
+// update, after the volume had been opened); now the open says so.
+TEST_CASE("iSCSI: a write-protected LUN is refused at open unless opened read-only", "[iscsi]") {
+  Target t;
+  auto r = t.rig->Tgtadm({"--op", "update", "--mode", "logicalunit", "--tid", "1", "--lun", "1",
+                          "--params", "readonly=1"});
+  INFO(r.err);
+  REQUIRE(r.exit_code == 0);
+
+  auto dev = dede::OpenBlockDevice(t.rig->url(), DeviceOptions{});
+  REQUIRE_FALSE(dev.ok());
+  INFO(dev.status().ToString());
+  CHECK(dev.status().code() == Status::Code::kInvalid);
+  CHECK_THAT(dev.status().message(), Catch::Contains("write-protected"));
+  CHECK(OneLine(dev.status().message()));
+
+  DeviceOptions ro;
+  ro.read_only = true;
+  auto rdev = MustOpen(t.rig->url(), ro);
+  std::vector<uint8_t> buf(4096);
+  CHECK(rdev->Read(0, buf.data(), buf.size()).ok());
+
+  // Writable again: opens.
+  r = t.rig->Tgtadm({"--op", "update", "--mode", "logicalunit", "--tid", "1", "--lun", "1",
+                     "--params", "readonly=0"});
+  REQUIRE(r.exit_code == 0);
+  auto again = dede::OpenBlockDevice(t.rig->url(), DeviceOptions{});
+  INFO(again.status().ToString());
+  CHECK(again.ok());
+}
+
+// A target reconfigured while a session was away (the LUN number now
+// names a recreated, smaller unit; or another disk, with its own serial)
+// used to get the volume's next WRITEs after the relogin, and answer its
+// READs with another disk's blocks. Now every login but the first checks
+// the unit against the one the device opened, and a changed unit gets
+// nothing more, from any session.
+TEST_CASE("iSCSI: a LUN that is another unit after a relogin gets nothing more", "[iscsi]") {
+  const std::string change = GENERATE(std::string("serial"), std::string("shrunk"));
+  DeviceOptions opts;
+  opts.iscsi_sessions = GENERATE(1u, 3u);
+  INFO(change << ", sessions " << opts.iscsi_sessions);
+  Target t;
+  auto dev = MustOpen(t.rig->url(), opts);
+  const auto first = RandomBytes(8192, 515);
+  REQUIRE(dev->Write(8 * kMiB, first.data(), first.size()).ok());
+  REQUIRE(dev->Flush().ok());
+
+  std::string now_backing = t.backing;
+  if (change == "serial") {
+    auto r = t.rig->Tgtadm({"--op", "update", "--mode", "logicalunit", "--tid", "1", "--lun", "1",
+                            "--params", "scsi_sn=another-disk-7"});
+    INFO(r.err);
+    REQUIRE(r.exit_code == 0);
+  } else {
+    // The LU recreated on a smaller store (sessions stay logged in to the
+    // target: tgtd lets an idle LU go).
+    now_backing = t.dir.file("smaller.img");
+    CreateSparseFile(now_backing, kLunSize - 4 * kMiB);
+    auto del =
+        t.rig->Tgtadm({"--op", "delete", "--mode", "logicalunit", "--tid", "1", "--lun", "1"});
+    INFO(del.err);
+    REQUIRE(del.exit_code == 0);
+    auto add = t.rig->Tgtadm(
+        {"--op", "new", "--mode", "logicalunit", "--tid", "1", "--lun", "1", "-b", now_backing});
+    INFO(add.err);
+    REQUIRE(add.exit_code == 0);
+  }
+  const auto before = ReadFile(now_backing, 0, 16384);
+  REQUIRE(DropAllConnections(*t.rig) >= static_cast<int>(opts.iscsi_sessions));
+
+  const auto second = RandomBytes(16384, 516);
+  Status st = dev->Write(0, second.data(), second.size());
+  INFO(st.ToString());
+  REQUIRE_FALSE(st.ok());
+  CHECK_THAT(st.message(), Catch::Contains("no longer the logical unit"));
+  CHECK_THAT(st.message(), Catch::Contains(change == "serial" ? "serial number" : "shrank"));
+  CHECK(ReadFile(now_backing, 0, 16384) == before);
+
+  // Every later command, of every session, fails the same way.
+  std::vector<uint8_t> got(8192);
+  for (int i = 0; i < 4; i++) {
+    Status rd = dev->Read(8 * kMiB, got.data(), got.size());
+    CHECK_THAT(rd.message(), Catch::Contains("no longer the logical unit"));
+  }
+  CHECK_FALSE(dev->Flush().ok());
+  CHECK_FALSE(dev->Write(0, second.data(), 4096).ok());
+  CHECK(ReadFile(now_backing, 0, 16384) == before);
 }
