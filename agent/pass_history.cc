@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <algorithm>
+#include <cctype>
 #include <cerrno>
 #include <filesystem>
 #include <limits>
@@ -264,6 +265,76 @@ Result<std::unique_ptr<PassHistory>> PassHistory::Open(const std::string& path, 
   if (rc != SQLITE_OK) return SqliteStatus(path, raw, rc, "cannot open");
   sqlite3_busy_timeout(db.get(), kBusyTimeoutMs);
   RETURN_IF_ERROR(PrepareSchema(db.get(), path));
+  return std::unique_ptr<PassHistory>(new PassHistory(path, db.release()));
+}
+
+namespace {
+
+// `path` as a file: URI (RFC 3986 percent-encoding of all but unreserved
+// characters and '/'), for SQLite's URI query parameters.
+std::string FileUri(const std::string& path) {
+  static const char kHex[] = "0123456789ABCDEF";
+  std::string uri = "file:";
+  for (unsigned char c : path) {
+    if (std::isalnum(c) || c == '/' || c == '-' || c == '.' || c == '_' || c == '~') {
+      uri.push_back(static_cast<char>(c));
+    } else {
+      uri.push_back('%');
+      uri.push_back(kHex[c >> 4]);
+      uri.push_back(kHex[c & 15]);
+    }
+  }
+  return uri;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<PassHistory>> PassHistory::OpenReadOnly(const std::string& path) {
+  if (path.empty()) return Status::Invalid("pass history: empty path");
+  struct stat st {};
+  if (::stat(path.c_str(), &st) != 0) {
+    if (errno == ENOENT) return Status::NotFound(path + ": no such file");
+    return Status::FromErrno(path, errno);
+  }
+  auto open = [&](const std::string& name, int extra_flags) -> Result<Db> {
+    sqlite3* raw = nullptr;
+    int rc = sqlite3_open_v2(name.c_str(), &raw,
+                             SQLITE_OPEN_READONLY | SQLITE_OPEN_NOMUTEX | extra_flags, nullptr);
+    Db db(raw);
+    if (rc != SQLITE_OK) return SqliteStatus(path, raw, rc, "cannot open");
+    sqlite3_busy_timeout(db.get(), kBusyTimeoutMs);
+    return db;
+  };
+  ASSIGN_OR_RETURN(Db db, open(path, 0));
+  Result<int> version = ReadUserVersion(db.get(), path);
+  if (!version.ok()) {
+    // A WAL database read by a user who may not create its shared-memory
+    // file fails here unless a writer has the WAL files in place. With no
+    // -wal file there is no writer's work outside the database file, which
+    // can then be read as it is (immutable: no locks, no WAL).
+    struct stat wal {};
+    if (::stat((path + "-wal").c_str(), &wal) != 0 && errno == ENOENT) {
+      Result<Db> immutable = open(FileUri(path) + "?immutable=1", SQLITE_OPEN_URI);
+      if (immutable.ok()) {
+        Result<int> v = ReadUserVersion(immutable.value().get(), path);
+        if (v.ok()) {
+          db = std::move(immutable).value();
+          version = v;
+        }
+      }
+    }
+    if (!version.ok()) return version.status();
+  }
+  if (*version > kSchemaVersion || *version < 0) {
+    return Status::Unsupported(path + ": pass history schema version " + std::to_string(*version) +
+                               " is newer than this dede knows (version " +
+                               std::to_string(kSchemaVersion) + "): written by a newer dede");
+  }
+  if (*version < kSchemaVersion) {
+    return Status::Unsupported(path + ": pass history schema version " + std::to_string(*version) +
+                               " is older than this dede's (" + std::to_string(kSchemaVersion) +
+                               "); dedupd updates it when it next opens it");
+  }
   return std::unique_ptr<PassHistory>(new PassHistory(path, db.release()));
 }
 

@@ -73,6 +73,13 @@ class PassHistory {
   // is kUnsupported, an older one is migrated in place. WAL mode, and a
   // busy timeout of a few seconds (dede report reads while dedupd writes).
   static Result<std::unique_ptr<PassHistory>> Open(const std::string& path, bool create);
+  // Opens an existing history for List only, as a reader that may not
+  // write the file or its directory (`dede report` run by any user): no
+  // WAL switch, no migration (a schema older than this code's is
+  // kUnsupported: dedupd migrates it when it next opens it). While a
+  // writer has it open, the writer's WAL files are read (they must be
+  // readable); with no WAL file, the database file alone is read.
+  static Result<std::unique_ptr<PassHistory>> OpenReadOnly(const std::string& path);
   ~PassHistory();
   PassHistory(const PassHistory&) = delete;
   PassHistory& operator=(const PassHistory&) = delete;

@@ -5,6 +5,7 @@
 #include <catch2/catch.hpp>
 #include <cstdint>
 #include <ctime>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -364,6 +365,64 @@ TEST_CASE("dede report rejects a bad --since or --last as usage errors", "[repor
     CHECK(r.out.empty());
     CHECK(r.err.rfind("dede: report: ", 0) == 0);
     CHECK(r.err.find("usage: dede report") != std::string::npos);
+  }
+}
+
+// dedupd's history is root's, in a directory only root may write; `dede
+// report` is for any user who may read it. It used to open the database
+// read-write and fail for such a user ("attempt to write a readonly
+// database": reading a WAL database needs its shared-memory file), and
+// could switch the journal mode or migrate the schema of a file it was
+// only asked to read.
+TEST_CASE("dede report reads a history its user may not write", "[report]") {
+  TempDir dir;
+  // Another user must reach the history and a dede (the build tree may sit
+  // under a private home): the temporary directory opened up for reading,
+  // a copy of dede in it.
+  std::filesystem::permissions(dir.path(), std::filesystem::perms(0755));
+  const std::string dede = dir.file("dede");
+  std::filesystem::copy_file(BinaryPath("dede"), dede);
+  std::filesystem::permissions(dede, std::filesystem::perms(0755));
+  // A name SQLite must be given escaped in a URI (the immutable reading).
+  const std::string path = dir.file("history %3F?#.db");
+  const std::vector<PassRow> rows = TwoDays();
+
+  auto as_nobody = [&] {
+    const std::vector<std::string> args = {
+        "setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+        dede,      "report",        "--json",        "--history",
+        path};
+    ProcessResult r = RunProcess(args, {"TZ=UTC0"}, 60);
+    INFO(DescribeRun(args, r));
+    REQUIRE(r.exit_code == 0);
+    json j;
+    REQUIRE_NOTHROW(j = json::parse(r.out));
+    return j.at("passes").size();
+  };
+
+  auto writer = PassHistory::Open(path, /*create=*/true);
+  REQUIRE(writer.ok());
+  for (size_t i = 0; i < 2; i++) REQUIRE((*writer)->Record(rows[i]).ok());
+  {
+    // While the writer has it open, its last passes only in the WAL.
+    INFO("writer open");
+    REQUIRE(std::filesystem::exists(path + "-wal"));
+    REQUIRE(std::filesystem::exists(path + "-shm"));
+    CHECK(as_nobody() == 2);
+    REQUIRE((*writer)->Record(rows[2]).ok());
+    CHECK(as_nobody() == 3);
+  }
+  REQUIRE((*writer)->Record(rows[3]).ok());
+  writer = Status::Invalid("closed");  // the last connection checkpoints and removes the WAL
+  {
+    INFO("no writer");
+    REQUIRE_FALSE(std::filesystem::exists(path + "-wal"));
+    const auto size = std::filesystem::file_size(path);
+    const auto mtime = std::filesystem::last_write_time(path);
+    CHECK(as_nobody() == 4);
+    CHECK(std::filesystem::file_size(path) == size);
+    CHECK(std::filesystem::last_write_time(path) == mtime);
+    CHECK_FALSE(std::filesystem::exists(path + "-wal"));
   }
 }
 

@@ -220,6 +220,8 @@ TEST_CASE("pass history without create refuses a missing file", "[history]") {
   auto h = PassHistory::Open(path, /*create=*/false);
   CHECK(h.status().code() == Status::Code::kNotFound);
   CHECK(h.status().message().find(path) != std::string::npos);
+  auto ro = PassHistory::OpenReadOnly(path);
+  CHECK(ro.status().code() == Status::Code::kNotFound);
   CHECK_FALSE(std::filesystem::exists(path));
 }
 
@@ -237,15 +239,55 @@ TEST_CASE("pass history refuses a newer schema version", "[history]") {
     CHECK(h.status().code() == Status::Code::kUnsupported);
     CHECK(h.status().message().find(path) != std::string::npos);
   }
+  auto ro = PassHistory::OpenReadOnly(path);
+  INFO(ro.status().ToString());
+  CHECK(ro.status().code() == Status::Code::kUnsupported);
+  CHECK(ro.status().message().find("newer") != std::string::npos);
 }
 
 TEST_CASE("pass history migrates an empty database of version 0", "[history]") {
   ScratchDir dir;
   const std::string path = dir.file("history.db");
   WriteFile(path, "");  // an empty file is an SQLite database of version 0
+  // A reader only says so: the schema is dedupd's to migrate.
+  auto ro = PassHistory::OpenReadOnly(path);
+  INFO(ro.status().ToString());
+  CHECK(ro.status().code() == Status::Code::kUnsupported);
+  CHECK(ro.status().message().find("older") != std::string::npos);
+  CHECK(std::filesystem::file_size(path) == 0);
+
   auto h = OpenOk(path, false);
   REQUIRE(h->Record(SampleRow(1)).ok());
   CHECK(ListOk(h.get()).size() == 1);
+}
+
+TEST_CASE("pass history opened read-only lists and never writes", "[history]") {
+  ScratchDir dir;
+  const std::string path = dir.file("history.db");
+  auto writer = OpenOk(path, true);
+  REQUIRE(writer->Record(SampleRow(0)).ok());
+  auto ro = PassHistory::OpenReadOnly(path);
+  INFO(ro.status().ToString());
+  REQUIRE(ro.ok());
+  CHECK(ListOk(ro.value().get()).size() == 1);
+  REQUIRE(writer->Record(SampleRow(1)).ok());
+  CHECK(ListOk(ro.value().get()).size() == 2);  // the writer's WAL, read
+  CHECK((*ro)->Record(SampleRow(2)).status().code() != Status::Code::kOk);
+  CHECK(ListOk(writer.get()).size() == 2);
+
+  // With no writer (no WAL file). (As root the shared-memory file can be
+  // made, so the immutable reading that other users get is shown by
+  // report_cli_test.)
+  const std::string odd = dir.file("h%3F?#x.db");
+  {
+    auto w = OpenOk(odd, true);
+    REQUIRE(w->Record(SampleRow(3)).ok());
+  }
+  REQUIRE_FALSE(std::filesystem::exists(odd + "-wal"));
+  auto ro2 = PassHistory::OpenReadOnly(odd);
+  INFO(ro2.status().ToString());
+  REQUIRE(ro2.ok());
+  CHECK(ListOk(ro2.value().get()).size() == 1);
 }
 
 TEST_CASE("pass history reports a garbage file as corruption", "[history]") {
@@ -263,6 +305,7 @@ TEST_CASE("pass history reports a garbage file as corruption", "[history]") {
   // A short text file is no database either.
   WriteFile(path, "not a database\n");
   CHECK(PassHistory::Open(path, false).status().code() == Status::Code::kCorruption);
+  CHECK(PassHistory::OpenReadOnly(path).status().code() == Status::Code::kCorruption);
 }
 
 TEST_CASE("pass history takes records from 4 threads at once", "[history]") {

@@ -406,7 +406,7 @@ int RunReport(const Command& cmd, const std::vector<std::string>& args) {
     last = static_cast<size_t>(*n);
   }
 
-  Result<std::unique_ptr<PassHistory>> history = PassHistory::Open(path, /*create=*/false);
+  Result<std::unique_ptr<PassHistory>> history = PassHistory::OpenReadOnly(path);
   if (!history.ok()) {
     if (history.status().code() == Status::Code::kNotFound) {
       return Fail(
