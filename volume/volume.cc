@@ -30,6 +30,11 @@ Status ValidateFileName(const std::string& name) {
   if (name.find('/') != std::string::npos || name.find('\0') != std::string::npos) {
     return Status::Invalid("file name '" + name + "' contains '/' or NUL");
   }
+  // An export is named in URIs (nbd+unix:///NAME): a client that resolves
+  // dot segments there would ask for another export, or the default one.
+  if (name == "." || name == "..") {
+    return Status::Invalid("'" + name + "' is not a file name (URIs read it as a directory)");
+  }
   return Status::Ok();
 }
 

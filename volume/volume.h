@@ -245,7 +245,7 @@ class Volume {
   // their own resources (index shards, merge requests) with it.
   virtual LockManager* lock_manager() const = 0;
 
-  // Namespace. Names are 1..255 bytes, no '/' and no NUL
+  // Namespace. Names are 1..255 bytes, no '/' and no NUL, not "." or ".."
   // (ValidateFileName).
   // `owner_ino` names the file an internal file belongs to (a write log's
   // VM file); 0 for none. It is recorded, not enforced.
@@ -442,8 +442,8 @@ struct OpenedVolume {
 };
 Result<OpenedVolume> OpenVolumeSpec(const std::string& spec, const OpenOptions& opts);
 
-// Whether `name` may name a file: 1 to 255 bytes, no '/' and no NUL
-// (kInvalid saying which rule it breaks). Create checks it; a tool can
+// Whether `name` may name a file: 1 to 255 bytes, no '/' and no NUL, not
+// "." or ".." (kInvalid saying which rule it breaks). Create checks it; a tool can
 // check first, to report a usage error before opening the volume.
 Status ValidateFileName(const std::string& name);
 

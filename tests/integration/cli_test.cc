@@ -695,6 +695,8 @@ TEST_CASE("dede usage errors exit 2 and touch nothing", "[cli]") {
       {"create", vol, ".dede-policy", "--size", "4K"},  // dede's own names
       {"create", vol, "x/y", "--size", "4K"},           // names no file can have
       {"create", vol, std::string(256, 'n'), "--size", "4K"},
+      {"create", vol, "..", "--size", "4K"},  // an export name URIs would resolve away
+      {"import", vol, ".", vol},
       {"import", vol, "x/y", vol},
       {"set", vol, "x/y", "dedup=off"},
       {"import", vol, ".dede-arena-0000000000000000", vol},

@@ -488,6 +488,29 @@ TEST_CASE("volume: a write or trim whose range wraps around 2^64 is refused, not
   CHECK(info->mapped_blocks == 1);
 }
 
+TEST_CASE("volume: names no file can have are refused, before anything is written", "[volume]") {
+  MemDevice dev(64 << 20);
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  FormatWithOneFile(&dev, oo, Pattern(kBlockSize, 13));
+  auto vol = Volume::Open(&dev, oo);
+  REQUIRE(vol.ok());
+  // "." and "..": export names go in URIs (nbd+unix:///NAME), where a
+  // client resolving dot segments asks for another export.
+  for (const std::string& bad : {std::string(), std::string("a/b"), std::string("a\0b", 3),
+                                 std::string("."), std::string(".."), std::string(256, 'n')}) {
+    INFO("name '" << bad << "'");
+    CHECK(ValidateFileName(bad).code() == Status::Code::kInvalid);
+    CHECK(vol.value()->Create(bad, kBlockSize).status().code() == Status::Code::kInvalid);
+  }
+  for (const std::string& good :
+       {std::string("..."), std::string(".x"), std::string("-x"), std::string(255, 'n')}) {
+    INFO("name '" << good << "'");
+    CHECK(ValidateFileName(good).ok());
+    CHECK(vol.value()->Create(good, kBlockSize).ok());
+  }
+}
+
 TEST_CASE("volume: sizes past 1 EiB are refused, and a block index near 2^52 is never whole",
           "[volume]") {
   // A size near 2^64 made the block count round up to 0: growing a file to
