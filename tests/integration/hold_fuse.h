@@ -16,7 +16,6 @@
 #include <cstdint>
 #include <filesystem>
 #include <fstream>
-#include <iterator>
 #include <string>
 #include <thread>
 
@@ -84,10 +83,7 @@ class HoldFuse {
     std::getline(f, line);
     return line;
   }
-  std::string Log() const {
-    std::ifstream f(log_);
-    return std::string(std::istreambuf_iterator<char>(f), {});
-  }
+  std::string Log() const { return ReadWholeFileText(log_); }
 
  private:
   void Control(const std::string& cmd) {
