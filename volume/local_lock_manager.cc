@@ -125,14 +125,43 @@ class LocalLockManager : public LockManager {
 
 }  // namespace
 
-std::string LocalLockDir(const std::string& override_dir) {
-  std::string dir = override_dir;
-  if (dir.empty()) {
-    const char* env = std::getenv("DEDE_LOCK_DIR");
-    dir = env ? env : "/run/dede";
+std::string LocalLockDir() {
+  static constexpr const char* kDir = "/run/dede";
+  ::mkdir(kDir, 0700);
+  return kDir;
+}
+
+std::string LocalVolumeLockPath(const std::string& uuid_text) {
+  return LocalLockDir() + "/" + uuid_text + ".lock";
+}
+
+std::string SanlockHostLockPath(const std::string& uuid_text) {
+  static constexpr const char* kDefaultRunDir = "/run/sanlock";
+  const char* env = std::getenv("SANLOCK_RUN_DIR");
+  std::string run_dir = env != nullptr && *env != '\0' ? env : kDefaultRunDir;
+  // One daemon, however its directory is spelled (/var/run is /run).
+  if (char* real = ::realpath(run_dir.c_str(), nullptr)) {
+    run_dir = real;
+    std::free(real);
   }
-  ::mkdir(dir.c_str(), 0700);
-  return dir;
+  std::string key;
+  if (char* real_default = ::realpath(kDefaultRunDir, nullptr)) {
+    if (run_dir == real_default) run_dir = kDefaultRunDir;
+    std::free(real_default);
+  }
+  if (run_dir != kDefaultRunDir) {
+    key = "@";
+    for (char c : run_dir) {
+      if (c == '/') {
+        key += "%2F";
+      } else if (c == '%') {
+        key += "%25";
+      } else {
+        key += c;
+      }
+    }
+  }
+  return LocalLockDir() + "/" + uuid_text + key + ".lock";
 }
 
 Result<std::unique_ptr<LockManager>> OpenLocalLockManager(const std::string& path) {

@@ -116,10 +116,24 @@ class LockManager {
 // exclude each other; the kernel releases the locks of a process that dies.
 Result<std::unique_ptr<LockManager>> OpenLocalLockManager(const std::string& path);
 
-// The directory of this host's local lock files: `override` if given, else
-// $DEDE_LOCK_DIR, else /run/dede (created, mode 0700, if missing).
-// `<dir>/<volume uuid>.lock` serves every sanlock volume and any volume
-// whose device has no path of its own.
-std::string LocalLockDir(const std::string& override_dir = "");
+// The directory of this machine's local lock files, /run/dede (created,
+// mode 0700, if missing). Fixed, so that no setting can make two processes
+// that must exclude each other lock different files (a DEDE_LOCK_DIR
+// variable did: a process run with another value took dedupd's lock
+// records for a dead process's and replaced them).
+std::string LocalLockDir();
+
+// The local lock file of a volume whose device has no path of its own
+// (an iSCSI URL) and that uses local locks only: every process of the
+// machine, `<dir>/<volume uuid>.lock`.
+std::string LocalVolumeLockPath(const std::string& uuid_text);
+
+// The local lock file of a sanlock volume: shared by the processes of one
+// sanlock host, which are the processes that talk to one sanlock daemon
+// (SANLOCK_RUN_DIR, as libsanlock finds it: a second daemon on a machine
+// is a host of its own, with its own host id, as in the multi-host tests).
+// `<dir>/<uuid>.lock` for the default daemon (/run/sanlock), else
+// `<dir>/<uuid>@<the daemon's run dir, '/' and '%' escaped>.lock`.
+std::string SanlockHostLockPath(const std::string& uuid_text);
 
 }  // namespace dede

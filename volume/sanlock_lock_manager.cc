@@ -1294,8 +1294,7 @@ Result<std::unique_ptr<SanlockLockManager>> SanlockLockManager::Open(BlockDevice
         "the volume uses sanlock leases: name the LUN as a path for sanlock "
         "(dedupd --lease-path PATH; DEDE_LEASE_PATH=PATH for dede)");
   }
-  const std::string dir = LocalLockDir(opts.local_lock_dir);
-  ASSIGN_OR_RETURN(auto local, OpenLocalLockManager(dir + "/" + UuidToString(sb.uuid) + ".lock"));
+  ASSIGN_OR_RETURN(auto local, OpenLocalLockManager(SanlockHostLockPath(UuidToString(sb.uuid))));
   auto m = std::make_unique<SanlockImpl>(dev, sb, opts, std::move(local), lease_path);
   RETURN_IF_ERROR(m->Init());
   return std::unique_ptr<SanlockLockManager>(std::move(m));

@@ -18,7 +18,7 @@
 //    is stale and is replaced by the next acquirer, who first replays the
 //    dead host's journals (Volume, rule 2 of docs/LOCKING.md).
 //  * Processes of one host exclude each other with the local OFD backend
-//    first ($DEDE_LOCK_DIR/<uuid>.lock); the table holds at most one record
+//    first (SanlockHostLockPath); the table holds at most one record
 //    per (lock, host). A record of this host whose local lock is free is
 //    left by a process that died: the next local acquirer takes it over,
 //    and CollectStaleRecords (dedupd runs it on a timer) marks such
@@ -56,9 +56,6 @@ struct SanlockOptions {
   // A host is declared dead ~8 io_timeouts (+ the daemon's watchdog fire
   // timeout) after its last renewal. 0 = the daemon's default (10 s).
   uint32_t io_timeout_s = 0;
-  // Directory of this host's local lock files (default $DEDE_LOCK_DIR, else
-  // /run/dede).
-  std::string local_lock_dir;
 };
 
 // sanlock's lockspace name for a volume: "dede-" + the UUID's hex digits.

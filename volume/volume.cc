@@ -176,9 +176,9 @@ namespace {
 // format --force over a volume that is still in use would erase the
 // metadata under running VMs (and, with sanlock, the lockspace their
 // hosts renew: every one of them fenced). Returns the old volume's local
-// lock file held exclusively (kVolumeLock), to be kept while formatting.
-Result<std::shared_ptr<LockManager>> RefuseVolumeInUse(BlockDevice* dev,
-                                                       const FormatOptions& opts) {
+// lock files held exclusively (kVolumeLock), to be kept while formatting.
+Result<std::vector<std::unique_ptr<LockManager>>> RefuseVolumeInUse(BlockDevice* dev,
+                                                                    const FormatOptions& opts) {
   BlockBuf two = NewBlockBuf(2);
   RETURN_IF_ERROR(dev->Read(0, two.get(), 2 * kBlockSize));
   std::optional<Superblock> old;
@@ -189,19 +189,27 @@ Result<std::shared_ptr<LockManager>> RefuseVolumeInUse(BlockDevice* dev,
       break;
     }
   }
-  if (!old) return std::shared_ptr<LockManager>();  // nothing readable to protect
-  // Openers of a sanlock volume, or of one on a device without a path,
-  // lock `<lock dir>/<uuid>.lock`; a path device's own lock was taken by
-  // the caller.
-  const std::string path = LocalLockDir() + "/" + UuidToString(old->uuid) + ".lock";
-  ASSIGN_OR_RETURN(auto lm, OpenLocalLockManager(path));
-  std::shared_ptr<LockManager> held = std::move(lm);
-  Status st = held->Acquire(kVolumeLock, LockMode::kExclusive, false);
-  if (st.code() == Status::Code::kLocked) {
-    return Status::Locked(dev->name() + " is in use: a process of this host has its volume " +
-                          UuidToString(old->uuid) + " open (stop dedupd and dede first)");
+  std::vector<std::unique_ptr<LockManager>> held;
+  if (!old) return held;  // nothing readable to protect
+  // Openers of a volume on a device without a path lock its local volume
+  // lock file, and so do the openers of a sanlock volume using the
+  // default sanlock daemon; those using this process's daemon (if another)
+  // lock its host's file. A path device's own lock was taken by the
+  // caller. (Processes of other daemons are other hosts: their lockspace
+  // renewals are checked below.)
+  const std::string uuid = UuidToString(old->uuid);
+  std::vector<std::string> paths = {LocalVolumeLockPath(uuid)};
+  if (SanlockHostLockPath(uuid) != paths[0]) paths.push_back(SanlockHostLockPath(uuid));
+  for (const std::string& path : paths) {
+    ASSIGN_OR_RETURN(auto lm, OpenLocalLockManager(path));
+    Status st = lm->Acquire(kVolumeLock, LockMode::kExclusive, false);
+    if (st.code() == Status::Code::kLocked) {
+      return Status::Locked(dev->name() + " is in use: a process of this host has its volume " +
+                            uuid + " open (stop dedupd and dede first)");
+    }
+    RETURN_IF_ERROR(st);
+    held.push_back(std::move(lm));
   }
-  RETURN_IF_ERROR(st);
   auto sleep =
       opts.sleep ? opts.sleep : [](std::chrono::milliseconds d) { std::this_thread::sleep_for(d); };
   ASSIGN_OR_RETURN(std::vector<uint32_t> live, RenewingLockspaceMembers(dev, *old, sleep));
@@ -296,7 +304,7 @@ Status FormatVolume(BlockDevice* dev, const FormatOptions& opts, bool force) {
     RETURN_IF_ERROR(locks->Acquire(kVolumeLock, LockMode::kExclusive, false)
                         .WithContext(dev->name() + " is in use"));
   }
-  std::shared_ptr<LockManager> old_volume_locks;
+  std::vector<std::unique_ptr<LockManager>> old_volume_locks;
   if (force) {
     ASSIGN_OR_RETURN(old_volume_locks, RefuseVolumeInUse(dev, opts));
   }
@@ -388,7 +396,7 @@ Result<std::unique_ptr<Volume>> Volume::Open(BlockDevice* dev, const OpenOptions
   }
   if (!locks) {
     std::string path = dev->local_lock_path();
-    if (path.empty()) path = LocalLockDir() + "/" + UuidToString(sb->uuid) + ".lock";
+    if (path.empty()) path = LocalVolumeLockPath(UuidToString(sb->uuid));
     ASSIGN_OR_RETURN(auto lm, OpenLocalLockManager(path));
     locks = std::move(lm);
   }

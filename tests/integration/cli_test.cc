@@ -935,8 +935,7 @@ bool WriteDeltaLease(const std::string& vol, off_t at, uint32_t h, uint64_t time
 TEST_CASE("dede format --force refuses a volume in use, here or on another host", "[cli]") {
   TempDir dir;
   const std::string vol = dir.file("vol.img");
-  const std::string lock_dir = dir.file("locks");
-  const std::vector<std::string> env = {"DEDE_LOCK_DIR=" + lock_dir};
+  const std::vector<std::string> env;
   CreateSparseFile(vol, 64 * kMiB);
   auto format = [&](const std::vector<std::string>& extra) {
     std::vector<std::string> argv = {BinaryPath("dede"), "format", vol, "--locks", "sanlock"};
@@ -975,8 +974,9 @@ TEST_CASE("dede format --force refuses a volume in use, here or on another host"
     CHECK(Digest(vol) == before);
   }
   SECTION("a process of this host with the volume open keeps it") {
-    std::filesystem::create_directories(lock_dir);
-    auto lm = OpenLocalLockManager(lock_dir + "/" + UuidToString(SuperblockOf(vol).uuid) + ".lock");
+    // Its process of the default sanlock daemon (SanlockHostLockPath).
+    const std::string path = SanlockHostLockPath(UuidToString(SuperblockOf(vol).uuid));
+    auto lm = OpenLocalLockManager(path);
     REQUIRE(lm.ok());
     REQUIRE(lm.value()->Acquire(LockId{LockKind::kVolume, 0}, LockMode::kShared, false).ok());
     const std::string before = Digest(vol);
@@ -985,6 +985,31 @@ TEST_CASE("dede format --force refuses a volume in use, here or on another host"
     CHECK(r.exit_code == 1);
     CHECK(r.err.find("in use") != std::string::npos);
     CHECK(Digest(vol) == before);
+    lm.value().reset();
+    std::filesystem::remove(path);
+  }
+  SECTION("a process of this host's other sanlock daemon with the volume open keeps it") {
+    // format run as that daemon's host (SANLOCK_RUN_DIR) looks at its file.
+    const std::string run_dir = dir.file("sanlock run");
+    std::filesystem::create_directories(run_dir);
+    ::setenv("SANLOCK_RUN_DIR", run_dir.c_str(), 1);
+    const std::string path = SanlockHostLockPath(UuidToString(SuperblockOf(vol).uuid));
+    ::unsetenv("SANLOCK_RUN_DIR");
+    CHECK(path.find("%2F") != std::string::npos);
+    CHECK(path != SanlockHostLockPath(UuidToString(SuperblockOf(vol).uuid)));
+    auto lm = OpenLocalLockManager(path);
+    REQUIRE(lm.ok());
+    REQUIRE(lm.value()->Acquire(LockId{LockKind::kVolume, 0}, LockMode::kShared, false).ok());
+    const std::string before = Digest(vol);
+    ProcessResult other =
+        RunProcess({BinaryPath("dede"), "format", vol, "--locks", "sanlock", "--force"},
+                   {"SANLOCK_RUN_DIR=" + run_dir}, 120);
+    INFO(other.err);
+    CHECK(other.exit_code == 1);
+    CHECK(other.err.find("in use") != std::string::npos);
+    CHECK(Digest(vol) == before);
+    lm.value().reset();
+    std::filesystem::remove(path);
   }
   SECTION("a lease path that is another file leaves both as they were") {
     const std::string other = dir.file("other.img");

@@ -98,7 +98,6 @@ class Cluster {
     env.push_back("DEDE_HOST_ID=" + std::to_string(h));
     env.push_back("DEDE_LEASE_PATH=" + rig_.lease_path(h));
     env.push_back("DEDE_LEASE_IO_TIMEOUT=1");
-    env.push_back("DEDE_LOCK_DIR=" + rig_.dir().path() + "/locks" + std::to_string(h));
     return env;
   }
 
