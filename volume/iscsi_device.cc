@@ -975,7 +975,25 @@ class IscsiDevice final : public BlockDevice {
       }
       const scsi_task& t = *task.value();
       if (t.status == SCSI_STATUS_GOOD || t.status == SCSI_STATUS_CONDITION_MET) return task;
-      if (t.status == SCSI_STATUS_CHECK_CONDITION &&
+      const RecoveredError recovered =
+          t.status == SCSI_STATUS_CHECK_CONDITION
+              ? ClassifyRecoveredError(static_cast<uint8_t>(t.sense.key),
+                                       static_cast<uint8_t>(t.sense.error_type))
+              : RecoveredError::kNo;
+      if (recovered == RecoveredError::kCompleted) {
+        if (!recovered_logged_) {
+          recovered_logged_ = true;
+          LOG(kInfo) << name() << ": " << what
+                     << " completed with a recovered error (the target corrected it): "
+                     << DescribeScsiStatus(t) << " (reported once per session)";
+        }
+        return task;
+      }
+      if (recovered == RecoveredError::kEarlierRecovered &&
+          ++deferred_errors <= kMaxDeferredErrors) {
+        continue;
+      }
+      if (t.status == SCSI_STATUS_CHECK_CONDITION && recovered == RecoveredError::kNo &&
           IsDeferredError(static_cast<uint8_t>(t.sense.error_type))) {
         // An earlier command answered GOOD has failed (a write the
         // target's cache could not write): no later flush may say the
@@ -1448,6 +1466,7 @@ class IscsiDevice final : public BlockDevice {
   bool identity_known_ GUARDED_BY(mu_) = false;
   bool identity_unchecked_ GUARDED_BY(mu_) = false;
   bool checking_identity_ GUARDED_BY(mu_) = false;
+  bool recovered_logged_ GUARDED_BY(mu_) = false;
   bool unmap_supported_ GUARDED_BY(mu_) = false;
   uint32_t max_unmap_blocks_ GUARDED_BY(mu_) = 1u << 16;
 };

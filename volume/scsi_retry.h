@@ -9,6 +9,7 @@
 
 namespace dede {
 
+inline constexpr uint8_t kSenseRecoveredError = 0x01;  // SPC: RECOVERED ERROR
 inline constexpr uint8_t kSenseNotReady = 0x02;        // SPC: NOT READY
 inline constexpr uint8_t kSenseAbortedCommand = 0x0b;  // SPC: ABORTED COMMAND
 
@@ -46,6 +47,19 @@ inline bool IsTransientCheckCondition(uint8_t sense_key, uint16_t asc_ascq) {
 // write; the command that got them was not processed.
 inline bool IsDeferredError(uint8_t response_code) {
   return response_code == 0x71 || response_code == 0x73;
+}
+
+// What a CHECK CONDITION with sense key RECOVERED ERROR (only sent by a
+// target with post-error reporting on) says: current (70h/72h) — this
+// command completed, the target corrected something on the way, so it is
+// a success (taken for a failure, a WRITE that landed stopped the volume);
+// deferred — an earlier command completed after recovery, nothing failed,
+// and this one was not processed (send it again, note no failure).
+enum class RecoveredError { kNo, kCompleted, kEarlierRecovered };
+inline RecoveredError ClassifyRecoveredError(uint8_t sense_key, uint8_t response_code) {
+  if (sense_key != kSenseRecoveredError) return RecoveredError::kNo;
+  return IsDeferredError(response_code) ? RecoveredError::kEarlierRecovered
+                                        : RecoveredError::kCompleted;
 }
 
 // How long a command that keeps meeting a transient condition (BUSY, TASK

@@ -60,3 +60,19 @@ TEST_CASE("iSCSI: deferred errors are told from current ones by the response cod
   CHECK_FALSE(IsDeferredError(0x72));
   CHECK_FALSE(IsDeferredError(0x00));
 }
+
+TEST_CASE("iSCSI: a RECOVERED ERROR is a completed command, deferred an earlier one", "[iscsi]") {
+  // Current sense (70h fixed, 72h descriptor): this command completed.
+  CHECK(ClassifyRecoveredError(kSenseRecoveredError, 0x70) == RecoveredError::kCompleted);
+  CHECK(ClassifyRecoveredError(kSenseRecoveredError, 0x72) == RecoveredError::kCompleted);
+  // Deferred: an earlier one completed after recovery; this one was not
+  // processed, and nothing failed.
+  CHECK(ClassifyRecoveredError(kSenseRecoveredError, 0x71) == RecoveredError::kEarlierRecovered);
+  CHECK(ClassifyRecoveredError(kSenseRecoveredError, 0x73) == RecoveredError::kEarlierRecovered);
+  // Every other sense key is not this rule's.
+  for (uint8_t key : {0x00, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x0b}) {
+    INFO(int{key});
+    CHECK(ClassifyRecoveredError(key, 0x70) == RecoveredError::kNo);
+    CHECK(ClassifyRecoveredError(key, 0x71) == RecoveredError::kNo);
+  }
+}
