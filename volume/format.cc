@@ -418,6 +418,13 @@ Result<Inode> DecodeInode(const uint8_t* blk, const Uuid& uuid, uint64_t addr) {
   if (in.in_use() && (in.name.empty() || in.kind == FileKind::kNone)) {
     return Status::Corruption(where + ": in use without a name or kind");
   }
+  // Nothing writes a larger size (create and truncate refuse it), and the
+  // block arithmetic above the decoder relies on it: a size near 2^64
+  // rounds its block count up to 0.
+  if (in.size > kMaxFileBytes) {
+    return Status::Corruption(where + ": size " + std::to_string(in.size) +
+                              " is past the 2^60-byte limit");
+  }
   return in;
 }
 

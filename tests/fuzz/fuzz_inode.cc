@@ -42,6 +42,7 @@ void DecodeOne(const Blk& blk, uint64_t addr) {
   FUZZ_CHECK((in.root & ~kPtrAddrMask) == 0, "root with flag bits accepted");
   FUZZ_CHECK(!in.in_use() || (!in.name.empty() && in.kind != FileKind::kNone),
              "in-use inode without name or kind");
+  FUZZ_CHECK(in.size <= kMaxFileBytes, "size past 2^60 accepted");
 
   const uint64_t seq = PeekHeader(blk.data()).seq;
   Blk again;

@@ -1122,7 +1122,7 @@ TEST_CASE("inode: round trip", "[format]") {
   extreme.kind = FileKind::kSystem;
   extreme.depth = 6;
   extreme.root = kPtrAddrMask;
-  extreme.size = UINT64_MAX;
+  extreme.size = kMaxFileBytes;  // the largest a decoder takes
   extreme.mapped_blocks = UINT64_MAX;
   extreme.ctime_ns = UINT64_MAX;
   extreme.mtime_ns = UINT64_MAX;
@@ -1226,6 +1226,20 @@ TEST_CASE("inode: unknown flags, kinds and bad maps are refused", "[format]") {
   kindless.flags = kInodeDedupOff;
   CHECK(decode(nameless).ok());
   REQUIRE(decode(kindless).ok());
+
+  // A size no create or truncate writes: its block count would wrap.
+  Inode limit = base;
+  limit.size = kMaxFileBytes;
+  CHECK(decode(limit).ok());
+  for (uint64_t size : {kMaxFileBytes + 1, UINT64_MAX - 100, UINT64_MAX}) {
+    INFO("size " << size);
+    Inode in = base;
+    in.size = size;
+    r = decode(in);
+    CHECK(r.status().code() == Status::Code::kCorruption);
+    CHECK(Contains(r.status().message(), "inode 7 at block 4610"));
+    CHECK(Contains(r.status().message(), "size " + std::to_string(size)));
+  }
 }
 
 TEST_CASE("inode: kinds and flags keep their numbers", "[format]") {
