@@ -139,7 +139,15 @@ class VolumeImpl : public Volume {
   Status Admit(uint8_t* b, uint64_t addr, uint32_t magic, const char* what) const;
   uint8_t* Dirty(uint64_t addr) REQUIRES(mu_);
   uint8_t* Fresh(uint64_t addr, LockId owner, uint32_t magic, uint32_t flags) REQUIRES(mu_);
-  Status Commit(bool durable) REQUIRES(mu_);
+  // `data_flushed`: the caller flushed the device after the last change
+  // to txn_ (txn_changes_ unchanged since), so the data under its new
+  // pointers is durable already.
+  Status Commit(bool durable, bool data_flushed = false) REQUIRES(mu_);
+  // A device flush with mu_ released for its duration (and held again on
+  // return): a flush can take hundreds of milliseconds on a busy disk or
+  // array, and every VM write takes mu_ (PrepareInPlace). It makes durable
+  // what was written or committed before it was called, no more.
+  Status FlushWithoutMu() REQUIRES(mu_);
   Status WaitLock(LockId id) REQUIRES(mu_);
   static LockId WantedLock(LockId id);
   // Held shared by processes blocked in WaitLock for `id` (they hold kWanted too).
@@ -462,7 +470,14 @@ class VolumeImpl : public Volume {
   // Refcount decremented in the running transaction: a write through a COW
   // pointer to such a block must still copy (the decrement may not survive
   // a crash, and then the block is still shared on disk).
-  std::unordered_set<uint64_t> decref_uncommitted_ GUARDED_BY(mu_);
+  // Each with the decref epoch it was made in: a flush without mu_ makes
+  // durable only the decrements made before it started (the epochs before
+  // the one it opened); those made meanwhile stay.
+  std::unordered_map<uint64_t, uint64_t> decref_uncommitted_ GUARDED_BY(mu_);
+  uint64_t decref_epoch_ GUARDED_BY(mu_) = 0;
+  // Bumped by every change to txn_ (Dirty, Fresh): tells a flush made
+  // without mu_ whether the transaction changed while it ran.
+  uint64_t txn_changes_ GUARDED_BY(mu_) = 0;
   // Data blocks a write took between its allocation (WriteData phase 1)
   // and the transaction that publishes the pointers to them (phase 3),
   // while it writes their data without mu_: address -> materialized.
