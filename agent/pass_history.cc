@@ -164,15 +164,28 @@ Result<int> ReadUserVersion(sqlite3* db, const std::string& path) {
   return sqlite3_column_int(stmt.get(), 0);
 }
 
+// A schema this dede cannot read: written by a newer one (or garbage).
+Status RefuseNewerSchema(const std::string& path, int version) {
+  if (version <= PassHistory::kSchemaVersion && version >= 0) return Status::Ok();
+  return Status::Unsupported(path + ": pass history schema version " + std::to_string(version) +
+                             " is newer than this dede knows (version " +
+                             std::to_string(PassHistory::kSchemaVersion) +
+                             "): written by a newer dede");
+}
+
+// sqlite3_open_v2 without CREATE says only "unable to open database
+// file"; a missing history deserves its own code.
+Status CheckExists(const std::string& path) {
+  struct stat st {};
+  if (::stat(path.c_str(), &st) == 0) return Status::Ok();
+  if (errno == ENOENT) return Status::NotFound(path + ": no such file");
+  return Status::FromErrno(path, errno);
+}
+
 // Brings the schema to kSchemaVersion, or refuses a newer one.
 Status PrepareSchema(sqlite3* db, const std::string& path) {
   ASSIGN_OR_RETURN(int version, ReadUserVersion(db, path));
-  if (version > PassHistory::kSchemaVersion || version < 0) {
-    return Status::Unsupported(path + ": pass history schema version " + std::to_string(version) +
-                               " is newer than this dede knows (version " +
-                               std::to_string(PassHistory::kSchemaVersion) +
-                               "): written by a newer dede");
-  }
+  RETURN_IF_ERROR(RefuseNewerSchema(path, version));
   if (sqlite3_db_readonly(db, "main") == 0) {
     // Persistent in the file; a no-op when it already is in WAL mode.
     // Lets `dede report` read while dedupd writes, without either waiting.
@@ -249,13 +262,7 @@ Result<std::unique_ptr<PassHistory>> PassHistory::Open(const std::string& path, 
                              ec.message());
     }
   } else {
-    // sqlite3_open_v2 without CREATE says only "unable to open database
-    // file"; a missing history deserves its own code.
-    struct stat st {};
-    if (::stat(path.c_str(), &st) != 0) {
-      if (errno == ENOENT) return Status::NotFound(path + ": no such file");
-      return Status::FromErrno(path, errno);
-    }
+    RETURN_IF_ERROR(CheckExists(path));
   }
   // SQLITE_OPEN_NOMUTEX: the connection is used under PassHistory's mutex.
   const int flags = SQLITE_OPEN_READWRITE | SQLITE_OPEN_NOMUTEX | (create ? SQLITE_OPEN_CREATE : 0);
@@ -291,11 +298,7 @@ std::string FileUri(const std::string& path) {
 
 Result<std::unique_ptr<PassHistory>> PassHistory::OpenReadOnly(const std::string& path) {
   if (path.empty()) return Status::Invalid("pass history: empty path");
-  struct stat st {};
-  if (::stat(path.c_str(), &st) != 0) {
-    if (errno == ENOENT) return Status::NotFound(path + ": no such file");
-    return Status::FromErrno(path, errno);
-  }
+  RETURN_IF_ERROR(CheckExists(path));
   auto open = [&](const std::string& name, int extra_flags) -> Result<Db> {
     sqlite3* raw = nullptr;
     int rc = sqlite3_open_v2(name.c_str(), &raw,
@@ -325,11 +328,7 @@ Result<std::unique_ptr<PassHistory>> PassHistory::OpenReadOnly(const std::string
     }
     if (!version.ok()) return version.status();
   }
-  if (*version > kSchemaVersion || *version < 0) {
-    return Status::Unsupported(path + ": pass history schema version " + std::to_string(*version) +
-                               " is newer than this dede knows (version " +
-                               std::to_string(kSchemaVersion) + "): written by a newer dede");
-  }
+  RETURN_IF_ERROR(RefuseNewerSchema(path, *version));
   if (*version < kSchemaVersion) {
     return Status::Unsupported(path + ": pass history schema version " + std::to_string(*version) +
                                " is older than this dede's (" + std::to_string(kSchemaVersion) +

@@ -590,10 +590,11 @@ class IscsiDevice final : public BlockDevice {
     MutexLock lock(&mu_);
     RETURN_IF_ERROR(Connect());
     RETURN_IF_ERROR(CheckIsDisk());
-    RETURN_IF_ERROR(ReadCapacity());
+    ASSIGN_OR_RETURN(const Geometry geometry, ReadGeometry());
+    UseGeometry(geometry);
     ReadBlockLimits();
     if (!read_only_) RETURN_IF_ERROR(CheckWritable());
-    ASSIGN_OR_RETURN(LuIdentity found, ReadIdentity());
+    ASSIGN_OR_RETURN(LuIdentity found, ReadIdentity(geometry));
     {
       MutexLock l(&fence_->mu);
       if (!fence_->identity.has_value()) {
@@ -1271,21 +1272,20 @@ class IscsiDevice final : public BlockDevice {
     return Status::Ok();
   }
 
-  Status ReadCapacity() REQUIRES(mu_) {
-    ASSIGN_OR_RETURN(const Geometry g, ReadGeometry());
-    block_size_ = g.block_size;
-    size_ = g.blocks * g.block_size;
-    max_transfer_ = kMaxTransferBytes;
-    // Without logical block provisioning UNMAP is not even understood.
-    unmap_supported_ = g.thin;
-    return Status::Ok();
-  }
-
   struct Geometry {
     uint64_t blocks = 0;
     uint32_t block_size = 0;
     bool thin = false;  // LBPME: logical block provisioning management
   };
+
+  void UseGeometry(const Geometry& g) REQUIRES(mu_) {
+    block_size_ = g.block_size;
+    size_ = g.blocks * g.block_size;
+    max_transfer_ = kMaxTransferBytes;
+    // Without logical block provisioning UNMAP is not even understood.
+    unmap_supported_ = g.thin;
+  }
+
   Result<Geometry> ReadGeometry() REQUIRES(mu_) {
     uint64_t blocks = 0;
     uint32_t block_size = 0;
@@ -1346,9 +1346,9 @@ class IscsiDevice final : public BlockDevice {
     return std::optional<std::vector<uint8_t>>(std::vector<uint8_t>(in.data, in.data + in.size));
   }
 
-  Result<LuIdentity> ReadIdentity() REQUIRES(mu_) {
+  // The unit's identity: `g` (just read by the caller) and its VPD pages.
+  Result<LuIdentity> ReadIdentity(const Geometry& g) REQUIRES(mu_) {
     LuIdentity id;
-    ASSIGN_OR_RETURN(const Geometry g, ReadGeometry());
     id.block_size = g.block_size;
     id.blocks = g.blocks;
     ASSIGN_OR_RETURN(auto serial, ReadVpdPage(0x80, "INQUIRY (unit serial number)"));
@@ -1373,7 +1373,9 @@ class IscsiDevice final : public BlockDevice {
   Status RecheckIdentity() REQUIRES(mu_) EXCLUDES(fence_->mu) {
     checking_identity_ = true;
     identity_unchecked_ = false;
-    Result<LuIdentity> now = ReadIdentity();
+    Result<Geometry> geometry = ReadGeometry();
+    Result<LuIdentity> now =
+        geometry.ok() ? ReadIdentity(geometry.value()) : Result<LuIdentity>(geometry.status());
     checking_identity_ = false;
     if (!now.ok()) {
       identity_unchecked_ = true;  // not known either way: look again next time
@@ -1566,6 +1568,9 @@ Result<std::unique_ptr<BlockDevice>> OpenIscsiDevice(const std::string& url,
     auto dev = std::make_unique<IscsiDevice>(parsed, opts.read_only, timeout, isid_base,
                                              static_cast<uint16_t>(i), fence, initiator);
     RETURN_IF_ERROR(dev->Open());
+    // Open compared the unit's identity with the first session's, which
+    // takes a grown capacity for the same unit: one grown between two
+    // logins is caught here.
     if (!sessions.empty() && dev->size_bytes() != sessions[0]->size_bytes()) {
       return Status::IoError(dev->name() + ": sessions disagree about the LUN's size (" +
                              std::to_string(sessions[0]->size_bytes()) + " vs " +
