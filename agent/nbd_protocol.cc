@@ -5,12 +5,16 @@
 // to or from the wire.
 //
 // What a client can get wrong, and what happens:
-//   - handshake: bad client flags, a bad option magic, option data longer
-//     than max_option_bytes, more than max_options options, or an
-//     EXPORT_NAME that is not a valid NBD string: the connection is closed
+//   - handshake: bad client flags, a bad option magic, more than
+//     max_options options, or an EXPORT_NAME that is not a valid NBD
+//     string or is longer than max_option_bytes: the connection is closed
 //     (there is no way to answer). A malformed GO / INFO / LIST gets
-//     NBD_REP_ERR_INVALID and an unknown option NBD_REP_ERR_UNSUP; the
-//     handshake goes on.
+//     NBD_REP_ERR_INVALID and an unknown option NBD_REP_ERR_UNSUP; option
+//     data longer than max_option_bytes is read and dropped (it is never
+//     held), then the option gets NBD_REP_ERR_TOO_BIG (ERR_UNSUP if
+//     unknown; ABORT is acknowledged). The handshake goes on; the
+//     driver's handshake timeout bounds how long a client may keep
+//     sending.
 //   - transmission: a bad request magic, or a WRITE whose payload exceeds
 //     max_payload, closes the connection (the stream cannot be resynced,
 //     or skipping that much is a denial of service). Every other bad
@@ -215,14 +219,30 @@ Action NbdSession::Run(const uint8_t* data, size_t len, size_t* pos) {
                                             " options in one handshake");
         }
         // Option data is buffered whole, so its size is what bounds the
-        // memory a client can make us hold during the handshake.
+        // memory a client can make us hold during the handshake: longer
+        // data is dropped as it arrives.
         if (option_len_ > opts_.max_option_bytes) {
-          return Finish(Action::kClose, "option " + std::to_string(option_) + " has " +
-                                            std::to_string(option_len_) + " bytes of data (limit " +
-                                            std::to_string(opts_.max_option_bytes) + ")");
+          if (option_ == kOptExportName) {
+            return Finish(Action::kClose, "NBD_OPT_EXPORT_NAME has " + std::to_string(option_len_) +
+                                              " bytes of data (limit " +
+                                              std::to_string(opts_.max_option_bytes) + ")");
+          }
+          option_skip_left_ = option_len_;
+          phase_ = Phase::kOptionSkip;
+          break;
         }
         in_.reserve(option_len_);
         phase_ = Phase::kOptionData;
+        break;
+      }
+
+      case Phase::kOptionSkip: {
+        const size_t take = std::min<size_t>(option_skip_left_, len - *pos);
+        *pos += take;
+        option_skip_left_ -= static_cast<uint32_t>(take);
+        if (option_skip_left_ > 0) return Action::kNeedInput;
+        const Action action = RefuseOversizedOption();
+        if (action != Action::kNeedInput) return action;
         break;
       }
 
@@ -357,6 +377,28 @@ Action NbdSession::HandleOption() {
     default:
       QueueOptionError(option_, kRepErrUnsup,
                        "option " + std::to_string(option_) + " is not supported");
+      return Action::kNeedInput;
+  }
+}
+
+// An option whose data was over max_option_bytes, now dropped.
+Action NbdSession::RefuseOversizedOption() {
+  phase_ = Phase::kOptionHeader;
+  const std::string size = std::to_string(option_len_) + " bytes of option data (limit " +
+                           std::to_string(opts_.max_option_bytes) + ")";
+  switch (option_) {
+    case kOptAbort:
+      // Any data is ignored, as the spec asks.
+      QueueOptionReply(option_, kRepAck, nullptr, 0);
+      return Finish(Action::kDisconnect, "client sent NBD_OPT_ABORT");
+    case kOptGo:
+    case kOptInfo:
+    case kOptList:
+      QueueOptionError(option_, kRepErrTooBig, std::string(OptionName(option_)) + ": " + size);
+      return Action::kNeedInput;
+    default:
+      QueueOptionError(option_, kRepErrUnsup,
+                       "option " + std::to_string(option_) + " is not supported (" + size + ")");
       return Action::kNeedInput;
   }
 }

@@ -107,7 +107,10 @@ struct Request {
 };
 
 struct SessionOptions {
-  uint32_t max_option_bytes = 64 * 1024;  // longer option data: connection closed
+  // Longer option data is read and dropped, and the option refused
+  // (NBD_REP_ERR_TOO_BIG; ERR_UNSUP if unknown); for EXPORT_NAME, which
+  // has no error reply, the connection is closed.
+  uint32_t max_option_bytes = 64 * 1024;
   uint32_t max_payload = 32u << 20;       // WRITE larger: connection closed; READ larger: EINVAL
   uint32_t max_options = 1000;            // more options in one handshake: connection closed
   // True: a valid READ or WRITE is held at Action::kAdmit until Admit(),
@@ -206,12 +209,21 @@ class NbdSession {
 
  private:
   enum class Phase {
-    kClientFlags, kOptionHeader, kOptionData, kWaitList, kWaitExport,
-    kTransmission, kAdmitWait, kRequestPayload, kDone,
+    kClientFlags,
+    kOptionHeader,
+    kOptionData,
+    kOptionSkip,
+    kWaitList,
+    kWaitExport,
+    kTransmission,
+    kAdmitWait,
+    kRequestPayload,
+    kDone,
   };
   Action Run(const uint8_t* data, size_t len, size_t* pos);
   bool Gather(size_t need, const uint8_t* data, size_t len, size_t* pos);
   Action HandleOption();
+  Action RefuseOversizedOption();
   Action ParseRequestHeader();
   uint32_t CheckRequest(const Request& r) const;
   uint32_t MaxPayload() const;
@@ -231,6 +243,7 @@ class NbdSession {
   std::vector<uint8_t> out_;
   uint32_t option_ = 0;       // the option being handled (its replies echo it)
   uint32_t option_len_ = 0;
+  uint32_t option_skip_left_ = 0;  // kOptionSkip: oversized option data still to drop
   uint32_t options_seen_ = 0;
   std::string export_name_;
   bool info_only_ = false;

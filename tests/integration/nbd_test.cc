@@ -1124,6 +1124,16 @@ TEST_CASE("malformed NBD traffic gets an error or a closed connection, never a c
     c.SendOption(1, {'n', 'o', 'p', 'e'});
     REQUIRE(c.ServerClosed());
   }
+  {  // an unknown option with 100 KiB of data (over the 64 KiB limit): ERR_UNSUP, then GO
+    RawClient c(tv.sock);
+    REQUIRE(c.Hello());
+    c.SendOption(4242, std::vector<uint8_t>(100 * 1024, 0x5a));
+    RawClient::OptReply r;
+    REQUIRE(c.RecvOptReply(&r));
+    CHECK(r.option == 4242);
+    CHECK(r.type == 0x80000001u);  // NBD_REP_ERR_UNSUP
+    REQUIRE(c.Go("vm") == int64_t(4 * kMiB));
+  }
   {  // unknown export, then a good one on the same connection
     RawClient c(tv.sock);
     REQUIRE(c.Hello());
