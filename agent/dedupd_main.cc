@@ -15,6 +15,7 @@
 #include <boost/program_options.hpp>
 #include <cmath>
 #include <cstdio>
+#include <deque>
 #include <functional>
 #include <iostream>
 #include <memory>
@@ -26,6 +27,7 @@
 #include "agent/control_server.h"
 #include "agent/dedup_pass.h"
 #include "agent/dedup_policy.h"
+#include "agent/dedup_stats_json.h"
 #include "agent/export_table.h"
 #include "agent/io_throttle.h"
 #include "agent/lockspace_guard.h"
@@ -688,6 +690,15 @@ int Run(const Config& cfg) {
     uint64_t shared_total = 0, reclaimed_total = 0, io_bytes_total = 0;
     uint64_t merge_applied_total = 0;
     uint64_t cow_at_last_pass = 0;
+    // Passes begun (a pass's number, `seq`, is this count at its start),
+    // and the last 16 ended, for `dede dedup --now --wait`.
+    uint64_t started = 0;
+    struct Ended {
+      uint64_t seq = 0;
+      std::string trigger, outcome, error;
+      nlohmann::json stats;  // DedupStatsToJson; null when the pass failed
+    };
+    std::deque<Ended> ended;
   } pass_state;
   const uint64_t started_wall_ns = Clock::Real()->NowNanos();
   // COW specializations of all exports since start (closed exports' counts
@@ -703,8 +714,10 @@ int Run(const Config& cfg) {
     stop_pass = false;
     const DedupPolicy policy = scheduler.policy();
     const uint64_t start_ns = Clock::Real()->NowNanos();
+    uint64_t seq = 0;
     {
       std::lock_guard<std::mutex> l(pass_state.mu);
+      seq = ++pass_state.started;
       pass_state.window = scheduler.CurrentWindow();
       pass_state.progress = "starting";
       pass_state.started_ns = start_ns;
@@ -867,6 +880,9 @@ int Run(const Config& cfg) {
       pass_state.io_bytes_total += row.io_bytes;
       pass_state.merge_applied_total += row.merge_requests_applied;
       pass_state.progress.clear();
+      pass_state.ended.push_back({seq, row.trigger, row.outcome, row.error,
+                                  st.ok() ? DedupStatsToJson(*st) : nlohmann::json()});
+      if (pass_state.ended.size() > 16) pass_state.ended.pop_front();
     }
     const bool failed = row.outcome == "failed";
     const uint32_t failed_before = scheduler.failures_in_a_row();
@@ -1177,12 +1193,45 @@ int Run(const Config& cfg) {
     // `dede dedup --now`: a pass at once, whatever the windows.
     control->Handle("dedup-now", [&](const nlohmann::json&) -> Result<nlohmann::json> {
       const bool was_running = scheduler.running();
-      if (!scheduler.Request(PassTrigger::kNow)) {
-        return Status::Unavailable(
-            "the volume's dedup policy could not be read (" + unread_policy_error() +
-            "): no dedup pass runs until it can; see `dede policy VOL show`");
+      uint64_t started = 0;
+      {
+        // Read with the request made: the pass that serves it is the first
+        // requested one numbered above `started` (a pass's number is taken
+        // under this mutex as it begins, after the scheduler handed it out).
+        std::lock_guard<std::mutex> l(pass_state.mu);
+        started = pass_state.started;
+        if (!scheduler.Request(PassTrigger::kNow)) {
+          return Status::Unavailable(
+              "the volume's dedup policy could not be read (" + unread_policy_error() +
+              "): no dedup pass runs until it can; see `dede policy VOL show`");
+        }
       }
-      return nlohmann::json{{"requested", true}, {"pass_running", was_running}};
+      return nlohmann::json{
+          {"requested", true}, {"pass_running", was_running}, {"passes_started", started}};
+    });
+    // `dede dedup --now --wait`: the first requested pass (now or SIGUSR1)
+    // numbered above "after", once it has ended; until then "ended": false
+    // with what the running pass is doing.
+    control->Handle("pass-result", [&](const nlohmann::json& req) -> Result<nlohmann::json> {
+      if (!req.contains("after") || !req["after"].is_number_integer() ||
+          req["after"].get<int64_t>() < 0) {
+        return Status::Invalid("pass-result needs \"after\" (the passes_started of dedup-now)");
+      }
+      const uint64_t after = req["after"].get<uint64_t>();
+      std::lock_guard<std::mutex> l(pass_state.mu);
+      for (const PassState::Ended& e : pass_state.ended) {
+        if (e.seq <= after || (e.trigger != "now" && e.trigger != "signal")) continue;
+        return nlohmann::json{{"ended", true},        {"pass", e.seq},      {"trigger", e.trigger},
+                              {"outcome", e.outcome}, {"failure", e.error}, {"stats", e.stats}};
+      }
+      if (!pass_state.ended.empty() && pass_state.ended.front().seq > after + 1) {
+        return Status::NotFound("the passes after " + std::to_string(after) +
+                                " ended too long ago: their results are no longer kept");
+      }
+      const std::optional<PassTrigger> running = scheduler.running_trigger();
+      nlohmann::json j = {{"ended", false}, {"running", running.has_value()}};
+      if (running) j["progress"] = pass_state.progress;
+      return j;
     });
     // `dede set VOL NAME dedup=on|off` on a running export: takes effect at
     // once (the monitor stops hashing; the volume refuses shares).

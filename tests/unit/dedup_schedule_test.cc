@@ -17,6 +17,7 @@
 
 #include "agent/dedup_pass.h"
 #include "agent/dedup_policy.h"
+#include "agent/dedup_stats_json.h"
 #include "agent/io_throttle.h"
 #include "agent/pass_scheduler.h"
 #include "index/shard_io.h"
@@ -832,6 +833,40 @@ TEST_CASE("DedupStats::Add sums every counter and keeps the shard-lock totals", 
   CHECK(a.gather_ns == 3);
   CHECK(a.stopped);
   CHECK(a.logs_left_over == 4);
+}
+
+TEST_CASE("DedupStats through JSON: every counter and the times come back", "[schedule]") {
+  DedupStats a;
+  uint64_t v = 7;
+  for (const DedupCounter& c : DedupCounters()) a.*c.field = v++ * 1000003;
+  a.rounds = 3;
+  a.logs_left_over = 2;
+  a.stopped = true;
+  a.AddShardSpan(1000, 1500000000);
+  a.gather_ns = 250000000;
+  a.merge_ns = 750000000;
+  a.total_ns = 2000000000;
+  const nlohmann::json j = nlohmann::json::parse(DedupStatsToJson(a).dump());
+  const DedupStats b = DedupStatsFromJson(j);
+  for (const DedupCounter& c : DedupCounters()) {
+    INFO(c.name);
+    CHECK(b.*c.field == a.*c.field);
+  }
+  CHECK(b.rounds == 3);
+  CHECK(b.logs_left_over == 2);
+  CHECK(b.stopped);
+  CHECK(b.shard_lock_ns == a.shard_lock_ns);
+  CHECK(b.gather_ns == a.gather_ns);
+  CHECK(b.merge_ns == a.merge_ns);
+  CHECK(b.total_ns == a.total_ns);
+  // An older dedupd's reply without some fields, or with the wrong types:
+  // zeros, not a throw.
+  const DedupStats c =
+      DedupStatsFromJson(nlohmann::json{{"shared_new", 5}, {"shared_hits", "x"}, {"seconds", -1}});
+  CHECK(c.shared_new == 5);
+  CHECK(c.shared_hits == 0);
+  CHECK(c.total_ns == 0);
+  CHECK(DedupStatsFromJson(nlohmann::json::array()).shared_new == 0);
 }
 
 TEST_CASE("a file opted out after the pass listed the files is treated as opted out",

@@ -15,6 +15,7 @@
 #include "agent/control_server.h"
 #include "agent/dedup_pass.h"
 #include "agent/dedup_policy.h"
+#include "agent/dedup_stats_json.h"
 #include "agent/io_throttle.h"
 #include "agent/pass_scheduler.h"
 #include "tools/dede/cli.h"
@@ -39,45 +40,134 @@ std::optional<double> ParseNonNegative(const std::string& s) {
 }
 
 json StatsJson(const DedupStats& s) {
-  json j;
-  for (const DedupCounter& c : DedupCounters()) j[c.name] = s.*c.field;
-  j["rounds"] = s.rounds;
-  j["logs_left_over"] = s.logs_left_over;
-  j["stopped"] = s.stopped;
-  j["shard_lock_seconds"] = double(s.shard_lock_ns) / 1e9;
-  {
-    json spans = json::array();
-    for (const DedupStats::ShardSpan& sp : s.shard_spans()) spans.push_back({sp.start_ns, sp.end_ns});
-    j["shard_spans_ns"] = std::move(spans);
+  return DedupStatsToJson(s);
+}
+
+// The figures of a pass that ran to its end, as text.
+void PrintPassSummary(const DedupStats& s) {
+  std::cout << "dedup pass: " << s.logs_consumed << " logs, " << s.log_records << " records";
+  if (s.rounds > 1) std::cout << " in " << s.rounds << " rounds (bounded memory)";
+  if (s.logs_left_over > 0) std::cout << "; " << s.logs_left_over << " logs left for the next pass";
+  if (s.files_busy) {
+    std::cout << " (" << s.files_busy
+              << " files held by another process or host were skipped: a dedupd serving "
+                 "them dedups them itself, on --dedup-interval or SIGUSR1)";
   }
-  j["gather_seconds"] = double(s.gather_ns) / 1e9;
-  j["merge_seconds"] = double(s.merge_ns) / 1e9;
-  j["seconds"] = double(s.total_ns) / 1e9;
-  return j;
+  std::cout << "\n  new shared blocks   " << s.shared_new << "\n  shared again        "
+            << s.shared_hits << "\n  zero blocks freed   " << s.zero_blocks_freed
+            << "\n  new unique entries  " << s.unique_added << "\n  stale (skipped)     "
+            << s.stale_records + s.stale_entries << "\n  garbage collected   " << s.gc_arena_blocks
+            << " arena blocks, " << s.gc_unique_entries << " entries (" << s.gc_checks_busy
+            << " checks left for later: group busy"
+            << (s.arena_punches_busy ? "; " + std::to_string(s.arena_punches_busy) +
+                                           " punches held back: drop list full or group busy"
+                                     : std::string())
+            << ")"
+            << "\n  merge requests      " << s.merge_requests_posted << " posted, "
+            << s.merge_posts_busy << " posts busy; " << s.merge_requests_applied << " applied, "
+            << s.merge_requests_failed_verification << " failed verification, "
+            << s.merge_requests_stale << " stale, " << s.merge_requests_busy << " held back"
+            << "\n  parked (busy)       " << s.records_parked_busy << " records ("
+            << s.shards_revisited << " shard revisits)"
+            << "\n  shards              " << s.shards_rewritten << " rewritten, "
+            << s.shards_deferred << " deferred, " << s.shards_split << " split"
+            << (s.splits_deferred_busy
+                    ? " (" + std::to_string(s.splits_deferred_busy) + " put off: group busy)"
+                    : std::string())
+            << (s.split_clones_busy
+                    ? " (" + std::to_string(s.split_clones_busy) + " entries dropped: group busy)"
+                    : std::string())
+            << "\n  time                " << HumanDuration(double(s.total_ns) / 1e9) << std::endl;
 }
 
 }  // namespace
 
+// `--now --wait` handed to dedupd: follows the pass that serves the
+// request (dedup-now's reply numbers it) until it ends, then prints its
+// figures as a pass run here would.
+int WaitForDedupdPass(const Command& cmd, const std::string& control, const json& status,
+                      const json& requested, bool as_json, bool tty) {
+  auto started = requested.find("passes_started");
+  if (started == requested.end() || !started->is_number_unsigned()) {
+    return Fail(cmd, "the dedupd at " + control +
+                         " ran the pass but cannot report its figures (an older dedupd): "
+                         "follow it with `dede status`");
+  }
+  const json ask = {{"cmd", "pass-result"}, {"after", started->get<uint64_t>()}};
+  json result;
+  for (;;) {
+    Result<json> r = ControlRequest(control, ask, std::chrono::seconds(10));
+    if (!r.ok()) {
+      if (tty && !as_json) std::fprintf(stderr, "\r\033[K");
+      return Fail(cmd, r.status().WithContext("waiting for dedupd's pass (did dedupd stop?)"));
+    }
+    if (r->contains("error")) {
+      if (tty && !as_json) std::fprintf(stderr, "\r\033[K");
+      return Fail(cmd, "dedupd: " + (*r)["error"].get<std::string>());
+    }
+    if (r->value("ended", false)) {
+      result = std::move(*r);
+      break;
+    }
+    if (tty && !as_json) {
+      const std::string progress = r->value("progress", std::string());
+      std::fprintf(stderr, "\r\033[Kdedup (dedupd): %s",
+                   progress.empty() ? "waiting for the pass to start" : progress.c_str());
+      std::fflush(stderr);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  }
+  if (tty && !as_json) std::fprintf(stderr, "\r\033[K");
+  const std::string who = "dedupd (host " + status["host_id"].dump() + ", " + control + ") pass " +
+                          result["pass"].dump();
+  const std::string outcome = result.value("outcome", std::string());
+  if (outcome == "failed")
+    return Fail(cmd, who + " failed: " + result.value("failure", std::string()));
+  const DedupStats s = DedupStatsFromJson(result["stats"]);
+  if (as_json) {
+    json j = result["stats"];
+    j["requested_from"] = control;
+    j["host_id"] = status["host_id"];
+    j["pass"] = result["pass"];
+    PrintJson(j);
+  }
+  if (outcome != "completed") {
+    // Requested passes stop only when dedupd shuts down.
+    return Fail(cmd, who + " stopped early (dedupd shutting down?): " +
+                         std::to_string(s.records_parked_at_stop) +
+                         " records were parked for the next pass, the work done is kept");
+  }
+  if (!as_json) {
+    std::cout << who << ":\n";
+    PrintPassSummary(s);
+  }
+  return kExitOk;
+}
+
 int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   ArgParser parser(cmd);
   parser.AddPositional("VOL", "volume: a path (file or block device) or iscsi:// URL");
-  parser.options()("force", po::bool_switch(), "rewrite every index shard now (collect all garbage, apply all "
-                            "parked records), ignoring the batching fraction")(
+  parser.options()("force", po::bool_switch(),
+                   "rewrite every index shard now (collect all garbage, apply all "
+                   "parked records), ignoring the batching fraction")(
       "fraction", po::value<std::string>()->value_name("F"),
       "rewrite a shard only when its new records exceed F times its entries (default 0.05)")(
       "split-after", po::value<std::string>()->value_name("SECONDS"),
       "a shard whose last update took longer than this is split at its next update (default 30)")(
       "verify", po::value<std::string>()->value_name("bytes|witness"),
-      "how shares are verified: byte comparison (default), or a SHA-256 witness (sha256 volumes only)")(
-      "rescan", po::bool_switch(),
-      "read and fingerprint every block of every file this process can lock (rebuilds a "
-      "lost or damaged index; reads all data)")(
+      "how shares are verified: byte comparison (default), or a SHA-256 witness (sha256 volumes "
+      "only)")("rescan", po::bool_switch(),
+               "read and fingerprint every block of every file this process can lock (rebuilds a "
+               "lost or damaged index; reads all data)")(
       "now", po::bool_switch(),
       "run even outside the volume policy's dedup windows; when this host's dedupd "
       "serves the volume, ask it to run a pass at once instead")(
       "control", po::value<std::string>()->value_name("PATH"),
       "the local dedupd's control socket for --now (default /run/dede/dedupd.ctl)")(
-      "json", po::bool_switch(), "print the pass's figures as JSON");
+      "wait", po::bool_switch(),
+      "with --now, when dedupd runs the pass: wait for it to end and print its figures "
+      "(Ctrl-C stops the waiting, not the pass)")("json", po::bool_switch(),
+                                                  "print the pass's figures as JSON");
   parser.SetDetails(
       "Takes the write logs of the files this process can lock (files served by a\n"
       "running dedupd are skipped and counted as busy), merges their fingerprints\n"
@@ -97,6 +187,10 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   // and the pass ran here (or was refused outside the windows).
   if (parser.value("control") && !parser.flag("now")) {
     return UsageError(cmd, "--control is for --now (ask that dedupd to run a pass)");
+  }
+  // A pass run here is always waited for; --wait is for one dedupd runs.
+  if (parser.flag("wait") && !parser.flag("now")) {
+    return UsageError(cmd, "--wait is for --now (wait for the pass dedupd runs)");
   }
   DedupOptions opts;
   opts.force = parser.flag("force");
@@ -174,13 +268,17 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
       Result<json> reply = ControlRequest(control, {{"cmd", "dedup-now"}});
       if (!reply.ok()) return Fail(cmd, reply.status());
       if (reply->contains("error")) return Fail(cmd, "dedupd: " + (*reply)["error"].get<std::string>());
-      if (as_json) {
-        PrintJson(json{{"requested_from", control}, {"host_id", (*status)["host_id"]}});
-      } else {
-        std::cout << "asked dedupd (host " << (*status)["host_id"] << ", " << control
-                  << ") to run a dedup pass now; follow it with `dede status`\n";
+      if (!parser.flag("wait")) {
+        if (as_json) {
+          PrintJson(json{{"requested_from", control}, {"host_id", (*status)["host_id"]}});
+        } else {
+          std::cout << "asked dedupd (host " << (*status)["host_id"] << ", " << control
+                    << ") to run a dedup pass now; follow it with `dede status`, or wait for "
+                       "it with --wait\n";
+        }
+        return kExitOk;
       }
-      return kExitOk;
+      return WaitForDedupdPass(cmd, control, *status, *reply, as_json, tty);
     }
   }
   Result<DedupPolicy> policy = ReadPolicy(vol);
@@ -261,39 +359,7 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
     PrintJson(StatsJson(s));
     return kExitOk;
   }
-  std::cout << "dedup pass: " << s.logs_consumed << " logs, " << s.log_records << " records";
-  if (s.rounds > 1) std::cout << " in " << s.rounds << " rounds (bounded memory)";
-  if (s.logs_left_over > 0) std::cout << "; " << s.logs_left_over << " logs left for the next pass";
-  if (s.files_busy) {
-    std::cout << " (" << s.files_busy
-              << " files held by another process or host were skipped: a dedupd serving "
-                 "them dedups them itself, on --dedup-interval or SIGUSR1)";
-  }
-  std::cout << "\n  new shared blocks   " << s.shared_new << "\n  shared again        "
-            << s.shared_hits << "\n  zero blocks freed   " << s.zero_blocks_freed
-            << "\n  new unique entries  " << s.unique_added << "\n  stale (skipped)     "
-            << s.stale_records + s.stale_entries << "\n  garbage collected   " << s.gc_arena_blocks
-            << " arena blocks, " << s.gc_unique_entries << " entries (" << s.gc_checks_busy
-            << " checks left for later: group busy"
-            << (s.arena_punches_busy ? "; " + std::to_string(s.arena_punches_busy) +
-                                           " punches held back: drop list full or group busy"
-                                     : std::string())
-            << ")"
-            << "\n  merge requests      " << s.merge_requests_posted << " posted, "
-            << s.merge_posts_busy << " posts busy; " << s.merge_requests_applied << " applied, "
-            << s.merge_requests_failed_verification << " failed verification, "
-            << s.merge_requests_stale << " stale, " << s.merge_requests_busy << " held back"
-            << "\n  parked (busy)       " << s.records_parked_busy << " records ("
-            << s.shards_revisited << " shard revisits)"
-            << "\n  shards              " << s.shards_rewritten << " rewritten, "
-            << s.shards_deferred << " deferred, " << s.shards_split << " split"
-            << (s.splits_deferred_busy
-                    ? " (" + std::to_string(s.splits_deferred_busy) + " put off: group busy)"
-                    : std::string())
-            << (s.split_clones_busy
-                    ? " (" + std::to_string(s.split_clones_busy) + " entries dropped: group busy)"
-                    : std::string())
-            << "\n  time                " << HumanDuration(double(s.total_ns) / 1e9) << std::endl;
+  PrintPassSummary(s);
   return kExitOk;
 }
 
