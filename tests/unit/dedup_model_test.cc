@@ -36,6 +36,7 @@
 #include "kmod/writemon/write_log.h"
 #include "kmod/writemon/write_monitor.h"
 #include "tests/dedup_accounting.h"
+#include "tests/sanitized.h"
 #include "tests/temp_locks.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
@@ -47,18 +48,10 @@ namespace {
 
 constexpr uint64_t kB = kBlockSize;
 
-#if defined(__SANITIZE_ADDRESS__)
-#define DEDE_DEDUP_MODEL_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define DEDE_DEDUP_MODEL_SANITIZED 1
-#endif
-#endif
-
 std::vector<uint64_t> Seeds() {
   const char* s = std::getenv("DEDE_SEED");
   if (s != nullptr && *s != '\0') return {std::strtoull(s, nullptr, 0)};
-#ifdef DEDE_DEDUP_MODEL_SANITIZED
+#if DEDE_TEST_SANITIZED
   // About 12x slower under ASan (160 s a seed on 2 vCPUs): one seed keeps
   // the sanitizer run of the suite within its budget; the normal build
   // runs three, and DEDE_SEED picks any.
@@ -71,7 +64,7 @@ std::vector<uint64_t> Seeds() {
 uint64_t Steps() {
   const char* s = std::getenv("DEDE_STEPS");
   if (s != nullptr && *s != '\0') return std::strtoull(s, nullptr, 0);
-#ifdef DEDE_DEDUP_MODEL_SANITIZED
+#if DEDE_TEST_SANITIZED
   // Under ASan a step costs more the longer the run: every pass lists the
   // volume many times (LoadShardMap), each list scans the inode table
   // through fresh 1 MiB buffers (an mmap and page faults each under ASan's

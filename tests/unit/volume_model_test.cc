@@ -22,6 +22,7 @@
 //
 // Reproduce one seed with DEDE_SEED=<n> (DEDE_STEPS=<n> changes the step
 // count). The failing seed, step and operation are printed on failure.
+#include "tests/sanitized.h"
 #include "tests/volume_model_harness.h"
 
 using namespace dede;
@@ -29,14 +30,7 @@ using namespace dede;
 // Sanitizer builds run two seeds instead of three: every step calls
 // Volume::Stats, which reads the whole used inode table, and that is slow
 // under ASan.
-#if defined(__SANITIZE_ADDRESS__)
-#define DEDE_MODEL_SANITIZED 1
-#elif defined(__has_feature)
-#if __has_feature(address_sanitizer)
-#define DEDE_MODEL_SANITIZED 1
-#endif
-#endif
-#ifdef DEDE_MODEL_SANITIZED
+#if DEDE_TEST_SANITIZED
 const std::vector<uint64_t> kModelSeeds = {1, 2};
 #else
 const std::vector<uint64_t> kModelSeeds = {1, 2, 3};

@@ -17,6 +17,7 @@
 
 #include "kmod/writemon/write_log.h"
 #include "tests/random_bytes.h"
+#include "tests/sanitized.h"
 #include "volume/format.h"
 
 using namespace dede;
@@ -1114,7 +1115,9 @@ TEST_CASE("writemon: writes during an unlocked coalesce stay newer", "[writemon]
           std::mt19937_64 rng(500 + t + 10 * mixed);
           std::vector<uint8_t> buf(4 * kB);
           const uint64_t base = t * kSpan;
-          for (int i = 0; i < 40000; i++) {
+          // Under ASan each write is ~6x slower, and the races as likely.
+          const int writes = dede::test::kSanitized ? 12000 : 40000;
+          for (int i = 0; i < writes; i++) {
             const uint64_t n = 1 + rng() % 4;
             const uint64_t b = base + rng() % (kSpan - n);
             dede::test::FillRandom(rng, buf.data(), n * kB);
@@ -1194,9 +1197,10 @@ TEST_CASE("writemon: backing off from a shuffled sequential writer, then hot rew
   // comes late (backed off: ~16k ops); once it has paid, the buffer stays
   // at the normal threshold (~260 ops), never near 16k again.
   uint64_t most_later = 0;
-  for (int i = 0; i < 300000; i++) {
+  const int hot_writes = dede::test::kSanitized ? 120000 : 300000;  // ASan: ~6x slower
+  for (int i = 0; i < hot_writes; i++) {
     write(rng() % 100, 1);
-    if (i >= 100000 && i % 97 == 0) {
+    if (i >= hot_writes / 3 && i % 97 == 0) {
       most_later = std::max<uint64_t>(most_later, m.FileStats(kF).buffered_records);
     }
   }
