@@ -5,7 +5,8 @@
 // to or from the wire.
 //
 // What a client can get wrong, and what happens:
-//   - handshake: bad client flags, a bad option magic, more than
+//   - handshake: bad client flags, an option other than EXPORT_NAME from
+//     a client without fixed newstyle, a bad option magic, more than
 //     max_options options, or an EXPORT_NAME that is not a valid NBD
 //     string or is longer than max_option_bytes: the connection is closed
 //     (there is no way to answer). A malformed GO / INFO / LIST gets
@@ -191,15 +192,13 @@ Action NbdSession::Run(const uint8_t* data, size_t len, size_t* pos) {
         const uint32_t flags = load_big_u32(in_.data());
         in_.clear();
         // The spec: the server MUST drop a client with flags it does not
-        // know. Plain (non-fixed) newstyle clients are refused too: they
-        // cannot take the error replies every option but EXPORT_NAME has.
+        // know.
         if ((flags & ~kKnownClientFlags) != 0) {
           return Finish(Action::kClose, "client flags " + Hex(flags) + " have unknown bits");
         }
-        if ((flags & kClientFlagFixedNewstyle) == 0) {
-          return Finish(Action::kClose,
-                        "client does not speak fixed newstyle (client flags " + Hex(flags) + ")");
-        }
+        // A plain (non-fixed) newstyle client (very old nbd-client) may
+        // only send EXPORT_NAME, and cannot take an option reply.
+        fixed_newstyle_ = (flags & kClientFlagFixedNewstyle) != 0;
         no_zeroes_ = (flags & kClientFlagNoZeroes) != 0;
         phase_ = Phase::kOptionHeader;
         break;
@@ -213,6 +212,13 @@ Action NbdSession::Run(const uint8_t* data, size_t len, size_t* pos) {
         in_.clear();
         if (magic != kIHaveOpt) {
           return Finish(Action::kClose, "bad option magic " + Hex(magic));
+        }
+        if (!fixed_newstyle_ && option_ != kOptExportName) {
+          const char* name = OptionName(option_);
+          return Finish(Action::kClose,
+                        (name ? std::string(name) : "option " + std::to_string(option_)) +
+                            " from a client without fixed newstyle, which may "
+                            "only send NBD_OPT_EXPORT_NAME");
         }
         if (++options_seen_ > opts_.max_options) {
           return Finish(Action::kClose, "more than " + std::to_string(opts_.max_options) +

@@ -5,7 +5,9 @@
 // target (tests/fuzz/fuzz_nbd_session.cc) drive the same code.
 //
 // Supported: NBD_OPT_EXPORT_NAME, NBD_OPT_GO, NBD_OPT_INFO, NBD_OPT_LIST,
-// NBD_OPT_ABORT (other options get NBD_REP_ERR_UNSUP); commands READ,
+// NBD_OPT_ABORT (other options get NBD_REP_ERR_UNSUP); a client without
+// fixed newstyle may send only NBD_OPT_EXPORT_NAME, as the spec has it;
+// commands READ,
 // WRITE (+FUA), FLUSH, TRIM (+FUA), WRITE_ZEROES (+FUA, +NO_HOLE), DISC.
 // Structured replies are not offered, so every reply is a simple reply.
 //
@@ -238,6 +240,7 @@ class NbdSession {
 
   SessionOptions opts_;
   Phase phase_ = Phase::kClientFlags;
+  bool fixed_newstyle_ = false;  // the client set NBD_FLAG_C_FIXED_NEWSTYLE
   bool no_zeroes_ = false;
   std::vector<uint8_t> in_;   // partial header/option bytes being assembled
   std::vector<uint8_t> out_;

@@ -12,6 +12,7 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <boost/endian/conversion.hpp>
 #include <catch2/catch.hpp>
 #include <cstdint>
@@ -225,14 +226,15 @@ class RawClient {
     }
   }
 
-  // Greeting + client flags; returns false if the greeting is wrong.
-  bool Hello() {
+  // Greeting + client flags (default FIXED_NEWSTYLE | NO_ZEROES); returns
+  // false if the greeting is wrong.
+  bool Hello(uint32_t client_flags = 3) {
     uint8_t g[18];
     if (!Recv(g, sizeof(g))) return false;
     if (boost::endian::load_big_u64(g) != 0x4e42444d41474943ull) return false;
     if (boost::endian::load_big_u64(g + 8) != 0x49484156454F5054ull) return false;
     std::vector<uint8_t> f;
-    test::PutBig32(&f, 3);  // FIXED_NEWSTYLE | NO_ZEROES
+    test::PutBig32(&f, client_flags);
     Send(f);
     return true;
   }
@@ -1122,6 +1124,29 @@ TEST_CASE("malformed NBD traffic gets an error or a closed connection, never a c
     RawClient c(tv.sock);
     REQUIRE(c.Hello());
     c.SendOption(1, {'n', 'o', 'p', 'e'});
+    REQUIRE(c.ServerClosed());
+  }
+  {  // a client without fixed newstyle (flags 0): EXPORT_NAME, 124 zeroes, then a READ
+    RawClient c(tv.sock);
+    REQUIRE(c.Hello(0));
+    c.SendOption(1, {'v', 'm'});
+    uint8_t info[8 + 2 + 124];
+    REQUIRE(c.Recv(info, sizeof(info)));
+    CHECK(boost::endian::load_big_u64(info) == 4 * kMiB);
+    CHECK(std::all_of(info + 10, info + sizeof(info), [](uint8_t b) { return b == 0; }));
+    c.SendRequest(0 /*READ*/, 9, 0, 4096);
+    uint32_t error = 1;
+    uint64_t cookie = 0;
+    REQUIRE(c.RecvReply(&error, &cookie));
+    CHECK(error == 0);
+    CHECK(cookie == 9);
+    std::vector<uint8_t> block(4096);
+    REQUIRE(c.Recv(block.data(), block.size()));
+  }
+  {  // ... which may send no other option: it could not read the reply
+    RawClient c(tv.sock);
+    REQUIRE(c.Hello(0));
+    c.SendOption(3 /*LIST*/, {});
     REQUIRE(c.ServerClosed());
   }
   {  // an unknown option with 100 KiB of data (over the 64 KiB limit): ERR_UNSUP, then GO

@@ -382,9 +382,13 @@ TEST_CASE("nbd: ABORT is acknowledged and disconnects", "[nbd]") {
 
 TEST_CASE("nbd: EXPORT_NAME replies size and flags, with 124 zeroes unless NO_ZEROES", "[nbd]") {
   const bool no_zeroes = GENERATE(false, true);
+  // A client without fixed newstyle (very old nbd-client) is served too.
+  const bool fixed = GENERATE(true, false);
+  INFO("no_zeroes " << no_zeroes << ", fixed newstyle " << fixed);
   NbdSession s;
   s.TakeOutput();
-  const uint32_t flags = kClientFlagFixedNewstyle | (no_zeroes ? kClientFlagNoZeroes : 0);
+  const uint32_t flags =
+      (fixed ? kClientFlagFixedNewstyle : 0) | (no_zeroes ? kClientFlagNoZeroes : 0);
   const Bytes name = {'d', 'i', 's', 'k'};
   const Bytes in =
       Cat(Cat(ClientFlags(flags), Option(kOptExportName, name)), Req(kCmdFlush, 5, 0, 0));
@@ -560,11 +564,14 @@ TEST_CASE("nbd: handshake violations close the connection", "[nbd]") {
   SECTION("unknown client flag") {
     in = ClientFlags(kBothFlags | 4);
   }
-  SECTION("no FIXED_NEWSTYLE") {
-    in = ClientFlags(kClientFlagNoZeroes);
+  SECTION("no FIXED_NEWSTYLE, then an option other than EXPORT_NAME") {
+    in = Cat(ClientFlags(kClientFlagNoZeroes), Option(kOptGo, GoData("vm")));
   }
-  SECTION("no flags at all") {
-    in = ClientFlags(0);
+  SECTION("no flags at all, then LIST") {
+    in = Cat(ClientFlags(0), Option(kOptList, {}));
+  }
+  SECTION("no flags at all, then an unknown option") {
+    in = Cat(ClientFlags(0), Option(42, {}));
   }
   SECTION("EXPORT_NAME over the option limit") {
     in = Cat(ClientFlags(kBothFlags), Option(kOptList, {}));
