@@ -39,10 +39,6 @@ std::optional<double> ParseNonNegative(const std::string& s) {
   }
 }
 
-json StatsJson(const DedupStats& s) {
-  return DedupStatsToJson(s);
-}
-
 // The figures of a pass that ran to its end, as text.
 void PrintPassSummary(const DedupStats& s) {
   std::cout << "dedup pass: " << s.logs_consumed << " logs, " << s.log_records << " records";
@@ -79,8 +75,6 @@ void PrintPassSummary(const DedupStats& s) {
                     : std::string())
             << "\n  time                " << HumanDuration(double(s.total_ns) / 1e9) << std::endl;
 }
-
-}  // namespace
 
 // `--now --wait` handed to dedupd: follows the pass that serves the
 // request (dedup-now's reply numbers it) until it ends, then prints its
@@ -121,8 +115,9 @@ int WaitForDedupdPass(const Command& cmd, const std::string& control, const json
   const std::string who = "dedupd (host " + status["host_id"].dump() + ", " + control + ") pass " +
                           result["pass"].dump();
   const std::string outcome = result.value("outcome", std::string());
-  if (outcome == "failed")
+  if (outcome == "failed") {
     return Fail(cmd, who + " failed: " + result.value("failure", std::string()));
+  }
   const DedupStats s = DedupStatsFromJson(result["stats"]);
   if (as_json) {
     json j = result["stats"];
@@ -144,6 +139,8 @@ int WaitForDedupdPass(const Command& cmd, const std::string& control, const json
   return kExitOk;
 }
 
+}  // namespace
+
 int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   ArgParser parser(cmd);
   parser.AddPositional("VOL", "volume: a path (file or block device) or iscsi:// URL");
@@ -164,10 +161,10 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
       "serves the volume, ask it to run a pass at once instead")(
       "control", po::value<std::string>()->value_name("PATH"),
       "the local dedupd's control socket for --now (default /run/dede/dedupd.ctl)")(
-      "wait", po::bool_switch(),
-      "with --now, when dedupd runs the pass: wait for it to end and print its figures "
-      "(Ctrl-C stops the waiting, not the pass)")("json", po::bool_switch(),
-                                                  "print the pass's figures as JSON");
+      "json", po::bool_switch(), "print the pass's figures as JSON");
+  parser.options()("wait", po::bool_switch(),
+                   "with --now, when dedupd runs the pass: wait for it to end and print its "
+                   "figures (Ctrl-C stops the waiting, not the pass)");
   parser.SetDetails(
       "Takes the write logs of the files this process can lock (files served by a\n"
       "running dedupd are skipped and counted as busy), merges their fingerprints\n"
@@ -340,7 +337,7 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   if (s.stopped && window_ended && !interrupt.interrupted()) {
     // The policy's window closed: a normal end, like dedupd's.
     if (as_json) {
-      PrintJson(StatsJson(s));
+      PrintJson(DedupStatsToJson(s));
     } else {
       std::cout << "dedup pass stopped at the end of the dedup window; " << s.records_parked_at_stop
                 << " records were parked for the next pass, the work done is kept\n";
@@ -350,13 +347,13 @@ int RunDedup(const Command& cmd, const std::vector<std::string>& args) {
   if (s.stopped) {
     // Interrupted: what was done is durable; say so, and fail the command
     // (it did not finish the pass it was asked for).
-    if (as_json) PrintJson(StatsJson(s));
+    if (as_json) PrintJson(DedupStatsToJson(s));
     return Fail(cmd, "interrupted: the pass stopped early; " +
                          std::to_string(s.records_parked_at_stop) +
                          " records were parked for the next pass, the work done is kept");
   }
   if (as_json) {
-    PrintJson(StatsJson(s));
+    PrintJson(DedupStatsToJson(s));
     return kExitOk;
   }
   PrintPassSummary(s);

@@ -31,7 +31,7 @@ constexpr Command kCommands[] = {
     {"stats", "VOL [--json]", "Show space figures: logical, physical, savings, free, overhead.",
      RunStats},
     {"dedup",
-     "VOL [--now [--control PATH]] [--force] [--rescan] [--fraction F] [--split-after SECONDS] "
+     "VOL [--now [--wait] [--control PATH]] [--force] [--rescan] [--fraction F] [--split-after SECONDS] "
      "[--verify bytes|witness] [--json]",
      "Run one deduplication pass of this host now, in the foreground.", RunDedup},
     {"fsck", "VOL [--repair] [--json]", "Check the volume's consistency (and repair it).", RunFsck},
