@@ -281,15 +281,15 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
   CHECK(stats0.at("files") == 0);
   CHECK(stats0.at("logical_bytes") == 0);
 
-  // ~20 MiB image with zero runs.
-  const uint64_t blocks = 20 * kMiB / kBlockSize;
+  // ~12 MiB image with zero runs.
+  const uint64_t blocks = 12 * kMiB / kBlockSize;
   const std::string img = dir.file("vm1.raw");
   const uint64_t nonzero = MakeImage(img, blocks, 42);
   REQUIRE(nonzero < blocks);
   REQUIRE(nonzero > blocks / 2);
 
   ProcessResult imp = DedeOk({"import", vol, "vm1", img});
-  CHECK(imp.out.find("imported 20.0 MiB into 'vm1'") != std::string::npos);
+  CHECK(imp.out.find("imported 12.0 MiB into 'vm1'") != std::string::npos);
   CHECK(imp.out.find("of zero blocks left as holes") != std::string::npos);
   CHECK(imp.err.empty());  // no progress bar when stderr is not a terminal
 
@@ -301,7 +301,7 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
   {
     ProcessResult piped = DedeOk({"export", vol, "vm1", "/dev/stdout"});
     CHECK(piped.out == test::ReadWholeFileText(img));
-    CHECK(piped.err.find("exported 20.0 MiB from 'vm1'") != std::string::npos);
+    CHECK(piped.err.find("exported 12.0 MiB from 'vm1'") != std::string::npos);
     const std::string redirected = dir.file("vm1.stdout");
     ProcessResult sh =
         RunProcess({"/bin/sh", "-c", "exec \"$0\" export \"$1\" vm1 /dev/stdout > \"$2\"",
@@ -335,7 +335,7 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
     CHECK(ls.out == "empty\nodd\nvm1\n");
     ProcessResult ls_long = DedeOk({"ls", vol, "-l"});
     CHECK(ls_long.out.find("ALLOCATED") != std::string::npos);
-    CHECK(ls_long.out.find("20.0 MiB") != std::string::npos);
+    CHECK(ls_long.out.find("12.0 MiB") != std::string::npos);
   }
   {
     json ls = DedeJson({"ls", vol, "-l", "--json"});
@@ -389,7 +389,7 @@ TEST_CASE("dede import/export/ls/stats/set/rm/fsck round trip", "[cli]") {
     CHECK(r.exit_code == 0);
     CHECK(r.out.find("\rimporting 'tty' [") != std::string::npos);
     CHECK(r.out.find("%") != std::string::npos);
-    CHECK(r.out.find("imported 20.0 MiB into 'tty'") != std::string::npos);
+    CHECK(r.out.find("imported 12.0 MiB into 'tty'") != std::string::npos);
     // fsck shows its two long steps there too, each line cleared when done.
     const std::string check = BinaryPath("dede") + " fsck " + vol;
     ProcessResult f = RunProcess({"script", "-qec", check, "/dev/null"});
