@@ -56,6 +56,9 @@ namespace {
 constexpr int kExitOk = 0;
 constexpr int kExitError = 1;
 constexpr int kExitUsage = 2;
+// At shutdown, how long parked write-log changes are tried again while
+// their log is held elsewhere (LogFlusher::FlushParked).
+constexpr double kParkedLogWaitAtExitS = 10;
 
 // The status reply's read-ahead counters, per export and host-wide.
 nlohmann::json ReadAheadJson(const ReadAheadStats& ra) {
@@ -1480,8 +1483,13 @@ int Run(const Config& cfg) {
         }
         table.CloseAll();
         // A close whose log another host's pass held parked its changes
-        // (LogFlusher::FlushFile): one more try before the process ends.
-        if (cfg.write_monitor && flusher.parked_files() > 0) (void)flusher.FlushAll();
+        // (LogFlusher::FlushFile): tried again for a while before the
+        // process ends (a pass holds a log for the seconds it gathers it).
+        if (cfg.write_monitor && flusher.parked_files() > 0) {
+          if (Status st = flusher.FlushParked(kParkedLogWaitAtExitS); !st.ok()) {
+            LOG(kWarning) << "write logs: parked changes: " << st.ToString();
+          }
+        }
         if (Status st = vol->Sync(); !st.ok()) {
           LOG(kError) << "final volume flush: " << st.ToString();
           exit_code = kExitError;

@@ -249,6 +249,21 @@ void LogFlusher::NoteParkedAppended(FileId id, const MonitorBatch& batch,
              << " changed ranges logged after its export closed while the log was held";
 }
 
+Status LogFlusher::FlushParked(double wait_s) {
+  const auto deadline = std::chrono::steady_clock::now() +
+                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                            std::chrono::duration<double>(std::max(0.0, wait_s)));
+  while (true) {
+    {
+      MutexLock l(&mu_);
+      RETURN_IF_ERROR(AppendParked());  // a log held elsewhere is no error: kept
+      if (parked_.empty()) return Status::Ok();
+    }
+    if (std::chrono::steady_clock::now() >= deadline) return Status::Ok();
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+}
+
 size_t LogFlusher::parked_files() {
   MutexLock l(&mu_);
   return parked_.size();

@@ -140,6 +140,13 @@ class LogFlusher {
   // monitor shed, and the error returned; a parked batch stays until it
   // is logged or its file is removed.
   Status FlushFile(FileId id, double wait_s = 0) EXCLUDES(mu_);
+  // At shutdown, after the exports closed: appends the parked batches,
+  // trying again every 100 ms for up to `wait_s` while a log is held
+  // elsewhere (a pass gathering a log holds it for seconds; a single try
+  // lost the batch whenever it fell in those seconds). A failure for good
+  // (a full volume, an I/O error) is returned at once. What is still
+  // parked after that is what WarnParkedLost reports.
+  Status FlushParked(double wait_s) EXCLUDES(mu_);
   // Files with a parked batch (tests, status).
   size_t parked_files() EXCLUDES(mu_);
   // Logs a warning for each batch still parked (its log was never free

@@ -1140,6 +1140,60 @@ TEST_CASE("log flusher: a parked batch goes into the log before the reopened fil
   CHECK(log.records.count(2) == 1);
 }
 
+TEST_CASE("log flusher: at shutdown, parked changes wait a while for their held log",
+          "[writemon]") {
+  // An export closed while a pass held its log parks its changes; dedupd's
+  // exit tried once more and then lost them, though a pass holds a log
+  // only for the seconds it gathers it.
+  FlusherRig rig(1000, 64);
+  Volume* vol = rig.vol;
+  const FileId owner = rig.owner;
+  LogFlusher& flusher = *rig.flusher;
+  rig.monitor->OnWrite(owner, 0, rig.data.data(), 4 * kB);
+  REQUIRE(flusher.FlushAll().ok());
+  rig.monitor->OnInvalidate(owner, kB, kB);  // a TRIM of block 1
+  auto held = std::make_unique<Result<std::unique_ptr<File>>>(vol->OpenFile(WriteLogName(owner)));
+  REQUIRE(held->ok());
+  REQUIRE(flusher.FlushFile(owner).ok());
+  REQUIRE(flusher.parked_files() == 1);
+  flusher.ForgetFile(owner);
+  rig.monitor->RemoveFile(owner);
+
+  // Still held throughout: tried for the time given, then left parked.
+  auto t0 = std::chrono::steady_clock::now();
+  REQUIRE(flusher.FlushParked(0.3).ok());
+  CHECK(std::chrono::steady_clock::now() - t0 >= std::chrono::milliseconds(300));
+  CHECK(flusher.parked_files() == 1);
+
+  // Given back after a moment: logged before the wait runs out.
+  std::thread pass([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    held.reset();
+  });
+  t0 = std::chrono::steady_clock::now();
+  Status st = flusher.FlushParked(10);
+  const auto took = std::chrono::steady_clock::now() - t0;
+  pass.join();
+  REQUIRE(st.ok());
+  CHECK(took < std::chrono::seconds(5));
+  CHECK(flusher.parked_files() == 0);
+  WriteLogState log = Replay(vol, owner);
+  CHECK(log.records.count(0) == 1);
+  CHECK(log.records.count(1) == 0);  // the trim reached the log
+  CHECK(log.records.count(2) == 1);
+
+  // A failure for good ends the tries at once.
+  rig.monitor->AddFile(owner, true);
+  FillVolume(vol);
+  rig.monitor->OnInvalidate(owner, 2 * kB, kB);
+  CHECK(flusher.FlushFile(owner).code() == Status::Code::kNoSpace);
+  REQUIRE(flusher.parked_files() == 1);
+  t0 = std::chrono::steady_clock::now();
+  CHECK(flusher.FlushParked(10).code() == Status::Code::kNoSpace);
+  CHECK(std::chrono::steady_clock::now() - t0 < std::chrono::seconds(5));
+  CHECK(flusher.parked_files() == 1);
+}
+
 TEST_CASE("writelog: a replay holds at most max_entries records and ranges", "[writemon]") {
   // A log's limit is 3% of its file: the log of a 1 TiB disk can describe
   // every one of its 268 million blocks, gigabytes in the replay's map.
