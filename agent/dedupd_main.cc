@@ -815,7 +815,9 @@ int Run(const Config& cfg) {
                  << st->splits_deferred_busy << " splits deferred (group busy), "
                  << st->shards_rewritten << " shards rewritten (" << st->shards_split << " split, "
                  << st->shard_waits << " waits) in " << double(st->total_ns) / 1e9 << " s; "
-                 << st->young_records_deferred << " young records deferred, " << row.io_bytes
+                 << st->young_records_deferred << " young records deferred, "
+                 << st->log_dropped_records
+                 << " records the logs say were shed or lost before logging, " << row.io_bytes
                  << " bytes of dedup I/O (" << row.trigger
                  << (row.window.empty() ? "" : " " + row.window) << ")"
                  << (st->stopped ? "; stopped at the window's end, " +

@@ -742,6 +742,11 @@ TEST_CASE("under memory pressure the monitor sheds records and the log says so",
   for (const auto& [b, rec] : log.records) REQUIRE(rec.fp == IndependentXxh128(&img[b * kBlk]));
   ProcessResult table = RunOk({BinaryPath("dede"), "ls", "-l", tv.vol});
   REQUIRE(table.out.find("!") != std::string::npos);
+  // The pass that consumes the log says how many were lost (the logs no
+  // longer will).
+  ProcessResult pass = RunOk({BinaryPath("dede"), "dedup", tv.vol, "--now"});
+  CHECK(pass.out.find("note: " + std::to_string(log.stats.dropped_records) +
+                      " write-monitor records were shed") != std::string::npos);
 }
 
 TEST_CASE("qemu-io over SHA-256 volumes logs SHA-256 fingerprints", "[nbd]") {

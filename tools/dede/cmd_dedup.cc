@@ -74,6 +74,13 @@ void PrintPassSummary(const DedupStats& s) {
                     ? " (" + std::to_string(s.split_clones_busy) + " entries dropped: group busy)"
                     : std::string())
             << "\n  time                " << HumanDuration(double(s.total_ns) / 1e9) << std::endl;
+  if (s.log_dropped_records > 0) {
+    // The logs said so and are consumed now: this is the only place left
+    // that does.
+    std::cout << "  note: " << s.log_dropped_records
+              << " write-monitor records were shed or lost before reaching the logs; those "
+                 "blocks' changes are missed until rewritten (dede dedup --rescan reads them)\n";
+  }
 }
 
 // `--now --wait` handed to dedupd: follows the pass that serves the
