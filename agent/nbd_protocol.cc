@@ -13,9 +13,8 @@
 //     NBD_REP_ERR_INVALID and an unknown option NBD_REP_ERR_UNSUP; option
 //     data longer than max_option_bytes is read and dropped (it is never
 //     held), then the option gets NBD_REP_ERR_TOO_BIG (ERR_UNSUP if
-//     unknown; ABORT is acknowledged). The handshake goes on; the
-//     driver's handshake timeout bounds how long a client may keep
-//     sending.
+//     unknown; ABORT is acknowledged), and the handshake goes on, up to
+//     max_dropped_option_bytes of such data in all (then it is closed).
 //   - transmission: a bad request magic, or a WRITE whose payload exceeds
 //     max_payload, closes the connection (the stream cannot be resynced,
 //     or skipping that much is a denial of service). Every other bad
@@ -232,6 +231,12 @@ Action NbdSession::Run(const uint8_t* data, size_t len, size_t* pos) {
             return Finish(Action::kClose, "NBD_OPT_EXPORT_NAME has " + std::to_string(option_len_) +
                                               " bytes of data (limit " +
                                               std::to_string(opts_.max_option_bytes) + ")");
+          }
+          option_bytes_dropped_ += option_len_;
+          if (option_bytes_dropped_ > opts_.max_dropped_option_bytes) {
+            return Finish(Action::kClose, "more than " +
+                                              std::to_string(opts_.max_dropped_option_bytes) +
+                                              " bytes of oversized option data in one handshake");
           }
           option_skip_left_ = option_len_;
           phase_ = Phase::kOptionSkip;

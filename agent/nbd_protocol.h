@@ -113,6 +113,10 @@ struct SessionOptions {
   // (NBD_REP_ERR_TOO_BIG; ERR_UNSUP if unknown); for EXPORT_NAME, which
   // has no error reply, the connection is closed.
   uint32_t max_option_bytes = 64 * 1024;
+  // Oversized option data dropped in one handshake, all options together:
+  // past it the connection is closed (a client could otherwise keep a
+  // connection in the handshake for as long as it sends).
+  uint64_t max_dropped_option_bytes = uint64_t{64} << 20;
   uint32_t max_payload = 32u << 20;       // WRITE larger: connection closed; READ larger: EINVAL
   uint32_t max_options = 1000;            // more options in one handshake: connection closed
   // True: a valid READ or WRITE is held at Action::kAdmit until Admit(),
@@ -247,6 +251,7 @@ class NbdSession {
   uint32_t option_ = 0;       // the option being handled (its replies echo it)
   uint32_t option_len_ = 0;
   uint32_t option_skip_left_ = 0;  // kOptionSkip: oversized option data still to drop
+  uint64_t option_bytes_dropped_ = 0;  // every oversized option's data, this handshake
   uint32_t options_seen_ = 0;
   std::string export_name_;
   bool info_only_ = false;
