@@ -1225,7 +1225,10 @@ int Run(const Config& cfg) {
       const uint64_t after = req["after"].get<uint64_t>();
       std::lock_guard<std::mutex> l(pass_state.mu);
       for (const PassState::Ended& e : pass_state.ended) {
-        if (e.seq <= after || (e.trigger != "now" && e.trigger != "signal")) continue;
+        if (e.seq <= after || (e.trigger != PassTriggerName(PassTrigger::kNow) &&
+                               e.trigger != PassTriggerName(PassTrigger::kSignal))) {
+          continue;
+        }
         return nlohmann::json{{"ended", true},        {"pass", e.seq},      {"trigger", e.trigger},
                               {"outcome", e.outcome}, {"failure", e.error}, {"stats", e.stats}};
       }

@@ -12,6 +12,17 @@
 
 namespace dede {
 
+namespace {
+
+// `wait_s` seconds from now (at least now) on the steady clock.
+std::chrono::steady_clock::time_point DeadlineAfter(double wait_s) {
+  return std::chrono::steady_clock::now() +
+         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+             std::chrono::duration<double>(std::max(0.0, wait_s)));
+}
+
+}  // namespace
+
 Status LogFlusher::FlushLocked(FileId id, bool keep_open, bool skip_if_no_space,
                                MonitorBatch* failed) {
   MonitorBatch batch = monitor_->Take(id, std::move(spare_records_));
@@ -250,9 +261,7 @@ void LogFlusher::NoteParkedAppended(FileId id, const MonitorBatch& batch,
 }
 
 Status LogFlusher::FlushParked(double wait_s) {
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(std::max(0.0, wait_s)));
+  const auto deadline = DeadlineAfter(wait_s);
   while (true) {
     {
       MutexLock l(&mu_);
@@ -280,9 +289,7 @@ void LogFlusher::WarnParkedLost() {
 }
 
 Status LogFlusher::FlushFile(FileId id, double wait_s) {
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                            std::chrono::duration<double>(std::max(0.0, wait_s)));
+  const auto deadline = DeadlineAfter(wait_s);
   while (true) {
     {
       MutexLock l(&mu_);

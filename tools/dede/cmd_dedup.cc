@@ -95,30 +95,27 @@ int WaitForDedupdPass(const Command& cmd, const std::string& control, const json
                          "follow it with `dede status`");
   }
   const json ask = {{"cmd", "pass-result"}, {"after", started->get<uint64_t>()}};
-  json result;
-  for (;;) {
-    Result<json> r = ControlRequest(control, ask, std::chrono::seconds(10));
-    if (!r.ok()) {
-      if (tty && !as_json) std::fprintf(stderr, "\r\033[K");
-      return Fail(cmd, r.status().WithContext("waiting for dedupd's pass (did dedupd stop?)"));
+  const bool progress_line = tty && !as_json;
+  // The answer that ends the wait, or the error that does.
+  Result<json> ended = [&]() -> Result<json> {
+    for (;;) {
+      Result<json> r = ControlRequest(control, ask, std::chrono::seconds(10));
+      if (!r.ok()) return r.status().WithContext("waiting for dedupd's pass (did dedupd stop?)");
+      if (r->contains("error"))
+        return Status::IoError("dedupd: " + (*r)["error"].get<std::string>());
+      if (r->value("ended", false)) return r;
+      if (progress_line) {
+        const std::string progress = r->value("progress", std::string());
+        std::fprintf(stderr, "\r\033[Kdedup (dedupd): %s",
+                     progress.empty() ? "waiting for the pass to start" : progress.c_str());
+        std::fflush(stderr);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(200));
     }
-    if (r->contains("error")) {
-      if (tty && !as_json) std::fprintf(stderr, "\r\033[K");
-      return Fail(cmd, "dedupd: " + (*r)["error"].get<std::string>());
-    }
-    if (r->value("ended", false)) {
-      result = std::move(*r);
-      break;
-    }
-    if (tty && !as_json) {
-      const std::string progress = r->value("progress", std::string());
-      std::fprintf(stderr, "\r\033[Kdedup (dedupd): %s",
-                   progress.empty() ? "waiting for the pass to start" : progress.c_str());
-      std::fflush(stderr);
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  }
-  if (tty && !as_json) std::fprintf(stderr, "\r\033[K");
+  }();
+  if (progress_line) std::fprintf(stderr, "\r\033[K");
+  if (!ended.ok()) return Fail(cmd, ended.status());
+  const json& result = ended.value();
   const std::string who = "dedupd (host " + status["host_id"].dump() + ", " + control + ") pass " +
                           result["pass"].dump();
   const std::string outcome = result.value("outcome", std::string());
