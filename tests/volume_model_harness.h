@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "tests/random_bytes.h"
+#include "tests/seeds.h"
 #include "tests/temp_locks.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
@@ -45,18 +46,6 @@ void ModelLockPair(std::shared_ptr<LockManager>* a, std::shared_ptr<LockManager>
   *a = hosts[0];
   *b = hosts[1];
   if (c != nullptr) *c = hosts[2];
-}
-
-[[maybe_unused]] std::vector<uint64_t> SeedList(std::vector<uint64_t> defaults) {
-  const char* s = std::getenv("DEDE_SEED");
-  if (s != nullptr && *s != '\0') return {std::strtoull(s, nullptr, 0)};
-  return defaults;
-}
-
-[[maybe_unused]] uint64_t StepCount(uint64_t def) {
-  const char* s = std::getenv("DEDE_STEPS");
-  if (s != nullptr && *s != '\0') return std::strtoull(s, nullptr, 0);
-  return def;
 }
 
 struct MFile {

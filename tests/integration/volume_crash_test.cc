@@ -40,6 +40,7 @@
 
 #include "tests/integration/rig.h"
 #include "tests/random_bytes.h"
+#include "tests/seeds.h"
 #include "volume/block_device.h"
 #include "volume/fsck.h"
 #include "volume/volume.h"
@@ -563,9 +564,8 @@ class ProcessCrashTest {
 }  // namespace
 
 TEST_CASE("volume crash: SIGKILLed writer, replay, fsck clean, synced bytes intact",
-          "[crash-process][crash][volume]") {
-  const char* env = std::getenv("DEDE_SEED");
-  uint64_t seed = env && *env ? std::strtoull(env, nullptr, 0) : 1;
+          "[crash-process][crash][volume][seeded]") {
+  const uint64_t seed = dede::test::SeedsFromEnv({1}).front();
   INFO("base seed " << seed << " (reproduce with DEDE_SEED=" << seed << ")");
   ProcessCrashTest t(seed);
   const int kKills = 64;

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "tests/forwarding_device.h"
+#include "tests/seeds.h"
 #include "tests/temp_locks.h"
 #include "util/fingerprint.h"
 #include "volume/fsck.h"
@@ -40,12 +41,6 @@ using Kind = Volume::BlockOp::Kind;
 using Code = Status::Code;
 using dede::test::CutDevice;
 using dede::test::TempLocks;
-
-std::vector<uint64_t> OpsSeeds(std::vector<uint64_t> defaults) {
-  const char* s = std::getenv("DEDE_SEED");
-  if (s != nullptr && *s != '\0') return {std::strtoull(s, nullptr, 0)};
-  return defaults;
-}
 
 // Content `id` of a block: 0 is all zeros, others pseudo-random per id.
 std::vector<uint8_t> Content(uint64_t id) {
@@ -689,8 +684,8 @@ TEST_CASE("block ops: punch and share of the same block in one batch", "[volume]
 
 // A large batch with a mix of outcomes against a model of the positions'
 // physical blocks.
-TEST_CASE("block ops: a large mixed batch matches a model", "[volume][blockops]") {
-  const uint64_t seed = GENERATE(from_range(OpsSeeds({101, 102, 103})));
+TEST_CASE("block ops: a large mixed batch matches a model", "[volume][blockops][seeded]") {
+  const uint64_t seed = GENERATE(from_range(dede::test::SeedsFromEnv({101, 102, 103})));
   INFO("seed " << seed << " (reproduce with DEDE_SEED=" << seed << ")");
   std::mt19937_64 rng(seed);
   auto below = [&](uint64_t n) { return std::uniform_int_distribution<uint64_t>(0, n - 1)(rng); };

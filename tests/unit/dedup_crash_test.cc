@@ -53,6 +53,7 @@
 #include "tests/dedup_accounting.h"
 #include "tests/index_entries.h"
 #include "tests/process_device.h"
+#include "tests/seeds.h"
 #include "tests/temp_locks.h"
 #include "util/coding.h"
 #include "volume/fsck.h"
@@ -60,24 +61,14 @@
 #include "volume/volume.h"
 
 using namespace dede;
+using dede::test::CountFromEnv;
+using dede::test::SeedsFromEnv;
 using dede::test::TempLocks;
 
 namespace {
 
 constexpr uint64_t kB = kBlockSize;
 constexpr uint64_t kDevBytes = 48ull << 20;
-
-std::vector<uint64_t> CrashSeeds(std::vector<uint64_t> defaults) {
-  const char* s = std::getenv("DEDE_SEED");
-  if (s != nullptr && *s != '\0') return {std::strtoull(s, nullptr, 0)};
-  return defaults;
-}
-
-uint64_t Trials(uint64_t def) {
-  const char* s = std::getenv("DEDE_TRIALS");
-  if (s != nullptr && *s != '\0') return std::strtoull(s, nullptr, 0);
-  return def;
-}
 
 void FillContent(uint64_t id, uint8_t* out) {
   if (id == 0) {
@@ -517,12 +508,13 @@ class DedupCrashScene {
 
 // Data safety only: no byte written and synced before the pass is lost or
 // changed by any crash, fsck is clean, and recovery passes succeed.
-TEST_CASE("dedup crash: a pass dying part-way loses no synced data", "[dedup][crash]") {
-  const uint64_t seed = GENERATE(from_range(CrashSeeds({301, 302, 303, 304, 305, 306, 307, 308})));
+TEST_CASE("dedup crash: a pass dying part-way loses no synced data", "[dedup][crash][seeded]") {
+  const uint64_t seed =
+      GENERATE(from_range(SeedsFromEnv({301, 302, 303, 304, 305, 306, 307, 308})));
   INFO("seed " << seed << " (reproduce with DEDE_SEED=" << seed << ")");
   DedupCrashScene scene(seed, /*exact=*/false);
   scene.Build();
-  const uint64_t trials = Trials(10);
+  const uint64_t trials = CountFromEnv("DEDE_TRIALS", 10);
   for (uint64_t t = 0; t < trials; t++) scene.Trial(t);
   // The trials must have killed passes part-way.
   if (trials >= 8) CHECK(scene.failed_passes() > 0);
@@ -531,12 +523,13 @@ TEST_CASE("dedup crash: a pass dying part-way loses no synced data", "[dedup][cr
 // And the index survives: after recovery a forced pass deduplicates
 // everything (what the pass that died had shared, and what it had not).
 TEST_CASE("dedup crash: recovery after a pass died part-way ends with exact dedup",
-          "[dedup][crash]") {
-  const uint64_t seed = GENERATE(from_range(CrashSeeds({201, 202, 203, 204, 205, 206, 207, 208})));
+          "[dedup][crash][seeded]") {
+  const uint64_t seed =
+      GENERATE(from_range(SeedsFromEnv({201, 202, 203, 204, 205, 206, 207, 208})));
   INFO("seed " << seed << " (reproduce with DEDE_SEED=" << seed << ")");
   DedupCrashScene scene(seed, /*exact=*/true);
   scene.Build();
-  const uint64_t trials = Trials(10);
+  const uint64_t trials = CountFromEnv("DEDE_TRIALS", 10);
   for (uint64_t t = 0; t < trials; t++) scene.Trial(t);
   if (trials >= 8) CHECK(scene.failed_passes() > 0);
 }

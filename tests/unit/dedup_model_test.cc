@@ -37,6 +37,7 @@
 #include "kmod/writemon/write_monitor.h"
 #include "tests/dedup_accounting.h"
 #include "tests/sanitized.h"
+#include "tests/seeds.h"
 #include "tests/temp_locks.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
@@ -49,21 +50,17 @@ namespace {
 constexpr uint64_t kB = kBlockSize;
 
 std::vector<uint64_t> Seeds() {
-  const char* s = std::getenv("DEDE_SEED");
-  if (s != nullptr && *s != '\0') return {std::strtoull(s, nullptr, 0)};
 #if DEDE_TEST_SANITIZED
   // About 12x slower under ASan (160 s a seed on 2 vCPUs): one seed keeps
   // the sanitizer run of the suite within its budget; the normal build
   // runs three, and DEDE_SEED picks any.
-  return {11};
+  return dede::test::SeedsFromEnv({11});
 #else
-  return {11, 12, 13};
+  return dede::test::SeedsFromEnv({11, 12, 13});
 #endif
 }
 
 uint64_t Steps() {
-  const char* s = std::getenv("DEDE_STEPS");
-  if (s != nullptr && *s != '\0') return std::strtoull(s, nullptr, 0);
 #if DEDE_TEST_SANITIZED
   // Under ASan a step costs more the longer the run: every pass lists the
   // volume many times (LoadShardMap), each list scans the inode table
@@ -73,9 +70,9 @@ uint64_t Steps() {
   // of CPU (1000: 74 s) and still run dozens of passes with splits. The
   // normal build runs the full 1500 steps of three seeds, and DEDE_STEPS
   // picks any length.
-  return 750;
+  return dede::test::CountFromEnv("DEDE_STEPS", 750);
 #else
-  return 1500;
+  return dede::test::CountFromEnv("DEDE_STEPS", 1500);
 #endif
 }
 
@@ -416,7 +413,7 @@ class DedupModel {
 }  // namespace
 
 TEST_CASE("dedup model: passes interleaved with writes match the model and end exact",
-          "[property][dedup]") {
+          "[property][dedup][seeded]") {
   const uint64_t seed = GENERATE(from_range(Seeds()));
   INFO("seed " << seed << " (reproduce with DEDE_SEED=" << seed << ")");
   DedupModel m(seed);

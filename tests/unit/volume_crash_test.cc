@@ -51,6 +51,7 @@
 #include "tests/forwarding_device.h"
 #include "tests/forwarding_locks.h"
 #include "tests/fsck_problems.h"
+#include "tests/seeds.h"
 #include "tests/temp_locks.h"
 #include "volume/fsck.h"
 #include "volume/mem_device.h"
@@ -83,12 +84,6 @@ std::unique_ptr<Volume> CrashAndReopen(FaultDevice* dev, std::mt19937_64& rng, d
   auto vol = Volume::Open(dev, oo);
   REQUIRE(vol.ok());
   return std::move(vol.value());
-}
-
-std::vector<uint64_t> CrashSeeds(std::vector<uint64_t> defaults) {
-  const char* s = std::getenv("DEDE_SEED");
-  if (s != nullptr && *s != '\0') return {std::strtoull(s, nullptr, 0)};
-  return defaults;
 }
 
 uint64_t SecHash(const uint8_t* p) {
@@ -742,8 +737,8 @@ class CrashHarness {
 }  // namespace
 
 TEST_CASE("volume crash: random crash points keep synced data and a clean fsck",
-          "[crash][volume]") {
-  uint64_t seed = GENERATE(from_range(CrashSeeds({101, 102, 103, 104})));
+          "[crash][volume][seeded]") {
+  uint64_t seed = GENERATE(from_range(dede::test::SeedsFromEnv({101, 102, 103, 104})));
   INFO("seed " << seed << " (reproduce with DEDE_SEED=" << seed << ")");
   CrashHarness h(seed);
   h.Setup();
@@ -752,8 +747,8 @@ TEST_CASE("volume crash: random crash points keep synced data and a clean fsck",
 }
 
 TEST_CASE("volume crash: injected EIO/ENOSPC fails the call, poisons, reopens consistent",
-          "[crash][volume]") {
-  uint64_t seed = GENERATE(from_range(CrashSeeds({201, 202, 203})));
+          "[crash][volume][seeded]") {
+  uint64_t seed = GENERATE(from_range(dede::test::SeedsFromEnv({201, 202, 203})));
   INFO("seed " << seed << " (reproduce with DEDE_SEED=" << seed << ")");
   CrashHarness h(seed);
   h.Setup();
@@ -1136,8 +1131,8 @@ TEST_CASE("volume: a shrink that does not commit leaves every byte of the file a
 // several times over: each kNoSpace leaves every block accounted for and
 // every byte either as it was or as written; the volume stays usable.
 TEST_CASE("volume full: random fill to kNoSpace keeps data and accounting",
-          "[crash][volume][nospace]") {
-  uint64_t seed = GENERATE(from_range(CrashSeeds({301, 302})));
+          "[crash][volume][nospace][seeded]") {
+  uint64_t seed = GENERATE(from_range(dede::test::SeedsFromEnv({301, 302})));
   INFO("seed " << seed << " (reproduce with DEDE_SEED=" << seed << ")");
   std::mt19937_64 rng(seed);
   auto U = [&](uint64_t lo, uint64_t hi) {
@@ -1990,8 +1985,8 @@ bool SectorWellFormed(const uint8_t* s) {
 // must find every count equal to its references (nothing leaked, nothing
 // counted twice), and every sector must be zeros or one a writer wrote.
 TEST_CASE("volume crash: concurrent writers and flush points, crash at a random moment",
-          "[crash][volume]") {
-  for (uint64_t seed : CrashSeeds({11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22})) {
+          "[crash][volume][seeded]") {
+  for (uint64_t seed : dede::test::SeedsFromEnv({11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22})) {
     INFO("seed " << seed << " (reproduce: DEDE_SEED=" << seed << ")");
     std::mt19937_64 rng(seed);
     MemDevice base(64 << 20);

@@ -23,6 +23,7 @@
 // Reproduce one seed with DEDE_SEED=<n> (DEDE_STEPS=<n> changes the step
 // count). The failing seed, step and operation are printed on failure.
 #include "tests/sanitized.h"
+#include "tests/seeds.h"
 #include "tests/volume_model_harness.h"
 
 using namespace dede;
@@ -36,9 +37,9 @@ const std::vector<uint64_t> kModelSeeds = {1, 2};
 const std::vector<uint64_t> kModelSeeds = {1, 2, 3};
 #endif
 
-TEST_CASE("volume model: random operations match the model", "[property][volume]") {
-  uint64_t seed = GENERATE(from_range(SeedList(kModelSeeds)));
-  uint64_t steps = StepCount(3000);
+TEST_CASE("volume model: random operations match the model", "[property][volume][seeded]") {
+  uint64_t seed = GENERATE(from_range(dede::test::SeedsFromEnv(kModelSeeds)));
+  uint64_t steps = dede::test::CountFromEnv("DEDE_STEPS", 3000);
   INFO("seed " << seed << " (reproduce with DEDE_SEED=" << seed << ")");
   ModelHarness h(seed);
   h.Run(steps);
