@@ -182,6 +182,18 @@ LocalTime ToLocalTime(uint64_t epoch_ns) {
   return lt;
 }
 
+// "UTC+09:00 (JST)" for the zone in effect at `secs`.
+std::string ZoneText(time_t secs) {
+  struct tm tm {};
+  if (localtime_r(&secs, &tm) == nullptr) return "unknown";
+  const long off = tm.tm_gmtoff;
+  const long abs_min = (off < 0 ? -off : off) / 60;
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "UTC%c%02ld:%02ld (%s)", off < 0 ? '-' : '+', abs_min / 60,
+                abs_min % 60, tm.tm_zone != nullptr ? tm.tm_zone : "?");
+  return buf;
+}
+
 int MinuteOfWeek(LocalMinute t) {
   return t.weekday_mon0 * kMinutesPerDay + t.minute;
 }
@@ -485,6 +497,14 @@ std::optional<DedupPriority> ParsePriority(const std::string& s) {
 }
 
 // ---------------------------------------------------------------- time
+
+std::string ReloadTimeZone(uint64_t epoch_ns) {
+  const time_t secs = static_cast<time_t>(epoch_ns / kNsPerSec);
+  const std::string before = ZoneText(secs);
+  tzset();
+  const std::string after = ZoneText(secs);
+  return before == after ? "" : before + " -> " + after;
+}
 
 LocalMinute ToLocalMinute(uint64_t epoch_ns) {
   return ToLocalTime(epoch_ns).minute;

@@ -121,6 +121,15 @@ struct LocalMinute {
 };
 // Host-local time (localtime_r) of a wall-clock time (Clock::NowNanos()).
 LocalMinute ToLocalMinute(uint64_t epoch_ns);
+// Takes up a change of the host's time zone (`timedatectl set-timezone`,
+// a new /etc/localtime, or TZ changed in this process): localtime_r reads
+// the zone once per process, so without this call windows would follow
+// the zone dedupd started in until it restarted. It calls tzset(), which
+// re-reads /etc/localtime when TZ is unset and the file changed. Returns
+// the change at `epoch_ns` ("UTC+00:00 (UTC) -> UTC+09:00 (JST)") when
+// the zone's offset or name differs from before the call, "" otherwise.
+// Thread-safe (glibc serializes tzset and localtime_r).
+std::string ReloadTimeZone(uint64_t epoch_ns);
 
 // Whether dedup may run at `t`: true when `ws` is empty.
 bool InWindow(const std::vector<DedupWindow>& ws, LocalMinute t);

@@ -594,6 +594,13 @@ int Run(const Config& cfg) {
   // `why`: what asked for the read, for the log.
   refresh_policy = [&](const std::string& why) {
     std::lock_guard<std::mutex> one_at_a_time(policy_mu);
+    // Windows are local time: a time-zone change on the host is taken up
+    // here (every --policy-refresh, or at SIGHUP) instead of at a restart.
+    const std::string zone_change = ReloadTimeZone(Clock::Real()->NowNanos());
+    if (!zone_change.empty()) {
+      LOG(kInfo) << "host time zone changed: " << zone_change
+                 << "; dedup windows follow the new local time";
+    }
     Result<DedupPolicy> p = ReadPolicy(vol);
     if (!p.ok()) {
       const bool locked = p.status().code() == Status::Code::kLocked;

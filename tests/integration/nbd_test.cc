@@ -4,6 +4,7 @@
 // fingerprints of the blocks last written whole (checked against XXH3-128
 // computed here, independently of dede's code, over the data read back
 // through NBD). A raw NBD client in this file sends malformed traffic.
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -16,7 +17,9 @@
 #include <boost/endian/conversion.hpp>
 #include <catch2/catch.hpp>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
+#include <ctime>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -1969,6 +1972,61 @@ nlohmann::json StatusJson(const DedupdProcess& d) {
   nlohmann::json j;
   REQUIRE_NOTHROW(j = nlohmann::json::parse(r.out));
   return j;
+}
+
+// A time-zone change on the host (`timedatectl set-timezone` replaces
+// /etc/localtime) reached the windows only at a restart: localtime_r
+// reads the zone once per process. dedupd runs here in a mount namespace
+// of its own, its /etc/localtime a file the test rewrites in place, and
+// without TZ, as under systemd.
+TEST_CASE("dedupd takes up a change of the host's time zone at the next policy re-read", "[nbd]") {
+  const std::string utc_zone = "/usr/share/zoneinfo/Etc/UTC";
+  const std::string tokyo_zone = "/usr/share/zoneinfo/Asia/Tokyo";  // UTC+9, no DST
+  INFO("needs tzdata (" << utc_zone << ", " << tokyo_zone << ") and /etc/localtime");
+  REQUIRE(std::filesystem::exists(utc_zone));
+  REQUIRE(std::filesystem::exists(tokyo_zone));
+  REQUIRE(std::filesystem::exists("/etc/localtime"));
+  TestVolume tv({{"vm", 1 * kMiB}});
+  // A two-hour window that holds now in Tokyo and not in UTC (9 hours
+  // apart), so it cannot close while the test runs.
+  const time_t now = ::time(nullptr);
+  struct tm utc {};
+  REQUIRE(gmtime_r(&now, &utc) != nullptr);
+  const int tokyo_hour = (utc.tm_hour + 9) % 24;
+  char window[64];
+  std::snprintf(window, sizeof window, "windows=daily %02d:00-%02d:00", tokyo_hour,
+                (tokyo_hour + 2) % 24);
+  Dede({"policy", tv.vol, "set", window});
+  const std::string zone = tv.dir.file("localtime");
+  std::filesystem::copy_file(utc_zone, zone);
+  DedupdProcess d(tv.vol, 1, tv.sock, {"--policy-refresh", "2592000"}, {},
+                  {"env", "-u", "TZ", "unshare", "--mount", "--propagation", "private", "sh", "-c",
+                   "mount --bind \"$0\" /etc/localtime && exec \"$@\"", zone});
+  nlohmann::json st = StatusJson(d);
+  INFO(st.dump());
+  CHECK(st["policy"]["in_window"] == false);
+  // Rewritten in place (the bound inode stays), with another mtime: what
+  // glibc's tzset looks at to re-read the file.
+  {
+    std::ifstream in(tokyo_zone, std::ios::binary);
+    std::ofstream out(zone, std::ios::binary | std::ios::trunc);
+    out << in.rdbuf();
+    REQUIRE(out.good());
+  }
+  const struct timespec times[2] = {{now + 60, 0}, {now + 60, 0}};
+  REQUIRE(::utimensat(AT_FDCWD, zone.c_str(), times, 0) == 0);
+  // Not taken up until the next re-read (the refresh is a month here).
+  CHECK(StatusJson(d)["policy"]["in_window"] == false);
+  REQUIRE(::kill(d.pid(), SIGHUP) == 0);
+  const bool logged =
+      d.WaitForLog("host time zone changed: UTC+00:00 (UTC) -> UTC+09:00 (JST)", 20);
+  INFO("dedupd log:\n" << d.Log());
+  REQUIRE(logged);
+  st = StatusJson(d);
+  INFO(st.dump());
+  CHECK(st["policy"]["in_window"] == true);
+  CHECK(st["policy"]["window"] == std::string(window + std::strlen("windows=")));
+  CHECK(d.Stop() == 0);
 }
 
 // dedupd that could not read the policy at start ran as if the volume had

@@ -401,6 +401,32 @@ TEST_CASE("policy NextWindowChange follows the local clock across DST changes", 
         1729990800ull * kNsPerSec + 30 * kNsPerMin);
 }
 
+TEST_CASE("policy windows follow a time-zone change once the zone is reloaded", "[policy]") {
+  ScopedTimeZone utc("UTC0");
+  // Monday 2024-01-08 02:00 UTC.
+  const uint64_t t = 1704679200ull * kNsPerSec;
+  const DedupPolicy p = PolicyWith("daily 01:00-05:00");
+  REQUIRE(InWindow(p, t));
+  CHECK(ReloadTimeZone(t).empty());  // nothing changed
+  // The zone changes under the process, as a new /etc/localtime does:
+  // localtime_r keeps the zone it read until the reload.
+  setenv("TZ", "JST-9", 1);
+  CHECK(ReloadTimeZone(t) == "UTC+00:00 (UTC) -> UTC+09:00 (JST)");
+  LocalMinute m = ToLocalMinute(t);
+  CHECK(m.weekday_mon0 == 0);
+  CHECK(m.minute == 11 * 60);
+  CHECK_FALSE(InWindow(p, t));
+  CHECK(ReloadTimeZone(t).empty());
+  // West of UTC by a half hour: the local day is the Sunday before.
+  setenv("TZ", "<-0330>3:30", 1);
+  CHECK(ReloadTimeZone(t) == "UTC+09:00 (JST) -> UTC-03:30 (-0330)");
+  m = ToLocalMinute(t);
+  CHECK(m.weekday_mon0 == 6);
+  CHECK(m.minute == 22 * 60 + 30);
+  CHECK_FALSE(InWindow(p, t));
+  CHECK(InWindow(PolicyWith("sun 22:00-23:00"), t));
+}
+
 // ---------------------------------------------------------------- codec
 
 TEST_CASE("policy blocks round trip", "[policy]") {
