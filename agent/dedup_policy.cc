@@ -182,18 +182,6 @@ LocalTime ToLocalTime(uint64_t epoch_ns) {
   return lt;
 }
 
-// "UTC+09:00 (JST)" for the zone in effect at `secs`.
-std::string ZoneText(time_t secs) {
-  struct tm tm {};
-  if (localtime_r(&secs, &tm) == nullptr) return "unknown";
-  const long off = tm.tm_gmtoff;
-  const long abs_min = (off < 0 ? -off : off) / 60;
-  char buf[96];
-  std::snprintf(buf, sizeof buf, "UTC%c%02ld:%02ld (%s)", off < 0 ? '-' : '+', abs_min / 60,
-                abs_min % 60, tm.tm_zone != nullptr ? tm.tm_zone : "?");
-  return buf;
-}
-
 int MinuteOfWeek(LocalMinute t) {
   return t.weekday_mon0 * kMinutesPerDay + t.minute;
 }
@@ -498,11 +486,22 @@ std::optional<DedupPriority> ParsePriority(const std::string& s) {
 
 // ---------------------------------------------------------------- time
 
-std::string ReloadTimeZone(uint64_t epoch_ns) {
+std::string TimeZoneText(uint64_t epoch_ns) {
   const time_t secs = static_cast<time_t>(epoch_ns / kNsPerSec);
-  const std::string before = ZoneText(secs);
+  struct tm tm {};
+  if (localtime_r(&secs, &tm) == nullptr) return "unknown";
+  const long off = tm.tm_gmtoff;
+  const long abs_min = (off < 0 ? -off : off) / 60;
+  char buf[96];
+  std::snprintf(buf, sizeof buf, "UTC%c%02ld:%02ld (%s)", off < 0 ? '-' : '+', abs_min / 60,
+                abs_min % 60, tm.tm_zone != nullptr ? tm.tm_zone : "?");
+  return buf;
+}
+
+std::string ReloadTimeZone(uint64_t epoch_ns) {
+  const std::string before = TimeZoneText(epoch_ns);
   tzset();
-  const std::string after = ZoneText(secs);
+  const std::string after = TimeZoneText(epoch_ns);
   return before == after ? "" : before + " -> " + after;
 }
 

@@ -130,6 +130,9 @@ LocalMinute ToLocalMinute(uint64_t epoch_ns);
 // the zone's offset or name differs from before the call, "" otherwise.
 // Thread-safe (glibc serializes tzset and localtime_r).
 std::string ReloadTimeZone(uint64_t epoch_ns);
+// The zone in effect at `epoch_ns`, as ReloadTimeZone names it:
+// "UTC+09:00 (JST)".
+std::string TimeZoneText(uint64_t epoch_ns);
 
 // Whether dedup may run at `t`: true when `ws` is empty.
 bool InWindow(const std::vector<DedupWindow>& ws, LocalMinute t);

@@ -1114,6 +1114,7 @@ int Run(const Config& cfg) {
                    {"generation", pol.generation},
                    {"read", scheduler.has_policy()},
                    {"error", unread_policy_error()},
+                   {"time_zone", TimeZoneText(Clock::Real()->NowNanos())},
                    {"in_window", scheduler.InWindow()},
                    {"window", scheduler.CurrentWindow()},
                    {"next_change_ns", next ? *next : 0}};

@@ -2005,6 +2005,7 @@ TEST_CASE("dedupd takes up a change of the host's time zone at the next policy r
   nlohmann::json st = StatusJson(d);
   INFO(st.dump());
   CHECK(st["policy"]["in_window"] == false);
+  CHECK(st["policy"]["time_zone"] == "UTC+00:00 (UTC)");
   // Rewritten in place (the bound inode stays), with another mtime: what
   // glibc's tzset looks at to re-read the file.
   {
@@ -2026,6 +2027,16 @@ TEST_CASE("dedupd takes up a change of the host's time zone at the next policy r
   INFO(st.dump());
   CHECK(st["policy"]["in_window"] == true);
   CHECK(st["policy"]["window"] == std::string(window + std::strlen("windows=")));
+  CHECK(st["policy"]["time_zone"] == "UTC+09:00 (JST)");
+  const ProcessResult text = RunOk({BinaryPath("dede"), "status", "--control", d.control()});
+  CHECK(text.out.find(", host time UTC+09:00 (JST)") != std::string::npos);
+  // `dede policy show` evaluates the windows where it runs, and says so.
+  const ProcessResult shown =
+      test::RunProcess({BinaryPath("dede"), "policy", tv.vol, "show"}, {"TZ=JST-9"});
+  INFO(shown.out << shown.err);
+  CHECK(shown.exit_code == 0);
+  CHECK(shown.out.find("in window now:  yes") != std::string::npos);
+  CHECK(shown.out.find(", here (UTC+09:00 (JST))") != std::string::npos);
   CHECK(d.Stop() == 0);
 }
 

@@ -140,6 +140,7 @@ void PrintPolicy(const DedupPolicy& p, bool as_json) {
     j["updated_ns"] = p.updated_ns;
     j["updated_by_host"] = p.updated_by_host;
     j["in_window_now"] = InWindow(p, now);
+    j["time_zone"] = TimeZoneText(now);
     PrintJson(j);
     return;
   }
@@ -166,6 +167,8 @@ void PrintPolicy(const DedupPolicy& p, bool as_json) {
   std::cout << "in window now:  " << (in ? "yes" : "no");
   const std::string current = CurrentWindowText(p, now);
   if (!current.empty()) std::cout << " (" << current << ")";
+  // This machine's zone: each host evaluates the windows in its own.
+  if (!p.windows.empty()) std::cout << ", here (" << TimeZoneText(now) << ")";
   std::cout << '\n';
   if (std::optional<uint64_t> next = NextWindowChange(p, now)) {
     std::cout << "next change:    " << LocalDateTime(*next) << " (window "

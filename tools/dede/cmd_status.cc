@@ -376,7 +376,10 @@ void PrintPolicy(const json& r) {
     for (const json& w : *windows) {
       if (w.is_string()) names.push_back(w.get<std::string>());
     }
-    Line(label, names.empty() ? "windows: always" : "windows: " + Join(names, "; "));
+    std::string text = names.empty() ? "windows: always" : "windows: " + Join(names, "; ");
+    // In dedupd's local time, which may not be this command's.
+    if (auto zone = Str(*p, "time_zone"); zone && !names.empty()) text += ", host time " + *zone;
+    Line(label, text);
     label.clear();
   }
   std::vector<std::string> parts;
