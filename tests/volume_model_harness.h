@@ -597,13 +597,15 @@ class ModelHarness {
     Expect(m.f->Truncate(size), "truncate");
     uint64_t old = m.size;
     uint64_t nb = (size + kB - 1) / kB;
-    // The partial block at min(old, new) size: its bytes past that point
-    // must read as zeros afterwards (a shrink cuts data off, a grow exposes
-    // what a cloned block carried past EOF). An already-zero tail is left
-    // alone, sharing included; otherwise it is zeroed, copied first if the
-    // block is shared.
-    uint64_t edge = std::min(old, size);
-    if (size != old && edge % kB != 0 && m.cls[edge / kB] >= 0) {
+    // A grow exposes the bytes past the old end in the block it ended in
+    // (what a shrink left there, or what a cloned block carried past EOF):
+    // they must read as zeros. An already-zero tail is left alone, sharing
+    // included; otherwise it is zeroed, copied first if the block is
+    // shared. A shrink leaves them as they are (the volume zeroes them at
+    // the next grow, not before the cut's commit: a shrink that failed
+    // would have left zeroed bytes inside the file).
+    const uint64_t edge = old;
+    if (size > old && edge % kB != 0 && m.cls[edge / kB] >= 0) {
       uint8_t* tail = Blk(m, edge / kB) + edge % kB;
       size_t n = kB - edge % kB;
       if (!std::all_of(tail, tail + n, [](uint8_t c) { return c == 0; })) {
@@ -703,10 +705,14 @@ class ModelHarness {
     }
     Expect(vol()->Sync(), "sync");
     for (const LockId& w : wanted) (void)holder_locks_->Release(w);
-    // Each group with even odds (the files' blocks sit in a few of them).
+    // Each group with even odds (the files' blocks sit in a few of them),
+    // but never all of them: a write that needs a new block must then wait
+    // for one, which the holder here never gives (it would hand it back at
+    // its next flush point), and the write fails after a minute.
+    const uint32_t left_free = static_cast<uint32_t>(U(0, sb.group_count - 1));
     for (uint32_t k = 0; k < sb.group_count; k++) {
       LockId g{LockKind::kGroup, k};
-      if (P(0.5) && holder_locks_->Acquire(g, LockMode::kExclusive, false).ok()) {
+      if (k != left_free && P(0.5) && holder_locks_->Acquire(g, LockMode::kExclusive, false).ok()) {
         held.push_back(g);
       }
     }
