@@ -901,6 +901,7 @@ Status VolumeImpl::Commit(bool durable, bool data_flushed) {
     return Poison(Status::NoSpace("journal overflow (internal error)"));
   }
   RETURN_IF_ERROR(Poison(journal_->Append(homes, images)));
+  commits_++;
   dirty_.insert(homes.begin(), homes.end());
   txn_.clear();
   if (durable) {
@@ -933,6 +934,12 @@ Status VolumeImpl::Checkpoint() {
   // The journal must be durable before any image goes home.
   RETURN_IF_ERROR(Poison(dev_->Flush()));
   decref_uncommitted_.clear();
+  RETURN_IF_ERROR(WriteDirtyHome());
+  RETURN_IF_ERROR(Poison(dev_->Flush()));
+  return MoveJournalTail();
+}
+
+Status VolumeImpl::WriteDirtyHome() {
   // dirty_ is ordered: gather runs of adjacent blocks into single writes.
   BlockBuf run = NewBlockBuf(64);
   for (auto it = dirty_.begin(); it != dirty_.end();) {
@@ -945,7 +952,10 @@ Status VolumeImpl::Checkpoint() {
     }
     RETURN_IF_ERROR(Poison(dev_->Write(first * kBlockSize, run.get(), n * kBlockSize)));
   }
-  RETURN_IF_ERROR(Poison(dev_->Flush()));
+  return Status::Ok();
+}
+
+Status VolumeImpl::MoveJournalTail() {
   RETURN_IF_ERROR(Poison(journal_->Checkpoint()));
   RETURN_IF_ERROR(Poison(dev_->Flush()));
   RETURN_IF_ERROR(Poison(journal_->MirrorHeader()));
@@ -956,6 +966,27 @@ Status VolumeImpl::Checkpoint() {
   }
   pending_free_.clear();
   return Status::Ok();
+}
+
+Status VolumeImpl::CheckpointQuietly(uint64_t commits_at_flush) {
+  if (read_only_ || !journal_ || dirty_.empty()) return Status::Ok();
+  // A transaction committed since the flush point's flush began may not be
+  // durable; one under way has changed cached images of dirty_ blocks
+  // that are not committed. Either way: not quiet any more.
+  if (commits_ != commits_at_flush || !txn_.empty()) return Status::Ok();
+  RETURN_IF_ERROR(WriteDirtyHome());
+  const uint64_t changes = txn_changes_;
+  RETURN_IF_ERROR(Poison(FlushWithoutMu()));
+  // Committed meanwhile: the ring holds records whose images are not home
+  // (the tail must not pass them). Changed meanwhile: the transaction
+  // under way may have freed blocks (pending_free_) that the tail's move
+  // would make usable before that transaction is committed.
+  if (commits_ != commits_at_flush || txn_changes_ != changes || !txn_.empty()) {
+    return Status::Ok();
+  }
+  // Another thread's checkpoint (a handover, a full journal) did it all.
+  if (dirty_.empty()) return Status::Ok();
+  return MoveJournalTail();
 }
 
 Status VolumeImpl::Sync() {
@@ -1010,6 +1041,7 @@ Status VolumeImpl::Sync() {
   // written or committed before it; changes made meanwhile are the next
   // one's.
   const bool quiet = txn_.empty();
+  uint64_t commits_at_flush = 0;  // commits_ when the flush below began
   if (!quiet) {
     // The data under the transaction's new pointers first (WriteData
     // writes it before it publishes them); if the transaction changed while
@@ -1024,6 +1056,7 @@ Status VolumeImpl::Sync() {
     // just above). txn_ is empty here: every decrement made so far is
     // committed, and durable once the flush is done.
     const uint64_t epoch = ++decref_epoch_;
+    commits_at_flush = commits_;
     RETURN_IF_ERROR(Poison(FlushWithoutMu()));
     for (auto it = decref_uncommitted_.begin(); it != decref_uncommitted_.end();) {
       it = it->second < epoch ? decref_uncommitted_.erase(it) : std::next(it);
@@ -1039,7 +1072,7 @@ Status VolumeImpl::Sync() {
     // over or when the journal fills). It also shortens the replay after
     // a crash. Busy hosts are not slowed: only quiet flush points do it.
     if (!dirty_.empty() && ++quiet_flush_points_ >= 2) {
-      RETURN_IF_ERROR(Checkpoint());
+      RETURN_IF_ERROR(CheckpointQuietly(commits_at_flush));
       quiet_flush_points_ = 0;
     }
   } else {
@@ -3060,12 +3093,12 @@ Status VolumeImpl::TruncateFile(OpenFileState* f, uint64_t size) {
   // A grow exposes the bytes past the old end of the block it ends in:
   // they must read as zeros, whatever a shrink left there or a cloned or
   // shared block carries from another file. A shrink leaves them (nothing
-  // reads past the end of a file, and the next grow zeroes them): zeroed
-  // here, on the device before the transaction that cuts the file, a
-  // shrink that failed or crashed before its commit left the file at its
-  // old size with those bytes zeroed. (The caller holds the file
-  // exclusively, so this cannot go through WriteData, which takes the
-  // file lock itself.)
+  // reads past the end of a file, and the next grow zeroes them). Zeroing
+  // them at the shrink would have to happen on the device before the
+  // transaction that cuts the file, and a shrink that then failed or
+  // crashed before its commit would leave the file at its old size with
+  // those bytes zeroed. (The caller holds the file exclusively, so this
+  // cannot go through WriteData, which takes the file lock itself.)
   const uint64_t edge = old_size;
   if (size > old_size && edge % kBlockSize != 0) {
     MutexLock l(&mu_);

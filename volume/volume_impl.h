@@ -153,6 +153,25 @@ class VolumeImpl : public Volume {
   // Held shared by processes blocked in WaitLock for `id` (they hold kWanted too).
   static LockId WaitingLock(LockId id);
   Status Checkpoint() REQUIRES(mu_);
+  // Checkpoint at a quiet flush point, its first two device flushes
+  // without mu_ (VM writes in place take mu_; on a busy disk a flush takes
+  // 100-300 ms, and a held checkpoint made them wait for three). The
+  // journal is durable already if nothing was committed since the flush
+  // point's own flush began (`commits_at_flush`); the committed images go
+  // home, a flush without mu_ makes them durable, and the journal's tail
+  // moves only if still nothing was committed or changed meanwhile (its
+  // header flushed holding mu_, as in Checkpoint). Otherwise it stops
+  // there and a later quiet flush point tries again: every image it wrote
+  // home was committed and its record durable, so a crash at any moment
+  // finds the home blocks as a replay would leave them.
+  Status CheckpointQuietly(uint64_t commits_at_flush) REQUIRES(mu_);
+  // Writes the images of dirty_ home (runs of adjacent blocks in one
+  // write). Their journal records must be durable, and txn_ empty.
+  Status WriteDirtyHome() REQUIRES(mu_);
+  // With every image of dirty_ home and durable: moves the journal's tail
+  // to its head (header flushed, then mirrored) and frees what waited for
+  // it (pending_free_).
+  Status MoveJournalTail() REQUIRES(mu_);
   // Room for an operation that dirties up to `blocks` metadata blocks and
   // drops up to `blocks` references: journal space (EnsureJournalRoom) and
   // free drop-list entries (may drain the list, waiting as a last resort:
@@ -464,6 +483,9 @@ class VolumeImpl : public Volume {
   std::unordered_map<uint64_t, Cached> cache_ GUARDED_BY(mu_);
   std::set<uint64_t> txn_ GUARDED_BY(mu_);      // modified since the last commit
   std::set<uint64_t> dirty_ GUARDED_BY(mu_);    // committed, not yet written home
+  // Transactions appended to the journal since open: tells a checkpoint
+  // that released mu_ for a flush whether the ring grew meanwhile.
+  uint64_t commits_ GUARDED_BY(mu_) = 0;
   // Freed since the last checkpoint: not reusable until then, or a replay
   // of an older transaction could overwrite the new owner's data.
   std::unordered_set<uint64_t> pending_free_ GUARDED_BY(mu_);

@@ -1684,14 +1684,17 @@ TEST_CASE("volume stats read each group's refcount blocks in one read", "[volume
 
 namespace {
 
-// Parks every device flush while Hold() is in force, until Release().
+// Parks device flushes while Hold() is in force, until Release(): every
+// one, or every one after the first `pass` flushes since Hold().
 class FlushGate : public test::ForwardingDevice {
  public:
   explicit FlushGate(BlockDevice* base) : ForwardingDevice(base, "flush-gate") {}
   Status Flush() override {
     {
       std::unique_lock<std::mutex> l(mu_);
-      if (hold_) {
+      if (hold_ && pass_ > 0) {
+        pass_--;
+      } else if (hold_) {
         parked_++;
         cv_.notify_all();
         cv_.wait(l, [&] { return !hold_; });
@@ -1699,9 +1702,10 @@ class FlushGate : public test::ForwardingDevice {
     }
     return ForwardingDevice::Flush();
   }
-  void Hold() {
+  void Hold(int pass = 0) {
     std::lock_guard<std::mutex> l(mu_);
     hold_ = true;
+    pass_ = pass;
   }
   bool WaitParked() {
     std::unique_lock<std::mutex> l(mu_);
@@ -1717,6 +1721,7 @@ class FlushGate : public test::ForwardingDevice {
   std::mutex mu_;
   std::condition_variable cv_;
   bool hold_ = false;
+  int pass_ = 0;
   int parked_ = 0;
 };
 
@@ -1778,6 +1783,96 @@ TEST_CASE("volume: writes in place go on while a flush point's device flush runs
     std::vector<uint8_t> more_back(4 * kBlockSize);
     REQUIRE(fa.value()->Read(64 * kBlockSize, more_back.data(), more_back.size()).ok());
     CHECK(more_back == Pattern(4 * kBlockSize, 22));
+  }
+  fa = Status::Invalid("closed");
+  auto rep = CheckVolume(again.value().get(), false);
+  INFO(rep.status().ToString());
+  REQUIRE(rep.ok());
+  CHECK(rep->clean());
+}
+
+// A quiet flush point writes the journal's images home (a checkpoint).
+// It made every VM write in place wait for its three device flushes,
+// holding the volume mutex through them. Now the flush after the images
+// go home runs without it: a write in place goes on meanwhile, and the
+// journal is still emptied. Metadata changed meanwhile (an allocating
+// write) stops the checkpoint before the tail moves, and a later quiet
+// flush point does it; either way a reopen finds every byte.
+TEST_CASE("volume: writes in place go on while a quiet flush point checkpoints the journal",
+          "[volume]") {
+  const bool allocate_meanwhile = GENERATE(false, true);
+  INFO("an allocating write during the checkpoint's flush: " << allocate_meanwhile);
+  MemDevice mem(64 << 20);
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  oo.host_id = 1;
+  const std::vector<uint8_t> first = Pattern(16 * kBlockSize, 31);
+  const Superblock sb = FormatWithOneFile(&mem, oo, first).sb;
+  auto journal_holds_transactions = [&] {
+    auto j = Journal::Open(&mem, sb, 1);
+    REQUIRE(j.ok());
+    Result<bool> has = j.value()->HasTransactions();
+    REQUIRE(has.ok());
+    return *has;
+  };
+  FlushGate gate(&mem);
+  auto vol = Volume::Open(&gate, oo);
+  REQUIRE(vol.ok());
+  Volume* v = vol.value().get();
+  auto f = v->OpenFile("f");
+  REQUIRE(f.ok());
+  // Allocates: this flush point commits a transaction, the next one is
+  // quiet (nothing to commit), and the one after checkpoints.
+  const std::vector<uint8_t> more = Pattern(4 * kBlockSize, 32);
+  REQUIRE(f.value()->Write(64 * kBlockSize, more.data(), more.size()).ok());
+  REQUIRE(v->Sync().ok());
+  REQUIRE(journal_holds_transactions());
+  REQUIRE(v->Sync().ok());
+  REQUIRE(journal_holds_transactions());
+
+  // The checkpointing flush point: its own flush, then the one after the
+  // images went home (parked here), then the header's.
+  gate.Hold(/*pass=*/1);
+  Status synced = Status::IoError("not run");
+  std::thread syncer([&] { synced = v->Sync(); });
+  REQUIRE(gate.WaitParked());
+  const std::vector<uint8_t> second = Pattern(16 * kBlockSize, 33);
+  const std::vector<uint8_t> third = Pattern(4 * kBlockSize, 34);
+  auto wrote = std::async(std::launch::async, [&] {
+    Status st = f.value()->Write(0, second.data(), second.size());  // in place
+    if (st.ok() && allocate_meanwhile) {
+      st = f.value()->Write(128 * kBlockSize, third.data(), third.size());
+    }
+    return st;
+  });
+  const bool done = wrote.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  gate.Release();
+  syncer.join();
+  CHECK(done);
+  REQUIRE(wrote.get().ok());
+  REQUIRE(synced.ok());
+  CHECK(journal_holds_transactions() == allocate_meanwhile);
+  if (allocate_meanwhile) {
+    // Commits the allocation, then quiet, then the checkpoint.
+    for (int i = 0; i < 3; i++) REQUIRE(v->Sync().ok());
+    CHECK_FALSE(journal_holds_transactions());
+  }
+
+  f = Status::Invalid("closed");
+  vol = Status::Invalid("closed");
+  auto again = Volume::Open(&mem, oo);
+  REQUIRE(again.ok());
+  auto fa = again.value()->OpenFile("f");
+  REQUIRE(fa.ok());
+  std::vector<uint8_t> back(second.size());
+  REQUIRE(fa.value()->Read(0, back.data(), back.size()).ok());
+  CHECK(back == second);
+  std::vector<uint8_t> back4(4 * kBlockSize);
+  REQUIRE(fa.value()->Read(64 * kBlockSize, back4.data(), back4.size()).ok());
+  CHECK(back4 == more);
+  if (allocate_meanwhile) {
+    REQUIRE(fa.value()->Read(128 * kBlockSize, back4.data(), back4.size()).ok());
+    CHECK(back4 == third);
   }
   fa = Status::Invalid("closed");
   auto rep = CheckVolume(again.value().get(), false);
