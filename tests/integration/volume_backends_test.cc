@@ -3,37 +3,36 @@
 // of a real tgtd on 127.0.0.1 through the iSCSI backend. The unit test runs
 // the same harness longer on a MemDevice; here every step pays real device
 // round trips, so fewer steps.
-#include "tests/volume_model_harness.h"
-
 #include "tests/integration/rig.h"
+#include "tests/seeds.h"
+#include "tests/volume_model_harness.h"
 #include "volume/block_device.h"
 
 namespace {
 
 uint64_t BackendSteps() {
-  const char* s = std::getenv("DEDE_BACKEND_STEPS");
-  return s && *s ? std::strtoull(s, nullptr, 0) : 1500;
+  return dede::test::CountFromEnv("DEDE_BACKEND_STEPS", 1500);
 }
 
 }  // namespace
 
-TEST_CASE("volume model on the path backend", "[property][volume][path]") {
+TEST_CASE("volume model on the path backend", "[property][volume][path][seeded]") {
   dede::test::TempDir dir;
   std::string path = dir.file("vol.img");
   dede::test::CreateSparseFile(path, 96ull << 20);
   auto dev = dede::OpenBlockDevice(path);
   REQUIRE(dev.ok());
-  ModelHarness h(11, dev.value().get());
+  ModelHarness h(dede::test::SeedsFromEnv({11}).front(), dev.value().get());
   h.Run(BackendSteps());
 }
 
-TEST_CASE("volume model on the iSCSI backend against tgtd", "[property][volume][iscsi]") {
+TEST_CASE("volume model on the iSCSI backend against tgtd", "[property][volume][iscsi][seeded]") {
   dede::test::TempDir dir;
   std::string lun = dir.file("lun.img");
   dede::test::CreateSparseFile(lun, 96ull << 20);
   dede::test::TgtdRig rig(lun);
   auto dev = dede::OpenBlockDevice(rig.url());
   REQUIRE(dev.ok());
-  ModelHarness h(12, dev.value().get());
+  ModelHarness h(dede::test::SeedsFromEnv({12}).front(), dev.value().get());
   h.Run(BackendSteps());
 }
