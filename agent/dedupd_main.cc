@@ -1178,6 +1178,13 @@ int Run(const Config& cfg) {
     j["lock_waits"] = {{"waits", waits.waits},
                        {"wait_s", double(waits.wait_ns) / 1e9},
                        {"timeouts", waits.timeouts}};
+    const Volume::FlushCounters flushes = vol->flush_counters();
+    j["volume_flushes"] = {{"held", flushes.held},
+                           {"held_s", double(flushes.held_ns) / 1e9},
+                           {"unlocked", flushes.unlocked},
+                           {"checkpoints", flushes.checkpoints},
+                           {"quiet_checkpoints", flushes.quiet_checkpoints},
+                           {"quiet_checkpoints_deferred", flushes.quiet_checkpoints_deferred}};
     j["throttle"] = {{"rate_bytes_per_s", throttle.rate()},
                      {"io_bytes", throttle.bytes()},
                      {"waited_s", double(throttle.waited_ns()) / 1e9}};
@@ -1431,6 +1438,17 @@ int Run(const Config& cfg) {
               j["writes_answered_early"].get<double>(), host);
     m.Gauge("dede_pending_reference_drops", "Reference drops waiting in this host's drop list",
             j["drops"]["pending"].get<double>(), host);
+    m.Counter("dede_volume_flushes_held_total",
+              "Metadata device flushes made holding the volume mutex (VM writes wait for them)",
+              j["volume_flushes"]["held"].get<double>(), host);
+    m.Counter("dede_volume_flush_held_seconds_total",
+              "Time of the metadata device flushes made holding the volume mutex",
+              j["volume_flushes"]["held_s"].get<double>(), host);
+    m.Counter("dede_volume_flushes_unlocked_total",
+              "Device flushes of flush points made without the volume mutex",
+              j["volume_flushes"]["unlocked"].get<double>(), host);
+    m.Counter("dede_volume_checkpoints_total", "Journal checkpoints of this host",
+              j["volume_flushes"]["checkpoints"].get<double>(), host);
     return m.str();
   };
   std::unique_ptr<MetricsServer> metrics;

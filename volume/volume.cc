@@ -887,7 +887,7 @@ Status VolumeImpl::Commit(bool durable, bool data_flushed) {
   if (txn_.empty()) return Status::Ok();
   RETURN_IF_ERROR(poisoned_);
   // Data written through new pointers must be durable before the pointers.
-  if (!data_flushed) RETURN_IF_ERROR(Poison(dev_->Flush()));
+  if (!data_flushed) RETURN_IF_ERROR(Poison(FlushHoldingMu()));
   std::vector<uint64_t> homes(txn_.begin(), txn_.end());
   std::vector<const uint8_t*> images;
   for (uint64_t a : homes) {
@@ -905,7 +905,7 @@ Status VolumeImpl::Commit(bool durable, bool data_flushed) {
   dirty_.insert(homes.begin(), homes.end());
   txn_.clear();
   if (durable) {
-    RETURN_IF_ERROR(Poison(dev_->Flush()));
+    RETURN_IF_ERROR(Poison(FlushHoldingMu()));
     decref_uncommitted_.clear();  // the decrements survive a crash from here on
   }
   return Status::Ok();
@@ -917,6 +917,19 @@ Status VolumeImpl::FlushWithoutMu() NO_THREAD_SAFETY_ANALYSIS {
   mu_.Unlock();
   Status st = dev_->Flush();
   mu_.Lock();
+  unlocked_flushes_++;
+  return st;
+}
+
+Status VolumeImpl::FlushHoldingMu() {
+  // Real time, whatever clock the volume was given: this is what VM writes
+  // waited.
+  const auto start = std::chrono::steady_clock::now();
+  Status st = dev_->Flush();
+  held_flushes_++;
+  held_flush_ns_ += static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
   return st;
 }
 
@@ -932,10 +945,10 @@ Status VolumeImpl::Checkpoint() {
     return Status::Ok();
   }
   // The journal must be durable before any image goes home.
-  RETURN_IF_ERROR(Poison(dev_->Flush()));
+  RETURN_IF_ERROR(Poison(FlushHoldingMu()));
   decref_uncommitted_.clear();
   RETURN_IF_ERROR(WriteDirtyHome());
-  RETURN_IF_ERROR(Poison(dev_->Flush()));
+  RETURN_IF_ERROR(Poison(FlushHoldingMu()));
   return MoveJournalTail();
 }
 
@@ -956,8 +969,9 @@ Status VolumeImpl::WriteDirtyHome() {
 }
 
 Status VolumeImpl::MoveJournalTail() {
+  checkpoints_++;
   RETURN_IF_ERROR(Poison(journal_->Checkpoint()));
-  RETURN_IF_ERROR(Poison(dev_->Flush()));
+  RETURN_IF_ERROR(Poison(FlushHoldingMu()));
   RETURN_IF_ERROR(Poison(journal_->MirrorHeader()));
   dirty_.clear();
   if (!pending_free_.empty()) {  // freed blocks are usable now
@@ -973,7 +987,10 @@ Status VolumeImpl::CheckpointQuietly(uint64_t commits_at_flush) {
   // A transaction committed since the flush point's flush began may not be
   // durable; one under way has changed cached images of dirty_ blocks
   // that are not committed. Either way: not quiet any more.
-  if (commits_ != commits_at_flush || !txn_.empty()) return Status::Ok();
+  if (commits_ != commits_at_flush || !txn_.empty()) {
+    quiet_checkpoints_deferred_++;
+    return Status::Ok();
+  }
   RETURN_IF_ERROR(WriteDirtyHome());
   const uint64_t changes = txn_changes_;
   RETURN_IF_ERROR(Poison(FlushWithoutMu()));
@@ -982,10 +999,12 @@ Status VolumeImpl::CheckpointQuietly(uint64_t commits_at_flush) {
   // under way may have freed blocks (pending_free_) that the tail's move
   // would make usable before that transaction is committed.
   if (commits_ != commits_at_flush || txn_changes_ != changes || !txn_.empty()) {
+    quiet_checkpoints_deferred_++;
     return Status::Ok();
   }
   // Another thread's checkpoint (a handover, a full journal) did it all.
   if (dirty_.empty()) return Status::Ok();
+  quiet_checkpoints_++;
   return MoveJournalTail();
 }
 

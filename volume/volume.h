@@ -433,6 +433,25 @@ class Volume {
     uint64_t leaked = 0;
   };
   virtual ReservationCounters reservation_counters() = 0;
+
+  // Device flushes of this process's metadata path since open: those made
+  // holding the volume mutex, which every VM write takes (a commit whose
+  // transaction changed during the flush point's own flush, a checkpoint
+  // of a full journal or before a handover, a checkpoint's header), with
+  // their total time, and those made without it (a flush point's); and
+  // checkpoints (the journal's images written home, its tail moved): all,
+  // those of quiet flush points, and quiet ones stopped because metadata
+  // changed during their unlocked flush (a later one does it). Never
+  // blocks.
+  struct FlushCounters {
+    uint64_t held = 0;
+    uint64_t held_ns = 0;
+    uint64_t unlocked = 0;
+    uint64_t checkpoints = 0;
+    uint64_t quiet_checkpoints = 0;
+    uint64_t quiet_checkpoints_deferred = 0;
+  };
+  virtual FlushCounters flush_counters() = 0;
 };
 
 // Friendly wrapper used by the tools: open a device spec and the volume.

@@ -94,6 +94,11 @@ class VolumeImpl : public Volume {
   WaitCounters wait_counters() override {
     return WaitCounters{lock_waits_.load(), lock_wait_ns_.load(), lock_wait_timeouts_.load()};
   }
+  FlushCounters flush_counters() override {
+    return FlushCounters{held_flushes_.load(),      held_flush_ns_.load(),
+                         unlocked_flushes_.load(),  checkpoints_.load(),
+                         quiet_checkpoints_.load(), quiet_checkpoints_deferred_.load()};
+  }
 
   // ---- used by FileImpl (file rw lock held by the caller as documented)
   Status ReadData(OpenFileState* f, uint64_t offset, uint8_t* buf, size_t len) EXCLUDES(mu_);
@@ -148,6 +153,8 @@ class VolumeImpl : public Volume {
   // array, and every VM write takes mu_ (PrepareInPlace). It makes durable
   // what was written or committed before it was called, no more.
   Status FlushWithoutMu() REQUIRES(mu_);
+  // A device flush holding mu_ (counted and timed: flush_counters()).
+  Status FlushHoldingMu() REQUIRES(mu_);
   Status WaitLock(LockId id) REQUIRES(mu_);
   static LockId WantedLock(LockId id);
   // Held shared by processes blocked in WaitLock for `id` (they hold kWanted too).
@@ -542,6 +549,9 @@ class VolumeImpl : public Volume {
   // WaitLock's statistics (wait_counters()); atomic so that reading them
   // does not wait for a thread that waits under mu_.
   std::atomic<uint64_t> lock_waits_{0}, lock_wait_ns_{0}, lock_wait_timeouts_{0};
+  // flush_counters(); atomic for the same reason (a held flush is slow).
+  std::atomic<uint64_t> held_flushes_{0}, held_flush_ns_{0}, unlocked_flushes_{0};
+  std::atomic<uint64_t> checkpoints_{0}, quiet_checkpoints_{0}, quiet_checkpoints_deferred_{0};
   // AdoptOrphanDrops runs at Start and then at most once per interval at
   // a flush point (monotonic ns; 0 = at the next one).
   uint64_t adopt_due_ns_ GUARDED_BY(mu_) = 0;

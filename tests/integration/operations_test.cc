@@ -500,6 +500,21 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
   CHECK(s["passes"]["completed"] == 1);
   CHECK(s["passes"]["blocks_shared"].get<uint64_t>() == 256);
   CHECK(s["passes"]["io_bytes"].get<uint64_t>() >= 2 * kMiB);
+  // The metadata flushes: flush points flush without the volume mutex; a
+  // file's close (the exports', the pass's index files) checkpoints the
+  // journal holding it, so the next opener reads the file's metadata home.
+  {
+    const json& f = s["volume_flushes"];
+    INFO(f.dump());
+    CHECK(f["unlocked"].get<uint64_t>() > 0);
+    CHECK(f["checkpoints"].get<uint64_t>() >= 1);
+    CHECK(f["held"].get<uint64_t>() >= f["checkpoints"].get<uint64_t>());  // a header each
+    CHECK(f["held_s"].get<double>() > 0);
+    CHECK(f["checkpoints"].get<uint64_t>() >= f["quiet_checkpoints"].get<uint64_t>());
+    const std::string text = Dede({"status", "--control", d.control()});
+    INFO(text);
+    CHECK(text.find("flushes without the volume mutex, ") != std::string::npos);
+  }
   // The figures are the volume's: dede stats agrees with the pass history.
   REQUIRE(d.Stop() == 0);
   json stats = json::parse(Dede({"stats", vol, "--json"}));
@@ -537,6 +552,9 @@ TEST_CASE("dedupd obeys the volume policy and reports its passes in status and r
   CHECK(body.find("dede_nbd_written_bytes_total{host=\"1\"} 0") != std::string::npos);
   CHECK(body.find("# TYPE dede_nbd_read_bytes_total counter") != std::string::npos);
   CHECK(body.find("dede_nbd_connections_denied_total{host=\"1\"} 0") != std::string::npos);
+  CHECK(body.find("# TYPE dede_volume_flushes_held_total counter") != std::string::npos);
+  CHECK(body.find("# TYPE dede_volume_flush_held_seconds_total counter") != std::string::npos);
+  CHECK(body.find("# TYPE dede_volume_checkpoints_total counter") != std::string::npos);
   REQUIRE(d2.Stop() == 0);
 }
 

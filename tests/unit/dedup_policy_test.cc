@@ -832,6 +832,7 @@ class VanishingPolicyVolume : public Volume {
   DropCounters drop_counters() override { return inner_->drop_counters(); }
   WaitCounters wait_counters() override { return inner_->wait_counters(); }
   ReservationCounters reservation_counters() override { return inner_->reservation_counters(); }
+  FlushCounters flush_counters() override { return inner_->flush_counters(); }
 
  private:
   Volume* const inner_;

@@ -1832,6 +1832,7 @@ TEST_CASE("volume: writes in place go on while a quiet flush point checkpoints t
 
   // The checkpointing flush point: its own flush, then the one after the
   // images went home (parked here), then the header's.
+  const Volume::FlushCounters before = v->flush_counters();
   gate.Hold(/*pass=*/1);
   Status synced = Status::IoError("not run");
   std::thread syncer([&] { synced = v->Sync(); });
@@ -1852,6 +1853,15 @@ TEST_CASE("volume: writes in place go on while a quiet flush point checkpoints t
   REQUIRE(wrote.get().ok());
   REQUIRE(synced.ok());
   CHECK(journal_holds_transactions() == allocate_meanwhile);
+  // What VM writes waited for: only the header's flush, and only when the
+  // checkpoint was not put off.
+  const Volume::FlushCounters after = v->flush_counters();
+  CHECK(after.unlocked - before.unlocked == 2);
+  CHECK(after.held - before.held == (allocate_meanwhile ? 0u : 1u));
+  CHECK(after.checkpoints - before.checkpoints == (allocate_meanwhile ? 0u : 1u));
+  CHECK(after.quiet_checkpoints - before.quiet_checkpoints == (allocate_meanwhile ? 0u : 1u));
+  CHECK(after.quiet_checkpoints_deferred - before.quiet_checkpoints_deferred ==
+        (allocate_meanwhile ? 1u : 0u));
   if (allocate_meanwhile) {
     // Commits the allocation, then quiet, then the checkpoint.
     for (int i = 0; i < 3; i++) REQUIRE(v->Sync().ok());

@@ -492,6 +492,20 @@ void PrintRest(const json& r) {
   if (auto v = Uint(r, "cow_copies")) {
     Line("cow", std::to_string(*v) + (*v == 1 ? " copy" : " copies") + " of shared blocks");
   }
+  // The device flushes VM writes waited for (held) and those they did not.
+  if (const json* f = Object(r, "volume_flushes")) {
+    auto held = Uint(*f, "held"), unlocked = Uint(*f, "unlocked");
+    auto held_s = Num(*f, "held_s");
+    auto checkpoints = Uint(*f, "checkpoints"), quiet = Uint(*f, "quiet_checkpoints"),
+         deferred = Uint(*f, "quiet_checkpoints_deferred");
+    if (held && unlocked && held_s && checkpoints && quiet && deferred) {
+      Line("metadata", std::to_string(*unlocked) + " flushes without the volume mutex, " +
+                           std::to_string(*held) + " holding it (" + HumanDuration(*held_s) +
+                           " in all); " + Count(*checkpoints, "checkpoint") + " (" +
+                           std::to_string(*quiet) + " at quiet flush points, " +
+                           std::to_string(*deferred) + " put off)");
+    }
+  }
   if (const json* ra = Object(r, "read_ahead")) {
     auto hits = Uint(*ra, "hits"), wasted = Uint(*ra, "wasted"), bytes = Uint(*ra, "bytes");
     if (hits && wasted && bytes) {
