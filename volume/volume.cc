@@ -1008,6 +1008,36 @@ Status VolumeImpl::CheckpointQuietly(uint64_t commits_at_flush) {
   return MoveJournalTail();
 }
 
+Status VolumeImpl::CheckpointReleasingMu() {
+  if (read_only_ || !journal_) return Status::Ok();
+  if (!txn_.empty()) {
+    // As a flush point commits: the data under the transaction's new
+    // pointers first; if the transaction changed meanwhile, Commit flushes
+    // again, holding mu_.
+    const uint64_t changes = txn_changes_;
+    RETURN_IF_ERROR(Poison(FlushWithoutMu()));
+    RETURN_IF_ERROR(Commit(/*durable=*/false, /*data_flushed=*/txn_changes_ == changes));
+  }
+  if (txn_.empty() && !dirty_.empty()) {
+    const uint64_t commits = commits_;
+    RETURN_IF_ERROR(Poison(FlushWithoutMu()));  // the journal, durable
+    if (commits_ == commits && txn_.empty() && !dirty_.empty()) {
+      RETURN_IF_ERROR(WriteDirtyHome());
+      const uint64_t changes = txn_changes_;
+      RETURN_IF_ERROR(Poison(FlushWithoutMu()));
+      if (commits_ == commits && txn_changes_ == changes && txn_.empty() && !dirty_.empty()) {
+        // Every decrement is committed (nothing changed since) and durable.
+        decref_uncommitted_.clear();
+        return MoveJournalTail();
+      }
+    }
+  }
+  // Nothing to write home, or metadata changed while mu_ was released:
+  // the held checkpoint commits what is new and finishes (it writes home
+  // again what may have been written already, which is harmless).
+  return Checkpoint();
+}
+
 Status VolumeImpl::Sync() {
   MutexLock l(&mu_);
   if (read_only_) return Status::Ok();
@@ -2337,7 +2367,7 @@ void VolumeImpl::CloseFile(OpenFileState* f) {
   // The next holder reads this file's metadata from its home blocks; and a
   // process that closes files hands back its groups, so an idle process never
   // holds up another one.
-  Status st = read_only_ ? Status::Ok() : Checkpoint();
+  Status st = read_only_ ? Status::Ok() : CheckpointReleasingMu();
   open_.erase(f->id.ino);
   if (!st.ok() || !poisoned_.ok()) {
     // Committed changes may still sit only in our journal. Handing the lock

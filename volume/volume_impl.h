@@ -172,6 +172,14 @@ class VolumeImpl : public Volume {
   // home was committed and its record durable, so a crash at any moment
   // finds the home blocks as a replay would leave them.
   Status CheckpointQuietly(uint64_t commits_at_flush) REQUIRES(mu_);
+  // Checkpoint (same outcome: everything committed, written home, the
+  // tail moved) whose device flushes run without mu_ while nothing else
+  // commits or changes metadata meanwhile; if something does, Checkpoint
+  // finishes the job holding it. For the checkpoint of a file's close (a
+  // dedup pass closes dozens of files): held, each made every VM write of
+  // the host wait for three flushes. (A create's keeps mu_: the namespace
+  // lock must not be handed over in the middle of it.)
+  Status CheckpointReleasingMu() REQUIRES(mu_);
   // Writes the images of dirty_ home (runs of adjacent blocks in one
   // write). Their journal records must be durable, and txn_ empty.
   Status WriteDirtyHome() REQUIRES(mu_);

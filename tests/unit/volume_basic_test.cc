@@ -1890,3 +1890,79 @@ TEST_CASE("volume: writes in place go on while a quiet flush point checkpoints t
   REQUIRE(rep.ok());
   CHECK(rep->clean());
 }
+
+// A file's close checkpoints the journal (the next holder reads its
+// metadata home), and a dedup pass closes dozens of files: held, each
+// close made every VM write of the host wait for three device flushes.
+// Now they run without the volume mutex while nothing else changes
+// metadata, and a write in place to another file goes on meanwhile.
+TEST_CASE("volume: writes in place go on while a file's close checkpoints the journal",
+          "[volume]") {
+  MemDevice mem(64 << 20);
+  OpenOptions oo;
+  oo.locks = TempLocks();
+  oo.host_id = 1;
+  const std::vector<uint8_t> first = Pattern(16 * kBlockSize, 41);
+  const Superblock sb = FormatWithOneFile(&mem, oo, first).sb;
+  auto journal_holds_transactions = [&] {
+    auto j = Journal::Open(&mem, sb, 1);
+    REQUIRE(j.ok());
+    Result<bool> has = j.value()->HasTransactions();
+    REQUIRE(has.ok());
+    return *has;
+  };
+  FlushGate gate(&mem);
+  auto vol = Volume::Open(&gate, oo);
+  REQUIRE(vol.ok());
+  Volume* v = vol.value().get();
+  auto f = v->OpenFile("f");
+  REQUIRE(f.ok());
+  REQUIRE(v->Create("g", 1 << 20).ok());
+  auto g = v->OpenFile("g");
+  REQUIRE(g.ok());
+  // Allocates in g: its close has a transaction to commit and images to
+  // write home.
+  const std::vector<uint8_t> more = Pattern(8 * kBlockSize, 42);
+  REQUIRE(g.value()->Write(0, more.data(), more.size()).ok());
+
+  const Volume::FlushCounters before = v->flush_counters();
+  gate.Hold();
+  std::thread closer([&] { g = Status::Invalid("closed"); });
+  REQUIRE(gate.WaitParked());
+  const std::vector<uint8_t> second = Pattern(16 * kBlockSize, 43);
+  auto wrote = std::async(std::launch::async,
+                          [&] { return f.value()->Write(0, second.data(), second.size()); });
+  const bool done = wrote.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+  gate.Release();
+  closer.join();
+  CHECK(done);
+  REQUIRE(wrote.get().ok());
+  CHECK_FALSE(journal_holds_transactions());
+  const Volume::FlushCounters after = v->flush_counters();
+  CHECK(after.checkpoints - before.checkpoints == 1);
+  CHECK(after.unlocked - before.unlocked == 3);  // data, journal, images home
+  CHECK(after.held - before.held == 1);          // the header's
+  // Closed for good: opened again at once, and its data is home.
+  auto g2 = v->OpenFile("g");
+  REQUIRE(g2.ok());
+  std::vector<uint8_t> back(more.size());
+  REQUIRE(g2.value()->Read(0, back.data(), back.size()).ok());
+  CHECK(back == more);
+  g2 = Status::Invalid("closed");
+
+  REQUIRE(v->Sync().ok());
+  f = Status::Invalid("closed");
+  vol = Status::Invalid("closed");
+  auto again = Volume::Open(&mem, oo);
+  REQUIRE(again.ok());
+  auto fa = again.value()->OpenFile("f");
+  REQUIRE(fa.ok());
+  std::vector<uint8_t> back16(second.size());
+  REQUIRE(fa.value()->Read(0, back16.data(), back16.size()).ok());
+  CHECK(back16 == second);
+  fa = Status::Invalid("closed");
+  auto rep = CheckVolume(again.value().get(), false);
+  INFO(rep.status().ToString());
+  REQUIRE(rep.ok());
+  CHECK(rep->clean());
+}
