@@ -1791,6 +1791,78 @@ TEST_CASE("volume: writes in place go on while a flush point's device flush runs
   CHECK(rep->clean());
 }
 
+namespace {
+
+// Host 1's volume on a MemDevice behind a FlushGate, with the file "f"
+// (16 blocks of Pattern(.., seed)) open: for tests of what VM writes wait
+// for while a checkpoint flushes.
+struct GatedVolume {
+  explicit GatedVolume(uint32_t seed) : mem(64 << 20), gate(&mem) {
+    oo.locks = TempLocks();
+    oo.host_id = 1;
+    sb = FormatWithOneFile(&mem, oo, Pattern(16 * kBlockSize, seed)).sb;
+    auto opened = Volume::Open(&gate, oo);
+    REQUIRE(opened.ok());
+    vol = std::move(opened.value());
+    auto opened_f = vol->OpenFile("f");
+    REQUIRE(opened_f.ok());
+    f = std::move(opened_f.value());
+  }
+  // Whether host 1's journal, as on the device, holds a transaction past
+  // its tail (none once a checkpoint moved the tail).
+  bool JournalHoldsTransactions() {
+    auto j = Journal::Open(&mem, sb, 1);
+    REQUIRE(j.ok());
+    Result<bool> has = j.value()->HasTransactions();
+    REQUIRE(has.ok());
+    return *has;
+  }
+  // Writes `data` in place at 0 while the gate holds a parked flush:
+  // whether it finished within 5 s (before the flush was let go).
+  bool WriteInPlaceWhileParked(const std::vector<uint8_t>& data,
+                               const std::function<Status()>& then = nullptr) {
+    auto wrote = std::async(std::launch::async, [&] {
+      Status st = f->Write(0, data.data(), data.size());
+      if (st.ok() && then) st = then();
+      return st;
+    });
+    const bool done = wrote.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
+    gate.Release();
+    REQUIRE(wrote.get().ok());
+    return done;
+  }
+  // Closes everything, opens the device again (replaying the journal),
+  // checks `ranges` of "f" ({offset, bytes}) and a clean fsck.
+  void CheckReopened(const std::vector<std::pair<uint64_t, std::vector<uint8_t>>>& ranges) {
+    f.reset();
+    vol.reset();
+    auto again = Volume::Open(&mem, oo);
+    REQUIRE(again.ok());
+    {
+      auto fa = again.value()->OpenFile("f");
+      REQUIRE(fa.ok());
+      for (const auto& [offset, want] : ranges) {
+        std::vector<uint8_t> back(want.size());
+        REQUIRE(fa.value()->Read(offset, back.data(), back.size()).ok());
+        CHECK(back == want);
+      }
+    }
+    auto rep = CheckVolume(again.value().get(), false);
+    INFO(rep.status().ToString());
+    REQUIRE(rep.ok());
+    CHECK(rep->clean());
+  }
+
+  MemDevice mem;
+  FlushGate gate;
+  OpenOptions oo;
+  Superblock sb;
+  std::unique_ptr<Volume> vol;
+  std::unique_ptr<File> f;
+};
+
+}  // namespace
+
 // A quiet flush point writes the journal's images home (a checkpoint).
 // It made every VM write in place wait for its three device flushes,
 // holding the volume mutex through them. Now the flush after the images
@@ -1802,57 +1874,34 @@ TEST_CASE("volume: writes in place go on while a quiet flush point checkpoints t
           "[volume]") {
   const bool allocate_meanwhile = GENERATE(false, true);
   INFO("an allocating write during the checkpoint's flush: " << allocate_meanwhile);
-  MemDevice mem(64 << 20);
-  OpenOptions oo;
-  oo.locks = TempLocks();
-  oo.host_id = 1;
-  const std::vector<uint8_t> first = Pattern(16 * kBlockSize, 31);
-  const Superblock sb = FormatWithOneFile(&mem, oo, first).sb;
-  auto journal_holds_transactions = [&] {
-    auto j = Journal::Open(&mem, sb, 1);
-    REQUIRE(j.ok());
-    Result<bool> has = j.value()->HasTransactions();
-    REQUIRE(has.ok());
-    return *has;
-  };
-  FlushGate gate(&mem);
-  auto vol = Volume::Open(&gate, oo);
-  REQUIRE(vol.ok());
-  Volume* v = vol.value().get();
-  auto f = v->OpenFile("f");
-  REQUIRE(f.ok());
+  GatedVolume t(31);
+  Volume* v = t.vol.get();
   // Allocates: this flush point commits a transaction, the next one is
   // quiet (nothing to commit), and the one after checkpoints.
   const std::vector<uint8_t> more = Pattern(4 * kBlockSize, 32);
-  REQUIRE(f.value()->Write(64 * kBlockSize, more.data(), more.size()).ok());
+  REQUIRE(t.f->Write(64 * kBlockSize, more.data(), more.size()).ok());
   REQUIRE(v->Sync().ok());
-  REQUIRE(journal_holds_transactions());
+  REQUIRE(t.JournalHoldsTransactions());
   REQUIRE(v->Sync().ok());
-  REQUIRE(journal_holds_transactions());
+  REQUIRE(t.JournalHoldsTransactions());
 
   // The checkpointing flush point: its own flush, then the one after the
   // images went home (parked here), then the header's.
   const Volume::FlushCounters before = v->flush_counters();
-  gate.Hold(/*pass=*/1);
+  t.gate.Hold(/*pass=*/1);
   Status synced = Status::IoError("not run");
   std::thread syncer([&] { synced = v->Sync(); });
-  REQUIRE(gate.WaitParked());
+  REQUIRE(t.gate.WaitParked());
   const std::vector<uint8_t> second = Pattern(16 * kBlockSize, 33);
   const std::vector<uint8_t> third = Pattern(4 * kBlockSize, 34);
-  auto wrote = std::async(std::launch::async, [&] {
-    Status st = f.value()->Write(0, second.data(), second.size());  // in place
-    if (st.ok() && allocate_meanwhile) {
-      st = f.value()->Write(128 * kBlockSize, third.data(), third.size());
-    }
-    return st;
+  const bool done = t.WriteInPlaceWhileParked(second, [&]() -> Status {
+    if (!allocate_meanwhile) return Status::Ok();
+    return t.f->Write(128 * kBlockSize, third.data(), third.size());
   });
-  const bool done = wrote.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
-  gate.Release();
   syncer.join();
   CHECK(done);
-  REQUIRE(wrote.get().ok());
   REQUIRE(synced.ok());
-  CHECK(journal_holds_transactions() == allocate_meanwhile);
+  CHECK(t.JournalHoldsTransactions() == allocate_meanwhile);
   // What VM writes waited for: only the header's flush, and only when the
   // checkpoint was not put off.
   const Volume::FlushCounters after = v->flush_counters();
@@ -1865,30 +1914,12 @@ TEST_CASE("volume: writes in place go on while a quiet flush point checkpoints t
   if (allocate_meanwhile) {
     // Commits the allocation, then quiet, then the checkpoint.
     for (int i = 0; i < 3; i++) REQUIRE(v->Sync().ok());
-    CHECK_FALSE(journal_holds_transactions());
+    CHECK_FALSE(t.JournalHoldsTransactions());
   }
-
-  f = Status::Invalid("closed");
-  vol = Status::Invalid("closed");
-  auto again = Volume::Open(&mem, oo);
-  REQUIRE(again.ok());
-  auto fa = again.value()->OpenFile("f");
-  REQUIRE(fa.ok());
-  std::vector<uint8_t> back(second.size());
-  REQUIRE(fa.value()->Read(0, back.data(), back.size()).ok());
-  CHECK(back == second);
-  std::vector<uint8_t> back4(4 * kBlockSize);
-  REQUIRE(fa.value()->Read(64 * kBlockSize, back4.data(), back4.size()).ok());
-  CHECK(back4 == more);
-  if (allocate_meanwhile) {
-    REQUIRE(fa.value()->Read(128 * kBlockSize, back4.data(), back4.size()).ok());
-    CHECK(back4 == third);
-  }
-  fa = Status::Invalid("closed");
-  auto rep = CheckVolume(again.value().get(), false);
-  INFO(rep.status().ToString());
-  REQUIRE(rep.ok());
-  CHECK(rep->clean());
+  std::vector<std::pair<uint64_t, std::vector<uint8_t>>> ranges = {{0, second},
+                                                                   {64 * kBlockSize, more}};
+  if (allocate_meanwhile) ranges.push_back({128 * kBlockSize, third});
+  t.CheckReopened(ranges);
 }
 
 // A file's close checkpoints the journal (the next holder reads its
@@ -1898,25 +1929,8 @@ TEST_CASE("volume: writes in place go on while a quiet flush point checkpoints t
 // metadata, and a write in place to another file goes on meanwhile.
 TEST_CASE("volume: writes in place go on while a file's close checkpoints the journal",
           "[volume]") {
-  MemDevice mem(64 << 20);
-  OpenOptions oo;
-  oo.locks = TempLocks();
-  oo.host_id = 1;
-  const std::vector<uint8_t> first = Pattern(16 * kBlockSize, 41);
-  const Superblock sb = FormatWithOneFile(&mem, oo, first).sb;
-  auto journal_holds_transactions = [&] {
-    auto j = Journal::Open(&mem, sb, 1);
-    REQUIRE(j.ok());
-    Result<bool> has = j.value()->HasTransactions();
-    REQUIRE(has.ok());
-    return *has;
-  };
-  FlushGate gate(&mem);
-  auto vol = Volume::Open(&gate, oo);
-  REQUIRE(vol.ok());
-  Volume* v = vol.value().get();
-  auto f = v->OpenFile("f");
-  REQUIRE(f.ok());
+  GatedVolume t(41);
+  Volume* v = t.vol.get();
   REQUIRE(v->Create("g", 1 << 20).ok());
   auto g = v->OpenFile("g");
   REQUIRE(g.ok());
@@ -1926,43 +1940,25 @@ TEST_CASE("volume: writes in place go on while a file's close checkpoints the jo
   REQUIRE(g.value()->Write(0, more.data(), more.size()).ok());
 
   const Volume::FlushCounters before = v->flush_counters();
-  gate.Hold();
+  t.gate.Hold();
   std::thread closer([&] { g = Status::Invalid("closed"); });
-  REQUIRE(gate.WaitParked());
+  REQUIRE(t.gate.WaitParked());
   const std::vector<uint8_t> second = Pattern(16 * kBlockSize, 43);
-  auto wrote = std::async(std::launch::async,
-                          [&] { return f.value()->Write(0, second.data(), second.size()); });
-  const bool done = wrote.wait_for(std::chrono::seconds(5)) == std::future_status::ready;
-  gate.Release();
+  const bool done = t.WriteInPlaceWhileParked(second);
   closer.join();
   CHECK(done);
-  REQUIRE(wrote.get().ok());
-  CHECK_FALSE(journal_holds_transactions());
+  CHECK_FALSE(t.JournalHoldsTransactions());
   const Volume::FlushCounters after = v->flush_counters();
   CHECK(after.checkpoints - before.checkpoints == 1);
   CHECK(after.unlocked - before.unlocked == 3);  // data, journal, images home
   CHECK(after.held - before.held == 1);          // the header's
-  // Closed for good: opened again at once, and its data is home.
+  // Closed for good: opened again at once, and its data is there.
   auto g2 = v->OpenFile("g");
   REQUIRE(g2.ok());
   std::vector<uint8_t> back(more.size());
   REQUIRE(g2.value()->Read(0, back.data(), back.size()).ok());
   CHECK(back == more);
   g2 = Status::Invalid("closed");
-
   REQUIRE(v->Sync().ok());
-  f = Status::Invalid("closed");
-  vol = Status::Invalid("closed");
-  auto again = Volume::Open(&mem, oo);
-  REQUIRE(again.ok());
-  auto fa = again.value()->OpenFile("f");
-  REQUIRE(fa.ok());
-  std::vector<uint8_t> back16(second.size());
-  REQUIRE(fa.value()->Read(0, back16.data(), back16.size()).ok());
-  CHECK(back16 == second);
-  fa = Status::Invalid("closed");
-  auto rep = CheckVolume(again.value().get(), false);
-  INFO(rep.status().ToString());
-  REQUIRE(rep.ok());
-  CHECK(rep->clean());
+  t.CheckReopened({{0, second}});
 }
